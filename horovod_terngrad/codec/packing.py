@@ -1,0 +1,185 @@
+"""Wire format: self-describing payloads of packed ternary vectors, and their decoding.
+
+Element codes: 0 for t = 0, 1 for t = +1, 2 for t = -1 (so zero padding decodes to zeros).
+
+* ``2bit``:  4 codes per byte, code q of a group in bits 2q..2q+1 (2 bits per element).
+* ``base3``: 5 codes per byte as the base-3 number Σ code_q·3^q <= 242 (1.6 bits per element;
+  the information limit is log2(3) = 1.585).
+
+Payload (little-endian, uint8):
+
+    offset  size  field
+    0       1     magic 0x54 ('T')
+    1       1     version (1)
+    2       1     format (1 = 2bit, 2 = base3)
+    3       1     flags (bit 0: the sender's tensor held NaN/Inf; its codes are then all zero)
+    4       4     bucket size k (uint32; 0 = one scaler for the whole tensor)
+    8       8     element count n (uint64)
+    16      4·B   scalers, fp32, B = 1 or ceil(n/k)
+    16+4B   ...   packed codes, ceil(n/4) or ceil(n/5) bytes
+
+Decoding N payloads gives the average  out = (Σ_{i=0..N-1} s_i·t_i) / N  in fp32, summed in payload
+(rank) order, then divided by N: every backend evaluates exactly these fp32 operations, so every rank
+and every device gets the same bits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = 0x54
+VERSION = 1
+FORMATS = {"2bit": 1, "base3": 2}
+FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
+CODES_PER_BYTE = {"2bit": 4, "base3": 5}
+HEADER_BYTES = 16
+FLAG_NONFINITE = 1
+
+
+class PayloadError(ValueError):
+    """A payload that is not a TernGrad payload, or disagrees with the others."""
+
+
+@dataclass(frozen=True)
+class Header:
+    fmt: str
+    flags: int
+    bucket_size: int
+    numel: int
+
+    @property
+    def num_scalers(self) -> int:
+        from .ternary import num_buckets
+        return num_buckets(self.numel, self.bucket_size)
+
+    @property
+    def packed_bytes(self) -> int:
+        return packed_size(self.numel, self.fmt)
+
+    @property
+    def total_bytes(self) -> int:
+        return HEADER_BYTES + 4 * self.num_scalers + self.packed_bytes
+
+
+def packed_size(numel: int, fmt: str) -> int:
+    per = CODES_PER_BYTE[fmt]
+    return -(-numel // per)
+
+
+def payload_size(numel: int, fmt: str, bucket_size: int) -> int:
+    from .ternary import num_buckets
+    return HEADER_BYTES + 4 * num_buckets(numel, bucket_size) + packed_size(numel, fmt)
+
+
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    # t in {-1,0,1} (int8) -> code in {2,0,1} (uint8): (t mod 3) maps -1 -> 2.
+    return torch.remainder(t.to(torch.int16), 3).to(torch.uint8)
+
+
+def pack(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Pack a flat int8 ternary vector into uint8 codes of the given format."""
+    per = CODES_PER_BYTE[fmt]
+    n = t.numel()
+    nbytes = packed_size(n, fmt)
+    codes = torch.zeros(nbytes * per, dtype=torch.uint8, device=t.device)
+    codes[:n] = _codes(t)
+    codes = codes.view(nbytes, per)
+    if fmt == "2bit":
+        out = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+    else:
+        c = codes.to(torch.int16)
+        out = (c[:, 0] + 3 * c[:, 1] + 9 * c[:, 2] + 27 * c[:, 3] + 81 * c[:, 4]).to(torch.uint8)
+    return out
+
+
+_LUT_CACHE: dict = {}
+
+
+def _lut(fmt: str, device) -> torch.Tensor:
+    """[256, per] float32 table: byte -> ternary values of its codes."""
+    key = (fmt, str(device))
+    lut = _LUT_CACHE.get(key)
+    if lut is None:
+        per = CODES_PER_BYTE[fmt]
+        b = torch.arange(256, dtype=torch.int64)
+        if fmt == "2bit":
+            codes = torch.stack([(b >> (2 * q)) & 3 for q in range(per)], dim=1)
+        else:
+            codes = torch.stack([(b // 3 ** q) % 3 for q in range(per)], dim=1)
+        value = torch.tensor([0.0, 1.0, -1.0, 0.0])  # code 3 never appears in valid 2bit data
+        lut = value[codes].to(torch.float32).to(device)
+        _LUT_CACHE[key] = lut
+    return lut
+
+
+def unpack(packed: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
+    """Inverse of ``pack`` as fp32 values in {-1, 0, 1}."""
+    return _lut(fmt, packed.device)[packed.long()].reshape(-1)[:numel]
+
+
+def encode(t: torch.Tensor, fmt: str, scalers: torch.Tensor, bucket_size: int,
+           flags: int = 0) -> torch.Tensor:
+    """Build one payload: header, fp32 scalers, packed codes."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown packing format {fmt!r}; choose one of {sorted(FORMATS)}")
+    n = t.numel()
+    head = bytearray(HEADER_BYTES)
+    head[0], head[1], head[2], head[3] = MAGIC, VERSION, FORMATS[fmt], flags
+    head[4:8] = int(max(bucket_size, 0)).to_bytes(4, "little")
+    head[8:16] = int(n).to_bytes(8, "little")
+    dev = t.device
+    parts = [torch.frombuffer(head, dtype=torch.uint8).to(dev),
+             scalers.to(torch.float32).contiguous().view(torch.uint8),
+             pack(t, fmt)]
+    return torch.cat(parts)
+
+
+def read_header(buf: torch.Tensor, offset: int = 0, what: str = "payload") -> Header:
+    """Parse the 16-byte header at ``offset`` of a 1-D uint8 tensor (the rest is not checked)."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() - offset < HEADER_BYTES:
+        raise PayloadError(f"{what}: not a TernGrad payload (need a 1-D uint8 tensor with >= "
+                           f"{HEADER_BYTES} bytes at offset {offset}, got {buf.dtype} {tuple(buf.shape)})")
+    head = bytes(buf[offset:offset + HEADER_BYTES].cpu().tolist())
+    if head[0] != MAGIC or head[1] != VERSION or head[2] not in FORMAT_NAMES:
+        raise PayloadError(f"{what}: bad magic/version/format bytes {list(head[:3])}")
+    return Header(fmt=FORMAT_NAMES[head[2]], flags=head[3],
+                  bucket_size=int.from_bytes(head[4:8], "little"),
+                  numel=int.from_bytes(head[8:16], "little"))
+
+
+def parse_header(payload: torch.Tensor, what: str = "payload") -> Header:
+    """Parse and check the header of one whole payload."""
+    h = read_header(payload, 0, what)
+    if payload.numel() != h.total_bytes:
+        raise PayloadError(f"{what}: {payload.numel()} bytes but its header describes {h.total_bytes}")
+    return h
+
+
+def split(payload: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scalers fp32 [B], packed codes uint8) views of a payload whose header is ``h``."""
+    nb = h.num_scalers
+    scalers = payload[HEADER_BYTES:HEADER_BYTES + 4 * nb].clone().view(torch.float32)
+    return scalers, payload[HEADER_BYTES + 4 * nb:]
+
+
+def decode_average(payloads: list[torch.Tensor], headers: list[Header] | None = None,
+                   divisor: int | None = None) -> torch.Tensor:
+    """(Σ_i s_i·t_i) / divisor in fp32, summed in list order; divisor defaults to len(payloads)."""
+    if not payloads:
+        raise PayloadError("decode_average needs at least one payload")
+    if headers is None:
+        headers = [parse_header(p, f"payload {i}") for i, p in enumerate(payloads)]
+    h0 = headers[0]
+    for i, h in enumerate(headers[1:], 1):
+        if (h.numel, h.bucket_size) != (h0.numel, h0.bucket_size):
+            raise PayloadError(f"payload {i} has {h.numel} elements in buckets of {h.bucket_size}, "
+                               f"payload 0 has {h0.numel} in buckets of {h0.bucket_size}")
+    n = h0.numel
+    acc = torch.zeros(n, dtype=torch.float32, device=payloads[0].device)
+    for p, h in zip(payloads, headers):
+        scalers, packed = split(p, h)
+        t = unpack(packed, n, h.fmt)
+        s = scalers if h.num_scalers == 1 else scalers.repeat_interleave(h.bucket_size)[:n]
+        acc += t * s
+    return acc / float(divisor if divisor is not None else len(payloads))

@@ -1,0 +1,104 @@
+"""TernGrad math on one flat fp32 tensor: statistics, clipping, scaler, stochastic ternarization.
+
+Paper (Wen et al. 2017) notation, for a gradient g of n elements:
+
+* clipping (Eq. 21):   f(g_i) = g_i if |g_i| <= c·σ else sign(g_i)·c·σ,  σ = std(g), c = 2.5
+* scaler  (Eq. 2):     s = max(|f(g)|)  = min(max|g|, c·σ)   (so no second pass is needed)
+                       optionally one scaler per bucket of k elements instead of per tensor
+* ternarize (Eq. 1-3): t_i = sign(f(g_i))·b_i,  P(b_i = 1) = |f(g_i)| / s,  so E[s·t] = f(g)
+
+Rules that keep this well defined on every input:
+
+* σ is the population standard deviation, from fp64 sums (Σg, Σg²) of one pass.  When c = 0 or
+  σ = 0 (a constant tensor, a single element) clipping is off: clipping at 0 would erase the signal.
+* s = 0 (an all-zero tensor or bucket) gives t = 0 without dividing by zero.
+* Callers pass fp32, contiguous, finite data; the frontends check and convert (see ``validate``).
+
+Everything here is torch ops on the tensor's own device with no host synchronization, so it is the
+reference the fused CPU and CUDA backends must match bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rng import UNIFORM_BITS, uniform24
+
+_TWO_POW_24 = float(1 << UNIFORM_BITS)
+
+
+@dataclass
+class TensorStats:
+    """One pass of statistics over a flat fp32 tensor (all device tensors, no host sync)."""
+
+    numel: int
+    sum: torch.Tensor        # fp64 scalar
+    sumsq: torch.Tensor      # fp64 scalar
+    maxabs: torch.Tensor     # fp32 [num_buckets]: max |g| per bucket (one bucket = whole tensor)
+    nonfinite: torch.Tensor  # bool scalar: any NaN/Inf
+
+
+def num_buckets(numel: int, bucket_size: int) -> int:
+    """Scalers per tensor: 1 for layer-wise ternarizing (bucket_size 0), else ceil(n / k)."""
+    if bucket_size <= 0 or numel == 0:
+        return 1
+    return -(-numel // bucket_size)
+
+
+def tensor_stats(g: torch.Tensor, bucket_size: int = 0) -> TensorStats:
+    n = g.numel()
+    g64 = g.to(torch.float64)
+    nb = num_buckets(n, bucket_size)
+    a = g.abs()
+    if n == 0:
+        maxabs = torch.zeros(1, dtype=torch.float32, device=g.device)
+    elif nb == 1:
+        maxabs = a.max().reshape(1)
+    else:
+        pad = nb * bucket_size - n
+        maxabs = torch.nn.functional.pad(a, (0, pad)).view(nb, bucket_size).amax(dim=1)
+    return TensorStats(
+        numel=n,
+        sum=g64.sum(),
+        sumsq=(g64 * g64).sum(),
+        maxabs=maxabs,
+        nonfinite=~torch.isfinite(g).all(),
+    )
+
+
+def clip_threshold(stats: TensorStats, clip_factor: float) -> torch.Tensor:
+    """c·σ as an fp32 device scalar; +inf (no clipping) when c = 0, σ = 0 or the tensor is empty."""
+    dev = stats.sum.device
+    if clip_factor <= 0 or stats.numel == 0:
+        return torch.tensor(float("inf"), dtype=torch.float32, device=dev)
+    mean = stats.sum / stats.numel
+    var = torch.clamp(stats.sumsq / stats.numel - mean * mean, min=0.0)
+    thr = (clip_factor * torch.sqrt(var)).to(torch.float32)
+    return torch.where(thr > 0, thr, torch.full_like(thr, float("inf")))
+
+
+def local_scalers(stats: TensorStats, threshold: torch.Tensor) -> torch.Tensor:
+    """Per-bucket scaler s = max|clip(g)| = min(max|g|, c·σ), fp32 [num_buckets]."""
+    return torch.minimum(stats.maxabs, threshold)
+
+
+def ternarize(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, bucket_size: int,
+              key: tuple[int, int]) -> torch.Tensor:
+    """Stochastic ternary vector t in {-1, 0, 1} (int8), with E[scaler·t] = clip(g).
+
+    ``scalers`` must be >= the local max|clip(g)| of each bucket (the shared scaler of Eq. 4 is the
+    max over ranks, so it is).  Element i keeps its sign when uniform24(key, i) < |clip(g_i)|/s·2^24.
+    """
+    n = g.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.int8, device=g.device)
+    c = torch.clamp(g, -threshold, threshold)
+    if scalers.numel() == 1:
+        s = scalers
+    else:
+        s = scalers.repeat_interleave(bucket_size)[:n]
+    p = c.abs() / s                           # NaN where s == 0 (then c == 0 too): compares False
+    r = uniform24(key, 0, n, device=g.device).to(torch.float32)
+    keep = r < p * _TWO_POW_24
+    return (torch.sign(c) * keep).to(torch.int8)

@@ -1,0 +1,82 @@
+"""User-facing settings of TernGrad, validated once."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from .codec.packing import FORMATS
+
+NONFINITE_POLICIES = ("raise", "zero")
+
+
+class TernGradError(RuntimeError):
+    """Base class of the errors TernGrad raises on every rank together."""
+
+
+class NonFiniteGradientError(TernGradError, FloatingPointError):
+    """A gradient held NaN or Inf on at least one rank (raised on all ranks)."""
+
+
+class RankMismatchError(TernGradError):
+    """Ranks handed TernGrad tensors that disagree (shape, size or dtype) under one name."""
+
+
+@dataclass(frozen=True)
+class TernGradConfig:
+    """How gradients are ternarized and exchanged.
+
+    clip_factor:   c of Eq. 21; gradients are clipped to ±c·σ before ternarizing. 0 disables.
+    packing:       "2bit" (4 elements per byte) or "base3" (5 per byte, 1.6 bits per element).
+    bucket_size:   0 = one scaler per tensor (layer-wise ternarizing); k > 0 = one per k elements.
+    min_numel:     tensors with fewer elements travel uncompressed (Horovod's own allreduce).
+    exclude:       regular expressions; a tensor whose name matches one (re.search) travels
+                   uncompressed, e.g. ("fc3",) keeps the last classification layer in fp32 as the
+                   paper does for ImageNet models.
+    seed:          key of the random stream; with the step, tensor name and rank it fixes every draw.
+    shared_scaler: True = all ranks ternarize with s = max over ranks (Eq. 4, one small allreduce-max
+                   per tensor that also checks the ranks agree); False = each rank its own scaler
+                   (no handshake; the payload headers carry scalers and the checks).
+    on_nonfinite:  "raise" = NonFiniteGradientError on every rank; "zero" = the tensor's averaged
+                   gradient is zero on every rank this step (counted in the stats, warned once).
+    """
+
+    clip_factor: float = 2.5
+    packing: str = "2bit"
+    bucket_size: int = 0
+    min_numel: int = 0
+    exclude: tuple = field(default_factory=tuple)
+    seed: int = 0
+    shared_scaler: bool = True
+    on_nonfinite: str = "raise"
+
+    def __post_init__(self):
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        else:
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        if not (self.clip_factor >= 0 and self.clip_factor != float("inf")):
+            raise ValueError(f"clip_factor must be a finite number >= 0, got {self.clip_factor!r}")
+        if self.packing not in FORMATS:
+            raise ValueError(f"packing must be one of {sorted(FORMATS)}, got {self.packing!r}")
+        if int(self.bucket_size) != self.bucket_size or self.bucket_size < 0 or self.bucket_size >= 2 ** 32:
+            raise ValueError(f"bucket_size must be an integer in [0, 2^32), got {self.bucket_size!r}")
+        if int(self.min_numel) != self.min_numel or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an integer >= 0, got {self.min_numel!r}")
+        if int(self.seed) != self.seed or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+        for pat in self.exclude:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"exclude pattern {pat!r} is not a valid regular expression: {e}") from e
+
+    def compresses(self, name: str, numel: int) -> bool:
+        """Whether a tensor of this name and size is ternarized (else it travels uncompressed)."""
+        if numel < self.min_numel:
+            return False
+        return not any(re.search(p, name) for p in self.exclude)
+
+    def replace(self, **changes) -> "TernGradConfig":
+        return replace(self, **changes)

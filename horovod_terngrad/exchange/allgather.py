@@ -1,0 +1,280 @@
+"""Allgather exchange: every rank receives every rank's packed ternary payload and decodes the mean.
+
+Flow for one tensor of n elements on N ranks (shared scaler, the default):
+
+1. ``start`` (called from the backward hook, never blocks on the network):
+   one pass of statistics -> clip threshold c·σ and the local scaler(s); an asynchronous
+   allreduce-max of a small fp64 *handshake* vector
+       [bad_rank+1, -(bad_rank+1), n, -n, shape_code, -shape_code, dtype_code, -dtype_code, s_1..s_B]
+   Max of x and of -x yields both max and min, so one reduction tells every rank whether all ranks
+   agree on size/shape/dtype, which ranks saw NaN/Inf, and the shared scaler s = max_r s_r (Eq. 4).
+   Handshakes of earlier tensors that have completed are turned into payload allgathers right away.
+2. Payload: ternarize with the shared scaler, pack, ``allgather`` (uint8).  Horovod fuses concurrent
+   handshakes and concurrent allgathers, so a model with L layers costs a few round trips, not 2L.
+3. ``finish`` (from the optimizer's synchronize): turn every outstanding handshake into a payload
+   allgather first (so none waits behind another), then wait for this tensor's allgather and decode
+   (Σ_r s·t_r)/N.  Every rank decodes the same bytes in the same order, so all get identical bits.
+
+With ``shared_scaler=False`` there is no handshake: the payload is sent from ``start`` and its header
+carries the rank's scaler and NaN flag, checked by every rank after the allgather.
+
+Cost per rank and tensor: sends 16 + 4B + n/4 bytes (2bit) or n/5 (base3), receives N-1 times that,
+plus 8·(8+B) bytes of handshake.  Received traffic grows with N (see the sharded exchange for large N).
+Errors (NaN/Inf, ranks that disagree) are decided from data every rank has, so every rank raises (or
+zeroes) together and no collective is left waiting on a rank that gave up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import codec
+from ..config import NonFiniteGradientError, RankMismatchError, TernGradConfig, TernGradError
+from .collectives import CollectiveError, Collectives
+
+log = logging.getLogger("horovod_terngrad")
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_HS_FIXED = 8
+
+
+@dataclass
+class ExchangeStats:
+    """Counters of what this rank handed to and got from collectives (reset when you like)."""
+
+    tensors: int = 0
+    elements: int = 0
+    payload_bytes_sent: int = 0
+    handshake_bytes_sent: int = 0
+    bytes_received: int = 0
+    nonfinite_zeroed: int = 0
+    handshake_wait_s: float = 0.0
+    gather_wait_s: float = 0.0
+    codec_s: float = 0.0
+    per_tensor: dict = field(default_factory=dict)  # name -> (zeros fraction, scaler) of the last step
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.payload_bytes_sent + self.handshake_bytes_sent
+
+    def bits_per_element(self) -> float:
+        return 8.0 * self.bytes_sent / self.elements if self.elements else 0.0
+
+    def reset(self):
+        self.__init__()
+
+
+def check_gradient(tensor: torch.Tensor, name: str) -> None:
+    """Reject what cannot be ternarized, naming the tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"TernGrad: '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.is_sparse:
+        raise TypeError(f"TernGrad: gradient '{name}' is sparse; use sparse_as_dense=True")
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"TernGrad: gradient '{name}' has dtype {tensor.dtype}; ternary compression "
+                        "needs a floating-point tensor (float16, bfloat16, float32 or float64)")
+
+
+def shape_code(shape) -> int:
+    return zlib.crc32(repr(tuple(shape)).encode())
+
+
+@dataclass
+class Ticket:
+    """One tensor in flight."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    g32: torch.Tensor
+    threshold: torch.Tensor
+    key: tuple
+    average: bool
+    owner: object = None   # the AllgatherExchange that started it
+    hs: object = None
+    ag: object = None
+    payload_bytes: int = 0
+    error: Exception | None = None
+    zero: bool = False
+    done: bool = False
+
+
+class AllgatherExchange:
+    """Ternarize, allgather and average tensors over ``collectives`` (see module docstring)."""
+
+    def __init__(self, collectives: Collectives, config: TernGradConfig | None = None,
+                 stats: ExchangeStats | None = None):
+        self.coll = collectives
+        self.config = config or TernGradConfig()
+        self.stats = stats if stats is not None else ExchangeStats()
+        self._steps: dict[str, int] = {}
+        self._pending: list[Ticket] = []
+        self._warned_nonfinite: set = set()
+
+    # -- public -------------------------------------------------------------------------------
+    def start(self, tensor: torch.Tensor, name: str, average: bool = True) -> Ticket:
+        check_gradient(tensor, name)
+        cfg = self.config
+        t0 = time.perf_counter()
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        rank = self.coll.rank
+        g32 = tensor.detach().reshape(-1).to(torch.float32)
+        st = codec.tensor_stats(g32, cfg.bucket_size)
+        thr = codec.clip_threshold(st, cfg.clip_factor)
+        local_s = codec.local_scalers(st, thr)
+        local_s = torch.where(st.nonfinite, torch.zeros_like(local_s), local_s)
+        tk = Ticket(name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=thr,
+                    key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), rank), average=average,
+                    owner=self)
+        if cfg.shared_scaler:
+            bad = torch.where(st.nonfinite, float(rank + 1), 0.0).to(torch.float64).reshape(1)
+            n, sc, dc = float(st.numel), float(shape_code(tensor.shape)), float(_DTYPE_CODES[tensor.dtype])
+            fixed = torch.tensor([0.0, 0.0, n, -n, sc, -sc, dc, -dc], dtype=torch.float64, device=g32.device)
+            fixed[0:1] = bad
+            fixed[1:2] = torch.where(bad > 0, -bad, torch.full_like(bad, -float(self.coll.size + 1)))
+            hs = torch.cat([fixed, local_s.to(torch.float64)])
+            tk.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{name}")
+            self.stats.handshake_bytes_sent += hs.numel() * 8
+            self.stats.codec_s += time.perf_counter() - t0
+            self._progress(block=False)   # earlier tensors whose handshake is back go out now
+            self._pending.append(tk)
+        else:
+            t = codec.ternarize(g32, thr, local_s, cfg.bucket_size, tk.key)
+            payload = codec.encode(t, cfg.packing, local_s, cfg.bucket_size)
+            payload[3:4] = st.nonfinite.to(torch.uint8).reshape(1)
+            self._record_tensor(tk, t, local_s)
+            self.stats.codec_s += time.perf_counter() - t0
+            self._send(tk, payload)
+        return tk
+
+    def finish(self, tk: Ticket) -> torch.Tensor:
+        try:
+            self._progress(block=True)
+            if tk.error is not None:
+                raise tk.error
+            out = self._receive(tk) if (tk.ag is not None and not tk.zero) else None
+            if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
+                out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
+            return out.view(tk.shape).to(tk.dtype)
+        finally:
+            tk.done = True
+
+    def allreduce(self, tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
+        return self.finish(self.start(tensor, name, average))
+
+    # -- internals ----------------------------------------------------------------------------
+    def _progress(self, block: bool) -> None:
+        """Turn completed (or, if block, all) handshakes into payload allgathers, in start order."""
+        waiting = []
+        for tk in self._pending:
+            if block or self.coll.poll(tk.hs):
+                self._after_handshake(tk)
+            else:
+                waiting.append(tk)
+        self._pending = waiting
+
+    def _after_handshake(self, tk: Ticket) -> None:
+        t0 = time.perf_counter()
+        try:
+            v = self.coll.synchronize(tk.hs)
+        except CollectiveError as e:
+            tk.error = RankMismatchError(
+                f"TernGrad: ranks disagree on gradient '{tk.name}' (shape {tuple(tk.shape)}, "
+                f"{tk.g32.numel()} elements on rank {self.coll.rank}): {e}")
+            return
+        finally:
+            self.stats.handshake_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fixed = v[:_HS_FIXED].tolist()
+        bad_hi, bad_lo = int(fixed[0]), int(-fixed[1])
+        if fixed[2] != -fixed[3] or fixed[4] != -fixed[5] or fixed[6] != -fixed[7]:
+            what = ("element counts range over [%d, %d]" % (-fixed[3], fixed[2]) if fixed[2] != -fixed[3]
+                    else "shapes differ" if fixed[4] != -fixed[5] else "dtypes differ")
+            tk.error = RankMismatchError(
+                f"TernGrad: ranks disagree on gradient '{tk.name}': {what} (this rank {self.coll.rank}: "
+                f"shape {tuple(tk.shape)}, dtype {tk.dtype})")
+            return
+        if bad_hi > 0:
+            msg = (f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on "
+                   f"rank {bad_lo - 1}" + (f" (and up to rank {bad_hi - 1})" if bad_hi != bad_lo else ""))
+            self._nonfinite(tk, msg)
+            return
+        if tk.g32.numel() == 0:
+            tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor
+            return
+        cfg = self.config
+        shared = v[_HS_FIXED:].to(torch.float32)
+        t = codec.ternarize(tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key)
+        payload = codec.encode(t, cfg.packing, shared, cfg.bucket_size)
+        self._record_tensor(tk, t, shared)
+        self.stats.codec_s += time.perf_counter() - t0
+        self._send(tk, payload)
+
+    def _nonfinite(self, tk: Ticket, msg: str) -> None:
+        if self.config.on_nonfinite == "raise":
+            tk.error = NonFiniteGradientError(msg)
+        else:
+            tk.zero = True
+            self.stats.nonfinite_zeroed += 1
+            if tk.name not in self._warned_nonfinite:
+                self._warned_nonfinite.add(tk.name)
+                log.warning("%s; its averaged gradient is set to zero on every rank this step "
+                            "(on_nonfinite='zero'; warned once per tensor)", msg)
+
+    def _record_tensor(self, tk: Ticket, t: torch.Tensor, scalers: torch.Tensor) -> None:
+        self.stats.tensors += 1
+        self.stats.elements += t.numel()
+        self.stats.per_tensor[tk.name] = (t, scalers)
+
+    def _send(self, tk: Ticket, payload: torch.Tensor) -> None:
+        tk.payload_bytes = payload.numel()
+        self.stats.payload_bytes_sent += payload.numel()
+        tk.ag = self.coll.allgather_async(payload, f"terngrad.ag.{tk.name}")
+
+    def _receive(self, tk: Ticket) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            gathered = self.coll.synchronize(tk.ag)
+        except CollectiveError as e:
+            raise RankMismatchError(f"TernGrad: exchange of gradient '{tk.name}' failed: {e}") from e
+        finally:
+            self.stats.gather_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.stats.bytes_received += gathered.numel() - tk.payload_bytes
+        payloads, headers = split_gathered(gathered, self.coll.size, tk.name)
+        if any(h.numel != tk.g32.numel() for h in headers):
+            raise RankMismatchError(
+                f"TernGrad: ranks disagree on gradient '{tk.name}': element counts "
+                f"{[h.numel for h in headers]} by rank")
+        bad = [r for r, h in enumerate(headers) if h.flags & codec.packing.FLAG_NONFINITE]
+        if bad:
+            self._nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains "
+                                f"NaN or Inf on rank(s) {bad}")
+            if tk.error is not None:
+                raise tk.error
+            return None
+        out = codec.decode_average(payloads, headers, divisor=len(payloads) if tk.average else 1)
+        self.stats.codec_s += time.perf_counter() - t0
+        return out
+
+
+def split_gathered(gathered: torch.Tensor, size: int, name: str):
+    """Split an allgather result into the ranks' payloads by walking their headers."""
+    payloads, headers, off = [], [], 0
+    for r in range(size):
+        h = codec.read_header(gathered, off, f"'{name}' from rank {r}")
+        if off + h.total_bytes > gathered.numel():
+            raise TernGradError(f"TernGrad: gathered payloads of '{name}' end inside rank {r}'s payload")
+        payloads.append(gathered[off:off + h.total_bytes])
+        headers.append(h)
+        off += h.total_bytes
+    if off != gathered.numel():
+        raise TernGradError(f"TernGrad: gathered payloads of '{name}' have {gathered.numel() - off} "
+                            "bytes left over")
+    return payloads, headers

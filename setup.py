@@ -1,0 +1,21 @@
+"""horovod-terngrad: TernGrad gradient compression (Wen et al., NeurIPS 2017) for stock Horovod."""
+from setuptools import find_packages, setup
+
+setup(
+    name="horovod-terngrad",
+    version="0.1.0",
+    description="TernGrad ternary gradient compression as a Horovod compressor",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["horovod_terngrad", "horovod_terngrad.*"]),
+    package_data={"horovod_terngrad": ["../kernels/*.cu"]},
+    python_requires=">=3.9",
+    # torch and horovod are not listed: torch must be the build matching the user's hardware and
+    # horovod must be built against it; scripts/setup.sh installs both. Listing them would let pip
+    # pull a multi-GB CUDA torch or an unbuildable horovod sdist.
+    install_requires=["numpy"],
+    extras_require={
+        "cuda": ["cupy-cuda12x"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+)
