@@ -15,8 +15,9 @@ Payload (little-endian, uint8):
     3       1     flags (bit 0: the sender's tensor held NaN/Inf; its codes are then all zero)
     4       4     bucket size k (uint32; 0 = one scaler for the whole tensor)
     8       8     element count n (uint64)
-    16      4·B   scalers, fp32, B = 1 or ceil(n/k)
-    16+4B   ...   packed codes, ceil(n/4) or ceil(n/5) bytes
+    16      4     shape code (uint32, CRC-32 of the tensor's shape; lets receivers check agreement)
+    20      4·B   scalers, fp32, B = 1 or ceil(n/k)
+    20+4B   ...   packed codes, ceil(n/4) or ceil(n/5) bytes
 
 Decoding N payloads gives the average  out = (Σ_{i=0..N-1} s_i·t_i) / N  in fp32, summed in payload
 (rank) order, then divided by N: every backend evaluates exactly these fp32 operations, so every rank
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import zlib
+
 import torch
 
 MAGIC = 0x54
@@ -33,7 +36,7 @@ VERSION = 1
 FORMATS = {"2bit": 1, "base3": 2}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 CODES_PER_BYTE = {"2bit": 4, "base3": 5}
-HEADER_BYTES = 16
+HEADER_BYTES = 20
 FLAG_NONFINITE = 1
 
 
@@ -47,6 +50,7 @@ class Header:
     flags: int
     bucket_size: int
     numel: int
+    shape_code: int = 0
 
     @property
     def num_scalers(self) -> int:
@@ -118,8 +122,13 @@ def unpack(packed: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
     return _lut(fmt, packed.device)[packed.long()].reshape(-1)[:numel]
 
 
+def shape_code(shape) -> int:
+    """CRC-32 of a shape, the same in every process."""
+    return zlib.crc32(repr(tuple(shape)).encode())
+
+
 def encode(t: torch.Tensor, fmt: str, scalers: torch.Tensor, bucket_size: int,
-           flags: int = 0) -> torch.Tensor:
+           flags: int = 0, shape=None) -> torch.Tensor:
     """Build one payload: header, fp32 scalers, packed codes."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown packing format {fmt!r}; choose one of {sorted(FORMATS)}")
@@ -128,6 +137,7 @@ def encode(t: torch.Tensor, fmt: str, scalers: torch.Tensor, bucket_size: int,
     head[0], head[1], head[2], head[3] = MAGIC, VERSION, FORMATS[fmt], flags
     head[4:8] = int(max(bucket_size, 0)).to_bytes(4, "little")
     head[8:16] = int(n).to_bytes(8, "little")
+    head[16:20] = shape_code(t.shape if shape is None else shape).to_bytes(4, "little")
     dev = t.device
     parts = [torch.frombuffer(head, dtype=torch.uint8).to(dev),
              scalers.to(torch.float32).contiguous().view(torch.uint8),
@@ -145,7 +155,8 @@ def read_header(buf: torch.Tensor, offset: int = 0, what: str = "payload") -> He
         raise PayloadError(f"{what}: bad magic/version/format bytes {list(head[:3])}")
     return Header(fmt=FORMAT_NAMES[head[2]], flags=head[3],
                   bucket_size=int.from_bytes(head[4:8], "little"),
-                  numel=int.from_bytes(head[8:16], "little"))
+                  numel=int.from_bytes(head[8:16], "little"),
+                  shape_code=int.from_bytes(head[16:20], "little"))
 
 
 def parse_header(payload: torch.Tensor, what: str = "payload") -> Header:

@@ -18,7 +18,7 @@ Flow for one tensor of n elements on N ranks (shared scaler, the default):
 With ``shared_scaler=False`` there is no handshake: the payload is sent from ``start`` and its header
 carries the rank's scaler and NaN flag, checked by every rank after the allgather.
 
-Cost per rank and tensor: sends 16 + 4B + n/4 bytes (2bit) or n/5 (base3), receives N-1 times that,
+Cost per rank and tensor: sends 20 + 4B + n/4 bytes (2bit) or n/5 (base3), receives N-1 times that,
 plus 8·(8+B) bytes of handshake.  Received traffic grows with N (see the sharded exchange for large N).
 Errors (NaN/Inf, ranks that disagree) are decided from data every rank has, so every rank raises (or
 zeroes) together and no collective is left waiting on a rank that gave up.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -80,10 +79,6 @@ def check_gradient(tensor: torch.Tensor, name: str) -> None:
                         "needs a floating-point tensor (float16, bfloat16, float32 or float64)")
 
 
-def shape_code(shape) -> int:
-    return zlib.crc32(repr(tuple(shape)).encode())
-
-
 @dataclass
 class Ticket:
     """One tensor in flight."""
@@ -134,7 +129,7 @@ class AllgatherExchange:
                     owner=self)
         if cfg.shared_scaler:
             bad = torch.where(st.nonfinite, float(rank + 1), 0.0).to(torch.float64).reshape(1)
-            n, sc, dc = float(st.numel), float(shape_code(tensor.shape)), float(_DTYPE_CODES[tensor.dtype])
+            n, sc, dc = float(st.numel), float(codec.packing.shape_code(tensor.shape)), float(_DTYPE_CODES[tensor.dtype])
             fixed = torch.tensor([0.0, 0.0, n, -n, sc, -sc, dc, -dc], dtype=torch.float64, device=g32.device)
             fixed[0:1] = bad
             fixed[1:2] = torch.where(bad > 0, -bad, torch.full_like(bad, -float(self.coll.size + 1)))
@@ -146,7 +141,7 @@ class AllgatherExchange:
             self._pending.append(tk)
         else:
             t = codec.ternarize(g32, thr, local_s, cfg.bucket_size, tk.key)
-            payload = codec.encode(t, cfg.packing, local_s, cfg.bucket_size)
+            payload = codec.encode(t, cfg.packing, local_s, cfg.bucket_size, shape=tensor.shape)
             payload[3:4] = st.nonfinite.to(torch.uint8).reshape(1)
             self._record_tensor(tk, t, local_s)
             self.stats.codec_s += time.perf_counter() - t0
@@ -211,7 +206,7 @@ class AllgatherExchange:
         cfg = self.config
         shared = v[_HS_FIXED:].to(torch.float32)
         t = codec.ternarize(tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key)
-        payload = codec.encode(t, cfg.packing, shared, cfg.bucket_size)
+        payload = codec.encode(t, cfg.packing, shared, cfg.bucket_size, shape=tk.shape)
         self._record_tensor(tk, t, shared)
         self.stats.codec_s += time.perf_counter() - t0
         self._send(tk, payload)
@@ -252,6 +247,10 @@ class AllgatherExchange:
             raise RankMismatchError(
                 f"TernGrad: ranks disagree on gradient '{tk.name}': element counts "
                 f"{[h.numel for h in headers]} by rank")
+        if len({h.shape_code for h in headers}) != 1:
+            raise RankMismatchError(
+                f"TernGrad: ranks disagree on gradient '{tk.name}': shapes differ (this rank "
+                f"{self.coll.rank}: {tuple(tk.shape)})")
         bad = [r for r, h in enumerate(headers) if h.flags & codec.packing.FLAG_NONFINITE]
         if bad:
             self._nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains "

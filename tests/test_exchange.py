@@ -1,0 +1,222 @@
+"""Layer 3: the allgather exchange on N thread-ranks (no Horovod needed)."""
+import pytest
+import torch
+
+from helpers import expected_average
+from horovod_terngrad import NonFiniteGradientError, RankMismatchError, TernGradConfig
+from horovod_terngrad.exchange import AllgatherExchange, ThreadWorld, run_ranks
+from horovod_terngrad.exchange.collectives import ThreadCollectives
+
+
+def grad(shape, rank, tensor=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 * tensor + rank)
+    return (torch.randn(shape, generator=gen) * (rank + 1)).to(dtype)
+
+
+SHAPES = [(20, 50), (50,), (7, 3, 3), (1,), (1000,)]
+
+
+@pytest.mark.parametrize("N", [2, 4])
+@pytest.mark.parametrize("cfg", [
+    TernGradConfig(),
+    TernGradConfig(packing="base3", seed=5),
+    TernGradConfig(shared_scaler=False),
+    TernGradConfig(bucket_size=64, packing="base3"),
+    TernGradConfig(clip_factor=0.0),
+], ids=["default", "base3", "per-rank-scaler", "buckets", "noclip"])
+def test_every_rank_gets_the_recomputed_average_bit_for_bit(N, cfg):
+    steps = 2
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        outs = []
+        for step in range(steps):
+            tickets = [ex.start(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(SHAPES)]
+            outs.append([ex.finish(t) for t in reversed(tickets)][::-1])   # finish order is free
+        return outs
+
+    res = run_ranks(N, body)
+    for step in range(steps):
+        for i, s in enumerate(SHAPES):
+            want, _ = expected_average([grad(s, r, i + 10 * step) for r in range(N)], f"layer{i}", step, cfg)
+            for r in range(N):
+                assert torch.equal(res[r][step][i], want), (step, i, r)
+
+
+def test_sum_instead_of_average():
+    cfg = TernGradConfig()
+
+    def body(c):
+        return AllgatherExchange(c, cfg).allreduce(grad((100,), c.rank), "w", average=False)
+
+    res = run_ranks(3, body)
+    want, _ = expected_average([grad((100,), r) for r in range(3)], "w", 0, cfg, average=False)
+    assert all(torch.equal(x, want) for x in res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_low_and_high_precision_grads_keep_their_dtype(dtype):
+    cfg = TernGradConfig()
+
+    def body(c):
+        return AllgatherExchange(c, cfg).allreduce(grad((300,), c.rank, dtype=dtype), "w")
+
+    res = run_ranks(2, body)
+    want, _ = expected_average([grad((300,), r, dtype=dtype) for r in range(2)], "w", 0, cfg)
+    assert res[0].dtype == dtype and torch.equal(res[0], want) and torch.equal(res[1], want)
+
+
+def test_non_contiguous_gradient():
+    cfg = TernGradConfig()
+    base = [grad((30, 40), r) for r in range(2)]
+
+    def body(c):
+        g = base[c.rank].t()
+        assert not g.is_contiguous()
+        return AllgatherExchange(c, cfg).allreduce(g, "w")
+
+    res = run_ranks(2, body)
+    want, _ = expected_average([b.t().contiguous() for b in base], "w", 0, cfg)
+    assert res[0].shape == (40, 30) and torch.equal(res[0], want)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_zero_and_empty_tensors(shared):
+    cfg = TernGradConfig(shared_scaler=shared)
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        return ex.allreduce(torch.zeros(5, 5), "zero"), ex.allreduce(torch.zeros(0, 3), "empty")
+
+    for zero, empty in run_ranks(2, body):
+        assert torch.equal(zero, torch.zeros(5, 5))
+        assert empty.shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_gradient_is_a_clear_error(dtype):
+    ex = AllgatherExchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    with pytest.raises(TypeError, match=r"'counts' has dtype .*floating-point"):
+        ex.start(torch.ones(4, dtype=dtype), "counts")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_on_one_rank_raises_on_every_rank(shared, bad):
+    cfg = TernGradConfig(shared_scaler=shared)
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        g = grad((64,), c.rank)
+        if c.rank == 2:
+            g[5] = bad
+        err = None
+        try:
+            ex.allreduce(g, "fc1.weight")
+        except NonFiniteGradientError as e:
+            err = str(e)
+        # the exchange is usable afterwards: nothing was left waiting
+        after = ex.allreduce(grad((8,), c.rank), "fc2.weight")
+        return err, after
+
+    res = run_ranks(3, body, timeout=30)
+    for err, after in res:
+        assert err is not None and "'fc1.weight'" in err and "rank" in err and "2" in err
+        assert torch.equal(after, res[0][1])
+
+
+def test_nonfinite_zero_policy_is_agreed():
+    cfg = TernGradConfig(on_nonfinite="zero")
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        g = grad((64,), c.rank)
+        if c.rank == 0:
+            g[0] = float("nan")
+        return ex.allreduce(g, "w"), ex.stats.nonfinite_zeroed
+
+    for out, zeroed in run_ranks(2, body):
+        assert torch.equal(out, torch.zeros(64)) and zeroed == 1
+
+
+@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
+                                 TernGradConfig(bucket_size=4)], ids=["shared", "per-rank", "buckets"])
+@pytest.mark.parametrize("shapes", [[(10,), (11,)], [(2, 5), (5, 2)]], ids=["numel", "shape"])
+def test_ranks_with_mismatched_shapes_get_a_clear_error_not_a_hang(cfg, shapes):
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        try:
+            ex.allreduce(torch.randn(shapes[c.rank]), "conv.weight")
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    for msg in run_ranks(2, body, timeout=30):
+        assert msg is not None and "'conv.weight'" in msg and "disagree" in msg
+
+
+class CountingCollectives(ThreadCollectives):
+    """Counts synchronize() calls that would have had to wait."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.blocking = 0
+
+    def synchronize(self, handle):
+        if not handle.done.is_set():
+            self.blocking += 1
+        return super().synchronize(handle)
+
+
+def test_start_never_blocks_and_handshakes_overlap():
+    """Rank 1 starts all tensors before rank 0 starts any: rank 1's start() calls must all return
+    without waiting (its handshakes cannot complete yet), and all 60 handshakes are then in flight."""
+    import threading
+    world = ThreadWorld(2)
+    cs = [CountingCollectives(world, r) for r in range(2)]
+    cfg = TernGradConfig()
+    names = [f"t{i}" for i in range(60)]
+    ready = threading.Event()
+    out = [None, None]
+
+    def rank1():
+        ex = AllgatherExchange(cs[1], cfg)
+        tks = [ex.start(grad((32,), 1, i), n) for i, n in enumerate(names)]
+        out[1] = (cs[1].blocking, len(ex._pending))
+        ready.set()
+        [ex.finish(t) for t in tks]
+
+    th = threading.Thread(target=rank1)
+    th.start()
+    assert ready.wait(30)
+    ex0 = AllgatherExchange(cs[0], cfg)
+    [ex0.finish(t) for t in [ex0.start(grad((32,), 0, i), n) for i, n in enumerate(names)]]
+    th.join(30)
+    assert out[1] == (0, 60)
+
+
+def test_wire_size_per_element_on_a_1M_parameter_model():
+    model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    params = [(n, p.numel()) for n, p in model.named_parameters()]
+    total = sum(n for _, n in params)
+    assert total >= 1_000_000
+    for fmt, limit in [("2bit", 2.05), ("base3", 1.65)]:
+        world = ThreadWorld(2)
+        cfg = TernGradConfig(packing=fmt)
+
+        def body(c):
+            ex = AllgatherExchange(c, cfg)
+            tks = [ex.start(grad((n,), c.rank, i), name) for i, (name, n) in enumerate(params)]
+            [ex.finish(t) for t in tks]
+            return ex.stats
+
+        import threading
+        res = [None, None]
+        ths = [threading.Thread(target=lambda c=c: res.__setitem__(c.rank, body(c))) for c in world.ranks()]
+        [t.start() for t in ths]
+        [t.join(60) for t in ths]
+        for r in range(2):
+            bits = 8 * world.bytes_in[r] / total    # every byte handed to a collective, headers included
+            assert bits <= limit, (fmt, bits)
+            assert res[r].bits_per_element() == pytest.approx(bits)
