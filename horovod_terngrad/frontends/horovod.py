@@ -36,10 +36,11 @@ log = logging.getLogger("horovod_terngrad")
 
 class _Passthrough:
     """ctx of a tensor that travels uncompressed."""
-    __slots__ = ("dtype",)
+    __slots__ = ("dtype", "name")
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, name):
         self.dtype = dtype
+        self.name = name
 
 
 def _horovod_caller(tensor: torch.Tensor):
@@ -118,8 +119,8 @@ class TernGradCompressor:
             if not self.config.compresses(name, tensor.numel()):
                 self.uncompressed_elements += tensor.numel()
                 if tensor.dtype in (torch.float16, torch.bfloat16):
-                    return tensor.to(torch.float32), _Passthrough(tensor.dtype)
-                return tensor, _Passthrough(tensor.dtype)
+                    return tensor.to(torch.float32), _Passthrough(tensor.dtype, name)
+                return tensor, _Passthrough(tensor.dtype, name)
             ticket = self.engine(process_set).start(tensor, name, average=average)
         return torch.empty(0, dtype=torch.float32, device=tensor.device), ticket
 

@@ -1,0 +1,161 @@
+"""Layer 4 on real Horovod: multi-process runs launched with horovodrun (Gloo) and mpirun (MPI).
+
+Each run executes tests/workers/hvd_scenarios.py on every rank; the ranks save what they fed to and got
+from TernGrad, and this process recomputes every rank's ternary vector independently (tests/helpers.py)
+to check the averages bit for bit.
+"""
+import collections
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import expected_average
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "workers", "hvd_scenarios.py")
+BIN = os.path.dirname(sys.executable)
+LAUNCH_TIMEOUT = 300
+
+
+def launcher(kind, np_):
+    if kind == "gloo":
+        return [os.path.join(BIN, "horovodrun"), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}"]
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: scripts/setup.sh installs OpenMPI (openmpi-bin)"
+    return [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "--bind-to", "none",
+            "--mca", "btl_vader_single_copy_mechanism", "none", "-x", "PATH", "-x", "PYTHONPATH"]
+
+
+def launch(tmp_path, kind, np_, scenarios):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMPI_MCA_plm_rsh_agent", "false")   # single host: never try ssh
+    cmd = launcher(kind, np_) + [sys.executable, WORKER, str(tmp_path)] + scenarios
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{kind} -np {np_} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
+    assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    out = {}
+    for sc in scenarios:
+        ranks = [torch.load(tmp_path / f"{sc}.rank{r}.pt", weights_only=False) for r in range(np_)]
+        for r, res in enumerate(ranks):
+            assert "crash" not in res, f"{sc} rank {r}:\n{res['crash']}"
+            assert res["size"] == np_
+        out[sc] = ranks
+    return out
+
+
+def by_name_and_step(pairs):
+    """[(name, tensor)] in call order -> {(name, step): tensor}."""
+    seen = collections.Counter()
+    out = {}
+    for name, t in pairs:
+        out[(name, seen[name])] = t
+        seen[name] += 1
+    return out
+
+
+def check_exact(ranks):
+    N = len(ranks)
+    cfg = ranks[0]["config"]
+    inputs = [by_name_and_step(r["inputs"]) for r in ranks]
+    outputs = [by_name_and_step(r["outputs"]) for r in ranks]
+    assert set(inputs[0]) == set(outputs[0]) and len(inputs[0]) >= 3 * len(ranks[0]["names"])
+    checked = 0
+    for (name, step) in sorted(inputs[0]):
+        grads = [inputs[r][(name, step)] for r in range(N)]
+        if cfg.compresses(name, grads[0].numel()):
+            want, _ = expected_average(grads, name, step, cfg)
+            for r in range(N):
+                got = outputs[r][(name, step)]
+                assert got.dtype == grads[r].dtype
+                assert torch.equal(got, want), f"{name} step {step} rank {r}"
+            checked += 1
+        else:
+            mean = torch.stack([g.float() for g in grads]).mean(0)
+            for r in range(N):
+                torch.testing.assert_close(outputs[r][(name, step)].float(), mean)
+    for r in range(1, N):   # the models stayed identical on every rank
+        for a, b in zip(ranks[0]["params"], ranks[r]["params"]):
+            assert torch.equal(a, b)
+    return checked
+
+
+ALL = ["exact", "exact_base3_buckets", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
+       "mismatch", "functional"]
+
+
+@pytest.fixture(scope="module")
+def gloo2(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("gloo2"), "gloo", 2, ALL)
+
+
+@pytest.mark.parametrize("sc", ["exact", "exact_base3_buckets", "exact_per_rank_bpps2", "bf16"])
+def test_gloo2_exact(gloo2, sc):
+    assert check_exact(gloo2[sc]) > 0
+
+
+def test_gloo2_excluded_tensors_travel_uncompressed(gloo2):
+    ranks = gloo2["exclude"]
+    cfg = ranks[0]["config"]   # exclude "^6\." (the last Linear), min_numel 10
+    assert not cfg.compresses("6.weight", 128) and cfg.compresses("4.weight", 1024)
+    assert check_exact(ranks) > 0
+    last_layer = sum(t.numel() for t in ranks[0]["params"][-2:])
+    per_step = sum(t.numel() for t in ranks[0]["params"])
+    assert ranks[0]["stats"]["elements"] == 3 * (per_step - last_layer)
+
+
+def test_gloo2_nan_on_one_rank_raises_on_all(gloo2):
+    for r in gloo2["nan_raise"]:
+        assert r["error"] and "NaN or Inf on rank 1" in r["error"]
+
+
+def test_gloo2_nan_zero_policy_keeps_ranks_in_step(gloo2):
+    a, b = gloo2["nan_zero"]
+    assert a["zeroed"] > 0 and a["zeroed"] == b["zeroed"]
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y) and torch.isfinite(x).all()
+
+
+def test_gloo2_mismatched_shapes_error_not_hang(gloo2):
+    for r in gloo2["mismatch"]:
+        assert r["optimizer"] and "disagree" in r["optimizer"]
+        assert r["functional"] and "'functional.x'" in r["functional"]
+
+
+def test_gloo2_functional_api(gloo2):
+    from horovod_terngrad import TernGradConfig
+    ranks = gloo2["functional"]
+    cfg = TernGradConfig()
+    for key in ["f16", "bf16", "f64", "noncontig", "zero"]:
+        want, _ = expected_average([r["inputs"][key] for r in ranks], f"fn.{key}", 0, cfg)
+        for r in ranks:
+            assert r[key].dtype == r["inputs"][key].dtype and r[key].shape == r["inputs"][key].shape
+            assert torch.equal(r[key], want), key
+    for r in ranks:
+        assert r["empty"].shape == (0, 4)
+        assert "integer" in r["int"] or "dtype torch.int64" in r["int"]
+    for k in range(3):
+        want, _ = expected_average([r["async_inputs"][k] for r in ranks], f"fn.async{k}", 0, cfg)
+        assert all(torch.equal(r["async"][k], want) for r in ranks)
+
+
+def test_gloo4_exact(tmp_path):
+    res = launch(tmp_path, "gloo", 4, ["exact", "exact_base3_buckets", "nan_raise"])
+    assert check_exact(res["exact"]) > 0
+    assert check_exact(res["exact_base3_buckets"]) > 0
+    assert all("NaN or Inf on rank 1" in r["error"] for r in res["nan_raise"])
+
+
+def test_mpirun2_exact(tmp_path):
+    res = launch(tmp_path, "mpi", 2, ["exact", "exact_per_rank_bpps2", "mismatch", "nan_raise"])
+    assert check_exact(res["exact"]) > 0
+    assert check_exact(res["exact_per_rank_bpps2"]) > 0
+    assert all(r["optimizer"] and r["functional"] for r in res["mismatch"])
+    assert all("NaN or Inf on rank 1" in r["error"] for r in res["nan_raise"])

@@ -1,0 +1,152 @@
+"""Runs under horovodrun / mpirun (launched by tests/test_horovod.py); writes what each rank saw.
+
+    python hvd_scenarios.py OUTDIR SCENARIO [SCENARIO ...]
+
+Every scenario stores plain tensors and strings in OUTDIR/<scenario>.rank<R>.pt, and the test
+process checks them against an independent recomputation.
+"""
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn as nn
+
+import horovod.torch as hvd
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import horovod_terngrad as tg  # noqa: E402
+from horovod_terngrad import TernGradCompressor  # noqa: E402
+
+
+class Recording(TernGradCompressor):
+    """TernGrad that remembers each tensor's input and output (for the test to recompute)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.inputs, self.outputs = [], []
+
+    def compress(self, tensor):
+        out, ctx = super().compress(tensor)
+        self.inputs.append((ctx.name, tensor.detach().clone()))
+        return out, ctx
+
+    def decompress(self, tensor, ctx):
+        out = super().decompress(tensor, ctx)
+        self.outputs.append((ctx.name, out.detach().clone()))
+        return out
+
+
+def mlp(width=32, depth=4, seed=0):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(16, width), nn.ReLU()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers += [nn.Linear(width, 4)]
+    return nn.Sequential(*layers)
+
+
+def train_steps(comp, steps=3, bpps=1, dtype=torch.float32, inject=None, model=None):
+    model = model or mlp()
+    model = model.to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
+                                   backward_passes_per_step=bpps)
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    for step in range(steps):
+        opt.zero_grad()
+        for _ in range(bpps):
+            x = torch.randn(8, 16, generator=gen).to(dtype)
+            loss = model(x).pow(2).mean()
+            if inject is not None and step == inject[0] and hvd.rank() == inject[1]:
+                loss = loss * float("nan")
+            loss.backward()
+        opt.step()
+    return model
+
+
+def names_in_order(model):
+    return [n for n, _ in model.named_parameters()]
+
+
+def scenario_exact(cfg_kwargs, bpps=1, dtype=torch.float32):
+    comp = Recording(**cfg_kwargs)
+    model = train_steps(comp, steps=3, bpps=bpps, dtype=dtype)
+    return {"config": comp.config, "inputs": comp.inputs, "outputs": comp.outputs,
+            "names": names_in_order(model), "params": [p.detach().clone() for p in model.parameters()],
+            "stats": vars(comp.stats).copy() | {"per_tensor": None}}
+
+
+def run(name):
+    r = hvd.rank()
+    if name == "exact":
+        return scenario_exact({"seed": 3})
+    if name == "exact_base3_buckets":
+        return scenario_exact({"packing": "base3", "bucket_size": 100, "seed": 4})
+    if name == "exact_per_rank_bpps2":
+        return scenario_exact({"shared_scaler": False}, bpps=2)
+    if name == "exclude":
+        return scenario_exact({"exclude": (r"^6\.",), "min_numel": 10})
+    if name == "bf16":
+        return scenario_exact({}, dtype=torch.bfloat16)
+    if name == "nan_raise":
+        try:
+            train_steps(TernGradCompressor(), steps=3, inject=(1, 1))
+            return {"error": None}
+        except tg.NonFiniteGradientError as e:
+            return {"error": str(e)}
+    if name == "nan_zero":
+        comp = TernGradCompressor(on_nonfinite="zero")
+        model = train_steps(comp, steps=3, inject=(1, 1))
+        return {"zeroed": comp.stats.nonfinite_zeroed,
+                "params": [p.detach().clone() for p in model.parameters()]}
+    if name == "mismatch":
+        out = {}
+        try:
+            train_steps(TernGradCompressor(), steps=1, model=mlp(width=32 + r))
+            out["optimizer"] = None
+        except tg.RankMismatchError as e:
+            out["optimizer"] = str(e)
+        try:
+            tg.allreduce(torch.randn(10 + r), name="functional.x")
+            out["functional"] = None
+        except tg.RankMismatchError as e:
+            out["functional"] = str(e)
+        return out
+    if name == "functional":
+        res = {}
+        gen = torch.Generator().manual_seed(r)
+        base = torch.randn(30, 40, generator=gen)
+        res["inputs"] = {}
+        for key, t in {"f16": base.half(), "bf16": base.bfloat16(), "f64": base.double(),
+                       "noncontig": base.t(), "empty": torch.zeros(0, 4), "zero": torch.zeros(7)}.items():
+            res["inputs"][key] = t.clone()
+            res[key] = tg.allreduce(t, name=f"fn.{key}")
+        try:
+            tg.allreduce(torch.ones(3, dtype=torch.int64), name="fn.int")
+            res["int"] = None
+        except TypeError as e:
+            res["int"] = str(e)
+        h = [tg.allreduce_async(base * k, name=f"fn.async{k}") for k in range(3)]
+        res["async"] = [tg.synchronize(x) for x in h]
+        res["async_inputs"] = [base * k for k in range(3)]
+        return res
+    raise SystemExit(f"unknown scenario {name}")
+
+
+def main():
+    outdir, names = sys.argv[1], sys.argv[2:]
+    hvd.init()
+    torch.set_num_threads(1)
+    for name in names:
+        try:
+            res = run(name)
+        except Exception:
+            res = {"crash": traceback.format_exc()}
+        res["size"] = hvd.size()
+        torch.save(res, os.path.join(outdir, f"{name}.rank{hvd.rank()}.pt"))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
