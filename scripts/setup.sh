@@ -18,11 +18,18 @@ for a in "$@"; do
 done
 log() { printf '[setup] %s\n' "$*"; }
 
-# 1. System packages: OpenMPI for Horovod's MPI controller and mpirun; nothing else outside pip.
+# 1. System packages: OpenMPI for Horovod's MPI controller and mpirun; a compiler, cmake and the
+#    Python headers and venv module to build Horovod (a pyenv/python.org Python has the last two).
+command -v "$PY" >/dev/null || { echo "setup.sh: $PY not found (set PYTHON=...)" >&2; exit 1; }
 missing=()
 for pkg in openmpi-bin libopenmpi-dev; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+"$PY" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+  || missing+=("$(basename "$PY")-dev")
+[ -x "$VENV/bin/python" ] || "$PY" -c "import ensurepip" 2>/dev/null || missing+=("$(basename "$PY")-venv")
 if ((${#missing[@]})); then
   log "apt-get install ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
