@@ -19,9 +19,12 @@ Payload (little-endian, uint8):
     20      4·B   scalers, fp32, B = 1 or ceil(n/k)
     20+4B   ...   packed codes, ceil(n/4) or ceil(n/5) bytes
 
-Decoding N payloads gives the average  out = (Σ_{i=0..N-1} s_i·t_i) / N  in fp32, summed in payload
-(rank) order, then divided by N: every backend evaluates exactly these fp32 operations, so every rank
-and every device gets the same bits.
+Decoding N payloads gives the average in fp32, by one of two exactly specified formulas, so every rank
+and every device gets the same bits:
+
+* all payloads carry the same scalers (the shared scaler of Eq. 4):  out = (float(k)·s) / N  with
+  k = Σ_i t_i the exact integer count (one rounding for the product, one for the division);
+* otherwise:  out = (Σ_{i=0..N-1} s_i·t_i) / N, summed in fp32 in payload (rank) order.
 """
 from __future__ import annotations
 
@@ -129,19 +132,25 @@ def shape_code(shape) -> int:
 
 def encode(t: torch.Tensor, fmt: str, scalers: torch.Tensor, bucket_size: int,
            flags: int = 0, shape=None) -> torch.Tensor:
-    """Build one payload: header, fp32 scalers, packed codes."""
+    """Build one payload from a ternary vector: header, fp32 scalers, packed codes."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown packing format {fmt!r}; choose one of {sorted(FORMATS)}")
-    n = t.numel()
+    return assemble(pack(t, fmt), t.numel(), fmt, scalers, bucket_size, flags,
+                    t.shape if shape is None else shape)
+
+
+def assemble(packed: torch.Tensor, n: int, fmt: str, scalers: torch.Tensor, bucket_size: int,
+             flags: int = 0, shape=None) -> torch.Tensor:
+    """Build one payload from already packed codes."""
     head = bytearray(HEADER_BYTES)
     head[0], head[1], head[2], head[3] = MAGIC, VERSION, FORMATS[fmt], flags
     head[4:8] = int(max(bucket_size, 0)).to_bytes(4, "little")
     head[8:16] = int(n).to_bytes(8, "little")
-    head[16:20] = shape_code(t.shape if shape is None else shape).to_bytes(4, "little")
-    dev = t.device
+    head[16:20] = shape_code((n,) if shape is None else shape).to_bytes(4, "little")
+    dev = packed.device
     parts = [torch.frombuffer(head, dtype=torch.uint8).to(dev),
              scalers.to(torch.float32).contiguous().view(torch.uint8),
-             pack(t, fmt)]
+             packed]
     return torch.cat(parts)
 
 
@@ -174,23 +183,36 @@ def split(payload: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tensor]
     return scalers, payload[HEADER_BYTES + 4 * nb:]
 
 
+def average_packed(packed: list, scalers: list, numel: int, fmt: str, bucket_size: int,
+                   divisor: float) -> torch.Tensor:
+    """Reference decode of N packed code arrays with their fp32 scalers (see module docstring)."""
+    def expand(s):
+        return s if s.numel() == 1 else s.repeat_interleave(bucket_size)[:numel]
+
+    dev = packed[0].device
+    if all(torch.equal(s, scalers[0]) for s in scalers[1:]):
+        k = torch.zeros(numel, dtype=torch.int32, device=dev)
+        for p in packed:
+            k += unpack(p, numel, fmt).to(torch.int32)
+        return (k.to(torch.float32) * expand(scalers[0])) / float(divisor)
+    acc = torch.zeros(numel, dtype=torch.float32, device=dev)
+    for p, s in zip(packed, scalers):
+        acc += unpack(p, numel, fmt) * expand(s)
+    return acc / float(divisor)
+
+
 def decode_average(payloads: list[torch.Tensor], headers: list[Header] | None = None,
                    divisor: int | None = None) -> torch.Tensor:
-    """(Σ_i s_i·t_i) / divisor in fp32, summed in list order; divisor defaults to len(payloads)."""
+    """The average of whole payloads (checked to agree), dividing by ``divisor`` (default N)."""
     if not payloads:
         raise PayloadError("decode_average needs at least one payload")
     if headers is None:
         headers = [parse_header(p, f"payload {i}") for i, p in enumerate(payloads)]
     h0 = headers[0]
     for i, h in enumerate(headers[1:], 1):
-        if (h.numel, h.bucket_size) != (h0.numel, h0.bucket_size):
-            raise PayloadError(f"payload {i} has {h.numel} elements in buckets of {h.bucket_size}, "
-                               f"payload 0 has {h0.numel} in buckets of {h0.bucket_size}")
-    n = h0.numel
-    acc = torch.zeros(n, dtype=torch.float32, device=payloads[0].device)
-    for p, h in zip(payloads, headers):
-        scalers, packed = split(p, h)
-        t = unpack(packed, n, h.fmt)
-        s = scalers if h.num_scalers == 1 else scalers.repeat_interleave(h.bucket_size)[:n]
-        acc += t * s
-    return acc / float(divisor if divisor is not None else len(payloads))
+        if (h.numel, h.bucket_size, h.fmt) != (h0.numel, h0.bucket_size, h0.fmt):
+            raise PayloadError(f"payload {i} has {h.numel} elements ({h.fmt}, buckets of {h.bucket_size}), "
+                               f"payload 0 has {h0.numel} ({h0.fmt}, buckets of {h0.bucket_size})")
+    parts = [split(p, h) for p, h in zip(payloads, headers)]
+    return average_packed([c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt, h0.bucket_size,
+                          divisor if divisor is not None else len(payloads))

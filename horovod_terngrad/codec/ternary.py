@@ -11,6 +11,10 @@ Rules that keep this well defined on every input:
 
 * σ is the population standard deviation, from fp64 sums (Σg, Σg²) of one pass.  When c = 0 or
   σ = 0 (a constant tensor, a single element) clipping is off: clipping at 0 would erase the signal.
+* The sums have one defined order, so every backend gets the same σ to the last bit: blocks of
+  STATS_BLOCK elements; in a block, 8 interleaved lanes (element j goes to lane j mod 8) each summed
+  sequentially; lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); block sums added in order.
+  (g² of an fp32 g is exact in fp64, so only the additions round.)
 * s = 0 (an all-zero tensor or bucket) gives t = 0 without dividing by zero.
 * Callers pass fp32, contiguous, finite data; the frontends check and convert (see ``validate``).
 
@@ -26,6 +30,23 @@ import torch
 from .rng import UNIFORM_BITS, uniform24
 
 _TWO_POW_24 = float(1 << UNIFORM_BITS)
+STATS_BLOCK = 2048
+STATS_LANES = 8
+
+
+def block_sums(x64: torch.Tensor) -> torch.Tensor:
+    """Per-block fp64 sums of a flat fp64 tensor in the defined lane order (see module docstring)."""
+    n = x64.numel()
+    nblk = max(1, -(-n // STATS_BLOCK))
+    x = torch.nn.functional.pad(x64, (0, nblk * STATS_BLOCK - n))
+    lanes = x.view(nblk, STATS_BLOCK // STATS_LANES, STATS_LANES).cumsum(dim=1)[:, -1, :]  # sequential
+    l = [lanes[:, k] for k in range(STATS_LANES)]
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+
+
+def combine_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Sum of per-block partials, added sequentially in block order."""
+    return blocks.cumsum(0)[-1]
 
 
 @dataclass
@@ -58,13 +79,15 @@ def tensor_stats(g: torch.Tensor, bucket_size: int = 0) -> TensorStats:
     else:
         pad = nb * bucket_size - n
         maxabs = torch.nn.functional.pad(a, (0, pad)).view(nb, bucket_size).amax(dim=1)
-    return TensorStats(
-        numel=n,
-        sum=g64.sum(),
-        sumsq=(g64 * g64).sum(),
-        maxabs=maxabs,
-        nonfinite=~torch.isfinite(g).all(),
-    )
+    return stats_from_blocks(n, block_sums(g64), block_sums(g64 * g64), maxabs)
+
+
+def stats_from_blocks(n: int, blk_sum: torch.Tensor, blk_sq: torch.Tensor, maxabs: torch.Tensor) -> TensorStats:
+    """Combine per-block partials.  NaN/Inf anywhere make the fp64 sums non-finite (finite fp32
+    squares cannot overflow fp64), so that is the whole NaN/Inf check."""
+    total, sq = combine_blocks(blk_sum), combine_blocks(blk_sq)
+    return TensorStats(numel=n, sum=total, sumsq=sq, maxabs=maxabs,
+                       nonfinite=~(torch.isfinite(total) & torch.isfinite(sq)))
 
 
 def clip_threshold(stats: TensorStats, clip_factor: float) -> torch.Tensor:

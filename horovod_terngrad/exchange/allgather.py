@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .. import codec
+from .. import backends, codec
 from ..config import NonFiniteGradientError, RankMismatchError, TernGradConfig, TernGradError
 from .collectives import CollectiveError, Collectives
 
@@ -55,7 +55,6 @@ class ExchangeStats:
     handshake_wait_s: float = 0.0
     gather_wait_s: float = 0.0
     codec_s: float = 0.0
-    per_tensor: dict = field(default_factory=dict)  # name -> (zeros fraction, scaler) of the last step
 
     @property
     def bytes_sent(self) -> int:
@@ -119,8 +118,9 @@ class AllgatherExchange:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         rank = self.coll.rank
-        g32 = tensor.detach().reshape(-1).to(torch.float32)
-        st = codec.tensor_stats(g32, cfg.bucket_size)
+        g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        backend = backends.for_device(g32.device)
+        st = backend.stats(g32, cfg.bucket_size)
         thr = codec.clip_threshold(st, cfg.clip_factor)
         local_s = codec.local_scalers(st, thr)
         local_s = torch.where(st.nonfinite, torch.zeros_like(local_s), local_s)
@@ -140,10 +140,10 @@ class AllgatherExchange:
             self._progress(block=False)   # earlier tensors whose handshake is back go out now
             self._pending.append(tk)
         else:
-            t = codec.ternarize(g32, thr, local_s, cfg.bucket_size, tk.key)
-            payload = codec.encode(t, cfg.packing, local_s, cfg.bucket_size, shape=tensor.shape)
+            packed = backend.ternarize_pack(g32, thr, local_s, cfg.bucket_size, tk.key, cfg.packing)
+            payload = codec.assemble(packed, st.numel, cfg.packing, local_s, cfg.bucket_size, shape=tensor.shape)
             payload[3:4] = st.nonfinite.to(torch.uint8).reshape(1)
-            self._record_tensor(tk, t, local_s)
+            self._record_tensor(tk)
             self.stats.codec_s += time.perf_counter() - t0
             self._send(tk, payload)
         return tk
@@ -205,9 +205,10 @@ class AllgatherExchange:
             return
         cfg = self.config
         shared = v[_HS_FIXED:].to(torch.float32)
-        t = codec.ternarize(tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key)
-        payload = codec.encode(t, cfg.packing, shared, cfg.bucket_size, shape=tk.shape)
-        self._record_tensor(tk, t, shared)
+        backend = backends.for_device(tk.g32.device)
+        packed = backend.ternarize_pack(tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key, cfg.packing)
+        payload = codec.assemble(packed, tk.g32.numel(), cfg.packing, shared, cfg.bucket_size, shape=tk.shape)
+        self._record_tensor(tk)
         self.stats.codec_s += time.perf_counter() - t0
         self._send(tk, payload)
 
@@ -222,10 +223,9 @@ class AllgatherExchange:
                 log.warning("%s; its averaged gradient is set to zero on every rank this step "
                             "(on_nonfinite='zero'; warned once per tensor)", msg)
 
-    def _record_tensor(self, tk: Ticket, t: torch.Tensor, scalers: torch.Tensor) -> None:
+    def _record_tensor(self, tk: Ticket) -> None:
         self.stats.tensors += 1
-        self.stats.elements += t.numel()
-        self.stats.per_tensor[tk.name] = (t, scalers)
+        self.stats.elements += tk.g32.numel()
 
     def _send(self, tk: Ticket, payload: torch.Tensor) -> None:
         tk.payload_bytes = payload.numel()
@@ -258,7 +258,14 @@ class AllgatherExchange:
             if tk.error is not None:
                 raise tk.error
             return None
-        out = codec.decode_average(payloads, headers, divisor=len(payloads) if tk.average else 1)
+        h0 = headers[0]
+        if any((h.fmt, h.bucket_size) != (h0.fmt, h0.bucket_size) for h in headers):
+            raise RankMismatchError(f"TernGrad: ranks use different packing or bucket settings for '{tk.name}': "
+                                    f"{[(h.fmt, h.bucket_size) for h in headers]}")
+        parts = [codec.packing.split(p, h) for p, h in zip(payloads, headers)]
+        out = backends.for_device(gathered.device).decode_average(
+            [c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt, h0.bucket_size,
+            len(payloads) if tk.average else 1)
         self.stats.codec_s += time.perf_counter() - t0
         return out
 

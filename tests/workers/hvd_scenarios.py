@@ -74,7 +74,7 @@ def scenario_exact(cfg_kwargs, bpps=1, dtype=torch.float32):
     model = train_steps(comp, steps=3, bpps=bpps, dtype=dtype)
     return {"config": comp.config, "inputs": comp.inputs, "outputs": comp.outputs,
             "names": names_in_order(model), "params": [p.detach().clone() for p in model.parameters()],
-            "stats": vars(comp.stats).copy() | {"per_tensor": None}}
+            "stats": vars(comp.stats).copy()}
 
 
 def run(name):

@@ -1,0 +1,155 @@
+"""Fused CPU backend: ``terngrad_cpu.c`` compiled once with the system C compiler, called via ctypes.
+
+One pass per stage and no tensor-sized temporaries besides the output; OpenMP threads follow
+``torch.get_num_threads()``.  The shared object is cached under ``$HOROVOD_TERNGRAD_CACHE`` (default
+``~/.cache/horovod-terngrad``) keyed by a hash of the source, the flags, the compiler and the CPU, and is
+written atomically, so ranks starting together on one host compile it at most a few times and never
+load a half-written file.  Without a working compiler ``load()`` returns None and the caller falls back
+to the torch reference (with one warning).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from .. import codec
+from ..codec.packing import FORMATS
+
+log = logging.getLogger("horovod_terngrad")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "terngrad_cpu.c")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11", "-fPIC", "-shared"]
+ABI_VERSION = 1
+
+_c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
+_P = ctypes.c_void_p
+
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("HOROVOD_TERNGRAD_CACHE",
+                                       os.path.join(os.path.expanduser("~"), ".cache", "horovod-terngrad")),
+                        "cpu")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(cc: str | None = None) -> str:
+    """Compile (or find in the cache) the shared object; returns its path.  Raises on failure."""
+    cc = cc or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    flags = CFLAGS + (["-fopenmp"] if _has_openmp(cc) else [])
+    tag = hashlib.sha256(src + repr((flags, ver, platform.machine(), _cpu_model())).encode()).hexdigest()[:16]
+    out_dir = cache_dir()
+    so = os.path.join(out_dir, f"terngrad_cpu-{tag}.so")
+    if os.path.exists(so):
+        return so
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        p = subprocess.run([cc, *flags, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE}:\n{p.stderr[-2000:]}")
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return so
+
+
+def _has_openmp(cc: str) -> bool:
+    with tempfile.TemporaryDirectory() as d:
+        c = os.path.join(d, "t.c")
+        with open(c, "w") as f:
+            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
+        return subprocess.run([cc, "-fopenmp", c, "-o", os.path.join(d, "t")],
+                              capture_output=True).returncode == 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class FusedCPUBackend:
+    name = "cpu-fused"
+
+    def __init__(self, lib: ctypes.CDLL):
+        if lib.tg_abi_version() != ABI_VERSION:
+            raise RuntimeError("terngrad_cpu ABI mismatch")
+        lib.tg_stats.argtypes = [_P, _c_int64, _c_int64, _P, _P, _P, _c_int64, _c_int]
+        lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
+        lib.tg_ternarize_pack.argtypes = [_P, _c_int64, _c_float, _P, _c_int64, _u32, _u32, _c_int, _P, _c_int]
+        lib.tg_decode_average.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
+        for fn in (lib.tg_stats, lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared):
+            fn.restype = None
+        self.lib = lib
+
+    @staticmethod
+    def _threads() -> int:
+        return max(1, torch.get_num_threads())
+
+    def stats(self, g32: torch.Tensor, bucket_size: int) -> codec.TensorStats:
+        n = g32.numel()
+        nblk = max(1, -(-n // codec.ternary.STATS_BLOCK))
+        nb = codec.num_buckets(n, bucket_size)
+        blk = torch.zeros(2, nblk, dtype=torch.float64)
+        maxabs = torch.zeros(nb, dtype=torch.float32)
+        if n:
+            self.lib.tg_stats(_ptr(g32), n, bucket_size, _ptr(blk[0]), _ptr(blk[1]), _ptr(maxabs), nb,
+                              self._threads())
+        return codec.ternary.stats_from_blocks(n, blk[0], blk[1], maxabs)
+
+    def ternarize_pack(self, g32, threshold, scalers, bucket_size, key, fmt) -> torch.Tensor:
+        n = g32.numel()
+        out = torch.empty(codec.packed_size(n, fmt), dtype=torch.uint8)
+        s = scalers.to(torch.float32).contiguous()
+        if n:
+            self.lib.tg_ternarize_pack(_ptr(g32), n, float(threshold), _ptr(s), bucket_size, key[0], key[1],
+                                       FORMATS[fmt], _ptr(out), self._threads())
+        return out
+
+    def decode_average(self, packed: list, scalers: list, numel: int, fmt: str, bucket_size: int,
+                       divisor: float) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32)
+        if numel:
+            packed = [p.contiguous() for p in packed]
+            scalers = [s.to(torch.float32).contiguous() for s in scalers]
+            k = len(packed)
+            pp = (ctypes.c_void_p * k)(*[_ptr(p) for p in packed])
+            if all(torch.equal(s, scalers[0]) for s in scalers[1:]):
+                self.lib.tg_decode_shared(pp, _ptr(scalers[0]), k, numel, FORMATS[fmt], bucket_size,
+                                          float(divisor), _ptr(out), self._threads())
+            else:
+                sp = (ctypes.c_void_p * k)(*[_ptr(s) for s in scalers])
+                self.lib.tg_decode_average(pp, sp, k, numel, FORMATS[fmt], bucket_size, float(divisor),
+                                           _ptr(out), self._threads())
+        return out
+
+
+def load() -> FusedCPUBackend | None:
+    """The fused backend, or None (with one warning) when it cannot be built here."""
+    try:
+        return FusedCPUBackend(ctypes.CDLL(build()))
+    except Exception as e:  # noqa: BLE001 - any failure means: use the reference path
+        log.warning("TernGrad: fused CPU codec unavailable (%s); using the slower torch reference path", e)
+        return None

@@ -1,0 +1,243 @@
+/* Fused CPU codec of horovod-terngrad: one pass per stage, no tensor-sized temporaries.
+ *
+ * It computes exactly the fp32/fp64 operations the reference (horovod_terngrad/codec) specifies, in
+ * the same order, so its bytes are identical to the reference and to kernels/terngrad.cu:
+ *   stats:     fp64 sums in blocks of TG_STATS_BLOCK elements, 8 interleaved lanes per block summed
+ *              sequentially, lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), blocks sequentially;
+ *              max |g| per bucket; a NaN/Inf flag.
+ *   ternarize: c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24 with
+ *              h = mix32(mix32(lo ^ k0) ^ hi ^ k1); code 1 for +1, 2 for -1, 0 for 0.
+ *   decode:    out = (sum over payloads in order of v * s) / divisor, all fp32.
+ * Build with -ffp-contract=off (no fused multiply-add changing roundings) and no -ffast-math;
+ * -fno-trapping-math only lets the compiler if-convert float selects so the loops vectorize.
+ */
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define TG_STATS_BLOCK 2048
+#define TG_LANES 8
+#define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
+
+int tg_abi_version(void) { return 1; }
+
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+    return x;
+}
+
+/* Per-block partial sums (blk_sum/blk_sq, nblk entries) and per-bucket max |g|.  NaN/Inf need no
+ * check of their own: they make the fp64 sums non-finite (finite fp32 squares cannot overflow fp64). */
+void tg_stats(const float *g, int64_t n, int64_t bucket, double *blk_sum, double *blk_sq,
+              float *maxabs, int64_t nbuckets, int nthreads) {
+    int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
+    float whole = 0.0f;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(max : whole)
+    for (int64_t b = 0; b < nblk; b++) {
+        double s[TG_LANES] = {0}, q[TG_LANES] = {0};
+        float m[TG_LANES] = {0};
+        int64_t lo = b * TG_STATS_BLOCK, hi = lo + TG_STATS_BLOCK < n ? lo + TG_STATS_BLOCK : n;
+        int64_t i = lo;
+        for (; i + TG_LANES <= hi; i += TG_LANES) {
+            for (int l = 0; l < TG_LANES; l++) {
+                float a = g[i + l];
+                double v = (double)a;
+                s[l] += v;
+                q[l] += v * v;
+                a = fabsf(a);
+                m[l] = a > m[l] ? a : m[l];
+            }
+        }
+        for (int l = 0; i < hi; i++, l++) {
+            float a = g[i];
+            double v = (double)a;
+            s[l] += v;
+            q[l] += v * v;
+            a = fabsf(a);
+            m[l] = a > m[l] ? a : m[l];
+        }
+        blk_sum[b] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        blk_sq[b] = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+        for (int l = 0; l < TG_LANES; l++) whole = m[l] > whole ? m[l] : whole;
+    }
+    if (bucket <= 0) {
+        maxabs[0] = whole;
+        return;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t k = 0; k < nbuckets; k++) {
+        int64_t lo = k * bucket, hi = lo + bucket < n ? lo + bucket : n;
+        float m = 0.0f;
+        for (int64_t j = lo; j < hi; j++) {
+            float a = fabsf(g[j]);
+            m = a > m ? a : m;
+        }
+        maxabs[k] = m;
+    }
+}
+
+/* Ternarize and pack (fmt 1 = 2bit, 2 = base3) into out (ceil(n/4) or ceil(n/5) bytes). */
+void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scalers, int64_t bucket,
+                       uint32_t k0, uint32_t k1, int fmt, uint8_t *out, int nthreads) {
+    const int per = fmt == 1 ? 4 : 5;
+    int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint8_t codes[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
+        /* Element index split as hi:lo 32-bit words; lo wraps inside a chunk at most once. */
+        const uint32_t base_lo = (uint32_t)lo, base_hi = (uint32_t)((uint64_t)lo >> 32);
+        float sbuf[TG_CHUNK];
+        if (bucket <= 0) {
+            for (int j = 0; j < TG_CHUNK; j++) sbuf[j] = scalers[0];
+        } else {
+            for (int j = 0; j < cnt; j++) sbuf[j] = scalers[(lo + j) / bucket];
+        }
+        const float *gc = g + lo;
+        /* Two simple loops (hash, then decide) vectorize far better than one fused body. */
+        uint32_t hbuf[TG_CHUNK];
+        for (int j = 0; j < (int)cnt; j++) {
+            uint32_t ilo = base_lo + (uint32_t)j;
+            uint32_t ihi = base_hi + (uint32_t)(ilo < base_lo);
+            hbuf[j] = mix32(mix32(ilo ^ k0) ^ ihi ^ k1) >> 8;
+        }
+        for (int j = 0; j < (int)cnt; j++) {
+            float c = gc[j];
+            c = c > thr ? thr : c;
+            c = c < -thr ? -thr : c;
+            float p = fabsf(c) / sbuf[j];
+            int keep = (float)(int32_t)hbuf[j] < p * 16777216.0f;
+            int code = (c > 0.0f) | ((c < 0.0f) << 1);
+            codes[j] = (uint8_t)(keep ? code : 0);
+        }
+        for (int64_t j = cnt; j < TG_CHUNK; j++) codes[j] = 0;
+        int64_t nbytes = (cnt + per - 1) / per;
+        uint8_t *o = out + lo / per;
+        if (fmt == 1) {
+            for (int64_t b = 0; b < nbytes; b++)
+                o[b] = (uint8_t)(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) |
+                                 (codes[4 * b + 3] << 6));
+        } else {
+            for (int64_t b = 0; b < nbytes; b++)
+                o[b] = (uint8_t)(codes[5 * b] + 3 * codes[5 * b + 1] + 9 * codes[5 * b + 2] +
+                                 27 * codes[5 * b + 3] + 81 * codes[5 * b + 4]);
+        }
+    }
+}
+
+/* Lane tables for counting decode: each byte maps to its codes' (t + 1) values packed in lanes of a
+ * uint64, so N payloads are summed with one 64-bit add per byte and payload (no carries between
+ * lanes: 2bit uses 4 lanes of 16 bits, N <= 32767; base3 5 lanes of 12 bits, N <= 2047). */
+static uint64_t lut2[256], lut3[256];
+static void init_luts(void) {
+    static int done = 0;
+    if (done) return;
+    for (unsigned x = 0; x < 256; x++) {
+        uint64_t a = 0, b = 0;
+        for (int q = 0; q < 4; q++) {
+            unsigned c = (x >> (2 * q)) & 3;          /* code 3 is invalid: read as 0 */
+            unsigned t1 = c == 1 ? 2 : (c == 2 ? 0 : 1);
+            a |= (uint64_t)t1 << (16 * q);
+        }
+        unsigned y = x;
+        for (int q = 0; q < 5; q++) {
+            unsigned c = x < 243 ? y % 3 : 0;
+            y /= 3;
+            unsigned t1 = c == 1 ? 2 : (c == 2 ? 0 : 1);
+            b |= (uint64_t)t1 << (12 * q);
+        }
+        lut2[x] = a;
+        lut3[x] = b;
+    }
+    done = 1;
+}
+
+int tg_max_counting_payloads(int fmt) { return fmt == 1 ? 32767 : 2047; }
+
+/* Shared scaler (every payload carries the same scalers): out = ((float)k * s) / divisor with
+ * k = sum of the payloads' ternary values, an exact integer. */
+void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
+                      int64_t bucket, float divisor, float *out, int nthreads) {
+    init_luts();
+    const int per = fmt == 1 ? 4 : 5, shift = fmt == 1 ? 16 : 12;
+    const uint64_t mask = fmt == 1 ? 0xFFFF : 0xFFF;
+    const uint64_t *lut = fmt == 1 ? lut2 : lut3;
+    const int maxgroup = tg_max_counting_payloads(fmt);
+    int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint64_t acc[TG_CHUNK / 4];
+        int32_t k[TG_CHUNK];
+        float kf[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
+        int64_t nbytes = (cnt + per - 1) / per;
+        const int64_t b0 = lo / per;
+        for (int64_t j = 0; j < TG_CHUNK; j++) k[j] = 0;
+        for (int p0 = 0; p0 < npay; p0 += maxgroup) {      /* groups small enough for the lanes */
+            int p1 = p0 + maxgroup < npay ? p0 + maxgroup : npay;
+            for (int64_t b = 0; b < nbytes; b++) acc[b] = lut[packed[p0][b0 + b]];
+            for (int p = p0 + 1; p < p1; p++) {
+                const uint8_t *src = packed[p] + b0;
+                for (int64_t b = 0; b < nbytes; b++) acc[b] += lut[src[b]];
+            }
+            for (int64_t b = 0; b < nbytes; b++) {
+                uint64_t a = acc[b];
+                for (int q = 0; q < per; q++) k[per * b + q] += (int)((a >> (shift * q)) & mask) - (p1 - p0);
+            }
+        }
+        for (int64_t j = 0; j < cnt; j++) kf[j] = (float)k[j];
+        if (bucket <= 0) {
+            const float s = scalers[0];
+            for (int64_t j = 0; j < cnt; j++) out[lo + j] = (kf[j] * s) / divisor;
+        } else {
+            for (int64_t j = 0; j < cnt; j++) out[lo + j] = (kf[j] * scalers[(lo + j) / bucket]) / divisor;
+        }
+    }
+}
+
+/* Scalers differ between payloads: out[i] = (sum_p v_p[i] * s_p[i]) / divisor, fp32, in payload order. */
+void tg_decode_average(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
+                       int fmt, int64_t bucket, float divisor, float *out, int nthreads) {
+    static const float val[4] = {0.0f, 1.0f, -1.0f, 0.0f}; /* code 3 is invalid: read as 0 */
+    const int per = fmt == 1 ? 4 : 5;
+    int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        float acc[TG_CHUNK];
+        float v[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
+        int64_t nbytes = (cnt + per - 1) / per;
+        for (int p = 0; p < npay; p++) {
+            const uint8_t *src = packed[p] + lo / per;
+            if (fmt == 1) {
+                for (int64_t b = 0; b < nbytes; b++) {
+                    uint8_t x = src[b];
+                    v[4 * b] = val[x & 3]; v[4 * b + 1] = val[(x >> 2) & 3];
+                    v[4 * b + 2] = val[(x >> 4) & 3]; v[4 * b + 3] = val[(x >> 6) & 3];
+                }
+            } else {
+                for (int64_t b = 0; b < nbytes; b++) {
+                    unsigned x = src[b];
+                    for (int q = 0; q < 5; q++) { v[5 * b + q] = val[x % 3]; x /= 3; }
+                }
+            }
+            if (bucket <= 0) {
+                const float s = scalers[p][0];
+                if (p == 0) for (int64_t j = 0; j < cnt; j++) acc[j] = 0.0f + v[j] * s;
+                else for (int64_t j = 0; j < cnt; j++) acc[j] += v[j] * s;
+            } else {
+                for (int64_t j = 0; j < cnt; j++) {
+                    float s = scalers[p][(lo + j) / bucket];
+                    acc[j] = (p == 0 ? 0.0f : acc[j]) + v[j] * s;
+                }
+            }
+        }
+        for (int64_t j = 0; j < cnt; j++) out[lo + j] = acc[j] / divisor;
+    }
+}
