@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -21,12 +22,13 @@ import tempfile
 import torch
 
 from .. import codec
+from ..codec import packing
 from ..codec.packing import FORMATS
 
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -91,16 +93,19 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class FusedCPUBackend:
+    """Host backend: scalars come back as Python floats, payloads are written in place."""
+
     name = "cpu-fused"
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
             raise RuntimeError("terngrad_cpu ABI mismatch")
-        lib.tg_stats.argtypes = [_P, _c_int64, _c_int64, _P, _P, _P, _c_int64, _c_int]
-        lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
+        lib.tg_stats.argtypes = [_P, _c_int64, _c_int64, _P, _P, _c_int64, _c_int]
+        lib.tg_stats.restype = ctypes.c_int
         lib.tg_ternarize_pack.argtypes = [_P, _c_int64, _c_float, _P, _c_int64, _u32, _u32, _c_int, _P, _c_int]
         lib.tg_decode_average.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
-        for fn in (lib.tg_stats, lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared):
+        lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
+        for fn in (lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared):
             fn.restype = None
         self.lib = lib
 
@@ -108,41 +113,58 @@ class FusedCPUBackend:
     def _threads() -> int:
         return max(1, torch.get_num_threads())
 
-    def stats(self, g32: torch.Tensor, bucket_size: int) -> codec.TensorStats:
+    def stats(self, g32: torch.Tensor, bucket_size: int) -> tuple[float, float, torch.Tensor]:
+        """(Σg, Σg², max|g| per bucket) in the codec's defined order."""
         n = g32.numel()
-        nblk = max(1, -(-n // codec.ternary.STATS_BLOCK))
         nb = codec.num_buckets(n, bucket_size)
-        blk = torch.zeros(2, nblk, dtype=torch.float64)
+        totals = (ctypes.c_double * 2)(0.0, 0.0)
         maxabs = torch.zeros(nb, dtype=torch.float32)
-        if n:
-            self.lib.tg_stats(_ptr(g32), n, bucket_size, _ptr(blk[0]), _ptr(blk[1]), _ptr(maxabs), nb,
-                              self._threads())
-        return codec.ternary.stats_from_blocks(n, blk[0], blk[1], maxabs)
+        if n and self.lib.tg_stats(_ptr(g32), n, bucket_size, totals, _ptr(maxabs), nb, self._threads()):
+            raise MemoryError("tg_stats: out of memory")
+        return totals[0], totals[1], maxabs
 
-    def ternarize_pack(self, g32, threshold, scalers, bucket_size, key, fmt) -> torch.Tensor:
+    def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
         n = g32.numel()
-        out = torch.empty(codec.packed_size(n, fmt), dtype=torch.uint8)
+        total, sumsq, maxabs = self.stats(g32, bucket_size)
+        nonfinite = not (math.isfinite(total) and math.isfinite(sumsq))
+        thr = codec.ternary.clip_threshold_host(n, total, sumsq, clip_factor)
+        if nonfinite:
+            scalers = torch.zeros_like(maxabs)
+        elif maxabs.numel() == 1:
+            scalers = torch.tensor([min(maxabs.item(), thr)], dtype=torch.float32)
+        else:
+            scalers = torch.clamp(maxabs, max=thr)
+        return codec.Prepared(n, thr, scalers, nonfinite)
+
+    def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
+        n = g32.numel()
+        payload, region = packing.new_payload(n, fmt, scalers, bucket_size, flags, shape)
         s = scalers.to(torch.float32).contiguous()
         if n:
             self.lib.tg_ternarize_pack(_ptr(g32), n, float(threshold), _ptr(s), bucket_size, key[0], key[1],
-                                       FORMATS[fmt], _ptr(out), self._threads())
-        return out
+                                       FORMATS[fmt], _ptr(region), self._threads())
+        return payload
 
-    def decode_average(self, packed: list, scalers: list, numel: int, fmt: str, bucket_size: int,
-                       divisor: float) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
-        if numel:
-            packed = [p.contiguous() for p in packed]
-            scalers = [s.to(torch.float32).contiguous() for s in scalers]
-            k = len(packed)
-            pp = (ctypes.c_void_p * k)(*[_ptr(p) for p in packed])
-            if all(torch.equal(s, scalers[0]) for s in scalers[1:]):
-                self.lib.tg_decode_shared(pp, _ptr(scalers[0]), k, numel, FORMATS[fmt], bucket_size,
-                                          float(divisor), _ptr(out), self._threads())
-            else:
-                sp = (ctypes.c_void_p * k)(*[_ptr(s) for s in scalers])
-                self.lib.tg_decode_average(pp, sp, k, numel, FORMATS[fmt], bucket_size, float(divisor),
-                                           _ptr(out), self._threads())
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+        h0 = headers[0]
+        n, nb = h0.numel, h0.num_scalers
+        out = torch.empty(n, dtype=torch.float32)
+        if not n:
+            return out
+        raw = memoryview(gathered.numpy())
+        hb = packing.HEADER_BYTES
+        scaler_bytes = [bytes(raw[o + hb:o + hb + 4 * nb]) for o in offsets]
+        scalers = torch.frombuffer(bytearray(b"".join(scaler_bytes)), dtype=torch.float32).view(len(offsets), nb)
+        base = gathered.data_ptr()
+        k = len(offsets)
+        pp = (ctypes.c_void_p * k)(*[base + o + hb + 4 * nb for o in offsets])
+        if all(torch.equal(scalers[i], scalers[0]) for i in range(1, k)):
+            self.lib.tg_decode_shared(pp, _ptr(scalers[0]), k, n, FORMATS[h0.fmt], h0.bucket_size,
+                                      float(divisor), _ptr(out), self._threads())
+        else:
+            sp = (ctypes.c_void_p * k)(*[_ptr(scalers[i]) for i in range(k)])
+            self.lib.tg_decode_average(pp, sp, k, n, FORMATS[h0.fmt], h0.bucket_size, float(divisor),
+                                       _ptr(out), self._threads())
         return out
 
 

@@ -4,17 +4,22 @@ from __future__ import annotations
 import torch
 
 from .. import codec
+from ..codec import packing
 
 
 class ReferenceBackend:
     name = "torch"
 
-    def stats(self, g32: torch.Tensor, bucket_size: int) -> codec.TensorStats:
-        return codec.tensor_stats(g32, bucket_size)
+    def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
+        return codec.prepare(g32, bucket_size, clip_factor)
 
-    def ternarize_pack(self, g32, threshold, scalers, bucket_size, key, fmt) -> torch.Tensor:
-        return codec.pack(codec.ternarize(g32, threshold, scalers, bucket_size, key), fmt)
+    def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
+        payload, region = packing.new_payload(g32.numel(), fmt, scalers, bucket_size, flags, shape)
+        region.copy_(codec.pack(codec.ternarize(g32, threshold, scalers, bucket_size, key), fmt))
+        return payload
 
-    def decode_average(self, packed: list, scalers: list, numel: int, fmt: str, bucket_size: int,
-                       divisor: float) -> torch.Tensor:
-        return codec.packing.average_packed(packed, scalers, numel, fmt, bucket_size, divisor)
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+        parts = [packing.split(gathered[o:o + h.total_bytes], h) for h, o in zip(headers, offsets)]
+        h0 = headers[0]
+        return packing.average_packed([c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt,
+                                      h0.bucket_size, divisor)

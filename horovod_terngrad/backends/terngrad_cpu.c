@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -22,7 +23,7 @@
 #define TG_LANES 8
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 1; }
+int tg_abi_version(void) { return 2; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -31,8 +32,8 @@ static inline uint32_t mix32(uint32_t x) {
 
 /* Per-block partial sums (blk_sum/blk_sq, nblk entries) and per-bucket max |g|.  NaN/Inf need no
  * check of their own: they make the fp64 sums non-finite (finite fp32 squares cannot overflow fp64). */
-void tg_stats(const float *g, int64_t n, int64_t bucket, double *blk_sum, double *blk_sq,
-              float *maxabs, int64_t nbuckets, int nthreads) {
+static void stats_blocks(const float *g, int64_t n, int64_t bucket, double *blk_sum, double *blk_sq,
+                         float *maxabs, int64_t nbuckets, int nthreads) {
     int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
     float whole = 0.0f;
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(max : whole)
@@ -77,6 +78,22 @@ void tg_stats(const float *g, int64_t n, int64_t bucket, double *blk_sum, double
         }
         maxabs[k] = m;
     }
+}
+
+/* totals[0] = sum g, totals[1] = sum g^2 (block partials added in block order), maxabs per bucket. */
+int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *maxabs, int64_t nbuckets,
+             int nthreads) {
+    int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
+    double stack_buf[2 * 64];
+    double *buf = nblk <= 64 ? stack_buf : (double *)malloc(sizeof(double) * 2 * (size_t)nblk);
+    if (!buf) return -1;
+    stats_blocks(g, n, bucket, buf, buf + nblk, maxabs, nbuckets, nthreads);
+    double s = 0.0, q = 0.0;
+    for (int64_t b = 0; b < nblk; b++) { s += buf[b]; q += buf[nblk + b]; }
+    totals[0] = s;
+    totals[1] = q;
+    if (buf != stack_buf) free(buf);
+    return 0;
 }
 
 /* Ternarize and pack (fmt 1 = 2bit, 2 = base3) into out (ceil(n/4) or ceil(n/5) bytes). */
@@ -129,73 +146,81 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
     }
 }
 
-/* Lane tables for counting decode: each byte maps to its codes' (t + 1) values packed in lanes of a
- * uint64, so N payloads are summed with one 64-bit add per byte and payload (no carries between
- * lanes: 2bit uses 4 lanes of 16 bits, N <= 32767; base3 5 lanes of 12 bits, N <= 2047). */
-static uint64_t lut2[256], lut3[256];
+/* Counting decode tables: each byte maps to its codes' (t + 1) values in 16-bit lanes, so N
+ * payloads are summed with one 64-bit add per byte and payload with no carry between lanes
+ * (N <= 32767 per group).  2bit: codes 0..3 in lanes 0..3 of lo.  base3: codes 0..3 in lo, code 4 in hi. */
+static uint64_t lut_lo2[256], lut_lo3[256];
+static uint16_t lut_hi3[256];
 static void init_luts(void) {
-    static int done = 0;
+    static volatile int done = 0;
     if (done) return;
     for (unsigned x = 0; x < 256; x++) {
         uint64_t a = 0, b = 0;
-        for (int q = 0; q < 4; q++) {
-            unsigned c = (x >> (2 * q)) & 3;          /* code 3 is invalid: read as 0 */
-            unsigned t1 = c == 1 ? 2 : (c == 2 ? 0 : 1);
-            a |= (uint64_t)t1 << (16 * q);
-        }
         unsigned y = x;
         for (int q = 0; q < 5; q++) {
-            unsigned c = x < 243 ? y % 3 : 0;
+            unsigned c2 = (x >> (2 * q)) & 3;               /* code 3 is invalid: read as 0 */
+            unsigned c3 = x < 243 ? y % 3 : 0;
             y /= 3;
-            unsigned t1 = c == 1 ? 2 : (c == 2 ? 0 : 1);
-            b |= (uint64_t)t1 << (12 * q);
+            unsigned t2 = c2 == 1 ? 2 : (c2 == 2 ? 0 : 1), t3 = c3 == 1 ? 2 : (c3 == 2 ? 0 : 1);
+            if (q < 4) {
+                a |= (uint64_t)t2 << (16 * q);
+                b |= (uint64_t)t3 << (16 * q);
+            } else {
+                lut_hi3[x] = (uint16_t)t3;
+            }
         }
-        lut2[x] = a;
-        lut3[x] = b;
+        lut_lo2[x] = a;
+        lut_lo3[x] = b;
     }
     done = 1;
 }
 
-int tg_max_counting_payloads(int fmt) { return fmt == 1 ? 32767 : 2047; }
+#define TG_MAX_GROUP 32767
 
 /* Shared scaler (every payload carries the same scalers): out = ((float)k * s) / divisor with
  * k = sum of the payloads' ternary values, an exact integer. */
 void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
                       int64_t bucket, float divisor, float *out, int nthreads) {
     init_luts();
-    const int per = fmt == 1 ? 4 : 5, shift = fmt == 1 ? 16 : 12;
-    const uint64_t mask = fmt == 1 ? 0xFFFF : 0xFFF;
-    const uint64_t *lut = fmt == 1 ? lut2 : lut3;
-    const int maxgroup = tg_max_counting_payloads(fmt);
+    const int per = fmt == 1 ? 4 : 5;
+    const uint64_t *lut = fmt == 1 ? lut_lo2 : lut_lo3;
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t ch = 0; ch < nchunks; ch++) {
-        uint64_t acc[TG_CHUNK / 4];
+        uint64_t lo[TG_CHUNK / 4];
+        uint16_t hi[TG_CHUNK / 5];
         int32_t k[TG_CHUNK];
-        float kf[TG_CHUNK];
-        int64_t lo = ch * TG_CHUNK;
-        int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
+        int64_t start = ch * TG_CHUNK;
+        int64_t cnt = n - start < TG_CHUNK ? n - start : TG_CHUNK;
         int64_t nbytes = (cnt + per - 1) / per;
-        const int64_t b0 = lo / per;
+        const int64_t b0 = start / per;
         for (int64_t j = 0; j < TG_CHUNK; j++) k[j] = 0;
-        for (int p0 = 0; p0 < npay; p0 += maxgroup) {      /* groups small enough for the lanes */
-            int p1 = p0 + maxgroup < npay ? p0 + maxgroup : npay;
-            for (int64_t b = 0; b < nbytes; b++) acc[b] = lut[packed[p0][b0 + b]];
-            for (int p = p0 + 1; p < p1; p++) {
+        for (int p0 = 0; p0 < npay; p0 += TG_MAX_GROUP) {
+            int p1 = p0 + TG_MAX_GROUP < npay ? p0 + TG_MAX_GROUP : npay;
+            const int32_t bias = p1 - p0;
+            for (int64_t b = 0; b < nbytes; b++) lo[b] = 0;
+            for (int64_t b = 0; b < nbytes && fmt != 1; b++) hi[b] = 0;
+            for (int p = p0; p < p1; p++) {
                 const uint8_t *src = packed[p] + b0;
-                for (int64_t b = 0; b < nbytes; b++) acc[b] += lut[src[b]];
+                for (int64_t b = 0; b < nbytes; b++) lo[b] += lut[src[b]];
+                if (fmt != 1)
+                    for (int64_t b = 0; b < nbytes; b++) hi[b] += lut_hi3[src[b]];
             }
-            for (int64_t b = 0; b < nbytes; b++) {
-                uint64_t a = acc[b];
-                for (int q = 0; q < per; q++) k[per * b + q] += (int)((a >> (shift * q)) & mask) - (p1 - p0);
+            const uint16_t *l16 = (const uint16_t *)lo;   /* little-endian lanes, in element order */
+            if (fmt == 1) {
+                for (int64_t j = 0; j < cnt; j++) k[j] += (int32_t)l16[j] - bias;
+            } else {
+                for (int64_t b = 0; b < nbytes; b++) {
+                    for (int q = 0; q < 4; q++) k[5 * b + q] += (int32_t)l16[4 * b + q] - bias;
+                    k[5 * b + 4] += (int32_t)hi[b] - bias;
+                }
             }
         }
-        for (int64_t j = 0; j < cnt; j++) kf[j] = (float)k[j];
         if (bucket <= 0) {
             const float s = scalers[0];
-            for (int64_t j = 0; j < cnt; j++) out[lo + j] = (kf[j] * s) / divisor;
+            for (int64_t j = 0; j < cnt; j++) out[start + j] = ((float)k[j] * s) / divisor;
         } else {
-            for (int64_t j = 0; j < cnt; j++) out[lo + j] = (kf[j] * scalers[(lo + j) / bucket]) / divisor;
+            for (int64_t j = 0; j < cnt; j++) out[start + j] = ((float)k[j] * scalers[(start + j) / bucket]) / divisor;
         }
     }
 }

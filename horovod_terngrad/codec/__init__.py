@@ -2,13 +2,13 @@
 from .packing import (FORMATS, assemble, average_packed, HEADER_BYTES, Header, PayloadError, decode_average, encode, pack,
                       packed_size, parse_header, read_header, payload_size, unpack)
 from .rng import stream_key, tensor_id, uniform24, uniform24_scalar
-from .ternary import (TensorStats, clip_threshold, local_scalers, num_buckets, tensor_stats,
+from .ternary import (Prepared, TensorStats, prepare, clip_threshold, local_scalers, num_buckets, tensor_stats,
                       ternarize)
 
 __all__ = [
     "assemble", "average_packed",
     "FORMATS", "HEADER_BYTES", "Header", "PayloadError", "decode_average", "encode", "pack",
     "packed_size", "parse_header", "read_header", "payload_size", "unpack", "stream_key", "tensor_id", "uniform24",
-    "uniform24_scalar", "TensorStats", "clip_threshold", "local_scalers", "num_buckets",
+    "uniform24_scalar", "Prepared", "prepare", "TensorStats", "clip_threshold", "local_scalers", "num_buckets",
     "tensor_stats", "ternarize",
 ]

@@ -139,33 +139,72 @@ def encode(t: torch.Tensor, fmt: str, scalers: torch.Tensor, bucket_size: int,
                     t.shape if shape is None else shape)
 
 
-def assemble(packed: torch.Tensor, n: int, fmt: str, scalers: torch.Tensor, bucket_size: int,
-             flags: int = 0, shape=None) -> torch.Tensor:
-    """Build one payload from already packed codes."""
+def header_bytes(n: int, fmt: str, bucket_size: int, flags: int = 0, shape=None) -> bytes:
     head = bytearray(HEADER_BYTES)
     head[0], head[1], head[2], head[3] = MAGIC, VERSION, FORMATS[fmt], flags
     head[4:8] = int(max(bucket_size, 0)).to_bytes(4, "little")
     head[8:16] = int(n).to_bytes(8, "little")
     head[16:20] = shape_code((n,) if shape is None else shape).to_bytes(4, "little")
-    dev = packed.device
-    parts = [torch.frombuffer(head, dtype=torch.uint8).to(dev),
-             scalers.to(torch.float32).contiguous().view(torch.uint8),
-             packed]
-    return torch.cat(parts)
+    return bytes(head)
 
 
-def read_header(buf: torch.Tensor, offset: int = 0, what: str = "payload") -> Header:
-    """Parse the 16-byte header at ``offset`` of a 1-D uint8 tensor (the rest is not checked)."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() - offset < HEADER_BYTES:
-        raise PayloadError(f"{what}: not a TernGrad payload (need a 1-D uint8 tensor with >= "
-                           f"{HEADER_BYTES} bytes at offset {offset}, got {buf.dtype} {tuple(buf.shape)})")
-    head = bytes(buf[offset:offset + HEADER_BYTES].cpu().tolist())
+def new_payload(n: int, fmt: str, scalers: torch.Tensor, bucket_size: int, flags: int = 0,
+                shape=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A payload with header and scalers written, and the view of its packed-code region to fill."""
+    nb = scalers.numel()
+    total = HEADER_BYTES + 4 * nb + packed_size(n, fmt)
+    payload = torch.empty(total, dtype=torch.uint8, device=scalers.device)
+    payload[:HEADER_BYTES] = torch.frombuffer(bytearray(header_bytes(n, fmt, bucket_size, flags, shape)),
+                                              dtype=torch.uint8)
+    payload[HEADER_BYTES:HEADER_BYTES + 4 * nb] = scalers.to(torch.float32).contiguous().view(torch.uint8)
+    return payload, payload[HEADER_BYTES + 4 * nb:]
+
+
+def assemble(packed: torch.Tensor, n: int, fmt: str, scalers: torch.Tensor, bucket_size: int,
+             flags: int = 0, shape=None) -> torch.Tensor:
+    """Build one payload from already packed codes."""
+    payload, region = new_payload(n, fmt, scalers.to(packed.device), bucket_size, flags, shape)
+    region.copy_(packed)
+    return payload
+
+
+def _parse_head(head: bytes, what: str) -> Header:
     if head[0] != MAGIC or head[1] != VERSION or head[2] not in FORMAT_NAMES:
         raise PayloadError(f"{what}: bad magic/version/format bytes {list(head[:3])}")
     return Header(fmt=FORMAT_NAMES[head[2]], flags=head[3],
                   bucket_size=int.from_bytes(head[4:8], "little"),
                   numel=int.from_bytes(head[8:16], "little"),
                   shape_code=int.from_bytes(head[16:20], "little"))
+
+
+def walk(buf: torch.Tensor, count: int, what: str = "payloads") -> tuple[list, list]:
+    """Headers and byte offsets of ``count`` payloads laid end to end in ``buf`` (an allgather result)."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise PayloadError(f"{what}: need a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
+    raw = memoryview(buf.numpy()) if buf.device.type == "cpu" else None
+    headers, offsets, off = [], [], 0
+    for r in range(count):
+        if buf.numel() - off < HEADER_BYTES:
+            raise PayloadError(f"{what}: ends at byte {off}, inside the header of payload {r}")
+        head = bytes(raw[off:off + HEADER_BYTES]) if raw is not None else \
+            bytes(buf[off:off + HEADER_BYTES].cpu().tolist())
+        h = _parse_head(head, f"{what}, payload {r}")
+        if off + h.total_bytes > buf.numel():
+            raise PayloadError(f"{what}: ends inside payload {r}")
+        headers.append(h)
+        offsets.append(off)
+        off += h.total_bytes
+    if off != buf.numel():
+        raise PayloadError(f"{what}: {buf.numel() - off} bytes left over after {count} payloads")
+    return headers, offsets
+
+
+def read_header(buf: torch.Tensor, offset: int = 0, what: str = "payload") -> Header:
+    """Parse the 20-byte header at ``offset`` of a 1-D uint8 tensor (the rest is not checked)."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() - offset < HEADER_BYTES:
+        raise PayloadError(f"{what}: not a TernGrad payload (need a 1-D uint8 tensor with >= "
+                           f"{HEADER_BYTES} bytes at offset {offset}, got {buf.dtype} {tuple(buf.shape)})")
+    return _parse_head(bytes(buf[offset:offset + HEADER_BYTES].cpu().tolist()), what)
 
 
 def parse_header(payload: torch.Tensor, what: str = "payload") -> Header:

@@ -23,6 +23,8 @@ reference the fused CPU and CUDA backends must match bit for bit.
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +103,47 @@ def clip_threshold(stats: TensorStats, clip_factor: float) -> torch.Tensor:
     return torch.where(thr > 0, thr, torch.full_like(thr, float("inf")))
 
 
+def to_f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value (ties to even), overflowing to ±inf."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def clip_threshold_host(n: int, total: float, sumsq: float, clip_factor: float) -> float:
+    """``clip_threshold`` in Python floats (IEEE double, the same operations in the same order)."""
+    if clip_factor <= 0 or n == 0:
+        return math.inf
+    mean = total / n
+    var = sumsq / n - mean * mean
+    var = var if (var >= 0 or var != var) else 0.0   # clamp(min=0), NaN passes through like torch
+    if var != var:
+        return math.nan
+    thr = to_f32(clip_factor * math.sqrt(var))
+    return thr if thr > 0 else math.inf
+
+
+@dataclass
+class Prepared:
+    """What ternarizing one tensor needs, from one statistics pass: the clip threshold, the local
+    scalers (zero where the tensor held NaN/Inf) and that flag.  Host backends give Python scalars,
+    device backends 0-d device tensors (so nothing waits for the device)."""
+
+    numel: int
+    threshold: object        # float, or fp32 0-d tensor
+    scalers: torch.Tensor    # fp32 [num_buckets]
+    nonfinite: object        # bool, or bool 0-d tensor
+
+
+def prepare(g: torch.Tensor, bucket_size: int, clip_factor: float) -> Prepared:
+    """Reference: statistics, clip threshold and local scalers with torch ops on g's device."""
+    st = tensor_stats(g, bucket_size)
+    thr = clip_threshold(st, clip_factor)
+    s = local_scalers(st, thr)
+    return Prepared(st.numel, thr, torch.where(st.nonfinite, torch.zeros_like(s), s), st.nonfinite)
+
+
 def local_scalers(stats: TensorStats, threshold: torch.Tensor) -> torch.Tensor:
     """Per-bucket scaler s = max|clip(g)| = min(max|g|, c·σ), fp32 [num_buckets]."""
     return torch.minimum(stats.maxabs, threshold)
@@ -116,6 +159,8 @@ def ternarize(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, b
     n = g.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int8, device=g.device)
+    if not isinstance(threshold, torch.Tensor):
+        threshold = torch.tensor(threshold, dtype=torch.float32, device=g.device)
     c = torch.clamp(g, -threshold, threshold)
     if scalers.numel() == 1:
         s = scalers

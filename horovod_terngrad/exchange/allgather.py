@@ -120,29 +120,23 @@ class AllgatherExchange:
         rank = self.coll.rank
         g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
         backend = backends.for_device(g32.device)
-        st = backend.stats(g32, cfg.bucket_size)
-        thr = codec.clip_threshold(st, cfg.clip_factor)
-        local_s = codec.local_scalers(st, thr)
-        local_s = torch.where(st.nonfinite, torch.zeros_like(local_s), local_s)
-        tk = Ticket(name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=thr,
+        prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
+        tk = Ticket(name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
                     key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), rank), average=average,
                     owner=self)
         if cfg.shared_scaler:
-            bad = torch.where(st.nonfinite, float(rank + 1), 0.0).to(torch.float64).reshape(1)
-            n, sc, dc = float(st.numel), float(codec.packing.shape_code(tensor.shape)), float(_DTYPE_CODES[tensor.dtype])
-            fixed = torch.tensor([0.0, 0.0, n, -n, sc, -sc, dc, -dc], dtype=torch.float64, device=g32.device)
-            fixed[0:1] = bad
-            fixed[1:2] = torch.where(bad > 0, -bad, torch.full_like(bad, -float(self.coll.size + 1)))
-            hs = torch.cat([fixed, local_s.to(torch.float64)])
+            hs = self._handshake_vector(prep, tensor)
+            self.stats.codec_s += time.perf_counter() - t0
             tk.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{name}")
             self.stats.handshake_bytes_sent += hs.numel() * 8
-            self.stats.codec_s += time.perf_counter() - t0
             self._progress(block=False)   # earlier tensors whose handshake is back go out now
             self._pending.append(tk)
         else:
-            packed = backend.ternarize_pack(g32, thr, local_s, cfg.bucket_size, tk.key, cfg.packing)
-            payload = codec.assemble(packed, st.numel, cfg.packing, local_s, cfg.bucket_size, shape=tensor.shape)
-            payload[3:4] = st.nonfinite.to(torch.uint8).reshape(1)
+            host_flag = isinstance(prep.nonfinite, bool)
+            payload = backend.encode(g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
+                                     flags=int(prep.nonfinite) if host_flag else 0, shape=tensor.shape)
+            if not host_flag:
+                payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
             self._record_tensor(tk)
             self.stats.codec_s += time.perf_counter() - t0
             self._send(tk, payload)
@@ -164,6 +158,24 @@ class AllgatherExchange:
         return self.finish(self.start(tensor, name, average))
 
     # -- internals ----------------------------------------------------------------------------
+    def _handshake_vector(self, prep: codec.Prepared, tensor: torch.Tensor) -> torch.Tensor:
+        n = float(prep.numel)
+        sc = float(codec.packing.shape_code(tensor.shape))
+        dc = float(_DTYPE_CODES[tensor.dtype])
+        rank, size = self.coll.rank, self.coll.size
+        if isinstance(prep.nonfinite, bool):          # host scalars: build it in one go
+            bad = float(rank + 1) if prep.nonfinite else 0.0
+            fixed = [bad, -bad if bad else -float(size + 1), n, -n, sc, -sc, dc, -dc]
+            if prep.scalers.numel() == 1:
+                return torch.tensor(fixed + [prep.scalers.item()], dtype=torch.float64)
+            return torch.cat([torch.tensor(fixed, dtype=torch.float64), prep.scalers.to(torch.float64)])
+        dev = prep.scalers.device                     # device scalars: no host synchronization
+        fixed = torch.tensor([0.0, 0.0, n, -n, sc, -sc, dc, -dc], dtype=torch.float64, device=dev)
+        bad = torch.where(prep.nonfinite, float(rank + 1), 0.0).to(torch.float64).reshape(1)
+        fixed[0:1] = bad
+        fixed[1:2] = torch.where(bad > 0, -bad, torch.full_like(bad, -float(size + 1)))
+        return torch.cat([fixed, prep.scalers.to(torch.float64)])
+
     def _progress(self, block: bool) -> None:
         """Turn completed (or, if block, all) handshakes into payload allgathers, in start order."""
         waiting = []
@@ -186,7 +198,8 @@ class AllgatherExchange:
         finally:
             self.stats.handshake_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        fixed = v[:_HS_FIXED].tolist()
+        values = v.tolist()
+        fixed = values[:_HS_FIXED]
         bad_hi, bad_lo = int(fixed[0]), int(-fixed[1])
         if fixed[2] != -fixed[3] or fixed[4] != -fixed[5] or fixed[6] != -fixed[7]:
             what = ("element counts range over [%d, %d]" % (-fixed[3], fixed[2]) if fixed[2] != -fixed[3]
@@ -204,10 +217,9 @@ class AllgatherExchange:
             tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor
             return
         cfg = self.config
-        shared = v[_HS_FIXED:].to(torch.float32)
-        backend = backends.for_device(tk.g32.device)
-        packed = backend.ternarize_pack(tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key, cfg.packing)
-        payload = codec.assemble(packed, tk.g32.numel(), cfg.packing, shared, cfg.bucket_size, shape=tk.shape)
+        shared = torch.tensor(values[_HS_FIXED:], dtype=torch.float32, device=tk.g32.device)
+        payload = backends.for_device(tk.g32.device).encode(
+            tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key, cfg.packing, shape=tk.shape)
         self._record_tensor(tk)
         self.stats.codec_s += time.perf_counter() - t0
         self._send(tk, payload)
@@ -232,7 +244,7 @@ class AllgatherExchange:
         self.stats.payload_bytes_sent += payload.numel()
         tk.ag = self.coll.allgather_async(payload, f"terngrad.ag.{tk.name}")
 
-    def _receive(self, tk: Ticket) -> torch.Tensor:
+    def _receive(self, tk: Ticket) -> torch.Tensor | None:
         t0 = time.perf_counter()
         try:
             gathered = self.coll.synchronize(tk.ag)
@@ -242,7 +254,10 @@ class AllgatherExchange:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.stats.bytes_received += gathered.numel() - tk.payload_bytes
-        payloads, headers = split_gathered(gathered, self.coll.size, tk.name)
+        try:
+            headers, offsets = codec.packing.walk(gathered, self.coll.size, f"gathered payloads of '{tk.name}'")
+        except codec.PayloadError as e:
+            raise TernGradError(f"TernGrad: {e}") from e
         if any(h.numel != tk.g32.numel() for h in headers):
             raise RankMismatchError(
                 f"TernGrad: ranks disagree on gradient '{tk.name}': element counts "
@@ -251,6 +266,9 @@ class AllgatherExchange:
             raise RankMismatchError(
                 f"TernGrad: ranks disagree on gradient '{tk.name}': shapes differ (this rank "
                 f"{self.coll.rank}: {tuple(tk.shape)})")
+        if len({(h.fmt, h.bucket_size) for h in headers}) != 1:
+            raise RankMismatchError(f"TernGrad: ranks use different packing or bucket settings for '{tk.name}': "
+                                    f"{[(h.fmt, h.bucket_size) for h in headers]}")
         bad = [r for r, h in enumerate(headers) if h.flags & codec.packing.FLAG_NONFINITE]
         if bad:
             self._nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains "
@@ -258,29 +276,7 @@ class AllgatherExchange:
             if tk.error is not None:
                 raise tk.error
             return None
-        h0 = headers[0]
-        if any((h.fmt, h.bucket_size) != (h0.fmt, h0.bucket_size) for h in headers):
-            raise RankMismatchError(f"TernGrad: ranks use different packing or bucket settings for '{tk.name}': "
-                                    f"{[(h.fmt, h.bucket_size) for h in headers]}")
-        parts = [codec.packing.split(p, h) for p, h in zip(payloads, headers)]
-        out = backends.for_device(gathered.device).decode_average(
-            [c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt, h0.bucket_size,
-            len(payloads) if tk.average else 1)
+        out = backends.for_device(gathered.device).decode(gathered, headers, offsets,
+                                                          len(headers) if tk.average else 1)
         self.stats.codec_s += time.perf_counter() - t0
         return out
-
-
-def split_gathered(gathered: torch.Tensor, size: int, name: str):
-    """Split an allgather result into the ranks' payloads by walking their headers."""
-    payloads, headers, off = [], [], 0
-    for r in range(size):
-        h = codec.read_header(gathered, off, f"'{name}' from rank {r}")
-        if off + h.total_bytes > gathered.numel():
-            raise TernGradError(f"TernGrad: gathered payloads of '{name}' end inside rank {r}'s payload")
-        payloads.append(gathered[off:off + h.total_bytes])
-        headers.append(h)
-        off += h.total_bytes
-    if off != gathered.numel():
-        raise TernGradError(f"TernGrad: gathered payloads of '{name}' have {gathered.numel() - off} "
-                            "bytes left over")
-    return payloads, headers

@@ -1,0 +1,101 @@
+"""Layer 2: the fused CPU backend gives the reference codec's bytes exactly."""
+import math
+
+import pytest
+import torch
+
+from horovod_terngrad import codec as C
+from horovod_terngrad.backends import REFERENCE, cpu, cpu_fused
+from horovod_terngrad.codec import packing
+
+SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 1279, 1280, 1281, 2047, 2048, 2049, 4097, 65537, 1 << 20, (1 << 21) + 3]
+
+
+@pytest.fixture(scope="module")
+def fused():
+    be = cpu_fused()
+    assert be is not None, "the fused CPU codec did not build (gcc is installed by scripts/setup.sh)"
+    return be
+
+
+def sample(n, seed):
+    g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    if n > 10:
+        g[n // 3] = 40.0   # an outlier that clipping cuts
+        g[n // 2] = 0.0
+    return g
+
+
+def assert_same_prep(a, b):
+    assert a.numel == b.numel
+    assert float(a.threshold) == float(b.threshold) or (math.isinf(float(a.threshold)) and math.isinf(float(b.threshold)))
+    assert torch.equal(a.scalers.cpu(), b.scalers.cpu())
+    assert bool(a.nonfinite) == bool(b.nonfinite)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bucket", [0, 7, 512])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_fused_matches_reference_bytes(fused, n, bucket, fmt):
+    payloads_ref, payloads_fused = [], []
+    for rank in range(3):
+        g = sample(n, seed=n * 7 + rank) * (rank + 1)
+        pr = REFERENCE.prepare(g, bucket, 2.5)
+        pf = fused.prepare(g, bucket, 2.5)
+        assert_same_prep(pr, pf)
+        key = C.stream_key(9, 4, C.tensor_id("w"), rank)
+        a = REFERENCE.encode(g, pr.threshold, pr.scalers, bucket, key, fmt, shape=(n,))
+        b = fused.encode(g, pf.threshold, pf.scalers, bucket, key, fmt, shape=(n,))
+        assert torch.equal(a, b)
+        payloads_ref.append(a)
+        # the same tensor ternarized with a shared (larger) scaler
+        shared = pr.scalers * 1.5
+        a2 = REFERENCE.encode(g, pr.threshold, shared, bucket, key, fmt)
+        b2 = fused.encode(g, pf.threshold, shared, bucket, key, fmt)
+        assert torch.equal(a2, b2)
+        payloads_fused.append(a2)
+    for payloads in (payloads_ref, payloads_fused):   # per-rank scalers, then shared ones
+        gathered = torch.cat(payloads)
+        headers, offsets = packing.walk(gathered, len(payloads))
+        for divisor in (3, 1):
+            ref = REFERENCE.decode(gathered, headers, offsets, divisor)
+            assert torch.equal(fused.decode(gathered, headers, offsets, divisor), ref)
+
+
+def test_nonfinite_detected_from_sums(fused):
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = sample(5000, 1)
+        g[4321] = bad
+        assert REFERENCE.prepare(g, 0, 2.5).nonfinite.item() is True
+        p = fused.prepare(g, 0, 2.5)
+        assert p.nonfinite is True and p.scalers.tolist() == [0.0]
+    big = torch.full((1000,), 3.0e38)   # finite fp32 whose squares overflow fp32 but not fp64
+    assert fused.prepare(big, 0, 2.5).nonfinite is False
+    assert REFERENCE.prepare(big, 0, 2.5).nonfinite.item() is False
+
+
+def test_threshold_host_and_device_agree():
+    for seed in range(50):
+        g = sample(3001, seed) * 10 ** (seed % 7 - 3)
+        st = C.tensor_stats(g)
+        dev = C.clip_threshold(st, 2.5).item()
+        host = C.ternary.clip_threshold_host(st.numel, st.sum.item(), st.sumsq.item(), 2.5)
+        assert dev == host
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOROVOD_TERNGRAD_CACHE", str(tmp_path))
+    so = cpu.build()
+    mtime = tmp_path.joinpath("cpu").stat().st_mtime_ns
+    assert so.startswith(str(tmp_path)) and so.endswith(".so")
+    assert cpu.build() == so                          # second call: found in the cache
+    assert [p.name for p in (tmp_path / "cpu").iterdir()] == [so.rsplit("/", 1)[1]]   # no temp files left
+    assert tmp_path.joinpath("cpu").stat().st_mtime_ns == mtime
+
+
+def test_missing_compiler_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("HOROVOD_TERNGRAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level("WARNING", logger="horovod_terngrad"):
+        assert cpu.load() is None
+    assert "fused CPU codec unavailable" in caplog.text
