@@ -122,10 +122,13 @@ def main(argv=None):
             st = compressor.stats
             sent = st.bytes_sent / steps_per_epoch
             bits = st.bits_per_element()
+            timing = (f"  [TernGrad per step: codec {1000 * st.codec_s / steps_per_epoch:.1f} ms, waiting for "
+                      f"handshakes {1000 * st.handshake_wait_s / steps_per_epoch:.1f} ms, for payloads "
+                      f"{1000 * st.gather_wait_s / steps_per_epoch:.1f} ms]")
         elif args.compression == "fp16":
-            sent, bits = fp32_ring_bytes / 2, 16.0
+            sent, bits, timing = fp32_ring_bytes / 2, 16.0, ""
         else:
-            sent, bits = fp32_ring_bytes, 32.0
+            sent, bits, timing = fp32_ring_bytes, 32.0, ""
         rec = {"epoch": epoch, "test_acc": acc, "loss": loss_sum / steps_per_epoch, "images_per_s": ips,
                "step_ms": step_ms, "bytes_sent_per_step": sent, "fp32_allreduce_bytes_per_step": fp32_ring_bytes,
                "bits_per_element": bits, "ranks": size, "compression": args.compression}
@@ -134,7 +137,7 @@ def main(argv=None):
             ratio = fp32_ring_bytes / sent if sent else math.inf
             print(f"epoch {epoch}: test acc {100 * acc:.2f}%  loss {rec['loss']:.4f}  {ips:.0f} images/s  "
                   f"{step_ms:.1f} ms/step  sent {sent / 1024:.1f} KiB/step vs fp32 allreduce "
-                  f"{fp32_ring_bytes / 1024:.1f} KiB/step ({ratio:.1f}x less, {bits:.2f} bits/element)",
+                  f"{fp32_ring_bytes / 1024:.1f} KiB/step ({ratio:.1f}x less, {bits:.2f} bits/element){timing}",
                   flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
