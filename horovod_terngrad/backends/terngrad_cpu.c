@@ -3,7 +3,8 @@
  * It computes exactly the fp32/fp64 operations the reference (horovod_terngrad/codec) specifies, in
  * the same order, so its bytes are identical to the reference and to kernels/terngrad.cu:
  *   stats:     fp64 sums in blocks of TG_STATS_BLOCK elements, 8 interleaved lanes per block summed
- *              sequentially, lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), blocks sequentially;
+ *              sequentially, lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), block sums by
+ *              the same formula over groups of 8, level by level (zero-padded);
  *              max |g| per bucket; a NaN/Inf flag.
  *   ternarize: c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24 with
  *              h = mix32(mix32(lo ^ k0) ^ hi ^ k1); code 1 for +1, 2 for -1, 0 for 0.
@@ -23,7 +24,7 @@
 #define TG_LANES 8
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 2; }
+int tg_abi_version(void) { return 3; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -32,6 +33,10 @@ static inline uint32_t mix32(uint32_t x) {
 
 /* Per-block partial sums (blk_sum/blk_sq, nblk entries) and per-bucket max |g|.  NaN/Inf need no
  * check of their own: they make the fp64 sums non-finite (finite fp32 squares cannot overflow fp64). */
+static inline double sum8(const double *x) {
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
 static void stats_blocks(const float *g, int64_t n, int64_t bucket, double *blk_sum, double *blk_sq,
                          float *maxabs, int64_t nbuckets, int nthreads) {
     int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
@@ -60,8 +65,8 @@ static void stats_blocks(const float *g, int64_t n, int64_t bucket, double *blk_
             a = fabsf(a);
             m[l] = a > m[l] ? a : m[l];
         }
-        blk_sum[b] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-        blk_sq[b] = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+        blk_sum[b] = sum8(s);
+        blk_sq[b] = sum8(q);
         for (int l = 0; l < TG_LANES; l++) whole = m[l] > whole ? m[l] : whole;
     }
     if (bucket <= 0) {
@@ -80,7 +85,21 @@ static void stats_blocks(const float *g, int64_t n, int64_t bucket, double *blk_
     }
 }
 
-/* totals[0] = sum g, totals[1] = sum g^2 (block partials added in block order), maxabs per bucket. */
+/* In-place 8-way tree over x[0..m): groups of 8 consecutive values (zero-padded), level by level. */
+static double tree8(double *x, int64_t m) {
+    while (m > 1) {
+        int64_t groups = (m + 7) / 8;
+        for (int64_t k = 0; k < groups; k++) {
+            double v[8];
+            for (int j = 0; j < 8; j++) v[j] = 8 * k + j < m ? x[8 * k + j] : 0.0;
+            x[k] = sum8(v);
+        }
+        m = groups;
+    }
+    return m == 1 ? x[0] : 0.0;
+}
+
+/* totals[0] = sum g, totals[1] = sum g^2 (block partials by the 8-way tree), maxabs per bucket. */
 int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *maxabs, int64_t nbuckets,
              int nthreads) {
     int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
@@ -88,10 +107,8 @@ int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *m
     double *buf = nblk <= 64 ? stack_buf : (double *)malloc(sizeof(double) * 2 * (size_t)nblk);
     if (!buf) return -1;
     stats_blocks(g, n, bucket, buf, buf + nblk, maxabs, nbuckets, nthreads);
-    double s = 0.0, q = 0.0;
-    for (int64_t b = 0; b < nblk; b++) { s += buf[b]; q += buf[nblk + b]; }
-    totals[0] = s;
-    totals[1] = q;
+    totals[0] = tree8(buf, nblk);
+    totals[1] = tree8(buf + nblk, nblk);
     if (buf != stack_buf) free(buf);
     return 0;
 }

@@ -13,8 +13,10 @@ Rules that keep this well defined on every input:
   σ = 0 (a constant tensor, a single element) clipping is off: clipping at 0 would erase the signal.
 * The sums have one defined order, so every backend gets the same σ to the last bit: blocks of
   STATS_BLOCK elements; in a block, 8 interleaved lanes (element j goes to lane j mod 8) each summed
-  sequentially; lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); block sums added in order.
-  (g² of an fp32 g is exact in fp64, so only the additions round.)
+  sequentially; lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the block sums then reduced
+  by the same 8-way formula, level by level, over groups of 8 consecutive values (zero-padded), until
+  one value is left.  That tree is as cheap on a GPU as on a CPU thread.  (g² of an fp32 g is exact
+  in fp64, so only the additions round.)
 * s = 0 (an all-zero tensor or bucket) gives t = 0 without dividing by zero.
 * Callers pass fp32, contiguous, finite data; the frontends check and convert (see ``validate``).
 
@@ -42,13 +44,20 @@ def block_sums(x64: torch.Tensor) -> torch.Tensor:
     nblk = max(1, -(-n // STATS_BLOCK))
     x = torch.nn.functional.pad(x64, (0, nblk * STATS_BLOCK - n))
     lanes = x.view(nblk, STATS_BLOCK // STATS_LANES, STATS_LANES).cumsum(dim=1)[:, -1, :]  # sequential
-    l = [lanes[:, k] for k in range(STATS_LANES)]
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+    return _sum8(lanes)
+
+
+def _sum8(x: torch.Tensor) -> torch.Tensor:
+    """Rows of 8 -> ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7))."""
+    return ((x[:, 0] + x[:, 1]) + (x[:, 2] + x[:, 3])) + ((x[:, 4] + x[:, 5]) + (x[:, 6] + x[:, 7]))
 
 
 def combine_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """Sum of per-block partials, added sequentially in block order."""
-    return blocks.cumsum(0)[-1]
+    """Sum of per-block partials by the 8-way tree (see module docstring); a 0-d tensor."""
+    x = blocks.reshape(-1)
+    while x.numel() > 1:
+        x = _sum8(torch.nn.functional.pad(x, (0, (-x.numel()) % 8)).view(-1, 8))
+    return x.reshape(())
 
 
 @dataclass
