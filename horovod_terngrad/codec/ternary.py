@@ -93,10 +93,10 @@ def tensor_stats(g: torch.Tensor, bucket_size: int = 0) -> TensorStats:
     return stats_from_blocks(n, block_sums(g64), block_sums(g64 * g64), maxabs)
 
 
-def stats_from_blocks(n: int, blk_sum: torch.Tensor, blk_sq: torch.Tensor, maxabs: torch.Tensor) -> TensorStats:
-    """Combine per-block partials.  NaN/Inf anywhere make the fp64 sums non-finite (finite fp32
-    squares cannot overflow fp64), so that is the whole NaN/Inf check."""
-    total, sq = combine_blocks(blk_sum), combine_blocks(blk_sq)
+def stats_from_blocks(n: int, blk_sum, blk_sq, maxabs: torch.Tensor, totals=None) -> TensorStats:
+    """Combine per-block partials (or take already combined ``totals``).  NaN/Inf anywhere make the
+    fp64 sums non-finite (finite fp32 squares cannot overflow fp64), so that is the whole NaN/Inf check."""
+    total, sq = totals if totals is not None else (combine_blocks(blk_sum), combine_blocks(blk_sq))
     return TensorStats(numel=n, sum=total, sumsq=sq, maxabs=maxabs,
                        nonfinite=~(torch.isfinite(total) & torch.isfinite(sq)))
 

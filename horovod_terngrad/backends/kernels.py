@@ -1,0 +1,194 @@
+"""Kernel backend: drives the kernels of ``kernels/terngrad.cu`` through a small launch interface.
+
+Two kernel sets implement that interface with the same source:
+
+* ``CupyKernels``: the CUDA build, ``cupy.RawModule`` compiled once per process (CuPy also caches
+  the binary on disk), launched on torch's current CUDA stream, tensors passed zero-copy by DLPack.
+* ``HostKernels``: the same source compiled for the host by g++ with ``kernels/host_shim.h``, each
+  launch run as loops over blocks and threads.  It lets the CUDA code, and this driver, be tested on a
+  machine without a GPU, byte for byte against the reference codec.
+
+The driver never synchronizes with the device: thresholds and scalers stay device tensors, and the
+"all payloads share their scalers" decision of the decode is made on the device.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from .. import codec
+from ..codec import packing
+from ..codec.packing import FORMATS
+from ..codec.ternary import STATS_BLOCK, STATS_LANES
+
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels")
+if not os.path.isdir(KERNEL_DIR):   # installed (not editable): setup.py ships kernels/ as horovod_terngrad/kernels
+    KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
+NVCC_OPTIONS = ("--fmad=false", "-std=c++14")
+THREADS = 256
+
+# Argument kinds of every kernel: p = device pointer (a tensor), i64 / u32 / i32 / f32 = scalars.
+SIGNATURES = {
+    "tg_stats_lanes": ("p", "i64", "p", "p", "p"),
+    "tg_sum8": ("p", "i64", "p"),
+    "tg_bucket_max": ("p", "i64", "i64", "p"),
+    "tg_ternarize_pack": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
+    "tg_decode": ("p", "p", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
+}
+
+
+class HostKernels:
+    """The kernel source built for the host (tests and CPU-only verification)."""
+
+    device = "cpu"
+
+    def __init__(self, grid_limit: int = 3, block: int = 32):
+        # A tiny grid makes every grid-stride loop go round many times, which is what we want to test.
+        self.grid_limit, self.block = grid_limit, block
+        self.lib = ctypes.CDLL(build_host())
+        kinds = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "i32": ctypes.c_int,
+                 "f32": ctypes.c_float}
+        for name, sig in SIGNATURES.items():
+            fn = getattr(self.lib, "host_" + name)
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint] + [kinds[k] for k in sig]
+            fn.restype = None
+
+    def launch(self, name: str, work: int, args: list) -> None:
+        grid = max(1, min(self.grid_limit, -(-work // self.block)))
+        conv = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        getattr(self.lib, "host_" + name)(grid, self.block, *conv)
+
+
+class CupyKernels:
+    """The kernel source compiled by CuPy (NVRTC) for the current CUDA device."""
+
+    device = "cuda"
+
+    def __init__(self):
+        import cupy
+        import numpy as np
+        self.cupy, self.np = cupy, np
+        with open(SOURCE) as f:
+            self.module = cupy.RawModule(code=f.read(), options=NVCC_OPTIONS)
+        self.functions = {name: self.module.get_function(name) for name in SIGNATURES}
+        sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self.grid_limit = 32 * sm
+
+    def launch(self, name: str, work: int, args: list) -> None:
+        np, cupy = self.np, self.cupy
+        scalar = {"i64": np.int64, "u32": np.uint32, "i32": np.int32, "f32": np.float32}
+        conv = [cupy.from_dlpack(a) if kind == "p" else scalar[kind](a)
+                for kind, a in zip(SIGNATURES[name], args)]
+        grid = max(1, min(self.grid_limit, -(-work // THREADS)))
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with stream:
+            self.functions[name]((grid,), (THREADS,), tuple(conv))
+
+
+class KernelBackend:
+    """prepare / encode / decode (the backend interface) on a kernel set."""
+
+    def __init__(self, kernels):
+        self.k = kernels
+        self.name = "cuda-kernels" if kernels.device == "cuda" else "host-kernels"
+
+    def _tree_total(self, lanes: torch.Tensor) -> torch.Tensor:
+        x = lanes
+        while x.numel() > 1:
+            out = torch.empty(-(-x.numel() // 8), dtype=torch.float64, device=x.device)
+            self.k.launch("tg_sum8", out.numel(), [x, x.numel(), out])
+            x = out
+        return x.reshape(())
+
+    def stats(self, g32: torch.Tensor, bucket_size: int) -> codec.TensorStats:
+        n = g32.numel()
+        dev = g32.device
+        nb = codec.num_buckets(n, bucket_size)
+        if n == 0:
+            z = torch.zeros((), dtype=torch.float64, device=dev)
+            return codec.TensorStats(0, z, z, torch.zeros(1, dtype=torch.float32, device=dev),
+                                     torch.zeros((), dtype=torch.bool, device=dev))
+        nlanes = -(-n // STATS_BLOCK) * STATS_LANES
+        lanes = torch.empty(2, nlanes, dtype=torch.float64, device=dev)
+        maxbits = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.k.launch("tg_stats_lanes", nlanes, [g32, n, lanes[0], lanes[1], maxbits])
+        if nb == 1:
+            maxabs = maxbits.view(torch.float32)
+        else:
+            maxabs = torch.empty(nb, dtype=torch.float32, device=dev)
+            self.k.launch("tg_bucket_max", nb, [g32, n, bucket_size, maxabs])
+        return codec.ternary.stats_from_blocks(n, None, None, maxabs,
+                                               totals=(self._tree_total(lanes[0]), self._tree_total(lanes[1])))
+
+    def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
+        st = self.stats(g32, bucket_size)
+        thr = codec.clip_threshold(st, clip_factor)
+        s = codec.local_scalers(st, thr)
+        return codec.Prepared(st.numel, thr, torch.where(st.nonfinite, torch.zeros_like(s), s), st.nonfinite)
+
+    def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
+        n = g32.numel()
+        payload, region = packing.new_payload(n, fmt, scalers, bucket_size, flags, shape)
+        if n:
+            thr = threshold if isinstance(threshold, torch.Tensor) else torch.tensor(threshold)
+            thr = thr.to(device=g32.device, dtype=torch.float32).reshape(1)
+            s = scalers.to(device=g32.device, dtype=torch.float32).contiguous()
+            self.k.launch("tg_ternarize_pack", region.numel(),
+                          [g32, n, thr, s, bucket_size, key[0], key[1], FORMATS[fmt], region])
+        return payload
+
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+        h0 = headers[0]
+        n, nb, dev = h0.numel, h0.num_scalers, gathered.device
+        out = torch.empty(n, dtype=torch.float32, device=dev)
+        if n == 0:
+            return out
+        hb = packing.HEADER_BYTES
+        off = torch.tensor(offsets, dtype=torch.int64, device=dev)
+        # scalers may sit at any byte offset: gather their bytes into an aligned [N, nb] fp32 tensor
+        idx = off[:, None] + hb + torch.arange(4 * nb, device=dev)[None, :]
+        scalers = gathered[idx].view(torch.float32).contiguous()
+        shared = (scalers == scalers[0:1]).all().to(torch.int32).reshape(1)
+        packed_off = off + hb + 4 * nb
+        self.k.launch("tg_decode", packing.packed_size(n, h0.fmt),
+                      [gathered, packed_off, len(offsets), n, FORMATS[h0.fmt], scalers, nb, h0.bucket_size,
+                       shared, float(divisor), out])
+        return out
+
+
+def build_host(cxx: str | None = None) -> str:
+    """Compile kernels/host_launch.cpp into a cached shared object; returns its path."""
+    from .cpu import cache_dir
+    cxx = cxx or os.environ.get("CXX") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    srcs = [os.path.join(KERNEL_DIR, f) for f in ("host_launch.cpp", "host_shim.h", "terngrad.cu")]
+    digest = hashlib.sha256()
+    for path in srcs:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
+    digest.update(repr(flags).encode())
+    out_dir = cache_dir()
+    so = os.path.join(out_dir, f"terngrad_hostkernels-{digest.hexdigest()[:16]}.so")
+    if os.path.exists(so):
+        return so
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        p = subprocess.run([cxx, *flags, srcs[0], "-o", tmp], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{cxx} failed on {srcs[0]}:\n{p.stderr[-3000:]}")
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return so

@@ -1,0 +1,37 @@
+// Lets kernels/terngrad.cu compile as ordinary C++ for the host: the CUDA built-ins become globals that
+// host_launch.cpp sets while it runs every (block, thread) of a launch in turn.  Used only by tests
+// (and by the host kernel backend) to check the kernel source without a GPU.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define TG_HOST_EMULATION 1
+typedef int64_t tg_i64;
+typedef uint64_t tg_u64;
+typedef uint32_t tg_u32;
+typedef uint8_t tg_u8;
+#define TG_EXTERN static
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+
+struct tg_dim3 { unsigned x, y, z; };
+static tg_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+static inline tg_u32 __float_as_uint(float f) { tg_u32 u; std::memcpy(&u, &f, 4); return u; }
+// Threads run one after another here, so a plain read-modify-write is the atomic operation.
+static inline tg_u32 atomicMax(tg_u32 *addr, tg_u32 v) { tg_u32 old = *addr; if (v > old) *addr = v; return old; }
+
+template <typename F>
+static void tg_host_launch(unsigned grid, unsigned block, F body) {
+    gridDim = {grid, 1, 1};
+    blockDim = {block, 1, 1};
+    for (unsigned b = 0; b < grid; b++)
+        for (unsigned t = 0; t < block; t++) {
+            blockIdx = {b, 0, 0};
+            threadIdx = {t, 0, 0};
+            body();
+        }
+}
