@@ -24,38 +24,74 @@ def _timeit(fn, repeat=5):
     return best
 
 
+def op_chain_ternarize(g: torch.Tensor, c: float = 2.5) -> torch.Tensor:
+    """What existing TernGrad implementations do: a chain of separate torch ops (the baseline)."""
+    sigma = g.std()
+    clipped = g.clamp(-c * sigma, c * sigma)
+    a = clipped.abs()
+    s = a.max()
+    r = torch.empty_like(g).uniform_()
+    return (torch.sign(clipped) * (r < a / s)).to(torch.int8)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_bandwidth_gbs(device) -> float | None:
+    try:
+        import cupy
+        p = cupy.cuda.runtime.getDeviceProperties(device.index or 0)
+        return 2 * p["memoryClockRate"] * 1e3 * p["memoryBusWidth"] / 8 / 1e9
+    except Exception:  # noqa: BLE001 - unknown: print without the percentage
+        return None
+
+
 def bench_codec(args):
-    from . import codec
-    from .backends import REFERENCE, cpu_fused
+    from . import backends, codec
+    from .codec import packing
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     n = args.numel
-    g = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
     gb = 4 * n / 1e9
+
+    def timed(fn):
+        def run():
+            fn()
+            _sync(device)
+        return _timeit(run, args.repeat)
+
     dst = torch.empty_like(g)
-    t_copy = _timeit(lambda: dst.copy_(g))
-    print(f"codec benchmark: {n} fp32 elements, {args.threads} thread(s); copy into a preallocated tensor "
-          f"{gb / t_copy:.2f} GB/s")
-    backends = [("cpu-fused", cpu_fused())]
-    if args.reference:
-        backends.append(("torch-reference", REFERENCE))
-    for name, be in backends:
-        if be is None:
-            print(f"{name}: unavailable")
-            continue
+    t_copy = timed(lambda: dst.copy_(g))
+    peak = _peak_bandwidth_gbs(device) if device.type == "cuda" else None
+    print(f"codec benchmark on {device} ({n} fp32 elements, {args.threads} CPU thread(s)); copy into a "
+          f"preallocated tensor: {gb / t_copy:.2f} GB/s" + (f"; device peak {peak:.0f} GB/s" if peak else ""))
+    t_chain = timed(lambda: op_chain_ternarize(g))
+    print(f"  baseline op chain (std, clamp, abs, max, uniform_, compare, sign, int8): {gb / t_chain:.2f} GB/s")
+    chosen = backends.for_device(device)
+    candidates = [(chosen.name, chosen)]
+    if args.reference and chosen is not backends.REFERENCE:
+        candidates.append(("torch-reference", backends.REFERENCE))
+    for name, be in candidates:
         for fmt in ("2bit", "base3"):
-            st = be.stats(g, 0)
-            thr = codec.clip_threshold(st, 2.5)
-            s = codec.local_scalers(st, thr)
+            prep = be.prepare(g, 0, 2.5)
             key = codec.stream_key(0, 0, 0, 0)
-            t_stats = _timeit(lambda: be.stats(g, 0), args.repeat)
-            t_tern = _timeit(lambda: be.ternarize_pack(g, thr, s, 0, key, fmt), args.repeat)
-            packed = be.ternarize_pack(g, thr, s, 0, key, fmt)
-            line = (f"{name:15s} {fmt:5s} stats {gb / t_stats:6.2f} GB/s  ternarize+pack {gb / t_tern:6.2f} GB/s  "
-                    f"compress {gb / (t_stats + t_tern):6.2f} GB/s ({100 * t_copy / (t_stats + t_tern):.0f}% of copy)")
+            t_stats = timed(lambda: be.prepare(g, 0, 2.5))
+            t_tern = timed(lambda: be.encode(g, prep.threshold, prep.scalers, 0, key, fmt))
+            t_comp = t_stats + t_tern
+            pct = f", {100 * gb / t_comp / peak:.0f}% of peak bandwidth" if peak else ""
+            print(f"  {name:14s} {fmt:5s} compress {gb / t_comp:6.2f} GB/s of fp32 input "
+                  f"(statistics {gb / t_stats:.2f}, ternarize+pack {gb / t_tern:.2f}); "
+                  f"{t_chain / t_comp:.1f}x the op chain, {100 * t_copy / t_comp:.0f}% of copy{pct}")
+            payload = be.encode(g, prep.threshold, prep.scalers, 0, key, fmt)
             for N in (2, 8):
-                t_dec = _timeit(lambda: be.decode_average([packed] * N, [s] * N, n, fmt, 0, N), args.repeat)
-                line += f"  decode N={N} {gb / t_dec:6.2f} GB/s out"
-            print(line, flush=True)
+                gathered = torch.cat([payload] * N)
+                headers, offsets = packing.walk(gathered, N)
+                t_dec = timed(lambda: be.decode(gathered, headers, offsets, N, out=dst))
+                print(f"  {name:14s} {fmt:5s} decompress N={N}: {gb / t_dec:6.2f} GB/s of fp32 output into a "
+                      f"preallocated tensor ({100 * t_copy / t_dec:.0f}% of copy)")
 
 
 def bench_step(args):
@@ -122,6 +158,7 @@ def main(argv=None):
     c.add_argument("--threads", type=int, default=1)
     c.add_argument("--repeat", type=int, default=3)
     c.add_argument("--reference", action="store_true", help="also time the torch reference path")
+    c.add_argument("--device", default="cpu", help="cpu or cuda")
     s = sub.add_parser("step")
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--width", type=int, default=256)

@@ -99,3 +99,33 @@ def test_missing_compiler_falls_back_with_a_warning(monkeypatch, caplog, tmp_pat
     with caplog.at_level("WARNING", logger="horovod_terngrad"):
         assert cpu.load() is None
     assert "fused CPU codec unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_counting_decode_with_more_payloads_than_one_lane_group(fused, fmt):
+    # base3 lanes hold sums of up to 2047 payloads; more are decoded group by group
+    n, N = 23, 2100
+    gen = torch.Generator().manual_seed(0)
+    s = torch.tensor([0.75])
+    pays = [packing.assemble(C.pack(torch.randint(-1, 2, (n,), generator=gen, dtype=torch.int8), fmt), n, fmt, s, 0)
+            for _ in range(N)]
+    gathered = torch.cat(pays)
+    headers, offsets = packing.walk(gathered, N)
+    want = REFERENCE.decode(gathered, headers, offsets, N)
+    assert torch.equal(fused.decode(gathered, headers, offsets, N), want)
+
+
+def test_thread_count_does_not_change_bytes(fused):
+    g = sample(3_000_001, 4)
+    key = C.stream_key(0, 0, 0, 0)
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            p = fused.prepare(g, 0, 2.5)
+            results.append((p.threshold, p.scalers, fused.encode(g, p.threshold, p.scalers, 0, key, "2bit")))
+    finally:
+        torch.set_num_threads(old)
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][2], results[1][2])

@@ -27,7 +27,7 @@ from ..codec.packing import FORMATS
 
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "terngrad_cpu.c")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
 ABI_VERSION = 3
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
@@ -145,10 +145,11 @@ class FusedCPUBackend:
                                        FORMATS[fmt], _ptr(region), self._threads())
         return payload
 
-    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         h0 = headers[0]
         n, nb = h0.numel, h0.num_scalers
-        out = torch.empty(n, dtype=torch.float32)
+        out = torch.empty(n, dtype=torch.float32) if out is None else out
         if not n:
             return out
         raw = memoryview(gathered.numpy())

@@ -144,10 +144,11 @@ class KernelBackend:
                           [g32, n, thr, s, bucket_size, key[0], key[1], FORMATS[fmt], region])
         return payload
 
-    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         h0 = headers[0]
         n, nb, dev = h0.numel, h0.num_scalers, gathered.device
-        out = torch.empty(n, dtype=torch.float32, device=dev)
+        out = torch.empty(n, dtype=torch.float32, device=dev) if out is None else out
         if n == 0:
             return out
         hb = packing.HEADER_BYTES

@@ -18,8 +18,10 @@ class ReferenceBackend:
         region.copy_(codec.pack(codec.ternarize(g32, threshold, scalers, bucket_size, key), fmt))
         return payload
 
-    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         parts = [packing.split(gathered[o:o + h.total_bytes], h) for h, o in zip(headers, offsets)]
         h0 = headers[0]
-        return packing.average_packed([c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt,
-                                      h0.bucket_size, divisor)
+        avg = packing.average_packed([c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt,
+                                     h0.bucket_size, divisor)
+        return avg if out is None else out.copy_(avg)

@@ -163,11 +163,10 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
     }
 }
 
-/* Counting decode tables: each byte maps to its codes' (t + 1) values in 16-bit lanes, so N
- * payloads are summed with one 64-bit add per byte and payload with no carry between lanes
- * (N <= 32767 per group).  2bit: codes 0..3 in lanes 0..3 of lo.  base3: codes 0..3 in lo, code 4 in hi. */
+/* Counting decode tables: each byte maps to its codes' (t + 1) values in lanes of a uint64, so N
+ * payloads are summed with one 64-bit add per byte and payload with no carry between lanes.
+ * 2bit: 4 lanes of 16 bits (groups of up to 32767 payloads); base3: 5 lanes of 12 bits (up to 2047). */
 static uint64_t lut_lo2[256], lut_lo3[256];
-static uint16_t lut_hi3[256];
 static void init_luts(void) {
     static volatile int done = 0;
     if (done) return;
@@ -179,12 +178,8 @@ static void init_luts(void) {
             unsigned c3 = x < 243 ? y % 3 : 0;
             y /= 3;
             unsigned t2 = c2 == 1 ? 2 : (c2 == 2 ? 0 : 1), t3 = c3 == 1 ? 2 : (c3 == 2 ? 0 : 1);
-            if (q < 4) {
-                a |= (uint64_t)t2 << (16 * q);
-                b |= (uint64_t)t3 << (16 * q);
-            } else {
-                lut_hi3[x] = (uint16_t)t3;
-            }
+            if (q < 4) a |= (uint64_t)t2 << (16 * q);
+            b |= (uint64_t)t3 << (12 * q);
         }
         lut_lo2[x] = a;
         lut_lo3[x] = b;
@@ -192,7 +187,6 @@ static void init_luts(void) {
     done = 1;
 }
 
-#define TG_MAX_GROUP 32767
 
 /* Shared scaler (every payload carries the same scalers): out = ((float)k * s) / divisor with
  * k = sum of the payloads' ternary values, an exact integer. */
@@ -201,35 +195,36 @@ void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int np
     init_luts();
     const int per = fmt == 1 ? 4 : 5;
     const uint64_t *lut = fmt == 1 ? lut_lo2 : lut_lo3;
+    const int maxgroup = fmt == 1 ? 32767 : 2047;
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         uint64_t lo[TG_CHUNK / 4];
-        uint16_t hi[TG_CHUNK / 5];
         int32_t k[TG_CHUNK];
         int64_t start = ch * TG_CHUNK;
         int64_t cnt = n - start < TG_CHUNK ? n - start : TG_CHUNK;
         int64_t nbytes = (cnt + per - 1) / per;
         const int64_t b0 = start / per;
         for (int64_t j = 0; j < TG_CHUNK; j++) k[j] = 0;
-        for (int p0 = 0; p0 < npay; p0 += TG_MAX_GROUP) {
-            int p1 = p0 + TG_MAX_GROUP < npay ? p0 + TG_MAX_GROUP : npay;
+        for (int p0 = 0; p0 < npay; p0 += maxgroup) {
+            int p1 = p0 + maxgroup < npay ? p0 + maxgroup : npay;
             const int32_t bias = p1 - p0;
             for (int64_t b = 0; b < nbytes; b++) lo[b] = 0;
-            for (int64_t b = 0; b < nbytes && fmt != 1; b++) hi[b] = 0;
             for (int p = p0; p < p1; p++) {
                 const uint8_t *src = packed[p] + b0;
                 for (int64_t b = 0; b < nbytes; b++) lo[b] += lut[src[b]];
-                if (fmt != 1)
-                    for (int64_t b = 0; b < nbytes; b++) hi[b] += lut_hi3[src[b]];
             }
-            const uint16_t *l16 = (const uint16_t *)lo;   /* little-endian lanes, in element order */
             if (fmt == 1) {
+                const uint16_t *l16 = (const uint16_t *)lo;   /* little-endian lanes, in element order */
                 for (int64_t j = 0; j < cnt; j++) k[j] += (int32_t)l16[j] - bias;
             } else {
                 for (int64_t b = 0; b < nbytes; b++) {
-                    for (int q = 0; q < 4; q++) k[5 * b + q] += (int32_t)l16[4 * b + q] - bias;
-                    k[5 * b + 4] += (int32_t)hi[b] - bias;
+                    const uint64_t a = lo[b];
+                    k[5 * b + 0] += (int32_t)(a & 0xFFF) - bias;
+                    k[5 * b + 1] += (int32_t)((a >> 12) & 0xFFF) - bias;
+                    k[5 * b + 2] += (int32_t)((a >> 24) & 0xFFF) - bias;
+                    k[5 * b + 3] += (int32_t)((a >> 36) & 0xFFF) - bias;
+                    k[5 * b + 4] += (int32_t)((a >> 48) & 0xFFF) - bias;
                 }
             }
         }

@@ -89,6 +89,7 @@ class Ticket:
     threshold: torch.Tensor
     key: tuple
     average: bool
+    in_place: bool = False   # the average may be written into the input's memory (it is fp32 contiguous)
     owner: object = None   # the AllgatherExchange that started it
     hs: object = None
     ag: object = None
@@ -111,7 +112,10 @@ class AllgatherExchange:
         self._warned_nonfinite: set = set()
 
     # -- public -------------------------------------------------------------------------------
-    def start(self, tensor: torch.Tensor, name: str, average: bool = True) -> Ticket:
+    def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False) -> Ticket:
+        """Begin averaging ``tensor``.  With ``in_place`` the result may be written into ``tensor``
+        itself (the Horovod frontend allows it: the gradient is replaced by the result anyway), which
+        saves allocating and page-faulting a new buffer per step."""
         check_gradient(tensor, name)
         cfg = self.config
         t0 = time.perf_counter()
@@ -123,6 +127,7 @@ class AllgatherExchange:
         prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
         tk = Ticket(name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
                     key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), rank), average=average,
+                    in_place=in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
                     owner=self)
         if cfg.shared_scaler:
             hs = self._handshake_vector(prep, tensor)
@@ -277,6 +282,7 @@ class AllgatherExchange:
                 raise tk.error
             return None
         out = backends.for_device(gathered.device).decode(gathered, headers, offsets,
-                                                          len(headers) if tk.average else 1)
+                                                          len(headers) if tk.average else 1,
+                                                          out=tk.g32 if tk.in_place else None)
         self.stats.codec_s += time.perf_counter() - t0
         return out

@@ -121,7 +121,7 @@ class TernGradCompressor:
                 if tensor.dtype in (torch.float16, torch.bfloat16):
                     return tensor.to(torch.float32), _Passthrough(tensor.dtype, name)
                 return tensor, _Passthrough(tensor.dtype, name)
-            ticket = self.engine(process_set).start(tensor, name, average=average)
+            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=True)
         return torch.empty(0, dtype=torch.float32, device=tensor.device), ticket
 
     def decompress(self, tensor: torch.Tensor, ctx):
