@@ -198,3 +198,29 @@ def test_decode_rejects_mismatched_payloads():
     b = C.encode(torch.zeros(11, dtype=torch.int8), "2bit", torch.zeros(1), 0)
     with pytest.raises(C.PayloadError, match="payload 1 has 11 elements"):
         C.decode_average([a, b])
+
+
+@pytest.mark.parametrize("sizes", [[10, 10, 10], [10, 11, 10], [0, 5]])
+def test_walk_finds_payloads_of_equal_or_different_sizes(sizes, monkeypatch):
+    pays = [C.encode(torch.zeros(n, dtype=torch.int8), "2bit", torch.ones(1), 0) for n in sizes]
+    buf = torch.cat(pays)
+    headers, offsets = P.walk(buf, len(sizes))
+    assert [h.numel for h in headers] == sizes
+    assert offsets == [sum(p.numel() for p in pays[:i]) for i in range(len(pays))]
+    with pytest.raises(P.PayloadError, match="left over"):
+        P.walk(torch.cat([buf, torch.zeros(3, dtype=torch.uint8)]), len(sizes))
+    with pytest.raises(P.PayloadError):
+        P.walk(buf[:-1], len(sizes))
+
+
+def test_walk_device_strategy_equal_and_unequal_sizes(monkeypatch):
+    """The strategy used for device buffers (one batched header fetch, else a header-by-header walk)."""
+    calls = []
+    orig = P._walk
+    monkeypatch.setattr(P, "_walk", lambda *a: calls.append(1) or orig(*a))
+    for sizes, walks in (([7, 7, 7], 1), ([5, 15], 2), ([7, 9], 1)):  # 52 bytes split evenly, but wrongly
+        calls.clear()
+        buf = torch.cat([C.encode(torch.ones(n, dtype=torch.int8), "base3", torch.ones(1), 0) for n in sizes])
+        headers, offsets = P.walk(buf, len(sizes), batched=True)
+        assert [h.numel for h in headers] == sizes and offsets == P.walk(buf, len(sizes))[1]
+        assert len(calls) == walks + 1   # + the CPU walk used as the expectation

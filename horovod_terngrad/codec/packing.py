@@ -177,25 +177,50 @@ def _parse_head(head: bytes, what: str) -> Header:
                   shape_code=int.from_bytes(head[16:20], "little"))
 
 
-def walk(buf: torch.Tensor, count: int, what: str = "payloads") -> tuple[list, list]:
-    """Headers and byte offsets of ``count`` payloads laid end to end in ``buf`` (an allgather result)."""
+def walk(buf: torch.Tensor, count: int, what: str = "payloads", batched: bool | None = None) -> tuple[list, list]:
+    """Headers and byte offsets of ``count`` payloads laid end to end in ``buf`` (an allgather result).
+
+    On the CPU the headers are read in place.  On a device the first header is read, the others are
+    fetched together assuming equal sizes (the common case: same tensor on every rank), and only if
+    that guess fails is the buffer walked header by header.  ``batched`` forces that device strategy
+    (tests use it on CPU tensors).
+    """
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise PayloadError(f"{what}: need a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
-    raw = memoryview(buf.numpy()) if buf.device.type == "cpu" else None
+    if batched is None:
+        batched = buf.device.type != "cpu"
+    if not batched:
+        raw = memoryview(buf.numpy())
+        return _walk(lambda off: bytes(raw[off:off + HEADER_BYTES]), buf.numel(), count, what)
+    if count > 1 and buf.numel() % count == 0 and buf.numel() >= HEADER_BYTES:
+        size = buf.numel() // count
+        idx = (torch.arange(count, device=buf.device) * size)[:, None] + torch.arange(HEADER_BYTES, device=buf.device)
+        heads = buf[idx].cpu().numpy().tobytes()
+        try:
+            headers, offsets = _walk(lambda off: heads[(off // size) * HEADER_BYTES:(off // size + 1) * HEADER_BYTES]
+                                     if off % size == 0 else b"", buf.numel(), count, what)
+            return headers, offsets
+        except PayloadError:
+            pass
+    return _walk(lambda off: bytes(buf[off:off + HEADER_BYTES].cpu().tolist()), buf.numel(), count, what)
+
+
+def _walk(head_at, total: int, count: int, what: str) -> tuple[list, list]:
     headers, offsets, off = [], [], 0
     for r in range(count):
-        if buf.numel() - off < HEADER_BYTES:
+        if total - off < HEADER_BYTES:
             raise PayloadError(f"{what}: ends at byte {off}, inside the header of payload {r}")
-        head = bytes(raw[off:off + HEADER_BYTES]) if raw is not None else \
-            bytes(buf[off:off + HEADER_BYTES].cpu().tolist())
+        head = head_at(off)
+        if len(head) != HEADER_BYTES:
+            raise PayloadError(f"{what}: payload {r} does not start where the equal-size layout expects")
         h = _parse_head(head, f"{what}, payload {r}")
-        if off + h.total_bytes > buf.numel():
+        if off + h.total_bytes > total:
             raise PayloadError(f"{what}: ends inside payload {r}")
         headers.append(h)
         offsets.append(off)
         off += h.total_bytes
-    if off != buf.numel():
-        raise PayloadError(f"{what}: {buf.numel() - off} bytes left over after {count} payloads")
+    if off != total:
+        raise PayloadError(f"{what}: {total - off} bytes left over after {count} payloads")
     return headers, offsets
 
 
