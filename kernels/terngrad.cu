@@ -3,10 +3,10 @@
 //
 // They evaluate exactly the operations the reference codec (horovod_terngrad/codec) specifies, so the
 // bytes are identical to the CPU paths:
-//   statistics   fp64 sums in blocks of 2048 elements, 8 interleaved lanes per block summed
-//                sequentially, then groups of 8 values combined as ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)),
-//                level by level (lanes -> block sums -> ... -> total); max |g| by atomicMax on the bits
-//                of non-negative floats (which order like unsigned integers).
+//   statistics   fp64 sums in blocks of 2048 elements, 32 interleaved lanes per block (one warp:
+//                coalesced reads) summed sequentially; all lane partials then reduced level by level,
+//                groups of 8 values combined as ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)) (zero-padded);
+//                max |g| by atomicMax on the bits of non-negative floats (which order like unsigned ints).
 //   ternarize    c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24,
 //                h = mix32(mix32(lo ^ k0) ^ hi ^ k1) over the 64-bit element index hi:lo.
 //   pack         code 0 (t = 0), 1 (t = +1), 2 (t = -1); 2bit: 4 codes per byte, code q in bits 2q..2q+1;
@@ -27,7 +27,7 @@ typedef unsigned char tg_u8;
 #endif
 
 #define TG_STATS_BLOCK 2048
-#define TG_LANES 8
+#define TG_LANES 32
 
 __device__ __forceinline__ tg_u32 tg_mix32(tg_u32 x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;

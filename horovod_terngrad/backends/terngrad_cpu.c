@@ -2,9 +2,9 @@
  *
  * It computes exactly the fp32/fp64 operations the reference (horovod_terngrad/codec) specifies, in
  * the same order, so its bytes are identical to the reference and to kernels/terngrad.cu:
- *   stats:     fp64 sums in blocks of TG_STATS_BLOCK elements, 8 interleaved lanes per block summed
- *              sequentially, lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), block sums by
- *              the same formula over groups of 8, level by level (zero-padded);
+ *   stats:     fp64 sums in blocks of TG_STATS_BLOCK elements, 32 interleaved lanes per block summed
+ *              sequentially; all lane partials (block-major) reduced by an 8-way tree: groups of 8
+ *              become ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)), level by level, zero-padded;
  *              max |g| per bucket; a NaN/Inf flag.
  *   ternarize: c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24 with
  *              h = mix32(mix32(lo ^ k0) ^ hi ^ k1); code 1 for +1, 2 for -1, 0 for 0.
@@ -21,24 +21,24 @@
 #endif
 
 #define TG_STATS_BLOCK 2048
-#define TG_LANES 8
+#define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 3; }
+int tg_abi_version(void) { return 4; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
     return x;
 }
 
-/* Per-block partial sums (blk_sum/blk_sq, nblk entries) and per-bucket max |g|.  NaN/Inf need no
+/* Lane partial sums (lane_sum/lane_sq, nblk * TG_LANES entries, block-major) and per-bucket max |g|.  NaN/Inf need no
  * check of their own: they make the fp64 sums non-finite (finite fp32 squares cannot overflow fp64). */
 static inline double sum8(const double *x) {
     return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
 }
 
-static void stats_blocks(const float *g, int64_t n, int64_t bucket, double *blk_sum, double *blk_sq,
-                         float *maxabs, int64_t nbuckets, int nthreads) {
+static void stats_lanes(const float *g, int64_t n, int64_t bucket, double *lane_sum, double *lane_sq,
+                        float *maxabs, int64_t nbuckets, int nthreads) {
     int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
     float whole = 0.0f;
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(max : whole)
@@ -65,8 +65,10 @@ static void stats_blocks(const float *g, int64_t n, int64_t bucket, double *blk_
             a = fabsf(a);
             m[l] = a > m[l] ? a : m[l];
         }
-        blk_sum[b] = sum8(s);
-        blk_sq[b] = sum8(q);
+        for (int l = 0; l < TG_LANES; l++) {
+            lane_sum[b * TG_LANES + l] = s[l];
+            lane_sq[b * TG_LANES + l] = q[l];
+        }
         for (int l = 0; l < TG_LANES; l++) whole = m[l] > whole ? m[l] : whole;
     }
     if (bucket <= 0) {
@@ -99,16 +101,16 @@ static double tree8(double *x, int64_t m) {
     return m == 1 ? x[0] : 0.0;
 }
 
-/* totals[0] = sum g, totals[1] = sum g^2 (block partials by the 8-way tree), maxabs per bucket. */
+/* totals[0] = sum g, totals[1] = sum g^2 (lane partials by the 8-way tree), maxabs per bucket. */
 int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *maxabs, int64_t nbuckets,
              int nthreads) {
-    int64_t nblk = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK;
-    double stack_buf[2 * 64];
-    double *buf = nblk <= 64 ? stack_buf : (double *)malloc(sizeof(double) * 2 * (size_t)nblk);
+    int64_t m = (n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK * TG_LANES;
+    double stack_buf[2 * 256];
+    double *buf = m <= 256 ? stack_buf : (double *)malloc(sizeof(double) * 2 * (size_t)m);
     if (!buf) return -1;
-    stats_blocks(g, n, bucket, buf, buf + nblk, maxabs, nbuckets, nthreads);
-    totals[0] = tree8(buf, nblk);
-    totals[1] = tree8(buf + nblk, nblk);
+    stats_lanes(g, n, bucket, buf, buf + m, maxabs, nbuckets, nthreads);
+    totals[0] = tree8(buf, m);
+    totals[1] = tree8(buf + m, m);
     if (buf != stack_buf) free(buf);
     return 0;
 }

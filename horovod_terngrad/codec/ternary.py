@@ -12,11 +12,11 @@ Rules that keep this well defined on every input:
 * σ is the population standard deviation, from fp64 sums (Σg, Σg²) of one pass.  When c = 0 or
   σ = 0 (a constant tensor, a single element) clipping is off: clipping at 0 would erase the signal.
 * The sums have one defined order, so every backend gets the same σ to the last bit: blocks of
-  STATS_BLOCK elements; in a block, 8 interleaved lanes (element j goes to lane j mod 8) each summed
-  sequentially; lanes combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the block sums then reduced
-  by the same 8-way formula, level by level, over groups of 8 consecutive values (zero-padded), until
-  one value is left.  That tree is as cheap on a GPU as on a CPU thread.  (g² of an fp32 g is exact
-  in fp64, so only the additions round.)
+  STATS_BLOCK = 2048 elements; in a block, 32 interleaved lanes (element j goes to lane j mod 32),
+  each summed sequentially; the lane partials, block after block, then reduced by an 8-way tree:
+  level by level, groups of 8 consecutive values (zero-padded) become ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)),
+  until one value is left.  32 lanes are one warp on a GPU (coalesced reads) and four independent
+  AVX-512 chains on a CPU.  (g² of an fp32 g is exact in fp64, so only the additions round.)
 * s = 0 (an all-zero tensor or bucket) gives t = 0 without dividing by zero.
 * Callers pass fp32, contiguous, finite data; the frontends check and convert (see ``validate``).
 
@@ -35,16 +35,16 @@ from .rng import UNIFORM_BITS, uniform24
 
 _TWO_POW_24 = float(1 << UNIFORM_BITS)
 STATS_BLOCK = 2048
-STATS_LANES = 8
+STATS_LANES = 32
 
 
 def block_sums(x64: torch.Tensor) -> torch.Tensor:
-    """Per-block fp64 sums of a flat fp64 tensor in the defined lane order (see module docstring)."""
+    """Lane partials [num_blocks * 32] of a flat fp64 tensor, block-major (see module docstring)."""
     n = x64.numel()
     nblk = max(1, -(-n // STATS_BLOCK))
     x = torch.nn.functional.pad(x64, (0, nblk * STATS_BLOCK - n))
     lanes = x.view(nblk, STATS_BLOCK // STATS_LANES, STATS_LANES).cumsum(dim=1)[:, -1, :]  # sequential
-    return _sum8(lanes)
+    return lanes.reshape(-1)
 
 
 def _sum8(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _sum8(x: torch.Tensor) -> torch.Tensor:
 
 
 def combine_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """Sum of per-block partials by the 8-way tree (see module docstring); a 0-d tensor."""
+    """Sum of the lane partials by the 8-way tree (see module docstring); a 0-d tensor."""
     x = blocks.reshape(-1)
     while x.numel() > 1:
         x = _sum8(torch.nn.functional.pad(x, (0, (-x.numel()) % 8)).view(-1, 8))

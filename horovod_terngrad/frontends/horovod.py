@@ -22,6 +22,7 @@ call order (as Horovod's own unnamed ops are), which needs every rank to call in
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 
@@ -76,6 +77,9 @@ class TernGradCompressor:
         if config is not None and settings:
             raise TypeError("pass either a TernGradConfig or keyword settings, not both")
         self.config = config if config is not None else TernGradConfig(**settings)
+        # HOROVOD_TERNGRAD=0 turns compression off without touching the training script (the
+        # launcher's --no-terngrad sets it): every tensor then travels as with Compression.none.
+        self.enabled = os.environ.get("HOROVOD_TERNGRAD", "1").strip().lower() not in ("0", "off", "false", "no")
         self.stats = ExchangeStats()
         self.uncompressed_elements = 0
         self._engines: dict = {}
@@ -116,7 +120,7 @@ class TernGradCompressor:
             if opt is not None:
                 average = self._average(opt, name)
                 process_set = getattr(opt, "process_set", None)
-            if not self.config.compresses(name, tensor.numel()):
+            if not self.enabled or not self.config.compresses(name, tensor.numel()):
                 self.uncompressed_elements += tensor.numel()
                 if tensor.dtype in (torch.float16, torch.bfloat16):
                     return tensor.to(torch.float32), _Passthrough(tensor.dtype, name)
