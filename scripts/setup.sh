@@ -26,6 +26,12 @@ for pkg in openmpi-bin libopenmpi-dev; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 command -v cmake >/dev/null || missing+=(cmake)
+if ((WITH_TEST)); then
+  # the launcher tests run a real single-node Slurm and an emulated cluster in network namespaces
+  for pkg in slurmctld slurmd slurm-client munge iproute2 util-linux; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+  done
+fi
 command -v g++ >/dev/null || missing+=(g++)
 "$PY" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
   || missing+=("$(basename "$PY")-dev")
