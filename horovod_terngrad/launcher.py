@@ -136,10 +136,15 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
         "HOROVOD_TERNGRAD_NETWORK": profile,
     }
     if profile == "infiniband":
-        env.update({"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "UCX_TLS": "rc,sm,self"})
+        env.update({"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"})
         if ib:
+            env["UCX_TLS"] = "rc,sm,self"
             env["NCCL_IB_HCA"] = ",".join(d.split(":")[0] for d in ib)
             env["UCX_NET_DEVICES"] = ",".join(ib)
+        else:
+            print("terngrad-launch: warning: --network infiniband but no ACTIVE InfiniBand port under "
+                  "/sys/class/infiniband on this host; UCX and NCCL will use what they find (TCP)",
+                  file=sys.stderr)
         if iface:   # IPoIB or management interface for bootstrap
             env["NCCL_SOCKET_IFNAME"] = iface
             env["HOROVOD_GLOO_IFACE"] = iface
@@ -148,14 +153,18 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
     return env
 
 
-def mpi_args(profile: str, iface: str | None) -> list[str]:
-    if profile == "infiniband":
+def mpi_args(profile: str, iface: str | None, ib: list) -> list[str]:
+    if profile == "infiniband" and ib:
         return ["--mca", "pml", "ucx", "--mca", "btl", "^openib,tcp"]
-    return ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self,vader", "--mca", "btl_tcp_if_include", iface,
-            "--mca", "oob_tcp_if_include", iface]
+    # Ethernet, or an "infiniband" request on a host without an active port (Open MPI's UCX PML refuses
+    # to run without one): TCP, pinned to the interface when there is one
+    args = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self,vader"]
+    if iface:
+        args += ["--mca", "btl_tcp_if_include", iface, "--mca", "oob_tcp_if_include", iface]
+    return args
 
 
-def build_command(args, hosts: list[tuple[str, int]], env: dict, profile: str, iface: str | None,
+def build_command(args, hosts: list[tuple[str, int]], env: dict, profile: str, iface: str | None, ib: list,
                   command: list[str]) -> list[str]:
     host_list = ",".join(f"{h}:{s}" for h, s in hosts)
     if args.launcher == "horovodrun":
@@ -164,7 +173,7 @@ def build_command(args, hosts: list[tuple[str, int]], env: dict, profile: str, i
                "--cycle-time-ms", env["HOROVOD_CYCLE_TIME"]]
         if iface:
             cmd += ["--network-interface", iface]
-        cmd += ["--gloo"] if args.controller == "gloo" else ["--mpi", "--mpi-args", " ".join(mpi_args(profile, iface))]
+        cmd += ["--gloo"] if args.controller == "gloo" else ["--mpi", "--mpi-args", " ".join(mpi_args(profile, iface, ib))]
         return cmd + command
     if args.launcher == "mpirun":
         cmd = ["mpirun", "-np", str(args.np), "-H", host_list, "--bind-to", "none", "--map-by", "slot"]
@@ -172,7 +181,7 @@ def build_command(args, hosts: list[tuple[str, int]], env: dict, profile: str, i
             cmd.append("--allow-run-as-root")
         if args.rsh_agent:
             cmd += ["--mca", "plm_rsh_agent", args.rsh_agent]
-        cmd += mpi_args(profile, iface)
+        cmd += mpi_args(profile, iface, ib)
         for k in sorted(env):
             cmd += ["-x", k]
         for k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH"):
@@ -231,8 +240,8 @@ def plan(argv=None):
     preflight = [sys.executable, "-m", "horovod_terngrad.preflight"]
     commands = []
     if args.preflight:
-        commands.append(build_command(args, host_list, env, profile, iface, preflight))
-    commands.append(build_command(args, host_list, env, profile, iface, command))
+        commands.append(build_command(args, host_list, env, profile, iface, ib, preflight))
+    commands.append(build_command(args, host_list, env, profile, iface, ib, command))
     return args, commands, env
 
 

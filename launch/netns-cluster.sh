@@ -69,6 +69,7 @@ case "$cmd" in
     hosts_of | sed 's/$/:1/' | paste -sd, ;;
   exec)
     h="$1"; shift
+    prefix="${h%-h*}"          # the host name says which cluster it belongs to
     hosts_of | grep -qx -- "$h" || { echo "netns-cluster: no host '$h' in cluster '$prefix'" >&2; exit 2; }
     exec ip netns exec "$h" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$h" "$@" ;;
   counters)

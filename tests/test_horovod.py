@@ -41,14 +41,16 @@ def launch(tmp_path, kind, np_, scenarios):
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{kind} -np {np_} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
     assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
-    out = {}
-    for sc in scenarios:
-        ranks = [torch.load(tmp_path / f"{sc}.rank{r}.pt", weights_only=False) for r in range(np_)]
-        for r, res in enumerate(ranks):
-            assert "crash" not in res, f"{sc} rank {r}:\n{res['crash']}"
-            assert res["size"] == np_
-        out[sc] = ranks
-    return out
+    return {sc: load_results(tmp_path, sc, np_) for sc in scenarios}
+
+
+def load_results(folder, scenario, np_):
+    """Every rank's saved results of one scenario (checked for crashes and the world size)."""
+    ranks = [torch.load(os.path.join(folder, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(np_)]
+    for r, res in enumerate(ranks):
+        assert "crash" not in res, f"{scenario} rank {r}:\n{res['crash']}"
+        assert res["size"] == np_
+    return ranks
 
 
 def by_name_and_step(pairs):

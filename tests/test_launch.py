@@ -1,0 +1,184 @@
+"""Operations: the launcher, the sbatch scripts on a real single-node Slurm, and an emulated 2-host
+cluster with a 1 Gbit/s link (network namespaces).  Everything here starts real processes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from horovod_terngrad import launcher
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LAUNCH = os.path.join(ROOT, "launch", "terngrad-launch")
+NETNS = os.path.join(ROOT, "launch", "netns-cluster.sh")
+RSH = os.path.join(ROOT, "launch", "netns-rsh")
+PY = sys.executable
+sys.path.insert(0, os.path.join(HERE, "support"))
+
+
+def env():
+    e = dict(os.environ)
+    e["PATH"] = os.path.dirname(PY) + os.pathsep + e.get("PATH", "")
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run(args, timeout=300, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,message", [
+    (["-np", "2", "--network", "token-ring", "--", "true"], "invalid choice: 'token-ring'"),
+    (["-np", "9", "-H", "a:4,b:4", "--", "true"], "-np 9 exceeds the 8 slot(s)"),
+    (["-np", "2", "--hostfile", "/nonexistent/hosts", "--", "true"], "hostfile '/nonexistent/hosts' does not exist"),
+    (["-np", "2", "-H", "a:x", "--", "true"], "bad host entry 'a:x'"),
+    (["-np", "2"], "no training command given"),
+    (["-np", "0", "--", "true"], "-np must be >= 1"),
+])
+def test_bad_requests_fail_clearly(args, message):
+    p = run([LAUNCH, "--dry-run"] + args)
+    assert p.returncode == 2
+    assert message in p.stderr, p.stderr
+
+
+def test_hostfile_formats_and_slots(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("# cluster\nnode1 slots=4\nnode2:2\nnode3\n\n")
+    assert launcher.read_hostfile(str(hf)) == [("node1", 4), ("node2", 2), ("node3", 1)]
+    p = run([LAUNCH, "--dry-run", "-np", "7", "--hostfile", str(hf), "--network", "ethernet", "--iface", "eth9",
+             "--launcher", "mpirun", "--", "python", "train.py"])
+    assert p.returncode == 0, p.stderr
+    assert "-H node1:4,node2:2,node3:1" in p.stdout and "btl_tcp_if_include eth9" in p.stdout
+    assert run([LAUNCH, "--dry-run", "-np", "8", "--hostfile", str(hf), "--", "x"]).returncode == 2
+
+
+def test_profiles_set_the_network_settings(tmp_path):
+    ib = launcher.mpi_args("infiniband", None, ["mlx5_0:1"])
+    assert ib[:4] == ["--mca", "pml", "ucx", "--mca"]
+    env = launcher.network_env("infiniband", None, ["mlx5_0:1"], True)
+    assert env["UCX_TLS"] == "rc,sm,self" and env["NCCL_IB_HCA"] == "mlx5_0" and env["HOROVOD_CYCLE_TIME"] == "1"
+    p = run([LAUNCH, "--dry-run", "-np", "4", "-H", "n1:2,n2:2", "--network", "infiniband", "--launcher", "mpirun",
+             "--", "python", "t.py"])
+    assert "export NCCL_IB_DISABLE=0" in p.stdout and "--bind-to none" in p.stdout
+    if not launcher.active_ib_devices():   # this machine: no IB, so a loud warning and TCP
+        assert "no ACTIVE InfiniBand port" in p.stderr and "--mca pml ob1" in p.stdout
+    p = run([LAUNCH, "--dry-run", "-np", "4", "-H", "n1:2,n2:2", "--network", "ethernet", "--iface", "eno1",
+             "--no-terngrad", "--", "python", "t.py"])
+    assert "export NCCL_SOCKET_IFNAME=eno1" in p.stdout and "export NCCL_IB_DISABLE=1" in p.stdout
+    assert "--network-interface eno1" in p.stdout and "export HOROVOD_TERNGRAD=0" in p.stdout
+    # auto: an ACTIVE port under /sys/class/infiniband means IB
+    ib = tmp_path / "ib" / "mlx5_0" / "ports" / "1"
+    ib.mkdir(parents=True)
+    (ib / "state").write_text("4: ACTIVE\n")
+    assert launcher.resolve_network("auto", None, [("n1", 1)], ib_root=str(tmp_path / "ib"))[0] == "infiniband"
+    assert launcher.resolve_network("auto", "eth0", [("n1", 1)], ib_root=str(tmp_path / "none"))[0] == "ethernet"
+
+
+def test_odd_characters_are_passed_through_never_evaluated(tmp_path):
+    marker = tmp_path / "pwned"
+    odd = ["a b", f"$(touch {marker})", ";", '"q"', "it's", "*", "`id`"]
+    code = "import sys, json; print('ARGV=' + json.dumps(sys.argv[1:]))"
+    for launcher_name in ("horovodrun", "mpirun"):
+        p = run([LAUNCH, "-np", "1", "--no-preflight", "--launcher", launcher_name, "--", PY, "-c", code] + odd)
+        assert p.returncode == 0, p.stderr
+        line = next(l for l in p.stdout.splitlines() if "ARGV=" in l)
+        assert json.loads(line.split("ARGV=", 1)[1]) == odd
+    assert not marker.exists()
+
+
+# -- 8 ranks on localhost -------------------------------------------------------------------------
+@pytest.mark.parametrize("launcher_name", ["horovodrun", "mpirun"])
+def test_eight_ranks_exact_through_the_launcher(tmp_path, launcher_name):
+    from test_horovod import check_exact, load_results
+    p = run([LAUNCH, "-np", "8", "--network", "ethernet", "--launcher", launcher_name, "--",
+             PY, os.path.join(HERE, "workers", "hvd_scenarios.py"), str(tmp_path), "exact"], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("preflight: rank ") == 8 and "backend=cpu-fused" in p.stdout
+    assert check_exact(load_results(tmp_path, "exact", 8)) > 0
+
+
+# -- Slurm ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slurm():
+    from slurm_cluster import SlurmCluster
+    missing = SlurmCluster.available()
+    assert not missing, f"Slurm/munge programs missing: {missing} (scripts/setup.sh --test installs them)"
+    c = SlurmCluster(cpus=2).start()
+    yield c
+    c.stop()
+    shutil.rmtree(c.root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("script,launcher_name", [("terngrad-ethernet.sbatch", "srun"),
+                                                  ("terngrad-infiniband.sbatch", "mpirun"),
+                                                  ("terngrad-ethernet.sbatch", "mpirun")])
+def test_sbatch_scripts_run_to_completion(slurm, tmp_path, script, launcher_name):
+    e = dict(env(), **slurm.env)
+    e.update(SLURM_CONF=slurm.conf, LAUNCHER=launcher_name, TERNGRAD_REPO=ROOT)
+    if script.startswith("terngrad-infiniband"):
+        e["IFACE"] = "lo"     # no IB here: the profile's settings still apply, bootstrap over loopback
+    cmd = ["sbatch", "--parsable", "--wait", "-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
+           os.path.join(ROOT, "slurm", script), PY, os.path.join(ROOT, "examples", "mnist_lenet.py"),
+           "--epochs", "1", "--max-steps", "15", "--test-limit", "200"]
+    p = run(cmd, timeout=400, env=e, cwd=tmp_path)
+    job = p.stdout.strip().split(";")[0]
+    state = slurm.job_state(job) if job else "none"
+    out = tmp_path / f"{script.rsplit('.', 1)[0]}-{job}.out"
+    log = out.read_text() if out.exists() else ""
+    assert p.returncode == 0 and state == "COMPLETED", f"{state}\n{p.stderr}\n{log[-3000:]}\n{slurm.logs()}"
+    assert "preflight: rank 1" in log and "compression=terngrad" in log and "bits/element" in log
+    logdir = os.path.join(ROOT, "logs", f"{script.rsplit('.', 1)[0]}-{job}")
+    assert os.path.exists(os.path.join(logdir, "train.log")) and "exit code 0" in open(os.path.join(logdir, "job.log")).read()
+    shutil.rmtree(logdir)
+
+
+# -- emulated 2-host cluster ----------------------------------------------------------------------
+@pytest.fixture
+def cluster():
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip, tc)")
+    prefix = f"t{os.getpid() % 100000}"
+    subnet = f"10.79.{os.getpid() % 250}"
+    p = run([NETNS, "up", "2", "--rate", "1gbit", "--prefix", prefix, "--subnet", subnet])
+    assert p.returncode == 0, p.stderr
+    try:
+        yield prefix
+    finally:
+        run([NETNS, "down", "--prefix", prefix])
+        left = run(["ip", "netns", "list"]).stdout
+        assert prefix + "-" not in left
+
+
+def counters(prefix):
+    out = {}
+    for line in run([NETNS, "counters", "--prefix", prefix]).stdout.splitlines():
+        host, tx, rx = line.split()
+        out[host] = (int(tx.split("=")[1]), int(rx.split("=")[1]))
+    return out
+
+
+def test_two_hosts_over_an_emulated_1gbit_link(cluster, tmp_path):
+    prefix = cluster
+    h0, h1 = f"{prefix}-h0", f"{prefix}-h1"
+    before = counters(prefix)
+    steps = 40
+    p = run([NETNS, "exec", h0, LAUNCH, "-np", "2", "-H", f"{h0}:1,{h1}:1", "--launcher", "mpirun",
+             "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--",
+             PY, os.path.join(ROOT, "examples", "mnist_lenet.py"), "--epochs", "1", "--max-steps", str(steps),
+             "--test-limit", "200", "--json", str(tmp_path / "h.json")], timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"host={h0}" in p.stdout and f"host={h1}" in p.stdout      # each rank on its own host
+    after = counters(prefix)
+    hist = json.loads((tmp_path / "h.json").read_text())
+    payload_bytes = hist[-1]["bytes_sent_per_step"] * steps
+    sent_by_h1 = after[h1][0] - before[h1][0]
+    received_by_h0 = after[h0][1] - before[h0][1]
+    # rank 1's TernGrad payloads (plus the initial weight broadcast and control traffic) crossed the link
+    assert sent_by_h1 >= payload_bytes and received_by_h0 >= payload_bytes
+    shaping = run([NETNS, "exec", h0, "tc", "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" in shaping and "1Gbit" in shaping
