@@ -162,6 +162,12 @@ class AllgatherExchange:
     def allreduce(self, tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
         return self.finish(self.start(tensor, name, average))
 
+    def flush(self) -> None:
+        """Send every payload whose handshake is outstanding (waiting for the handshakes).  ``finish``
+        does this itself; a driver that plays several ranks from one thread calls it on every rank
+        before finishing any (see simulate.py)."""
+        self._progress(block=True)
+
     # -- internals ----------------------------------------------------------------------------
     def _handshake_vector(self, prep: codec.Prepared, tensor: torch.Tensor) -> torch.Tensor:
         n = float(prep.numel)

@@ -77,6 +77,36 @@ def scenario_exact(cfg_kwargs, bpps=1, dtype=torch.float32):
             "stats": vars(comp.stats).copy()}
 
 
+def sim_setup():
+    """Model, data and optimizer shared by the real run and the simulator (tests/test_simulate.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from mnist_lenet import LeNet
+    torch.manual_seed(0)
+    model = LeNet()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (256,), generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    return model, x, y, opt
+
+
+SIM_STEPS, SIM_BATCH, SIM_SEED = 4, 32, 7
+
+
+def scenario_lenet_sim():
+    import torch.nn.functional as F
+    from horovod_terngrad.simulate import batch_indices, worker_slice
+    model, x, y, opt = sim_setup()
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=TernGradCompressor(seed=SIM_SEED))
+    for step in range(SIM_STEPS):
+        idx = worker_slice(batch_indices(SIM_SEED, step, len(x), SIM_BATCH), hvd.rank(), hvd.size())
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
 def run(name):
     r = hvd.rank()
     if name == "exact":
@@ -113,6 +143,8 @@ def run(name):
         except tg.RankMismatchError as e:
             out["functional"] = str(e)
         return out
+    if name == "lenet_sim":
+        return scenario_lenet_sim()
     if name == "functional":
         res = {}
         gen = torch.Generator().manual_seed(r)
