@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from .codec.packing import FORMATS
 
 NONFINITE_POLICIES = ("raise", "zero")
+EXCHANGES = ("allgather", "sharded", "auto")
 
 
 class TernGradError(RuntimeError):
@@ -38,6 +39,10 @@ class TernGradConfig:
                    (no handshake; the payload headers carry scalers and the checks).
     on_nonfinite:  "raise" = NonFiniteGradientError on every rank; "zero" = the tensor's averaged
                    gradient is zero on every rank this step (counted in the stats, warned once).
+    exchange:      "allgather" (every rank receives every payload: one collective, traffic grows
+                   with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
+                   nearly constant in N; needs shared_scaler) or "auto" (per tensor, whichever the
+                   cost model of exchange/choice.py predicts to be faster).
     """
 
     clip_factor: float = 2.5
@@ -48,6 +53,7 @@ class TernGradConfig:
     seed: int = 0
     shared_scaler: bool = True
     on_nonfinite: str = "raise"
+    exchange: str = "allgather"
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -66,6 +72,11 @@ class TernGradConfig:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.exchange != "allgather" and not self.shared_scaler:
+            raise ValueError(f"exchange={self.exchange!r} needs shared_scaler=True: shard owners add "
+                             "ternary values that must share one scaler")
         for pat in self.exclude:
             try:
                 re.compile(pat)

@@ -16,14 +16,16 @@ def grad(shape, rank, tensor=0, dtype=torch.float32):
 SHAPES = [(20, 50), (50,), (7, 3, 3), (1,), (1000,)]
 
 
-@pytest.mark.parametrize("N", [2, 4])
+@pytest.mark.parametrize("N", [2, 3, 4])
 @pytest.mark.parametrize("cfg", [
     TernGradConfig(),
     TernGradConfig(packing="base3", seed=5),
     TernGradConfig(shared_scaler=False),
     TernGradConfig(bucket_size=64, packing="base3"),
     TernGradConfig(clip_factor=0.0),
-], ids=["default", "base3", "per-rank-scaler", "buckets", "noclip"])
+    TernGradConfig(exchange="sharded"),
+    TernGradConfig(exchange="sharded", packing="base3", bucket_size=50),
+], ids=["default", "base3", "per-rank-scaler", "buckets", "noclip", "sharded", "sharded-base3-buckets"])
 def test_every_rank_gets_the_recomputed_average_bit_for_bit(N, cfg):
     steps = 2
 
@@ -220,3 +222,32 @@ def test_wire_size_per_element_on_a_1M_parameter_model():
             bits = 8 * world.bytes_in[r] / total    # every byte handed to a collective, headers included
             assert bits <= limit, (fmt, bits)
             assert res[r].bits_per_element() == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("fmt,limit", [("2bit", 10.0), ("base3", 10.0)])
+def test_sharded_exchange_at_64_ranks_receives_at_most_10_bits_per_element(fmt, limit):
+    from horovod_terngrad.exchange import sharded
+    n, N = 200_003, 64
+    cfg = TernGradConfig(exchange="sharded", packing=fmt)
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        out = ex.allreduce(grad((n,), c.rank), "big")
+        return out, ex.stats.bytes_received, ex.stats.payload_bytes_sent
+
+    res = run_ranks(N, body, timeout=300)
+    worst = max(8 * r[1] / n for r in res)
+    assert worst <= limit, worst
+    assert worst == pytest.approx(sharded.received_bits_per_element(n, N, fmt), rel=1e-9)
+    assert max(8 * r[2] / n for r in res) < 2.2       # sends its codes once plus its shard's sums
+    want, _ = expected_average([grad((n,), r) for r in range(N)], "big", 0, cfg)
+    assert all(torch.equal(r[0], want) for r in res)   # = the allgather exchange's bits
+
+
+def test_auto_exchange_picks_by_cost():
+    from horovod_terngrad.exchange.choice import choose_exchange
+    assert choose_exchange(10_000_000, 2, "2bit") == "allgather"
+    assert choose_exchange(10_000_000, 64, "2bit") == "sharded"
+    assert choose_exchange(100, 64, "2bit") == "allgather"       # latency-bound: one collective wins
+    with pytest.raises(ValueError, match="needs shared_scaler"):
+        TernGradConfig(exchange="sharded", shared_scaler=False)

@@ -89,7 +89,7 @@ def check_exact(ranks):
     return checked
 
 
-ALL = ["exact", "exact_base3_buckets", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
+ALL = ["exact", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
        "mismatch", "functional"]
 
 
@@ -98,7 +98,7 @@ def gloo2(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("gloo2"), "gloo", 2, ALL)
 
 
-@pytest.mark.parametrize("sc", ["exact", "exact_base3_buckets", "exact_per_rank_bpps2", "bf16"])
+@pytest.mark.parametrize("sc", ["exact", "exact_base3_buckets", "exact_per_rank_bpps2", "bf16", "exact_sharded"])
 def test_gloo2_exact(gloo2, sc):
     assert check_exact(gloo2[sc]) > 0
 
@@ -149,14 +149,16 @@ def test_gloo2_functional_api(gloo2):
 
 
 def test_gloo4_exact(tmp_path):
-    res = launch(tmp_path, "gloo", 4, ["exact", "exact_base3_buckets", "nan_raise"])
+    res = launch(tmp_path, "gloo", 4, ["exact", "exact_base3_buckets", "nan_raise", "exact_sharded"])
     assert check_exact(res["exact"]) > 0
+    assert check_exact(res["exact_sharded"]) > 0
     assert check_exact(res["exact_base3_buckets"]) > 0
     assert all("NaN or Inf on rank 1" in r["error"] for r in res["nan_raise"])
 
 
 def test_mpirun2_exact(tmp_path):
-    res = launch(tmp_path, "mpi", 2, ["exact", "exact_per_rank_bpps2", "mismatch", "nan_raise"])
+    res = launch(tmp_path, "mpi", 2, ["exact", "exact_per_rank_bpps2", "mismatch", "nan_raise", "exact_sharded"])
+    assert check_exact(res["exact_sharded"]) > 0
     assert check_exact(res["exact"]) > 0
     assert check_exact(res["exact_per_rank_bpps2"]) > 0
     assert all(r["optimizer"] and r["functional"] for r in res["mismatch"])

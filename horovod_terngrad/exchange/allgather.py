@@ -33,6 +33,7 @@ import torch
 
 from .. import backends, codec
 from ..config import NonFiniteGradientError, RankMismatchError, TernGradConfig, TernGradError
+from . import sharded
 from .collectives import CollectiveError, Collectives
 
 log = logging.getLogger("horovod_terngrad")
@@ -91,7 +92,10 @@ class Ticket:
     average: bool
     in_place: bool = False   # the average may be written into the input's memory (it is fp32 contiguous)
     owner: object = None   # the AllgatherExchange that started it
+    mode: str = "allgather"  # or "sharded"
+    shared: torch.Tensor | None = None   # the agreed scalers (sharded decode)
     hs: object = None
+    a2a: object = None
     ag: object = None
     payload_bytes: int = 0
     error: Exception | None = None
@@ -108,7 +112,8 @@ class AllgatherExchange:
         self.config = config or TernGradConfig()
         self.stats = stats if stats is not None else ExchangeStats()
         self._steps: dict[str, int] = {}
-        self._pending: list[Ticket] = []
+        self._pending: list[Ticket] = []        # waiting for their handshake
+        self._pending_a2a: list[Ticket] = []    # sharded: waiting for their alltoall
         self._warned_nonfinite: set = set()
 
     # -- public -------------------------------------------------------------------------------
@@ -128,7 +133,7 @@ class AllgatherExchange:
         tk = Ticket(name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
                     key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), rank), average=average,
                     in_place=in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
-                    owner=self)
+                    owner=self, mode=self._mode(g32.numel()))
         if cfg.shared_scaler:
             hs = self._handshake_vector(prep, tensor)
             self.stats.codec_s += time.perf_counter() - t0
@@ -187,8 +192,16 @@ class AllgatherExchange:
         fixed[1:2] = torch.where(bad > 0, -bad, torch.full_like(bad, -float(size + 1)))
         return torch.cat([fixed, prep.scalers.to(torch.float64)])
 
+    def _mode(self, n: int) -> str:
+        ex = self.config.exchange
+        if ex == "auto":
+            from .choice import choose_exchange
+            return choose_exchange(n, self.coll.size, self.config.packing)
+        return ex
+
     def _progress(self, block: bool) -> None:
-        """Turn completed (or, if block, all) handshakes into payload allgathers, in start order."""
+        """Turn completed (or, if block, all) handshakes into payload exchanges, then completed (or
+        all) alltoalls of the sharded exchange into allgathers of the owners' sums, in start order."""
         waiting = []
         for tk in self._pending:
             if block or self.coll.poll(tk.hs):
@@ -196,6 +209,13 @@ class AllgatherExchange:
             else:
                 waiting.append(tk)
         self._pending = waiting
+        waiting = []
+        for tk in self._pending_a2a:
+            if block or self.coll.poll(tk.a2a):
+                self._after_alltoall(tk)
+            else:
+                waiting.append(tk)
+        self._pending_a2a = waiting
 
     def _after_handshake(self, tk: Ticket) -> None:
         t0 = time.perf_counter()
@@ -233,7 +253,40 @@ class AllgatherExchange:
             tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key, cfg.packing, shape=tk.shape)
         self._record_tensor(tk)
         self.stats.codec_s += time.perf_counter() - t0
-        self._send(tk, payload)
+        if tk.mode == "sharded":
+            self._send_shards(tk, payload, shared)
+        else:
+            self._send(tk, payload)
+
+    def _send_shards(self, tk: Ticket, payload: torch.Tensor, shared: torch.Tensor) -> None:
+        codes = payload[codec.HEADER_BYTES + 4 * shared.numel():]
+        splits = []
+        for lo, hi in sharded.shard_bounds(tk.g32.numel(), self.coll.size):
+            b0, b1 = sharded.code_byte_range(lo, hi, self.config.packing)
+            splits.append(b1 - b0)
+        tk.shared = shared
+        self.stats.payload_bytes_sent += codes.numel()
+        tk.payload_bytes = splits[self.coll.rank]
+        tk.a2a = self.coll.alltoall_async(codes, splits, f"terngrad.a2a.{tk.name}")
+        self._pending_a2a.append(tk)
+
+    def _after_alltoall(self, tk: Ticket) -> None:
+        t0 = time.perf_counter()
+        try:
+            received = self.coll.synchronize(tk.a2a)
+        except CollectiveError as e:
+            tk.error = RankMismatchError(f"TernGrad: sharded exchange of '{tk.name}' failed: {e}")
+            return
+        finally:
+            self.stats.gather_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.stats.bytes_received += received.numel() - tk.payload_bytes
+        lo, hi = sharded.shard_bounds(tk.g32.numel(), self.coll.size)[self.coll.rank]
+        sums = sharded.owner_sums(received, self.coll.size, lo, hi, self.config.packing)
+        self.stats.codec_s += time.perf_counter() - t0
+        tk.payload_bytes = sums.numel()
+        self.stats.payload_bytes_sent += sums.numel()
+        tk.ag = self.coll.allgather_async(sums, f"terngrad.sg.{tk.name}")
 
     def _nonfinite(self, tk: Ticket, msg: str) -> None:
         if self.config.on_nonfinite == "raise":
@@ -265,6 +318,16 @@ class AllgatherExchange:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.stats.bytes_received += gathered.numel() - tk.payload_bytes
+        if tk.mode == "sharded":
+            n = tk.g32.numel()
+            k = sharded.gathered_sums(gathered, n, self.coll.size)
+            s = tk.shared if tk.shared.numel() == 1 else tk.shared.repeat_interleave(self.config.bucket_size)[:n]
+            divisor = float(self.coll.size if tk.average else 1)
+            out = (k.to(torch.float32) * s) / divisor    # = the allgather decode for a shared scaler
+            if tk.in_place:
+                out = tk.g32.copy_(out)
+            self.stats.codec_s += time.perf_counter() - t0
+            return out
         try:
             headers, offsets = codec.packing.walk(gathered, self.coll.size, f"gathered payloads of '{tk.name}'")
         except codec.PayloadError as e:

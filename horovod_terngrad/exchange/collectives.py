@@ -23,6 +23,7 @@ class Collectives(Protocol):
 
     def allreduce_max_async(self, tensor: torch.Tensor, name: str) -> Any: ...
     def allgather_async(self, tensor: torch.Tensor, name: str) -> Any: ...
+    def alltoall_async(self, tensor: torch.Tensor, splits: list, name: str) -> Any: ...
     def poll(self, handle: Any) -> bool: ...
     def synchronize(self, handle: Any) -> torch.Tensor: ...
 
@@ -52,14 +53,19 @@ class HorovodCollectives:
     def allgather_async(self, tensor, name):
         return self._hvd.allgather_async(tensor, name=name, **self._kw())
 
+    def alltoall_async(self, tensor, splits, name):
+        return self._hvd.alltoall_async(tensor, splits=torch.tensor(splits, dtype=torch.int32), name=name,
+                                        **self._kw())
+
     def poll(self, handle):
         return self._hvd.poll(handle)
 
     def synchronize(self, handle):
         try:
-            return self._hvd.synchronize(handle)
+            out = self._hvd.synchronize(handle)
         except Exception as e:  # Horovod reports rank disagreements as HorovodInternalError
             raise CollectiveError(str(e)) from e
+        return out[0] if isinstance(out, tuple) else out   # alltoall: (output, received splits)
 
 
 class _Slot:
@@ -81,12 +87,12 @@ class ThreadWorld:
         self._slots: dict[tuple[str, str], _Slot] = {}
         self.bytes_in: list[int] = [0] * size   # bytes each rank handed to collectives
 
-    def post(self, kind: str, name: str, rank: int, tensor: torch.Tensor) -> _Slot:
+    def post(self, kind: str, name: str, rank: int, tensor: torch.Tensor, splits=None) -> _Slot:
         with self._lock:
             slot = self._slots.setdefault((kind, name), _Slot(self.size))
             if slot.inputs[rank] is not None:
                 raise CollectiveError(f"rank {rank} posted {kind} '{name}' twice before it completed")
-            slot.inputs[rank] = tensor.clone()
+            slot.inputs[rank] = tensor.clone() if splits is None else (tensor.clone(), list(splits))
             slot.arrived += 1
             self.bytes_in[rank] += tensor.numel() * tensor.element_size()
             if slot.arrived == self.size:
@@ -100,6 +106,17 @@ class ThreadWorld:
 
     @staticmethod
     def _combine(kind, name, inputs):
+        if kind == "a2a":   # per receiver: the chunks addressed to it, in sender order
+            out = []
+            for dst in range(len(inputs)):
+                parts = []
+                for t, splits in inputs:
+                    if len(splits) != len(inputs) or sum(splits) != t.numel():
+                        raise CollectiveError(f"alltoall '{name}': splits {splits} do not fit {t.numel()} elements")
+                    off = sum(splits[:dst])
+                    parts.append(t[off:off + splits[dst]])
+                out.append(torch.cat(parts))
+            return out
         if kind == "max":
             shapes = {tuple(t.shape) for t in inputs}
             if len(shapes) != 1:
@@ -126,6 +143,9 @@ class ThreadCollectives:
     def allgather_async(self, tensor, name):
         return self.world.post("gather", name, self.rank, tensor)
 
+    def alltoall_async(self, tensor, splits, name):
+        return self.world.post("a2a", name, self.rank, tensor, splits)
+
     def poll(self, handle):
         return handle.done.is_set()
 
@@ -134,7 +154,8 @@ class ThreadCollectives:
             raise CollectiveError(f"collective timed out after {self.timeout}s: not all ranks posted it")
         if handle.error is not None:
             raise handle.error
-        return handle.result.clone()
+        result = handle.result[self.rank] if isinstance(handle.result, list) else handle.result
+        return result.clone()
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 120.0):

@@ -113,6 +113,8 @@ def run(name):
         return scenario_exact({"seed": 3})
     if name == "exact_base3_buckets":
         return scenario_exact({"packing": "base3", "bucket_size": 100, "seed": 4})
+    if name == "exact_sharded":
+        return scenario_exact({"exchange": "sharded", "seed": 8})
     if name == "exact_per_rank_bpps2":
         return scenario_exact({"shared_scaler": False}, bpps=2)
     if name == "exclude":
