@@ -1,0 +1,881 @@
+"""Performance model of data-parallel training with and without TernGrad (paper §5, Fig. 5).
+
+The paper (Wen et al., NeurIPS 2017, §5) predicts training throughput up to 512 GPUs by combining a
+single-GPU profile with an analytical model of communication.  Its own model is a parameter-server model
+described in the supplementary material; this module is the same idea for the exchanges this project
+runs (ring collectives, as Horovod does), with an alpha-beta network.
+
+Step time (one iteration, every worker, weak scaling: fixed batch per worker)
+-----------------------------------------------------------------------------
+    T_step = T_compute + T_comm + T_codec - min(T_comm + T_codec, overlap · T_compute)
+
+* ``T_compute``: forward + backward of one worker's batch (measured with :func:`profile_compute`, or
+  taken from published single-GPU timings, see :data:`MODELS`).
+* ``T_comm``: sum over the fused buffers of the chosen exchange's time (below).
+* ``T_codec``: optional; ternarize/pack/decode work divided by a rate (elements/s) you give.  Off
+  (0) unless ``codec_elements_per_s`` is set.
+* ``overlap``: fraction of the compute time during which communication can run concurrently.  The basic
+  model (the default, overlap = 0) does NOT overlap communication with compute; overlap = 1 gives
+  max(T_compute, T_comm + T_codec).
+
+Images/s on N workers = N · batch_per_worker / T_step.  Speedup of a method = T_step(fp32) / T_step(method)
+at the same N.
+
+Network: alpha-beta
+-------------------
+A message of m bytes over one link costs alpha + m·beta (alpha: latency per message in s, beta =
+1/bandwidth in s/byte).  For N ranks and one buffer (per rank; every rank sends as many bytes as it
+receives, so "bytes" below is what crosses each rank's link in each direction):
+
+* ring allreduce of B bytes:       T = 2(N-1)·alpha + 2(N-1)/N · B · beta
+      fp32: B = 4n;  fp16: B = 2n.
+* ring allgather of P bytes/rank:  T = (N-1)·alpha + (N-1) · P · beta
+* pairwise alltoall, c bytes to each peer:  T = (N-1)·alpha + (N-1) · c · beta
+
+TernGrad exchanges, for a buffer holding tensors of n_1..n_k elements (one tensor: k = 1), packing of
+b bits per element (b = 2 for "2bit", 4 codes a byte; b = 1.6 for "base3", 5 codes a byte):
+
+* allgather exchange (what ``exchange/allgather.py`` implements): each rank's payload is
+      P = sum_i (20 + 4 + ceil(n_i·b/8))     (20-byte header, one fp32 scaler, packed codes)
+  sent by ring allgather, plus the shared-scaler handshake, an allreduce of 8·(8+1) = 72 bytes per tensor:
+      T = (N-1)·alpha + (N-1)·P·beta  +  2(N-1)·alpha + 2(N-1)/N · 72k · beta
+  Received bits per element ~ (N-1)·b: grows with N.
+* sharded exchange (each rank owns 1/N of every tensor; a fused buffer of n = n_1 + ... + n_k elements is
+  sharded as one vector): ternary chunks of m = ceil(n/N) elements go to their owner by alltoall
+  (c = 24 + ceil(m·b/8) bytes to each peer); the owner sums N chunks (integers in [-N, N]) and packs the
+  sums in L = ceil(log2(2N+1)) bits; the sums return to every rank by ring allgather
+  (P_sum = 24 + ceil(m·L/8) bytes per rank); plus the same handshake (72k bytes):
+      T = (N-1)·alpha + (N-1)·c·beta  +  (N-1)·alpha + (N-1)·P_sum·beta  +  handshake
+  Received bits per element ~ (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
+  The 24-byte header per chunk in both stages is this model's assumption (the same header as a payload);
+  chunks are taken as ceil(n/N) elements, the largest owner's share (the slowest rank sets the time).
+
+Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
+crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link.
+An alltoall pushes G·(N-G)·c bytes through each node's NIC, so its bandwidth term is
+beta·max((N-1)·c, G·(N-G)·c).  When N <= G every hop is inside one node and the ``intra_node`` link
+(PCIe switch, NVLink) is used instead, if given.  Switches are non-blocking; no congestion, no
+stragglers, no contention between concurrent buffers (buffers are sent one after the other).
+
+Crossovers these formulas give (one large tensor, 2-bit): allgather is cheaper than fp32 ring allreduce
+iff  n·(8/N - 1/4) > alpha/beta + 24 + 144/N,  so for large n it wins for N <= 31 and loses for N >= 32
+(bandwidth terms equal at N = 32: (N-1)·2 bits vs 2(N-1)/N·32 bits); with base3 up to N = 39.  Sharded
+receives fewer bits than allgather from N = 3 on (b + L < N·b) but pays one more round of (N-1)·alpha, so
+:func:`choose_exchange` picks allgather for small tensors or few workers and sharded for large N.
+
+Costs of this module itself: every function is O(number of tensors · number of worker counts); nothing
+here touches the network.  torch is imported only by :func:`tensor_sizes_of` and :func:`profile_compute`,
+matplotlib only by :func:`plot_fig5`.
+
+CLI: ``python -m horovod_terngrad.perfmodel [--cluster ethernet|infiniband|both|custom ...] [--model ...]
+[--max-workers 512] [--png docs/perfmodel/fig5.png]`` (see ``--help`` and docs/perfmodel.md).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+# --------------------------------------------------------------------------------------------------
+# Wire-format constants (the same numbers as codec/packing.py and exchange/allgather.py; repeated here
+# so this module stays importable without torch).
+PAYLOAD_HEADER_BYTES = 20          #: TernGrad payload header
+SCALER_BYTES = 4                   #: one fp32 scaler per tensor (layer-wise, bucket_size = 0)
+HANDSHAKE_BYTES_PER_TENSOR = 8 * (8 + 1)   #: fp64 handshake vector [8 fixed fields + 1 scaler]
+SHARDED_CHUNK_HEADER_BYTES = PAYLOAD_HEADER_BYTES + SCALER_BYTES   #: assumed per chunk, both stages
+CODES_PER_BYTE = {"2bit": 4, "base3": 5}
+BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
+
+FP32 = "fp32"
+FP16 = "fp16"
+TERNGRAD_ALLGATHER = "terngrad_allgather"
+TERNGRAD_SHARDED = "terngrad_sharded"
+TERNGRAD_BEST = "terngrad"        #: per buffer, the cheaper of the two TernGrad exchanges
+METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
+TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
+
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024   #: Horovod's default HOROVOD_FUSION_THRESHOLD
+
+
+# --------------------------------------------------------------------------------------------------
+# Network
+@dataclass(frozen=True)
+class Network:
+    """Alpha-beta link: ``latency_s`` = alpha (s per message), ``bandwidth_Bps`` = 1/beta (bytes/s).
+
+    ``ranks_per_node`` ranks share one NIC; ``intra_node`` is the link used when all ranks fit in one
+    node (N <= ranks_per_node), or None to use this link there too.
+    """
+
+    name: str
+    latency_s: float
+    bandwidth_Bps: float
+    ranks_per_node: int = 1
+    intra_node: "Network | None" = None
+
+    @property
+    def alpha(self) -> float:
+        return self.latency_s
+
+    @property
+    def beta(self) -> float:
+        return 1.0 / self.bandwidth_Bps
+
+    @classmethod
+    def from_gbps(cls, name: str, bandwidth_gbps: float, latency_us: float, ranks_per_node: int = 1,
+                  intra_node: "Network | None" = None) -> "Network":
+        """Build from Gbit/s (10^9 bit/s) and microseconds."""
+        if bandwidth_gbps <= 0 or latency_us < 0:
+            raise ValueError("bandwidth must be > 0 and latency >= 0")
+        return cls(name, latency_us * 1e-6, bandwidth_gbps * 1e9 / 8, ranks_per_node, intra_node)
+
+    def link_for(self, workers: int) -> "Network":
+        """The link a job of ``workers`` ranks runs on: ``intra_node`` when it fits in one node."""
+        if self.intra_node is not None and workers <= self.ranks_per_node:
+            return self.intra_node
+        return self
+
+    def describe(self) -> str:
+        s = f"{self.name}: {self.bandwidth_Bps * 8 / 1e9:g} Gbit/s, alpha {self.latency_s * 1e6:g} us"
+        if self.ranks_per_node > 1:
+            s += f", {self.ranks_per_node} ranks per node"
+        if self.intra_node is not None:
+            s += (f" (inside a node: {self.intra_node.name}, {self.intra_node.bandwidth_Bps / 1e9:g} GB/s, "
+                  f"alpha {self.intra_node.latency_s * 1e6:g} us)")
+        return s
+
+
+# The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
+# latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
+# 1 GbE, ~5 us for MPI over InfiniBand, ~10 GB/s through a PCIe 3.0 x16 switch, ~20 GB/s NVLink ring).
+PCIE_SWITCH = Network("pcie-switch", 10e-6, 10e9)
+NVLINK = Network("nvlink", 5e-6, 20e9)
+ETHERNET_1G = Network.from_gbps("ethernet", 1.0, 50.0, ranks_per_node=4, intra_node=PCIE_SWITCH)
+INFINIBAND_100G = Network.from_gbps("infiniband", 100.0, 5.0, ranks_per_node=4, intra_node=NVLINK)
+
+
+# --------------------------------------------------------------------------------------------------
+# Byte formulas (per rank, per buffer; see the module docstring)
+def packed_bytes(numel: int, packing: str = "2bit") -> int:
+    """ceil(n·b/8): bytes of n ternary codes, 4 a byte ("2bit") or 5 a byte ("base3")."""
+    return -(-int(numel) // CODES_PER_BYTE[_check_packing(packing)])
+
+
+def payload_bytes(numel: int, packing: str = "2bit") -> int:
+    """P = 20 + 4 + ceil(n·b/8): one tensor's TernGrad payload (header, scaler, codes)."""
+    return PAYLOAD_HEADER_BYTES + SCALER_BYTES + packed_bytes(numel, packing)
+
+
+def sum_bits(workers: int) -> int:
+    """L = ceil(log2(2N+1)): bits to hold a sum of N ternary values (integers in [-N, N])."""
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    return math.ceil(math.log2(2 * workers + 1))
+
+
+def shard_numel(numel: int, workers: int) -> int:
+    """ceil(n/N): elements owned by the largest owner in the sharded exchange."""
+    return -(-int(numel) // int(workers))
+
+
+def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
+    """2(N-1)·alpha + 2(N-1)/N·B·beta  (0 for N = 1)."""
+    N = workers
+    if N <= 1:
+        return 0.0
+    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta
+
+
+def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> float:
+    """(N-1)·alpha + (N-1)·P·beta  (0 for N = 1)."""
+    N = workers
+    if N <= 1:
+        return 0.0
+    return (N - 1) * link.alpha + (N - 1) * bytes_per_rank * link.beta
+
+
+def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_node: int = 1) -> float:
+    """(N-1)·alpha + beta·max((N-1)·c, G·(N-G)·c), G = min(ranks_per_node, N) ranks sharing a NIC.
+
+    With G = 1 (one NIC per rank) this is (N-1)·alpha + (N-1)·c·beta.  Within one node (G = N) the second
+    term vanishes and the first, (N-1)·c, applies on the intra-node link.
+    """
+    N = workers
+    if N <= 1:
+        return 0.0
+    G = max(1, min(int(ranks_per_node), N))
+    return (N - 1) * link.alpha + max(N - 1, G * (N - G)) * bytes_per_peer * link.beta
+
+
+@dataclass(frozen=True)
+class ExchangeCost:
+    """Cost of one exchange on one rank: time, bytes received (= sent) and messages (latency terms)."""
+
+    method: str
+    time_s: float
+    bytes_received: float
+    messages: int
+    elements: int
+
+    @property
+    def bits_per_element(self) -> float:
+        """Received bits per gradient element (headers and handshake included)."""
+        return 8.0 * self.bytes_received / self.elements if self.elements else 0.0
+
+    def __add__(self, other: "ExchangeCost") -> "ExchangeCost":
+        method = self.method if self.method == other.method else TERNGRAD_BEST
+        return ExchangeCost(method, self.time_s + other.time_s, self.bytes_received + other.bytes_received,
+                            self.messages + other.messages, self.elements + other.elements)
+
+
+def _sizes(sizes: int | Sequence[int]) -> list[int]:
+    out = [int(sizes)] if isinstance(sizes, (int,)) or hasattr(sizes, "__index__") else [int(s) for s in sizes]
+    if any(s < 0 for s in out):
+        raise ValueError("tensor sizes must be >= 0")
+    return out
+
+
+def _check_packing(packing: str) -> str:
+    if packing not in CODES_PER_BYTE:
+        raise ValueError(f"packing must be one of {sorted(CODES_PER_BYTE)}, got {packing!r}")
+    return packing
+
+
+def _handshake(tensors: int, workers: int, link: Network) -> tuple[float, float, int]:
+    """Shared-scaler handshake: one allreduce of 72 bytes per tensor (fused for the buffer)."""
+    nbytes = HANDSHAKE_BYTES_PER_TENSOR * tensors
+    N = workers
+    return (ring_allreduce_time(nbytes, N, link), 2 * (N - 1) / N * nbytes, 2 * (N - 1))
+
+
+def allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                   bytes_per_element: int = 4) -> ExchangeCost:
+    """Ring allreduce of one buffer: T = 2(N-1)·alpha + 2(N-1)/N·(bytes_per_element·n)·beta.
+
+    Received (= sent) bytes per rank: 2(N-1)/N·bytes_per_element·n; messages 2(N-1).
+    """
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    method = {4: FP32, 2: FP16}.get(bytes_per_element, f"allreduce{8 * bytes_per_element}")
+    if N <= 1:
+        return ExchangeCost(method, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    B = bytes_per_element * n
+    return ExchangeCost(method, ring_allreduce_time(B, N, link), 2 * (N - 1) / N * B, 2 * (N - 1), n)
+
+
+def fp32_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
+    """fp32 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·4n·beta."""
+    return allreduce_cost(sizes, workers, network, 4)
+
+
+def fp16_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
+    """fp16 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·2n·beta."""
+    return allreduce_cost(sizes, workers, network, 2)
+
+
+def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                            packing: str = "2bit") -> ExchangeCost:
+    """TernGrad allgather exchange of one buffer of tensors n_1..n_k.
+
+    P = sum_i (24 + ceil(n_i·b/8));  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·72k·beta.
+    Received bytes per rank: (N-1)·P + 2(N-1)/N·72k.  Messages: 3(N-1).
+    """
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    P = sum(payload_bytes(x, packing) for x in ns)
+    hs_t, hs_b, hs_m = _handshake(len(ns), N, link)
+    return ExchangeCost(TERNGRAD_ALLGATHER, ring_allgather_time(P, N, link) + hs_t, (N - 1) * P + hs_b,
+                        (N - 1) + hs_m, n)
+
+
+def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                          packing: str = "2bit") -> ExchangeCost:
+    """TernGrad sharded exchange (reduce-scatter by alltoall, then allgather of L-bit sums).
+
+    The buffer (one tensor, or k fused tensors of n = n_1 + ... + n_k elements, sharded as one vector;
+    the per-tensor shared scalers come from the handshake) is cut in N chunks of at most m = ceil(n/N):
+    L = ceil(log2(2N+1)),  c = 24 + ceil(m·b/8) bytes to each peer,  P_sum = 24 + ceil(m·L/8) per rank,
+    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (2(N-1)·alpha + 2(N-1)/N·72k·beta).
+    Received bytes per rank: (N-1)·(c + P_sum) + 2(N-1)/N·72k ~ (N-1)/N·n·(b + L)/8.  Messages: 4(N-1).
+    """
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_SHARDED, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    L = sum_bits(N)
+    m = shard_numel(n, N)
+    c = SHARDED_CHUNK_HEADER_BYTES + packed_bytes(m, packing)
+    P_sum = SHARDED_CHUNK_HEADER_BYTES + -(-(m * L) // 8)
+    hs_t, hs_b, hs_m = _handshake(len(ns), N, link)
+    G = network.ranks_per_node if link is network else N
+    t = alltoall_time(c, N, link, G) + ring_allgather_time(P_sum, N, link) + hs_t
+    return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * (N - 1) + hs_m, n)
+
+
+_COST_FUNCTIONS = {
+    FP32: lambda s, N, net, packing: fp32_allreduce_cost(s, N, net),
+    FP16: lambda s, N, net, packing: fp16_allreduce_cost(s, N, net),
+    TERNGRAD_ALLGATHER: terngrad_allgather_cost,
+    TERNGRAD_SHARDED: terngrad_sharded_cost,
+}
+
+
+@dataclass(frozen=True)
+class ExchangeChoice:
+    """What :func:`choose_exchange` decided: the method, its cost and every candidate's cost."""
+
+    method: str
+    cost: ExchangeCost
+    costs: dict
+
+
+def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network: Network,
+                  packing: str = "2bit") -> ExchangeCost:
+    """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad)."""
+    if method == TERNGRAD_BEST:
+        return choose_exchange(sizes, workers, network, packing).cost
+    if method not in _COST_FUNCTIONS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return _COST_FUNCTIONS[method](sizes, workers, network, packing)
+
+
+def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
+                    candidates: Sequence[str] = TERNGRAD_EXCHANGES) -> ExchangeChoice:
+    """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
+
+    ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
+    chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
+    pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
+    candidate (allgather first: fewer messages).  Cost: O(k) for k tensors.
+    """
+    costs = {m: exchange_cost(m, sizes, workers, network, packing) for m in candidates}
+    best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
+    return ExchangeChoice(best, costs[best], costs)
+
+
+def fuse_buffers(tensor_sizes: Sequence[int], fusion_bytes: int,
+                 bytes_per_element: float = 4.0) -> list[list[int]]:
+    """Group consecutive tensors into buffers of at most ``fusion_bytes`` (as Horovod's tensor fusion).
+
+    A tensor larger than the threshold travels alone; ``fusion_bytes`` <= 0 gives one buffer per tensor.
+    ``bytes_per_element`` is what the method puts on the wire (4 fp32, 2 fp16, b/8 TernGrad).
+    """
+    sizes = [int(s) for s in tensor_sizes]
+    if fusion_bytes <= 0:
+        return [[s] for s in sizes]
+    buffers, current, current_bytes = [], [], 0.0
+    for s in sizes:
+        b = s * bytes_per_element
+        if current and current_bytes + b > fusion_bytes:
+            buffers.append(current)
+            current, current_bytes = [], 0.0
+        current.append(s)
+        current_bytes += b
+    if current:
+        buffers.append(current)
+    return buffers
+
+
+def _wire_bytes_per_element(method: str, packing: str) -> float:
+    return {FP32: 4.0, FP16: 2.0}.get(method, BITS_PER_CODE[packing] / 8)
+
+
+def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
+                        packing: str = "2bit",
+                        fusion_bytes: int = HOROVOD_FUSION_BYTES) -> tuple[ExchangeCost, list[str]]:
+    """Cost of exchanging all of a model's gradients: the sum over its fused buffers.
+
+    Returns (total cost, method used per buffer); for "terngrad" each buffer gets :func:`choose_exchange`.
+    """
+    buffers = fuse_buffers(tensor_sizes, fusion_bytes, _wire_bytes_per_element(method, packing))
+    total, used = None, []
+    for buf in buffers:
+        if method == TERNGRAD_BEST:
+            choice = choose_exchange(buf, workers, network, packing)
+            cost, name = choice.cost, choice.method
+        else:
+            cost, name = exchange_cost(method, buf, workers, network, packing), method
+        total = cost if total is None else total + cost
+        used.append(name)
+    if total is None:
+        total = ExchangeCost(method, 0.0, 0.0, 0, 0)
+    return replace(total, method=method), used
+
+
+def codec_work_elements(method: str, numel: int, workers: int) -> float:
+    """Element operations of the codec per step (for the optional codec term).
+
+    fp32: 0; fp16: 2n (cast out and back); allgather: n encode + N·n decode (every payload is decoded);
+    sharded: n encode + n (owners sum N chunks of n/N) + n decode of the sums = 3n.  N = 1: 0.
+    """
+    if workers <= 1 or method == FP32:
+        return 0.0
+    if method == FP16:
+        return 2.0 * numel
+    if method == TERNGRAD_ALLGATHER:
+        return float(numel) * (1 + workers)
+    if method == TERNGRAD_SHARDED:
+        return 3.0 * numel
+    raise ValueError(method)
+
+
+# --------------------------------------------------------------------------------------------------
+# Step prediction
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted iteration of one worker.  Times in seconds; speedups are ratios of step times."""
+
+    method: str
+    workers: int
+    compute_s: float
+    comm_s: float
+    codec_s: float
+    step_s: float
+    bits_per_element: float
+    exchanges: tuple
+    batch_per_worker: int | None = None
+    speedup_vs_fp32: float = float("nan")
+
+    @property
+    def images_per_s(self) -> float:
+        """N · batch / T_step (needs batch_per_worker)."""
+        if self.batch_per_worker is None:
+            return float("nan")
+        return self.workers * self.batch_per_worker / self.step_s
+
+    @property
+    def speedup_vs_one_worker(self) -> float:
+        """N · T_compute / T_step: throughput over one worker's (weak scaling)."""
+        return self.workers * self.compute_s / self.step_s
+
+    @property
+    def scaling_efficiency(self) -> float:
+        return self.compute_s / self.step_s
+
+
+def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: Network,
+                 method: str = FP32, *, packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                 overlap: float = 0.0, codec_elements_per_s: float | None = None,
+                 batch_per_worker: int | None = None) -> StepPrediction:
+    """T_step = T_compute + T_comm + T_codec - min(T_comm + T_codec, overlap·T_compute).
+
+    ``tensor_sizes``: gradient element counts; consecutive ones are fused (:func:`fuse_buffers`), so the
+    order only changes how many buffers, hence latency terms, there are (the :data:`MODELS` lists are in
+    layer order).  ``overlap`` in [0, 1]; 0 (default) = no overlap of communication with compute.
+    ``codec_elements_per_s``: None = the codec is free; else T_codec = :func:`codec_work_elements` / rate.
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError("overlap must be in [0, 1]")
+    if compute_s < 0 or workers < 1:
+        raise ValueError("compute_s must be >= 0 and workers >= 1")
+    cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes)
+    codec = 0.0
+    if codec_elements_per_s:
+        buffers = fuse_buffers(tensor_sizes, fusion_bytes, _wire_bytes_per_element(method, packing))
+        work = sum(codec_work_elements(m, sum(b), workers) for m, b in zip(used, buffers))
+        codec = work / codec_elements_per_s
+    exposed = cost.time_s + codec
+    step = compute_s + exposed - min(exposed, overlap * compute_s)
+    return StepPrediction(method, int(workers), compute_s, cost.time_s, codec, step, cost.bits_per_element,
+                          tuple(used), batch_per_worker)
+
+
+def compare_exchanges(model_or_sizes, compute_s: float, workers: int, network: Network,
+                      methods: Sequence[str] = METHODS, **kwargs) -> dict[str, StepPrediction]:
+    """Predicted step of a user's model under each method, with ``speedup_vs_fp32`` filled in.
+
+    ``model_or_sizes``: a ``torch.nn.Module`` (its trainable parameters) or a list of tensor sizes.
+    ``compute_s``: measured forward+backward time per iteration on one worker (see :func:`profile_compute`).
+    ``kwargs`` go to :func:`predict_step` (packing, fusion_bytes, overlap, codec_elements_per_s,
+    batch_per_worker).  Returns {method: StepPrediction}.
+    """
+    sizes = tensor_sizes_of(model_or_sizes)
+    base = predict_step(sizes, compute_s, workers, network, FP32, **kwargs)
+    out = {}
+    for m in methods:
+        p = base if m == FP32 else predict_step(sizes, compute_s, workers, network, m, **kwargs)
+        out[m] = replace(p, speedup_vs_fp32=base.step_s / p.step_s)
+    return out
+
+
+def compute_time_for_speedup(target_speedup: float, tensor_sizes: Sequence[int], workers: int,
+                             network: Network, method: str = TERNGRAD_ALLGATHER, **kwargs) -> float:
+    """The compute time C that makes T_step(fp32)/T_step(method) = target (no overlap, no codec).
+
+    (C + M_fp32) / (C + M) = s  =>  C = (M_fp32 - s·M) / (s - 1).  Negative: no compute time reaches s
+    (s is above the bandwidth-bound limit M_fp32/M).
+    """
+    m32 = model_exchange_cost(FP32, tensor_sizes, workers, network, **kwargs)[0].time_s
+    m = model_exchange_cost(method, tensor_sizes, workers, network, **kwargs)[0].time_s
+    return (m32 - target_speedup * m) / (target_speedup - 1)
+
+
+def tensor_sizes_of(model_or_sizes) -> list[int]:
+    """Element counts of a module's trainable parameters (or a list of sizes passed through)."""
+    if hasattr(model_or_sizes, "parameters"):
+        return [int(p.numel()) for p in model_or_sizes.parameters() if p.requires_grad]
+    if hasattr(model_or_sizes, "tensors"):        # a ModelSpec
+        return list(model_or_sizes.sizes)
+    return [int(s) for s in model_or_sizes]
+
+
+def profile_compute(model, batch: int, input_shape: Sequence[int], steps: int = 10, warmup: int = 2,
+                    device=None, loss_fn=None) -> float:
+    """Median seconds of forward + backward of ``model`` on a random batch, on this machine.
+
+    Input: randn(batch, *input_shape); loss: ``loss_fn(output)`` or output.float().square().mean().
+    Gradients are zeroed (set to None) before each step; the optimizer step is not timed.  On CUDA the
+    device is synchronized around each step.  Cost: (warmup + steps) forward+backward passes.
+    """
+    import torch
+
+    if device is None:
+        try:
+            device = next(model.parameters()).device
+        except StopIteration:
+            device = torch.device("cpu")
+    device = torch.device(device)
+    x = torch.randn((int(batch), *[int(d) for d in input_shape]), device=device)
+    loss_fn = loss_fn or (lambda out: out.float().square().mean())
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = []
+    was_training = model.training
+    model.train()
+    try:
+        for i in range(int(warmup) + int(steps)):
+            model.zero_grad(set_to_none=True)
+            sync()
+            t0 = time.perf_counter()
+            loss_fn(model(x)).backward()
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        model.train(was_training)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------------
+# The paper's networks: layer-by-layer parameter tensors (weight and bias of every layer)
+def _conv(name: str, c_in: int, c_out: int, k: int, groups: int = 1) -> list[tuple[str, int]]:
+    return [(f"{name}.weight", c_out * (c_in // groups) * k * k), (f"{name}.bias", c_out)]
+
+
+def _fc(name: str, n_in: int, n_out: int) -> list[tuple[str, int]]:
+    return [(f"{name}.weight", n_out * n_in), (f"{name}.bias", n_out)]
+
+
+def alexnet_tensors() -> list[tuple[str, int]]:
+    """AlexNet as in Krizhevsky et al. / Caffe's bvlc_alexnet (conv2, conv4, conv5 in 2 groups).
+
+    16 tensors, 60,965,224 parameters (fc6 alone 37.7M).
+    """
+    return (_conv("conv1", 3, 96, 11) + _conv("conv2", 96, 256, 5, 2) + _conv("conv3", 256, 384, 3)
+            + _conv("conv4", 384, 384, 3, 2) + _conv("conv5", 384, 256, 3, 2)
+            + _fc("fc6", 256 * 6 * 6, 4096) + _fc("fc7", 4096, 4096) + _fc("fc8", 4096, 1000))
+
+
+# GoogLeNet inception modules (Szegedy et al. 2015, Table 1):
+# (in, #1x1, #3x3 reduce, #3x3, #5x5 reduce, #5x5, pool proj)
+_INCEPTION = {
+    "3a": (192, 64, 96, 128, 16, 32, 32), "3b": (256, 128, 128, 192, 32, 96, 64),
+    "4a": (480, 192, 96, 208, 16, 48, 64), "4b": (512, 160, 112, 224, 24, 64, 64),
+    "4c": (512, 128, 128, 256, 24, 64, 64), "4d": (512, 112, 144, 288, 32, 64, 64),
+    "4e": (528, 256, 160, 320, 32, 128, 128), "5a": (832, 256, 160, 320, 32, 128, 128),
+    "5b": (832, 384, 192, 384, 48, 128, 128),
+}
+
+
+def googlenet_tensors() -> list[tuple[str, int]]:
+    """GoogLeNet (Inception v1) main branch with biases, no BN, no auxiliary classifiers.
+
+    3 stem convolutions + 9 inception modules x 6 convolutions + 1 fc = 58 layers = 116 tensors,
+    6,998,552 parameters (the paper's "6.8M" rounds its Table 1; the two training-time auxiliary heads,
+    not counted here, would add about 6.3M in 10 more tensors).
+    """
+    t = _conv("conv1", 3, 64, 7) + _conv("conv2_reduce", 64, 64, 1) + _conv("conv2", 64, 192, 3)
+    for name, (c_in, n1, r3, n3, r5, n5, pp) in _INCEPTION.items():
+        p = f"inception_{name}"
+        t += (_conv(f"{p}.1x1", c_in, n1, 1) + _conv(f"{p}.3x3_reduce", c_in, r3, 1)
+              + _conv(f"{p}.3x3", r3, n3, 3) + _conv(f"{p}.5x5_reduce", c_in, r5, 1)
+              + _conv(f"{p}.5x5", r5, n5, 5) + _conv(f"{p}.pool_proj", c_in, pp, 1))
+    return t + _fc("loss3_classifier", 1024, 1000)
+
+
+def vgga_tensors() -> list[tuple[str, int]]:
+    """VGG-A (VGG-11, Simonyan & Zisserman config A): 8 convolutions + 3 fc = 22 tensors, 132,863,336."""
+    t, c_in = [], 3
+    for i, c_out in enumerate((64, 128, 256, 256, 512, 512, 512, 512), 1):
+        t += _conv(f"conv{i}", c_in, c_out, 3)
+        c_in = c_out
+    return t + _fc("fc6", 512 * 7 * 7, 4096) + _fc("fc7", 4096, 4096) + _fc("fc8", 4096, 1000)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A network for the Fig.-5 predictions: tensors, per-GPU batch (paper), compute time per GPU kind."""
+
+    name: str
+    tensors: tuple
+    batch_per_gpu: int
+    compute_s: dict = field(default_factory=dict)   # {"gtx1080": s, "p100": s} for batch_per_gpu
+    source: str = ""
+
+    @property
+    def sizes(self) -> list[int]:
+        return [n for _, n in self.tensors]
+
+    @property
+    def parameters(self) -> int:
+        return sum(self.sizes)
+
+
+# Single-GPU forward+backward time per iteration at the paper's per-GPU batch (Fig. 5 caption: 128,
+# 64 and 32).  Base figures: Caffe2's convnet_benchmarks.py docstring, GTX TITAN X (Maxwell) with cuDNN
+# v4, forward+backward per batch: AlexNet 90.1 ms (batch 128), Inception/GoogLeNet 233.6 ms (batch 64),
+# VGG model A 551.7 ms (batch 64, so 275.9 ms at 32 assuming time linear in batch).
+# GTX 1080 = TITAN X (Maxwell) / 1.13: the measured ratio in jcjohnson/cnn-benchmarks (Torch, cuDNN 5:
+# VGG-16 262.42/232.55 = 1.13, ResNet-50 171.02/153.90 = 1.11).
+# P100 = GTX 1080 / 1.2: ratio of peak fp32 throughput (P100 SXM2 10.6 TFLOP/s, GTX 1080 8.9); an
+# assumption, no published same-software measurement was used.
+GTX1080_OVER_TITANX_MAXWELL = 1.13
+P100_OVER_GTX1080 = 1.2
+_TITANX_MAXWELL_S = {"alexnet": 0.0901, "googlenet": 0.2336, "vgga": 0.5517 / 2}
+
+
+def _gpu_times(name: str) -> dict:
+    g1080 = _TITANX_MAXWELL_S[name] / GTX1080_OVER_TITANX_MAXWELL
+    return {"gtx1080": g1080, "p100": g1080 / P100_OVER_GTX1080}
+
+
+_SOURCE = ("Caffe2 convnet_benchmarks (TITAN X Maxwell, cuDNN v4) scaled by 1/1.13 (GTX 1080, "
+           "jcjohnson/cnn-benchmarks) and 1/1.2 more (P100, peak-FLOPS ratio)")
+MODELS = {
+    "alexnet": ModelSpec("AlexNet", tuple(alexnet_tensors()), 128, _gpu_times("alexnet"), _SOURCE),
+    "googlenet": ModelSpec("GoogLeNet", tuple(googlenet_tensors()), 64, _gpu_times("googlenet"), _SOURCE),
+    "vgga": ModelSpec("VGG-A", tuple(vgga_tensors()), 32, _gpu_times("vgga"), _SOURCE),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A paper cluster: its network and the GPU kind that sets the compute time."""
+
+    name: str
+    network: Network
+    gpu: str
+    description: str = ""
+
+
+CLUSTERS = {
+    "ethernet": Cluster("Ethernet", ETHERNET_1G, "gtx1080",
+                        "128 nodes x 4 GTX 1080 on one PCIe switch per node, 1 Gbit/s Ethernet"),
+    "infiniband": Cluster("InfiniBand", INFINIBAND_100G, "p100",
+                          "128 nodes x 4 P100 with NVLink, 100 Gbit/s InfiniBand"),
+}
+
+
+def worker_counts(max_workers: int = 512) -> list[int]:
+    """1, 2, 4, ... up to max_workers (and max_workers itself if it is not a power of 2)."""
+    out, n = [], 1
+    while n <= max_workers:
+        out.append(n)
+        n *= 2
+    if out[-1] != max_workers:
+        out.append(int(max_workers))
+    return out
+
+
+def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] = None,
+                    methods: Sequence[str] = METHODS, compute_s: float | None = None,
+                    batch_per_worker: int | None = None, **kwargs) -> list[dict[str, StepPrediction]]:
+    """Fig.-5 predictions: for each N, {method: StepPrediction} (images/s and speedup vs fp32).
+
+    Weak scaling: batch per worker fixed (the paper's, unless given); compute time from
+    ``model.compute_s[cluster.gpu]`` unless given.  Cost: O(len(workers) · len(methods) · tensors).
+    """
+    workers = list(workers) if workers is not None else worker_counts()
+    c = model.compute_s[cluster.gpu] if compute_s is None else compute_s
+    b = model.batch_per_gpu if batch_per_worker is None else batch_per_worker
+    return [compare_exchanges(model.sizes, c, N, cluster.network, methods, batch_per_worker=b, **kwargs)
+            for N in workers]
+
+
+# --------------------------------------------------------------------------------------------------
+# Output: table and figure
+def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPrediction]]) -> str:
+    """Workers x images/s for fp32, fp16 and TernGrad (both exchanges and the chosen one), speedup."""
+    first = rows[0][FP32]
+    head = (f"{model.name} on {cluster.name} ({cluster.network.describe()}); {model.parameters / 1e6:.1f}M "
+            f"parameters in {len(model.tensors)} tensors; batch {first.batch_per_worker}/worker; compute "
+            f"{first.compute_s * 1e3:.1f} ms/iteration")
+    cols = ("workers", "fp32 img/s", "fp16 img/s", "TG-allgather", "TG-sharded", "TernGrad", "speedup",
+            "TG bits/elt", "chosen")
+    lines = [head, "  ".join(f"{c:>12}" for c in cols)]
+    for r in rows:
+        tg = r[TERNGRAD_BEST]
+        chosen = sorted(set(tg.exchanges))
+        chosen = "-" if tg.workers == 1 else "+".join(c.replace("terngrad_", "") for c in chosen)
+        vals = (f"{tg.workers}", f"{r[FP32].images_per_s:.0f}", f"{r[FP16].images_per_s:.0f}",
+                f"{r[TERNGRAD_ALLGATHER].images_per_s:.0f}", f"{r[TERNGRAD_SHARDED].images_per_s:.0f}",
+                f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.bits_per_element:.2f}", chosen)
+        lines.append("  ".join(f"{v:>12}" for v in vals))
+    return "\n".join(lines)
+
+
+def plot_fig5(results: dict, path: str, title: str | None = None) -> str:
+    """Fig.-5-like PNG: one subplot per model, images/s vs workers, fp32 and TernGrad per cluster.
+
+    ``results``: {model_key: {cluster_key: rows from predict_scaling}}.  matplotlib (Agg) is imported here.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ethernet": "tab:red", "infiniband": "tab:blue"}
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.4), squeeze=False)
+    for ax, (mkey, per_cluster) in zip(axes[0], results.items()):
+        model = MODELS.get(mkey)
+        for ckey, rows in per_cluster.items():
+            cluster = CLUSTERS.get(ckey)
+            cname = cluster.name if cluster else ckey
+            color = colors.get(ckey, "tab:green")
+            N = [r[FP32].workers for r in rows]
+            ax.plot(N, [r[FP32].images_per_s for r in rows], "--o", color=color, ms=3,
+                    label=f"{cname} fp32")
+            ax.plot(N, [r[TERNGRAD_BEST].images_per_s for r in rows], "-s", color=color, ms=3,
+                    label=f"{cname} TernGrad")
+            ideal = [n * rows[0][FP32].images_per_s for n in N]
+            ax.plot(N, ideal, ":", color=color, lw=0.8, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs (workers)")
+        ax.set_ylabel("images/s")
+        ax.set_title(model.name if model else mkey)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title or "Predicted training throughput (dotted: linear scaling of one GPU)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_exchanges(numel: int, network: Network, path: str, max_workers: int = 512, packing: str = "2bit") -> str:
+    """PNG of each exchange's modelled time for one tensor of ``numel`` elements vs N."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    N = list(range(2, max_workers + 1))
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
+    for m in (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED):
+        costs = [exchange_cost(m, numel, k, network, packing) for k in N]
+        axes[0].plot(N, [c.time_s for c in costs], label=m)
+        axes[1].plot(N, [c.bits_per_element for c in costs], label=m)
+    axes[0].set_ylabel("s per exchange")
+    axes[1].set_ylabel("received bits per element")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers N")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"one tensor of {numel:,} elements, {network.describe()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def max_workers_where_allgather_wins(numel: int, network: Network, packing: str = "2bit",
+                                     max_workers: int = 4096) -> int:
+    """Largest N (>= 2) at which the TernGrad allgather of one tensor is cheaper than fp32 allreduce.
+
+    Returns 1 if it never is.  With the formulas above, for large n: 31 (2bit), 39 (base3).
+    """
+    best = 1
+    for N in range(2, max_workers + 1):
+        if (terngrad_allgather_cost(numel, N, network, packing).time_s
+                < fp32_allreduce_cost(numel, N, network).time_s):
+            best = N
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.perfmodel",
+                                description="Predicted images/s vs workers with and without TernGrad "
+                                            "(TernGrad paper §5, Fig. 5), alpha-beta network model.")
+    p.add_argument("--cluster", choices=("ethernet", "infiniband", "both", "custom"), default="both")
+    p.add_argument("--bandwidth-gbps", type=float, help="custom cluster: inter-node bandwidth, Gbit/s")
+    p.add_argument("--latency-us", type=float, help="custom cluster: per-message latency alpha, us")
+    p.add_argument("--ranks-per-node", type=int, default=1, help="custom cluster: ranks sharing a NIC")
+    p.add_argument("--gpu", choices=("gtx1080", "p100"), default="gtx1080",
+                   help="custom cluster: which published compute time to use")
+    p.add_argument("--compute-ms", type=float, help="override the compute time per iteration (one model)")
+    p.add_argument("--model", choices=("alexnet", "googlenet", "vgga", "all"), default="all")
+    p.add_argument("--max-workers", type=int, default=512)
+    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
+    p.add_argument("--fusion-mb", type=float, default=HOROVOD_FUSION_BYTES / 2**20,
+                   help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod's 64")
+    p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
+    p.add_argument("--codec-gelems", type=float, default=None,
+                   help="codec rate in 10^9 elements/s (default: codec not modelled)")
+    p.add_argument("--png", help="write a Fig.-5-like figure here")
+    p.add_argument("--exchanges-png", help="write exchange time and bits vs N for one 25M-element tensor on "
+                                           "the (first) cluster's inter-node link, one rank per NIC, here")
+    a = p.parse_args(argv)
+
+    if a.max_workers < 1:
+        p.error("--max-workers must be >= 1")
+    if a.cluster == "custom":
+        if a.bandwidth_gbps is None or a.latency_us is None:
+            p.error("--cluster custom needs --bandwidth-gbps and --latency-us")
+        net = Network.from_gbps("custom", a.bandwidth_gbps, a.latency_us, a.ranks_per_node)
+        clusters = {"custom": Cluster("custom", net, a.gpu, "command line")}
+    elif a.cluster == "both":
+        clusters = dict(CLUSTERS)
+    else:
+        clusters = {a.cluster: CLUSTERS[a.cluster]}
+    model_keys = list(MODELS) if a.model == "all" else [a.model]
+    if a.compute_ms is not None and len(model_keys) > 1:
+        p.error("--compute-ms needs a single --model")
+
+    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), overlap=a.overlap,
+                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
+    compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
+    workers = worker_counts(a.max_workers)
+    results = {}
+    for mkey in model_keys:
+        results[mkey] = {}
+        for ckey, cluster in clusters.items():
+            rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, **kwargs)
+            results[mkey][ckey] = rows
+            print(format_table(MODELS[mkey], cluster, rows))
+            print()
+    if a.png:
+        plot_fig5(results, a.png)
+        print(f"wrote {a.png}")
+    if a.exchanges_png:
+        net = next(iter(clusters.values())).network
+        flat_link = replace(net, intra_node=None, ranks_per_node=1)
+        plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, a.packing)
+        print(f"wrote {a.exchanges_png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
