@@ -94,12 +94,24 @@ def bench_codec(args):
                       f"preallocated tensor ({100 * t_copy / t_dec:.0f}% of copy)")
 
 
+STEP_CONFIGS = {
+    "fp32": ("fp32 (Compression.none)", lambda hvd, T: hvd.Compression.none),
+    "fp16": ("fp16 (Compression.fp16)", lambda hvd, T: hvd.Compression.fp16),
+    "terngrad": ("TernGrad shared scaler", lambda hvd, T: T()),
+    "terngrad-per-rank": ("TernGrad per-rank scaler", lambda hvd, T: T(shared_scaler=False)),
+    "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
+}
+
+
 def bench_step(args):
+    import json
+
     import horovod.torch as hvd
 
     from . import TernGradCompressor
     hvd.init()
     torch.set_num_threads(1)
+
     def make_model():   # a fresh model per configuration: Horovod's hooks stay on the parameters
         torch.manual_seed(0)
         layers = []
@@ -112,10 +124,9 @@ def bench_step(args):
     nparams = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, args.width)
     rows = []
-    configs = [("fp32 (Compression.none)", hvd.Compression.none), ("fp16 (Compression.fp16)", hvd.Compression.fp16),
-               ("TernGrad shared scaler", TernGradCompressor()),
-               ("TernGrad per-rank scaler", TernGradCompressor(shared_scaler=False))]
-    for label, comp in configs:
+    for key in args.configs.split(","):
+        label, make = STEP_CONFIGS[key]
+        comp = make(hvd, TernGradCompressor)
         model = make_model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                        named_parameters=model.named_parameters(), compression=comp)
@@ -129,23 +140,33 @@ def bench_step(args):
             opt.step()
             times.append(time.perf_counter() - t)
         step_ms = 1000 * sorted(times[args.warmup:])[len(times[args.warmup:]) // 2]
-        extra = ""
+        row = {"config": key, "label": label, "step_ms": step_ms}
         if hasattr(comp, "stats"):
             st = comp.stats
             k = args.steps
-            extra = (f"codec {1000 * st.codec_s / k:.2f} ms, waiting for handshakes {1000 * st.handshake_wait_s / k:.2f} ms, "
-                     f"for payloads {1000 * st.gather_wait_s / k:.2f} ms per step; {st.bits_per_element():.3f} bits/element")
-        rows.append((label, step_ms, extra))
-        hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{label}")
+            row.update(codec_ms=1000 * st.codec_s / k, handshake_wait_ms=1000 * st.handshake_wait_s / k,
+                       payload_wait_ms=1000 * st.gather_wait_s / k, bits_per_element=st.bits_per_element(),
+                       received_bits_per_element=8 * st.bytes_received / max(1, st.elements))
+        rows.append(row)
+        hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{key}")
     if hvd.rank() == 0:
         print(f"step benchmark: MLP with {ntensors} parameter tensors ({nparams} parameters), batch {args.batch}, "
               f"{hvd.size()} ranks, median of {args.steps} steps")
-        base = rows[0][1]
-        for label, ms, extra in rows:
-            print(f"  {label:26s} {ms:8.2f} ms/step ({ms / base:.2f}x fp32)  {extra}")
-        shared, per_rank = rows[2][1], rows[3][1]
-        print(f"  handshake cost (shared - per-rank scaler): {shared - per_rank:+.2f} ms/step "
-              f"for {ntensors} tensors")
+        base = rows[0]["step_ms"]
+        for r in rows:
+            extra = ""
+            if "codec_ms" in r:
+                extra = (f"codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
+                         f"for payloads {r['payload_wait_ms']:.2f} ms per step; {r['bits_per_element']:.3f} bits/element sent")
+            print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}")
+        by = {r["config"]: r["step_ms"] for r in rows}
+        if "terngrad" in by and "terngrad-per-rank" in by:
+            print(f"  handshake cost (shared - per-rank scaler): {by['terngrad'] - by['terngrad-per-rank']:+.2f} ms/step "
+                  f"for {ntensors} tensors")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": hvd.size(), "params": nparams, "tensors": ntensors, "batch": args.batch,
+                           "rows": rows}, f, indent=1)
     hvd.shutdown()
 
 
@@ -165,6 +186,9 @@ def main(argv=None):
     s.add_argument("--batch", type=int, default=32)
     s.add_argument("--steps", type=int, default=30)
     s.add_argument("--warmup", type=int, default=5)
+    s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-per-rank",
+                   help="comma list of " + ",".join(STEP_CONFIGS))
+    s.add_argument("--json", default="", help="rank 0 writes the figures here")
     args = p.parse_args(argv)
     {"codec": bench_codec, "step": bench_step}[args.what](args)
 

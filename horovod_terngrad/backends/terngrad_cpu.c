@@ -24,7 +24,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 4; }
+int tg_abi_version(void) { return 5; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -278,5 +278,35 @@ void tg_decode_average(const uint8_t *const *packed, const float *const *scalers
             }
         }
         for (int64_t j = 0; j < cnt; j++) out[lo + j] = acc[j] / divisor;
+    }
+}
+
+/* Sharded exchange: owners' sums k in [-N, N] stored as k + N in L bits, little-endian bitstream. */
+void tg_pack_sums(const float *kf, int64_t m, int nranks, int bits, uint8_t *out) {
+    uint64_t acc = 0;
+    int have = 0;
+    int64_t o = 0;
+    for (int64_t i = 0; i < m; i++) {
+        acc |= (uint64_t)((int64_t)kf[i] + nranks) << have;
+        have += bits;
+        while (have >= 8) { out[o++] = (uint8_t)acc; acc >>= 8; have -= 8; }
+    }
+    if (have > 0) out[o++] = (uint8_t)acc;
+}
+
+/* out[i] = ((float)k * s) / divisor for the m sums of one shard that starts at element `start`. */
+void tg_unpack_sums(const uint8_t *data, int64_t m, int nranks, int bits, const float *scalers, int64_t bucket,
+                    int64_t start, float divisor, float *out) {
+    const uint64_t mask = (1ULL << bits) - 1;
+    uint64_t acc = 0;
+    int have = 0;
+    int64_t in = 0;
+    for (int64_t i = 0; i < m; i++) {
+        while (have < bits) { acc |= (uint64_t)data[in++] << have; have += 8; }
+        int k = (int)(acc & mask) - nranks;
+        acc >>= bits;
+        have -= bits;
+        float s = bucket > 0 ? scalers[(start + i) / bucket] : scalers[0];
+        out[i] = ((float)k * s) / divisor;
     }
 }

@@ -319,13 +319,10 @@ class AllgatherExchange:
         t0 = time.perf_counter()
         self.stats.bytes_received += gathered.numel() - tk.payload_bytes
         if tk.mode == "sharded":
-            n = tk.g32.numel()
-            k = sharded.gathered_sums(gathered, n, self.coll.size)
-            s = tk.shared if tk.shared.numel() == 1 else tk.shared.repeat_interleave(self.config.bucket_size)[:n]
-            divisor = float(self.coll.size if tk.average else 1)
-            out = (k.to(torch.float32) * s) / divisor    # = the allgather decode for a shared scaler
-            if tk.in_place:
-                out = tk.g32.copy_(out)
+            # (float(k)·s)/N: the allgather exchange's decode for a shared scaler, so the same bits
+            out = sharded.decode_gathered(gathered, tk.g32.numel(), self.coll.size, tk.shared,
+                                          self.config.bucket_size, self.coll.size if tk.average else 1,
+                                          out=tk.g32 if tk.in_place else None)
             self.stats.codec_s += time.perf_counter() - t0
             return out
         try:

@@ -66,6 +66,14 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     return (stream << torch.arange(bits, device=data.device)).sum(dim=1)
 
 
+def _fused(device):
+    if device.type != "cpu":
+        return None
+    from ..backends import cpu_fused
+    be = cpu_fused()
+    return be if be is not None and hasattr(be, "owner_sums") else None
+
+
 def owner_sums(received: torch.Tensor, n_ranks: int, lo: int, hi: int, fmt: str) -> torch.Tensor:
     """Add the N ternary chunks of shard [lo, hi) that an alltoall delivered (rank order, equal sizes):
     the integer sums k + N, packed in L bits."""
@@ -74,10 +82,37 @@ def owner_sums(received: torch.Tensor, n_ranks: int, lo: int, hi: int, fmt: str)
     nbytes = b1 - b0
     if received.numel() != n_ranks * nbytes:
         raise ValueError(f"shard [{lo}, {hi}): received {received.numel()} bytes, expected {n_ranks}x{nbytes}")
+    fused = _fused(received.device)
+    if fused is not None:
+        return fused.owner_sums(received.contiguous(), n_ranks, m, fmt, sum_bits(n_ranks))
+    return owner_sums_reference(received, n_ranks, m, nbytes, fmt)
+
+
+def owner_sums_reference(received, n_ranks, m, nbytes, fmt):
     k = torch.zeros(m, dtype=torch.int64, device=received.device)
     for r in range(n_ranks):
         k += unpack(received[r * nbytes:(r + 1) * nbytes], m, fmt).to(torch.int64)
     return pack_bits(k + n_ranks, sum_bits(n_ranks))
+
+
+def decode_gathered(gathered: torch.Tensor, n: int, n_ranks: int, scalers: torch.Tensor, bucket_size: int,
+                    divisor: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The average from the allgather of the owners' packed sums: (float(k)·s) / divisor."""
+    out = torch.empty(n, dtype=torch.float32, device=gathered.device) if out is None else out
+    fused = _fused(gathered.device)
+    if fused is None:
+        k = gathered_sums(gathered, n, n_ranks)
+        s = scalers if scalers.numel() == 1 else scalers.repeat_interleave(bucket_size)[:n]
+        return out.copy_((k.to(torch.float32) * s) / float(divisor))
+    bits, off = sum_bits(n_ranks), 0
+    for lo, hi in shard_bounds(n, n_ranks):
+        nbytes = -(-(hi - lo) * bits // 8)
+        fused.decode_sums(gathered[off:off + nbytes], hi - lo, n_ranks, bits, scalers, bucket_size, lo, divisor,
+                          out[lo:hi])
+        off += nbytes
+    if off != gathered.numel():
+        raise ValueError(f"gathered sums: {gathered.numel()} bytes, expected {off}")
+    return out
 
 
 def gathered_sums(gathered: torch.Tensor, n: int, n_ranks: int) -> torch.Tensor:
