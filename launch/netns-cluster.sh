@@ -3,7 +3,7 @@
 # that lives in a namespace of its own, each link shaped with tc (rate, optional delay), each host with
 # its own name and address.  Only namespaces and addresses this script creates are touched.
 #
-#   launch/netns-cluster.sh up K [--rate 1gbit] [--delay 0ms] [--prefix tg] [--subnet 10.77.0]
+#   launch/netns-cluster.sh up K [--rate 1gbit|none] [--delay 0ms] [--prefix tg] [--subnet 10.77.0]
 #   launch/netns-cluster.sh hosts [--prefix tg]        # prints host:1,host:1,... for -H
 #   launch/netns-cluster.sh exec HOST CMD...           # run a command inside a host
 #   launch/netns-cluster.sh counters [--prefix tg]     # bytes sent/received by each host's eth0
@@ -27,8 +27,12 @@ while (($#)); do
 done
 [[ "$prefix" =~ ^[a-z][a-z0-9]{0,7}$ ]] || { echo "netns-cluster: --prefix must be 1-8 lowercase letters/digits" >&2; exit 2; }
 hosts_of() { ip netns list | awk '{print $1}' | grep -E "^${prefix}-h[0-9]+$" | sort -V; }
-shape() {  # ns dev: rate limit (and delay) on the egress of dev
+shape() {  # ns dev: rate limit (and delay) on the egress of dev; --rate none leaves the link unshaped
   local ns="$1" dev="$2"
+  if [ "$rate" = none ]; then
+    [ -z "$delay" ] || ip netns exec "$ns" tc qdisc replace dev "$dev" root netem delay "$delay"
+    return 0
+  fi
   if [ -n "$delay" ]; then
     ip netns exec "$ns" tc qdisc replace dev "$dev" root handle 1: netem delay "$delay"
     ip netns exec "$ns" tc qdisc replace dev "$dev" parent 1: handle 2: tbf rate "$rate" burst 256kb latency 100ms

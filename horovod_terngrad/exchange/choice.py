@@ -1,40 +1,29 @@
-"""Which exchange a tensor should use: the alpha-beta cost of each, for N ranks and n elements.
+"""Which exchange a tensor should use, by the alpha-beta cost model of ``horovod_terngrad.perfmodel``.
 
-    allgather: (N-1)·alpha + (N-1)·P·beta                      P = payload bytes of one rank
-    sharded:   2(N-1)·alpha + (N-1)/N·n·(b + L)/8·beta          b = 2 or 1.6, L = ceil(log2(2N+1))
-
-(ring algorithms; the scaler handshake is common to both and left out).  alpha (s per message) and
-beta (s per byte) default to a 1 Gbit/s Ethernet link; set HOROVOD_TERNGRAD_ALPHA_US and
-HOROVOD_TERNGRAD_GBPS (the launcher's network profiles do) to describe another network.
+The network is described by HOROVOD_TERNGRAD_GBPS (default 1) and HOROVOD_TERNGRAD_ALPHA_US (default
+50), which the launcher's profiles set (1 Gbit/s Ethernet, 100 Gbit/s InfiniBand).
 """
 from __future__ import annotations
 
+import functools
 import os
 
-from ..codec.packing import payload_size
-from .sharded import sum_bits
 
-BITS = {"2bit": 2.0, "base3": 1.6}
-
-
-def network() -> tuple[float, float]:
-    alpha = float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")) * 1e-6
-    gbps = float(os.environ.get("HOROVOD_TERNGRAD_GBPS", "1"))
-    return alpha, 8.0 / (gbps * 1e9)
+@functools.lru_cache(maxsize=8)
+def _network(gbps: float, alpha_us: float):
+    from ..perfmodel import Network
+    return Network.from_gbps("configured", gbps, alpha_us)
 
 
-def exchange_costs(n: int, n_ranks: int, fmt: str, alpha: float, beta: float) -> dict:
-    N = n_ranks
-    allgather = (N - 1) * alpha + (N - 1) * payload_size(n, fmt, 0) * beta
-    sharded = 2 * (N - 1) * alpha + (N - 1) / N * n * (BITS[fmt] + sum_bits(N)) / 8 * beta
-    return {"allgather": allgather, "sharded": sharded}
+def network():
+    return _network(float(os.environ.get("HOROVOD_TERNGRAD_GBPS", "1")),
+                    float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")))
 
 
-def choose_exchange(n: int, n_ranks: int, fmt: str, alpha: float | None = None, beta: float | None = None) -> str:
-    """'allgather' or 'sharded', whichever the model predicts to be faster (ties: allgather)."""
+def choose_exchange(n: int, n_ranks: int, fmt: str, net=None) -> str:
+    """'allgather' or 'sharded', whichever the model predicts to be faster for one n-element tensor."""
     if n_ranks <= 2:
-        return "allgather"   # sharding cannot receive less than one payload from the other rank
-    if alpha is None or beta is None:
-        alpha, beta = network()
-    costs = exchange_costs(n, n_ranks, fmt, alpha, beta)
-    return "sharded" if costs["sharded"] < costs["allgather"] else "allgather"
+        return "allgather"   # with two ranks sharding cannot receive less, and costs one more collective
+    from ..perfmodel import choose_exchange as model_choice
+    method = model_choice(n, n_ranks, net or network(), packing=fmt).method
+    return "sharded" if method == "terngrad_sharded" else "allgather"
