@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default="", help="write per-epoch metrics of rank 0 to this file")
+    p.add_argument("--progress", action="store_true", help="progress bar with per-step traffic (rank 0)")
+    p.add_argument("--tensorboard", default="", help="log scalars and gradient histograms here (needs tensorboard)")
     return p.parse_args(argv)
 
 
@@ -102,12 +104,20 @@ def main(argv=None):
               flush=True)
     g = torch.Generator().manual_seed(args.seed + rank)
     history = []
+    metrics = writer = None
+    if args.compression == "terngrad" and (args.progress or args.tensorboard):
+        from horovod_terngrad.metrics import ProgressBar, TernGradMetrics, tensorboard_writer
+        metrics = TernGradMetrics(compressor, size, log_layers=True,
+                                  capture=("conv2.weight", "fc1.weight") if args.tensorboard else ())
+        if args.tensorboard and rank == 0:
+            writer = tensorboard_writer(args.tensorboard)
     for epoch in range(1, args.epochs + 1):
         perm = torch.randperm(len(xtr), generator=g)
         if args.compression == "terngrad":
             compressor.stats.reset()
         t0 = time.perf_counter()
         loss_sum = 0.0
+        bar = ProgressBar(steps_per_epoch, f"epoch {epoch} ", enabled=args.progress and rank == 0) if metrics else None
         for step in range(steps_per_epoch):
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
             opt.zero_grad()
@@ -115,6 +125,13 @@ def main(argv=None):
             loss.backward()
             opt.step()
             loss_sum += loss.item()
+            if metrics:
+                row = metrics.step()
+                bar.update(1, f"loss {loss.item():.3f} " + metrics.summary(row))
+                if writer is not None and step % 50 == 0:
+                    metrics.to_tensorboard(writer, (epoch - 1) * steps_per_epoch + step, row)
+        if bar:
+            bar.close()
         elapsed = time.perf_counter() - t0
         acc = evaluate(model, xte, yte)
         step_ms = 1000 * elapsed / steps_per_epoch
@@ -134,6 +151,8 @@ def main(argv=None):
         rec = {"epoch": epoch, "test_acc": acc, "loss": loss_sum / steps_per_epoch, "images_per_s": ips,
                "step_ms": step_ms, "bytes_sent_per_step": sent, "fp32_allreduce_bytes_per_step": fp32_ring_bytes,
                "bits_per_element": bits, "ranks": size, "compression": args.compression}
+        if metrics and compressor.stats.layers:
+            rec["layers"] = {n: vars(r) for n, r in compressor.stats.layers.items()}
         history.append(rec)
         if rank == 0:
             ratio = fp32_ring_bytes / sent if sent else math.inf
@@ -141,6 +160,11 @@ def main(argv=None):
                   f"{step_ms:.1f} ms/step  sends {sent / 1024:.1f} KiB/step on the wire vs fp32 allreduce "
                   f"{fp32_ring_bytes / 1024:.1f} KiB/step ({ratio:.1f}x less, {bits:.2f} bits/element){timing}",
                   flush=True)
+            for name, layer in rec.get("layers", {}).items():
+                print(f"  {name:14s} {layer['elements']:7d} elements: {100 * layer['zero_fraction']:5.1f}% zeros, "
+                      f"scaler {layer['scaler']:.3e}", flush=True)
+    if writer is not None:
+        writer.close()
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(history, f, indent=1)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,9 @@ class ExchangeStats:
     handshake_wait_s: float = 0.0
     gather_wait_s: float = 0.0
     codec_s: float = 0.0
+    # filled only while ``AllgatherExchange.track_layers`` is on (see horovod_terngrad/metrics.py):
+    layers: dict = field(default_factory=dict)     # name -> LayerRecord of the last exchange
+    captures: dict = field(default_factory=dict)   # name -> (float, clipped, ternary·s, averaged) tensors
 
     @property
     def bytes_sent(self) -> int:
@@ -77,6 +80,16 @@ def check_gradient(tensor: torch.Tensor, name: str) -> None:
     if tensor.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"TernGrad: gradient '{name}' has dtype {tensor.dtype}; ternary compression "
                         "needs a floating-point tensor (float16, bfloat16, float32 or float64)")
+
+
+@dataclass
+class LayerRecord:
+    """One tensor's last exchange, as sent by this rank."""
+
+    elements: int
+    zero_fraction: float    # of this rank's ternary vector
+    scaler: float           # the (first) scaler used to ternarize
+    payload_bytes: int
 
 
 @dataclass
@@ -115,6 +128,8 @@ class AllgatherExchange:
         self._pending: list[Ticket] = []        # waiting for their handshake
         self._pending_a2a: list[Ticket] = []    # sharded: waiting for their alltoall
         self._warned_nonfinite: set = set()
+        self.track_layers = False          # record zero fraction and scaler per tensor (costs a pass over the codes)
+        self.capture: set = set()          # tensor names whose float/clipped/ternary/averaged values to keep
 
     # -- public -------------------------------------------------------------------------------
     def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False) -> Ticket:
@@ -147,7 +162,7 @@ class AllgatherExchange:
                                      flags=int(prep.nonfinite) if host_flag else 0, shape=tensor.shape)
             if not host_flag:
                 payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
-            self._record_tensor(tk)
+            self._record_tensor(tk, payload, prep.scalers)
             self.stats.codec_s += time.perf_counter() - t0
             self._send(tk, payload)
         return tk
@@ -160,6 +175,8 @@ class AllgatherExchange:
             out = self._receive(tk) if (tk.ag is not None and not tk.zero) else None
             if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
                 out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
+            if tk.name in self.stats.captures and self.stats.captures[tk.name][3] is None:
+                self.stats.captures[tk.name][3] = out.clone()
             return out.view(tk.shape).to(tk.dtype)
         finally:
             tk.done = True
@@ -251,7 +268,7 @@ class AllgatherExchange:
         shared = torch.tensor(values[_HS_FIXED:], dtype=torch.float32, device=tk.g32.device)
         payload = backends.for_device(tk.g32.device).encode(
             tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key, cfg.packing, shape=tk.shape)
-        self._record_tensor(tk)
+        self._record_tensor(tk, payload, shared)
         self.stats.codec_s += time.perf_counter() - t0
         if tk.mode == "sharded":
             self._send_shards(tk, payload, shared)
@@ -299,9 +316,19 @@ class AllgatherExchange:
                 log.warning("%s; its averaged gradient is set to zero on every rank this step "
                             "(on_nonfinite='zero'; warned once per tensor)", msg)
 
-    def _record_tensor(self, tk: Ticket) -> None:
+    def _record_tensor(self, tk: Ticket, payload: torch.Tensor, scalers: torch.Tensor) -> None:
         self.stats.tensors += 1
         self.stats.elements += tk.g32.numel()
+        if self.track_layers or tk.name in self.capture:
+            n = tk.g32.numel()
+            codes = payload[codec.HEADER_BYTES + 4 * scalers.numel():]
+            ternary = codec.unpack(codes, n, self.config.packing)
+            zeros = float((ternary == 0).sum()) / n if n else 0.0
+            self.stats.layers[tk.name] = LayerRecord(n, zeros, float(scalers.reshape(-1)[0]), payload.numel())
+            if tk.name in self.capture:
+                s = scalers if scalers.numel() == 1 else scalers.repeat_interleave(self.config.bucket_size)[:n]
+                thr = tk.threshold if isinstance(tk.threshold, torch.Tensor) else torch.tensor(tk.threshold)
+                self.stats.captures[tk.name] = [tk.g32.clone(), torch.clamp(tk.g32, -thr, thr), ternary * s, None]
 
     def _send(self, tk: Ticket, payload: torch.Tensor) -> None:
         tk.payload_bytes = payload.numel()

@@ -1,0 +1,170 @@
+"""Measured step times on an emulated cluster (network namespaces, tc-shaped links) beside the
+performance model's predictions (issue: paper §5 / Fig. 5 validation).  Needs root and iproute2.
+
+    .venv/bin/python examples/emulated_cluster_benchmark.py --hosts 2,4 --rates 1gbit,none --out docs/cluster
+
+For each (hosts, rate): bring up the cluster (launch/netns-cluster.sh), run
+``python -m horovod_terngrad.bench step`` on one rank per host through launch/terngrad-launch (mpirun
+with the netns rsh agent), for fp32, fp16, TernGrad (allgather) and TernGrad (sharded) on a
+communication-heavy MLP of about 25M parameters, then tear the cluster down.  Predictions use
+horovod_terngrad.perfmodel with the compute time profiled here (scaled by ranks per core, since the
+emulated hosts share this machine's cores), the link rate (for unshaped veth links: measured with a TCP
+stream) and the codec throughput measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NETNS = os.path.join(ROOT, "launch", "netns-cluster.sh")
+LAUNCH = os.path.join(ROOT, "launch", "terngrad-launch")
+RSH = os.path.join(ROOT, "launch", "netns-rsh")
+PY = sys.executable
+CONFIGS = "fp32,fp16,terngrad,terngrad-sharded"
+METHOD = {"fp32": "fp32", "fp16": "fp16", "terngrad": "terngrad_allgather", "terngrad-sharded": "terngrad_sharded"}
+
+
+def sh(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, **kw)
+
+
+def measure_link_gbps(h0: str, h1: str, ip1: str, nbytes: int = 200_000_000) -> float:
+    """TCP throughput from h0 to h1 (Python sockets inside the namespaces)."""
+    server = subprocess.Popen(["ip", "netns", "exec", h1, PY, "-c",
+                               "import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+                               "s.bind(('0.0.0.0',5999));s.listen(1);c,_=s.accept()\n"
+                               "n=0\nwhile True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\nprint(n)"],
+                              stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    client = sh(["ip", "netns", "exec", h0, PY, "-c",
+                 f"import socket,time;s=socket.create_connection(('{ip1}',5999));b=bytes(1<<20);t=time.time()\n"
+                 f"for _ in range({nbytes >> 20}): s.sendall(b)\n"
+                 "s.shutdown(socket.SHUT_WR);s.recv(1);print(time.time()-t)"], timeout=300)
+    server.wait(60)
+    return nbytes * 8 / float(client.stdout.strip()) / 1e9
+
+
+def model_sizes(layers: int, width: int) -> list[int]:
+    return [width * width, width] * layers
+
+
+def profile(layers: int, width: int, batch: int) -> float:
+    from horovod_terngrad.perfmodel import profile_compute
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*mods)
+    return profile_compute(model, batch, (width,), steps=5)
+
+
+def codec_rate() -> float:
+    """Elements per second of (prepare + encode) on one core: the perf model's codec throughput."""
+    from horovod_terngrad.backends import for_device
+    be = for_device(torch.device("cpu"))
+    g = torch.randn(10_000_000)
+    t = time.perf_counter()
+    for _ in range(3):
+        p = be.prepare(g, 0, 2.5)
+        be.encode(g, p.threshold, p.scalers, 0, (1, 2), "2bit")
+    return 3 * g.numel() / (time.perf_counter() - t)
+
+
+def run_case(hosts: int, rate: str, args) -> dict:
+    prefix = "tgb"
+    sh([NETNS, "down", "--prefix", prefix])
+    up = sh([NETNS, "up", str(hosts), "--rate", rate, "--prefix", prefix, "--subnet", "10.78.0"])
+    if up.returncode:
+        raise RuntimeError(up.stderr)
+    try:
+        names = [f"{prefix}-h{i}" for i in range(hosts)]
+        gbps = measure_link_gbps(names[0], names[1], "10.78.0.2") if rate == "none" else None
+        out = f"/tmp/emulated-{hosts}-{rate}.json"
+        cmd = [NETNS, "exec", names[0], LAUNCH, "-np", str(hosts), "-H", ",".join(f"{h}:1" for h in names),
+               "--launcher", "mpirun", "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--no-preflight",
+               "--", PY, "-m", "horovod_terngrad.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
+               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", "2", "--configs", CONFIGS,
+               "--json", out]
+        p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
+        if p.returncode:
+            raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])
+        with open(out) as f:
+            res = json.load(f)
+        res.update(hosts=hosts, rate=rate, measured_gbps=gbps)
+        return res
+    finally:
+        sh([NETNS, "down", "--prefix", prefix])
+
+
+def predict(res: dict, compute_1: float, rate_elems: float) -> dict:
+    from horovod_terngrad.perfmodel import Network, predict_step
+    hosts = res["hosts"]
+    gbps = 1.0 if res["rate"] == "1gbit" else res["measured_gbps"]
+    net = Network.from_gbps("emulated", gbps, 30.0)
+    share = max(1.0, hosts / (os.cpu_count() or 2))      # emulated hosts share this machine's cores
+    sizes = model_sizes(res["layers"], res["width"])
+    out = {}
+    for key, method in METHOD.items():
+        pred = predict_step(sizes, compute_1 * share, hosts, net, method=method,
+                            codec_elements_per_s=rate_elems / share)
+        out[key] = 1000 * pred.step_s
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", default="2,4")
+    p.add_argument("--rates", default="1gbit,none")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=2500)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", default="docs/cluster")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("emulated_cluster_benchmark: needs root (network namespaces)")
+    torch.set_num_threads(1)
+    compute_1 = profile(args.layers, args.width, args.batch)
+    rate_elems = codec_rate()
+    print(f"compute per step on one core: {1000 * compute_1:.1f} ms; codec {rate_elems / 1e9:.2f} G elements/s", flush=True)
+    rows = []
+    for hosts in (int(h) for h in args.hosts.split(",")):
+        for rate in args.rates.split(","):
+            res = run_case(hosts, rate, args)
+            res.update(layers=args.layers, width=args.width)
+            res["predicted_ms"] = predict(res, compute_1, rate_elems)
+            rows.append(res)
+            print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+            for r in res["rows"]:
+                print(f"  {hosts} hosts {rate}: {r['config']:18s} measured {r['step_ms']:8.1f} ms  "
+                      f"predicted {res['predicted_ms'][r['config']]:8.1f} ms", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
+        json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_elements_per_s": rate_elems, "cases": rows}, f, indent=1)
+    lines = [f"MLP {args.layers}x{args.width}x{args.width} ({sum(model_sizes(args.layers, args.width))} parameters), "
+             f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps} steps.", "",
+             "| hosts | link | exchange | measured ms/step | predicted ms/step | error | vs fp32 | vs fp16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in rows:
+        by = {r["config"]: r["step_ms"] for r in res["rows"]}
+        link = res["rate"] if res["rate"] != "none" else f"unshaped ({res['measured_gbps']:.1f} Gbit/s measured)"
+        for r in res["rows"]:
+            pr = res["predicted_ms"][r["config"]]
+            lines.append(f"| {res['hosts']} | {link} | {r['config']} | {r['step_ms']:.1f} | {pr:.1f} | "
+                         f"{100 * (pr - r['step_ms']) / r['step_ms']:+.0f}% | {r['step_ms'] / by['fp32']:.2f}x | "
+                         f"{r['step_ms'] / by['fp16']:.2f}x |")
+    with open(os.path.join(args.out, "emulated_cluster.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Training metrics of TernGrad: traffic per step, compression against fp32, and per layer the
+fraction of zeros and the scaler; a console progress bar; optional TensorBoard scalars and histograms
+of the float, clipped, ternary and averaged gradients (the paper's Fig. 2).
+
+    metrics = TernGradMetrics(compressor, world_size=hvd.size(), log_layers=True)
+    for step ...:
+        ...; opt.step()
+        row = metrics.step()                        # dict of this step's figures
+        bar.update(1, metrics.summary(row))
+    metrics.to_tensorboard(writer, global_step)     # any object with add_scalar / add_histogram
+
+Per-layer figures cost a pass over each tensor's packed codes, so they are recorded only while
+``log_layers`` is on; histograms need the tensors themselves, kept only for the names passed to
+``capture`` (one step at a time).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+class TernGradMetrics:
+    def __init__(self, compressor, world_size: int, log_layers: bool = True, capture=()):
+        self.comp = compressor
+        self.world = world_size
+        self.log_layers = log_layers
+        self.capture = set(capture)
+        self._last = self._snapshot()
+        self._apply()
+
+    def _engines(self):
+        return list(getattr(self.comp, "_engines", {}).values())
+
+    def _apply(self):
+        for eng in self._engines():
+            eng.track_layers = self.log_layers
+            eng.capture = set(self.capture)
+
+    def _snapshot(self):
+        st = self.comp.stats
+        return (st.payload_bytes_sent + st.handshake_bytes_sent, st.bytes_received, st.elements,
+                getattr(self.comp, "uncompressed_elements", 0))
+
+    def step(self) -> dict:
+        """Figures of the exchanges since the previous call."""
+        self._apply()            # engines are created lazily at the first compress()
+        now = self._snapshot()
+        sent, received, elements, plain = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        N = self.world
+        fp32_ring = 2 * (N - 1) / N * 4 * (elements + plain) if N > 1 else 0.0
+        wire = (N - 1) * sent + 2 * (N - 1) / N * 4 * plain   # ring allgather: each rank forwards N-1 payloads
+        row = {"bytes_sent": sent, "bytes_received": received, "elements": elements,
+               "bits_per_element": 8 * sent / elements if elements else 0.0,
+               "compression_vs_fp32": fp32_ring / wire if wire else float("nan"),
+               "layers": {name: vars(rec) for name, rec in self.comp.stats.layers.items()}}
+        return row
+
+    @staticmethod
+    def summary(row: dict) -> str:
+        return (f"sent {row['bytes_sent'] / 1024:.0f} KiB, recv {row['bytes_received'] / 1024:.0f} KiB, "
+                f"{row['bits_per_element']:.2f} b/elt, {row['compression_vs_fp32']:.1f}x < fp32")
+
+    def to_tensorboard(self, writer, global_step: int, row: dict | None = None) -> None:
+        """Scalars of ``row`` (or a fresh ``step()``) and histograms of the captured tensors."""
+        row = row or self.step()
+        for key in ("bytes_sent", "bytes_received", "bits_per_element", "compression_vs_fp32"):
+            writer.add_scalar(f"terngrad/{key}", row[key], global_step)
+        for name, rec in row["layers"].items():
+            writer.add_scalar(f"terngrad/zero_fraction/{name}", rec["zero_fraction"], global_step)
+            writer.add_scalar(f"terngrad/scaler/{name}", rec["scaler"], global_step)
+        for name, tensors in self.comp.stats.captures.items():
+            for label, t in zip(("float", "clipped", "ternary", "averaged"), tensors):
+                if t is not None:
+                    writer.add_histogram(f"terngrad/{name}/{label}", t.detach().float().cpu(), global_step)
+        self.comp.stats.captures.clear()
+
+
+def tensorboard_writer(logdir: str):
+    """torch.utils.tensorboard.SummaryWriter, with a clear error when the package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError("TensorBoard logging needs the tensorboard package: pip install tensorboard") from e
+    return SummaryWriter(logdir)
+
+
+class ProgressBar:
+    """A one-line console progress bar (no dependency): [####....] 40/100 3.2 it/s, <text>."""
+
+    def __init__(self, total: int, label: str = "", width: int = 30, stream=None, enabled: bool = True):
+        self.total, self.label, self.width = total, label, width
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.n = 0
+        self.t0 = time.perf_counter()
+
+    def update(self, k: int = 1, text: str = "") -> None:
+        self.n += k
+        if not self.enabled:
+            return
+        frac = min(1.0, self.n / self.total) if self.total else 1.0
+        filled = int(frac * self.width)
+        rate = self.n / max(1e-9, time.perf_counter() - self.t0)
+        self.stream.write(f"\r{self.label}[{'#' * filled}{'.' * (self.width - filled)}] {self.n}/{self.total} "
+                          f"{rate:.1f} it/s {text}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()

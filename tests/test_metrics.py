@@ -1,0 +1,58 @@
+"""Metrics: per-step traffic, per-layer zeros and scaler, histograms (with a stand-in writer), progress bar."""
+import io
+import types
+
+import torch
+
+from horovod_terngrad import TernGradConfig
+from horovod_terngrad.exchange import AllgatherExchange, run_ranks
+from horovod_terngrad.metrics import ProgressBar, TernGradMetrics
+
+
+class Writer:
+    def __init__(self):
+        self.scalars, self.hists = {}, {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = value
+
+    def add_histogram(self, tag, values, step):
+        self.hists[tag] = values
+
+
+def test_metrics_per_step_and_layer():
+    sizes = {"fc.weight": 4000, "fc.bias": 40}
+
+    def body(c):
+        eng = AllgatherExchange(c, TernGradConfig())
+        comp = types.SimpleNamespace(stats=eng.stats, _engines={None: eng}, uncompressed_elements=0)
+        m = TernGradMetrics(comp, world_size=c.size, log_layers=True, capture=("fc.weight",))
+        gen = torch.Generator().manual_seed(c.rank)
+        tks = [eng.start(torch.randn(n, generator=gen), name) for name, n in sizes.items()]
+        outs = [eng.finish(t) for t in tks]
+        row = m.step()
+        w = Writer()
+        m.to_tensorboard(w, 0, row)
+        return row, w, outs
+
+    for row, w, outs in run_ranks(2, body):
+        assert row["elements"] == 4040 and 2.0 <= row["bits_per_element"] < 2.2
+        assert 14 < row["compression_vs_fp32"] < 16
+        fc = row["layers"]["fc.weight"]
+        assert 0.3 < fc["zero_fraction"] < 0.95 and fc["scaler"] > 0 and fc["elements"] == 4000
+        assert {"terngrad/fc.weight/float", "terngrad/fc.weight/clipped", "terngrad/fc.weight/ternary",
+                "terngrad/fc.weight/averaged"} <= set(w.hists)
+        tern = w.hists["terngrad/fc.weight/ternary"]
+        assert set((tern / fc["scaler"]).round().unique().tolist()) <= {-1.0, 0.0, 1.0}
+        assert torch.equal(w.hists["terngrad/fc.weight/averaged"], outs[0])
+        assert w.hists["terngrad/fc.weight/clipped"].abs().max() <= w.hists["terngrad/fc.weight/float"].abs().max()
+        assert "terngrad/zero_fraction/fc.bias" in w.scalars
+
+
+def test_progress_bar_renders():
+    out = io.StringIO()
+    bar = ProgressBar(4, "epoch 1 ", width=8, stream=out)
+    for _ in range(4):
+        bar.update(1, "x")
+    bar.close()
+    assert "[########] 4/4" in out.getvalue() and out.getvalue().endswith("\n")
