@@ -1,0 +1,256 @@
+"""Data loaders of horovod_terngrad.data_extra, CifarNet, the synthetic-benchmark models, and one real
+2-rank Horovod (Gloo) run of examples/cifarnet.py and examples/synthetic_benchmark.py each."""
+import gzip
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from horovod_terngrad import data_extra as D
+from horovod_terngrad.datasets import DatasetError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BIN = os.path.dirname(sys.executable)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import cifarnet  # noqa: E402
+import synthetic_benchmark as sb  # noqa: E402
+
+needs_fashion = pytest.mark.skipif(not os.path.isdir(D.FASHION_MNIST_DIR),
+                                   reason="Debian package dataset-fashion-mnist not installed")
+
+
+# -- Fashion-MNIST ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fashion():
+    if not os.path.isdir(D.FASHION_MNIST_DIR):
+        pytest.skip("Debian package dataset-fashion-mnist not installed")
+    return D.load_fashion_mnist()
+
+
+def test_fashion_mnist_shapes_dtypes_labels(fashion):
+    for split, n in (("train", 60000), ("test", 10000)):
+        x, y = fashion[split]
+        assert x.shape == (n, 1, 28, 28) and x.dtype == torch.uint8
+        assert y.shape == (n,) and y.dtype == torch.int64
+        assert y.min().item() == 0 and y.max().item() == 9
+        assert torch.bincount(y).tolist() == [n // 10] * 10          # Fashion-MNIST is balanced
+        assert 0 < x.float().mean().item() < 255 and x.max().item() == 255
+    # the train and test images are different sets
+    assert not torch.equal(fashion["train"][0][:100], fashion["test"][0][:100])
+
+
+@needs_fashion
+def test_fashion_mnist_checksum_mismatch_names_file(tmp_path):
+    for name in D.FASHION_MNIST_SHA256:
+        os.symlink(os.path.join(D.FASHION_MNIST_DIR, name), tmp_path / name)
+    bad = tmp_path / "train-labels-idx1-ubyte.gz"
+    raw = bytearray(open(bad, "rb").read())
+    bad.unlink()
+    raw[len(raw) // 2] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(DatasetError, match="sha256 mismatch") as e:
+        D.load_fashion_mnist(str(tmp_path))
+    assert str(bad) in str(e.value)
+
+
+def test_fashion_mnist_missing_dir_is_clear(tmp_path):
+    with pytest.raises(DatasetError, match="dataset-fashion-mnist") as e:
+        D.load_fashion_mnist(str(tmp_path / "nowhere"))
+    assert "nowhere" in str(e.value)
+
+
+def test_parse_idx():
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    raw = bytes([0, 0, 0x08, 3]) + np.array([2, 3, 4], dtype=">u4").tobytes() + arr.tobytes()
+    np.testing.assert_array_equal(D.parse_idx(raw), arr)
+    ints = np.array([1, -2, 70000], dtype=">i4")
+    np.testing.assert_array_equal(D.parse_idx(bytes([0, 0, 0x0C, 1, 0, 0, 0, 3]) + ints.tobytes()), [1, -2, 70000])
+    with pytest.raises(DatasetError, match="after the header"):
+        D.parse_idx(raw[:-1], "x.idx")
+    with pytest.raises(DatasetError, match="bad magic"):
+        D.parse_idx(b"\x1f\x8b\x08\x00" + raw[4:], "x.idx")
+
+
+# -- CIFAR-10 --------------------------------------------------------------------------------------
+def write_fake_cifar(root, n_train=7, n_test=5, seed=0):
+    """A CIFAR-10 folder in the real format: python-2 style pickles of dicts with bytes keys."""
+    rng = np.random.default_rng(seed)
+    d = root / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    batches = {}
+    for name in D.CIFAR10_TRAIN_BATCHES + (D.CIFAR10_TEST_BATCH,):
+        n = n_test if name == D.CIFAR10_TEST_BATCH else n_train
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        labels = [int(v) for v in rng.integers(0, 10, n)]
+        with open(d / name, "wb") as f:
+            pickle.dump({b"batch_label": name.encode(), b"labels": labels, b"data": data,
+                         b"filenames": [b"img%d.png" % i for i in range(n)]}, f, protocol=2)
+        batches[name] = (data, labels)
+    with open(d / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [c.encode() for c in D.CIFAR10_CLASSES], b"num_cases_per_batch": n_train,
+                     b"num_vis": 3072}, f, protocol=2)
+    return d, batches
+
+
+def test_fake_cifar10_loads(tmp_path):
+    d, batches = write_fake_cifar(tmp_path)
+    for path in (tmp_path, d):                        # the folder itself or its parent
+        data = D.load_cifar10(str(path))
+        xtr, ytr = data["train"]
+        xte, yte = data["test"]
+        assert xtr.shape == (35, 3, 32, 32) and xtr.dtype == torch.uint8
+        assert xte.shape == (5, 3, 32, 32) and ytr.dtype == torch.int64 and yte.dtype == torch.int64
+        raw2, lab2 = batches["data_batch_2"]
+        # rows are channel-major: red 32x32 plane, then green, then blue
+        assert xtr[7 + 3, 1, 4, 5].item() == raw2[3, 1024 + 4 * 32 + 5]
+        assert xtr[7 + 3, 2, 31, 0].item() == raw2[3, 2048 + 31 * 32]
+        assert ytr[7:14].tolist() == lab2
+        assert yte.tolist() == batches["test_batch"][1]
+        assert 0 <= ytr.min() and ytr.max() <= 9
+
+
+def test_bad_cifar10_path_names_path(tmp_path):
+    missing = tmp_path / "no-such-cifar"
+    with pytest.raises(DatasetError) as e:
+        D.load_cifar10(str(missing))
+    assert str(missing) in str(e.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DatasetError, match="data_batch_1") as e:
+        D.load_cifar10(str(empty))
+    assert str(empty) in str(e.value)
+
+
+def test_malformed_cifar10_batch_names_file(tmp_path):
+    d, _ = write_fake_cifar(tmp_path)
+    with open(d / "data_batch_3", "wb") as f:            # wrong image size (28x28 grey)
+        pickle.dump({b"data": np.zeros((4, 784), np.uint8), b"labels": [0] * 4}, f, protocol=2)
+    with pytest.raises(DatasetError, match=r"\[n, 3072\]") as e:
+        D.load_cifar10(str(d))
+    assert str(d / "data_batch_3") in str(e.value)
+    (d / "data_batch_3").write_bytes(b"not a pickle")
+    with pytest.raises(DatasetError, match="data_batch_3"):
+        D.load_cifar10(str(d))
+
+
+# -- CifarNet --------------------------------------------------------------------------------------
+def test_cifarnet_shapes_and_parameter_count():
+    m = cifarnet.CifarNet(3)
+    counts = {n: p.numel() for n, p in m.named_parameters()}
+    assert counts == {"conv1.weight": 4800, "conv1.bias": 64, "conv2.weight": 102400, "conv2.bias": 64,
+                      "fc3.weight": 2304 * 384, "fc3.bias": 384, "fc4.weight": 384 * 192, "fc4.bias": 192,
+                      "logits.weight": 1920, "logits.bias": 10}
+    assert sum(counts.values()) == 1068298
+    assert sum(p.numel() for p in cifarnet.CifarNet(1).parameters()) == 1065098
+    out = m(torch.randn(5, 3, 24, 24))
+    assert out.shape == (5, 10)
+    assert cifarnet.CifarNet(1)(torch.randn(2, 1, 24, 24)).shape == (2, 10)
+    m.eval()
+    x = torch.randn(3, 3, 24, 24)
+    assert torch.equal(m(x), m(x))                     # no dropout at test time
+    m.train()
+    torch.manual_seed(0)
+    a = m(x)
+    assert not torch.equal(a, m(x))                    # dropout while training
+
+
+def test_cifarnet_augmentation():
+    x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    oy, ox = torch.tensor([0, 8, 3, 5, 0, 8]), torch.tensor([8, 0, 2, 7, 0, 8])
+    flip = torch.tensor([False, True, False, True, True, False])
+    c = cifarnet.crop_flip(x, oy, ox, flip)
+    for i in range(6):
+        ref = x[i, :, oy[i]:oy[i] + 24, ox[i]:ox[i] + 24]
+        assert torch.equal(c[i], ref.flip(-1) if flip[i] else ref)
+    g = torch.Generator().manual_seed(1)
+    a = cifarnet.augment(x, g)
+    assert a.shape == (6, 3, 24, 24) and a.dtype == torch.float32
+    torch.testing.assert_close(a.flatten(1).mean(1), torch.zeros(6), atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.flatten(1).std(1, unbiased=False), torch.ones(6), atol=1e-4, rtol=0)
+    assert not torch.equal(a, cifarnet.augment(x, g))  # random
+    t = cifarnet.center(torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8))
+    assert t.shape == (2, 1, 24, 24)
+    img = torch.zeros(1, 1, 28, 28, dtype=torch.uint8)
+    img[0, 0, 2, 2] = 200                              # first pixel of the center crop
+    img[0, 0, 0, 0] = 255                              # outside the crop
+    cc = cifarnet.center(img)
+    assert cc[0, 0, 0, 0] == cc.max() and (cc == cc.max()).sum() == 1
+
+
+# -- synthetic benchmark models --------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(sb.MODELS))
+def test_synthetic_model_forward_backward(name):
+    torch.manual_seed(0)
+    m = sb.MODELS[name](num_classes=16)
+    x = torch.randn(2, 3, sb.IMAGE, sb.IMAGE)
+    out = m(x)
+    assert out.shape == (2, 16)
+    F.cross_entropy(out, torch.tensor([3, 7])).backward()
+    for n, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        assert p.grad.abs().sum() > 0, n
+
+
+def test_synthetic_model_profiles():
+    prof = {name: sb.profile(M()) for name, M in sb.MODELS.items()}
+    for name in ("alexnet", "vgg"):                    # FC-heavy: communication dominates
+        assert prof[name]["fc_share"] > 0.9 and prof[name]["largest"] == "classifier.0.weight"
+        assert prof[name]["tensors"] < 40
+    assert prof["vgg"]["largest_share"] > 0.7
+    assert prof["googlenet"]["fc_share"] < 0.2 and prof["googlenet"]["tensors"] > 150
+    assert prof["googlenet"]["largest_share"] < 0.2
+    # compute per parameter: GoogLeNet-like far above the FC-heavy ones
+    for name in ("alexnet", "vgg"):
+        assert prof["googlenet"]["macs"] / prof["googlenet"]["params"] > 5 * prof[name]["macs"] / prof[name]["params"]
+
+
+# -- real 2-rank runs ------------------------------------------------------------------------------
+def horovodrun(script, args, timeout=300):
+    cmd = [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+           os.path.join(ROOT, "examples", script)] + args
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+@needs_fashion
+def test_cifarnet_substitute_two_ranks_terngrad(tmp_path):
+    out = tmp_path / "cifarnet.json"
+    log = horovodrun("cifarnet.py", ["--epochs", "1", "--max-steps", "40", "--batch-size", "32", "--lr", "0.001",
+                                     "--test-limit", "1000", "--compression", "terngrad", "--json", str(out)])
+    lines = [ln.split("<stdout>:", 1)[1] for ln in log.splitlines() if ln.startswith("[0]<stdout>:")]
+    lines = [ln for ln in lines if ln.strip()]
+    assert len(lines) >= 2, log
+    for ln in lines:
+        assert cifarnet.SUBSTITUTE in ln, ln
+    assert not any(ln.startswith("[1]<stdout>:") and ln.split(":", 1)[1].strip() for ln in log.splitlines())
+    assert "bits/element" in log and "test acc" in log and "images/s" in log
+    rec = json.loads(out.read_text())[-1]
+    assert rec["dataset"] == cifarnet.SUBSTITUTE and rec["substitute"] is True
+    assert rec["compression"] == "terngrad" and rec["ranks"] == 2
+    assert 1.9 < rec["bits_per_element"] < 2.1                 # ternary: 2 bits + headers and handshake
+    assert rec["loss_last"] < rec["loss_first"], rec           # it learned ...
+    assert rec["test_acc"] > 0.25, rec                         # ... well beyond chance (10%)
+
+
+def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
+    out = tmp_path / "bench.json"
+    log = horovodrun("synthetic_benchmark.py", ["--model", "alexnet", "--compression", "terngrad",
+                                                "--num-warmup-batches", "1", "--num-batches-per-iter", "3",
+                                                "--num-iters", "3", "--json", str(out)])
+    assert "Iter #2:" in log and "Img/sec per rank:" in log and "Total img/sec on 2 rank(s):" in log
+    assert "bits/element" in log
+    res = json.loads(out.read_text())
+    assert res["ranks"] == 2 and res["compression"] == "terngrad"
+    assert 1.9 < res["bits_per_element"] < 2.1
+    assert res["img_sec_total"] > 0
+    assert res["loss_last"] < res["loss_first"], res           # memorizing the fixed batch
