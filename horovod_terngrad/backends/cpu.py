@@ -51,32 +51,42 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def build(cc: str | None = None) -> str:
-    """Compile (or find in the cache) the shared object; returns its path.  Raises on failure."""
-    cc = cc or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    flags = CFLAGS + (["-fopenmp"] if _has_openmp(cc) else [])
-    tag = hashlib.sha256(src + repr((flags, ver, platform.machine(), _cpu_model())).encode()).hexdigest()[:16]
+def compile_cached(compiler: str, flags: list, main_source: str, hashed_sources: list, prefix: str,
+                   extra_tag: str = "") -> str:
+    """Compile ``main_source`` into a shared object in the cache, keyed by a hash of the sources, the
+    flags and ``extra_tag``; returns its path.  The file is written under a temporary name and renamed,
+    so processes compiling at the same time never load a half-written object."""
+    digest = hashlib.sha256(repr((flags, extra_tag)).encode())
+    for path in hashed_sources:
+        with open(path, "rb") as f:
+            digest.update(f.read())
     out_dir = cache_dir()
-    so = os.path.join(out_dir, f"terngrad_cpu-{tag}.so")
+    so = os.path.join(out_dir, f"{prefix}-{digest.hexdigest()[:16]}.so")
     if os.path.exists(so):
         return so
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        p = subprocess.run([cc, *flags, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        p = subprocess.run([compiler, *flags, main_source, "-o", tmp], capture_output=True, text=True)
         if p.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE}:\n{p.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {main_source}:\n{p.stderr[-3000:]}")
         os.replace(tmp, so)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return so
+
+
+def build(cc: str | None = None) -> str:
+    """Compile (or find in the cache) the fused CPU codec; returns its path.  Raises on failure."""
+    cc = cc or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    flags = CFLAGS + (["-fopenmp"] if _has_openmp(cc) else []) + ["-lm"]
+    return compile_cached(cc, flags, SOURCE, [SOURCE], "terngrad_cpu",
+                          repr((ver, platform.machine(), _cpu_model())))
 
 
 def _has_openmp(cc: str) -> bool:

@@ -14,11 +14,8 @@ The driver never synchronizes with the device: thresholds and scalers stay devic
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 
 import torch
 
@@ -166,30 +163,10 @@ class KernelBackend:
 
 def build_host(cxx: str | None = None) -> str:
     """Compile kernels/host_launch.cpp into a cached shared object; returns its path."""
-    from .cpu import cache_dir
+    from .cpu import compile_cached
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     srcs = [os.path.join(KERNEL_DIR, f) for f in ("host_launch.cpp", "host_shim.h", "terngrad.cu")]
-    digest = hashlib.sha256()
-    for path in srcs:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
-    digest.update(repr(flags).encode())
-    out_dir = cache_dir()
-    so = os.path.join(out_dir, f"terngrad_hostkernels-{digest.hexdigest()[:16]}.so")
-    if os.path.exists(so):
-        return so
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        p = subprocess.run([cxx, *flags, srcs[0], "-o", tmp], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"{cxx} failed on {srcs[0]}:\n{p.stderr[-3000:]}")
-        os.replace(tmp, so)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return so
+    return compile_cached(cxx, ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"], srcs[0], srcs,
+                          "terngrad_hostkernels")
