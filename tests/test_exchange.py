@@ -227,7 +227,7 @@ def test_wire_size_per_element_on_a_1M_parameter_model():
 @pytest.mark.parametrize("fmt,limit", [("2bit", 10.0), ("base3", 10.0)])
 def test_sharded_exchange_at_64_ranks_receives_at_most_10_bits_per_element(fmt, limit):
     from horovod_terngrad.exchange import sharded
-    n, N = 200_003, 64
+    n, N = 100_003, 64
     cfg = TernGradConfig(exchange="sharded", packing=fmt)
 
     def body(c):
