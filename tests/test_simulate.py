@@ -58,3 +58,26 @@ def test_batches_and_slices():
     with pytest.raises(ValueError, match="does not split evenly"):
         Simulator(torch.nn.Linear(2, 2), 3).worker_gradients(torch.randn(4, 2), torch.zeros(4, dtype=torch.long),
                                                             F.cross_entropy)
+
+
+def test_reduced_fig3_study_terngrad_within_margin_of_fp32(tmp_path):
+    """The Fig. 3 study at 300 iterations (the paper runs 10,000): TernGrad with 8 simulated workers
+    reaches the fp32 run's test accuracy within 2 points, with both optimizers, and the study writes its
+    table and plot."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    import study_lenet
+    from horovod_terngrad.datasets import load_mnist
+    torch.set_num_threads(1)
+    data = load_mnist()
+    data["test"] = (data["test"][0][:3000], data["test"][1][:3000])
+    results = []
+    for opt in ("momentum", "vanilla"):
+        base = study_lenet.train(data, 1, "none", opt, 300, seed=1)
+        tern = study_lenet.train(data, 8, "terngrad", opt, 300, seed=1)
+        assert base["test_acc"] > 0.9 and tern["test_acc"] > 0.9
+        assert abs(tern["test_acc"] - base["test_acc"]) <= 0.02, (opt, base["test_acc"], tern["test_acc"])
+        assert 1.9 < tern["bits_per_element"] < 2.2
+        results += [base, tern]
+    study_lenet.write_outputs(results, str(tmp_path), 300)
+    assert (tmp_path / "lenet_study.png").stat().st_size > 10_000
+    assert "| momentum | 8 |" in (tmp_path / "lenet_study.md").read_text()
