@@ -1,10 +1,8 @@
 """Data loaders of horovod_terngrad.data_extra, CifarNet, the synthetic-benchmark models, and one real
 2-rank Horovod (Gloo) run of examples/cifarnet.py and examples/synthetic_benchmark.py each."""
-import gzip
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 

@@ -251,3 +251,17 @@ def test_auto_exchange_picks_by_cost():
     assert choose_exchange(100, 64, "2bit") == "allgather"       # latency-bound: one collective wins
     with pytest.raises(ValueError, match="needs shared_scaler"):
         TernGradConfig(exchange="sharded", shared_scaler=False)
+
+
+def test_sharded_reference_path_gives_the_fused_bytes(monkeypatch):
+    """The torch fallback of the sharded exchange (no fused C backend) gives the same bits."""
+    cfg = TernGradConfig(exchange="sharded", packing="base3", bucket_size=30)
+
+    def body(c):
+        return AllgatherExchange(c, cfg).allreduce(grad((1001,), c.rank), "w")
+
+    fused = run_ranks(3, body)
+    monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
+    reference = run_ranks(3, body)
+    want, _ = expected_average([grad((1001,), r) for r in range(3)], "w", 0, cfg)
+    assert all(torch.equal(x, want) for x in fused + reference)

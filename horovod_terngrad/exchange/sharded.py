@@ -67,11 +67,11 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 
 
 def _fused(device):
-    if device.type != "cpu":
-        return None
-    from ..backends import cpu_fused
-    be = cpu_fused()
-    return be if be is not None and hasattr(be, "owner_sums") else None
+    """The backend's sharded-exchange kernels when it has them (the fused CPU codec), else None: the
+    torch reference below runs (on any device, and when HOROVOD_TERNGRAD_BACKEND=torch)."""
+    from ..backends import for_device
+    be = for_device(device)
+    return be if hasattr(be, "owner_sums") else None
 
 
 def owner_sums(received: torch.Tensor, n_ranks: int, lo: int, hi: int, fmt: str) -> torch.Tensor:
@@ -88,7 +88,7 @@ def owner_sums(received: torch.Tensor, n_ranks: int, lo: int, hi: int, fmt: str)
     return owner_sums_reference(received, n_ranks, m, nbytes, fmt)
 
 
-def owner_sums_reference(received, n_ranks, m, nbytes, fmt):
+def owner_sums_reference(received: torch.Tensor, n_ranks: int, m: int, nbytes: int, fmt: str) -> torch.Tensor:
     k = torch.zeros(m, dtype=torch.int64, device=received.device)
     for r in range(n_ranks):
         k += unpack(received[r * nbytes:(r + 1) * nbytes], m, fmt).to(torch.int64)
