@@ -125,7 +125,9 @@ class TernGradCompressor:
                 if tensor.dtype in (torch.float16, torch.bfloat16):
                     return tensor.to(torch.float32), _Passthrough(tensor.dtype, name)
                 return tensor, _Passthrough(tensor.dtype, name)
-            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=True)
+            # Only the optimizer replaces the gradient with the result, so only then may the result be
+            # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
+            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=opt is not None)
         return torch.empty(0, dtype=torch.float32, device=tensor.device), ticket
 
     def decompress(self, tensor: torch.Tensor, ctx):
