@@ -143,6 +143,11 @@ def test_gloo2_functional_api(gloo2):
     for r in ranks:
         assert r["empty"].shape == (0, 4)
         assert "integer" in r["int"] or "dtype torch.int64" in r["int"]
+    bases = [r["inputs"]["noncontig"].t() for r in ranks]
+    want, _ = expected_average(bases, "fn.direct", 0, cfg)
+    want_sum, _ = expected_average(bases, "fn.directsum", 0, cfg, average=False)
+    for r in ranks:   # hvd.allreduce(..., compression=TernGrad): named, out of place, op respected
+        assert r["direct_input_kept"] and torch.equal(r["direct"], want) and torch.equal(r["direct_sum"], want_sum)
     for k in range(3):
         want, _ = expected_average([r["async_inputs"][k] for r in ranks], f"fn.async{k}", 0, cfg)
         assert all(torch.equal(r["async"][k], want) for r in ranks)

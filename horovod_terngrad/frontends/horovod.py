@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import threading
+import types
 
 import torch
 
@@ -45,7 +46,7 @@ class _Passthrough:
 
 
 def _horovod_caller(tensor: torch.Tensor):
-    """(name, optimizer-or-None) of the Horovod code that called compress(), if it can be found."""
+    """(name, optimizer or hvd.allreduce's locals or None) of the Horovod code that called compress()."""
     f = sys._getframe(2)
     param = None
     for _ in range(4):
@@ -59,10 +60,17 @@ def _horovod_caller(tensor: torch.Tensor):
         names = getattr(owner, "_parameter_names", None)
         if isinstance(names, dict) and param is not None:
             return names.get(param), owner
-        if isinstance(loc.get("name"), str) and "compression" in loc:   # hvd.allreduce(...)
-            return loc["name"], None
+        if "compression" in loc and "op" in loc:                         # hvd.allreduce(...)
+            return (loc["name"] if isinstance(loc.get("name"), str) else None), dict(loc)
         f = f.f_back
     return None, None
+
+
+def _op_of(args: dict):
+    import horovod.torch as hvd
+    if args.get("op") is not None:
+        return args["op"]
+    return hvd.Sum if args.get("average") is False else hvd.Average
 
 
 class TernGradCompressor:
@@ -115,9 +123,12 @@ class TernGradCompressor:
                                 "which requires every rank to submit them in the same order. Pass "
                                 "named_parameters to hvd.DistributedOptimizer.")
             check_gradient(tensor, name)
-            average = True
-            process_set = None
-            if opt is not None:
+            average, process_set, optimizer = True, None, None
+            if isinstance(opt, dict):      # called by hvd.allreduce: its op/average arguments decide
+                average = self._average(types.SimpleNamespace(op=_op_of(opt)), name)
+                process_set = opt.get("process_set")
+            elif opt is not None:          # called by the DistributedOptimizer
+                optimizer = opt
                 average = self._average(opt, name)
                 process_set = getattr(opt, "process_set", None)
             if not self.enabled or not self.config.compresses(name, tensor.numel()):
@@ -127,7 +138,7 @@ class TernGradCompressor:
                 return tensor, _Passthrough(tensor.dtype, name)
             # Only the optimizer replaces the gradient with the result, so only then may the result be
             # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
-            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=opt is not None)
+            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None)
         return torch.empty(0, dtype=torch.float32, device=tensor.device), ticket
 
     def decompress(self, tensor: torch.Tensor, ctx):

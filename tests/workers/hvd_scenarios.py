@@ -161,6 +161,11 @@ def run(name):
             res["int"] = None
         except TypeError as e:
             res["int"] = str(e)
+        direct_in = base.clone()
+        res["direct"] = hvd.allreduce(direct_in, name="fn.direct", compression=TernGradCompressor())
+        res["direct_sum"] = hvd.allreduce(base.clone(), name="fn.directsum", op=hvd.Sum,
+                                          compression=TernGradCompressor())
+        res["direct_input_kept"] = torch.equal(direct_in, base)
         h = [tg.allreduce_async(base * k, name=f"fn.async{k}") for k in range(3)]
         res["async"] = [tg.synchronize(x) for x in h]
         res["async_inputs"] = [base * k for k in range(3)]
