@@ -58,13 +58,8 @@ def parse_args(argv=None):
 
 
 def evaluate(model, x, y, batch=1000):
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for i in range(0, len(x), batch):
-            correct += (model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum().item()
-    model.train()
-    return correct / len(x)
+    from horovod_terngrad.metrics import accuracy
+    return accuracy(model, x, y, batch)
 
 
 def main(argv=None):

@@ -76,6 +76,19 @@ class TernGradMetrics:
         self.comp.stats.captures.clear()
 
 
+def accuracy(model, x, y, batch: int = 1000, transform=None) -> float:
+    """Top-1 accuracy of ``model`` on (x, y) in eval mode, ``transform`` applied to each input batch."""
+    import torch
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            xb = x[i:i + batch]
+            correct += (model(transform(xb) if transform else xb).argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return correct / len(x)
+
+
 def tensorboard_writer(logdir: str):
     """torch.utils.tensorboard.SummaryWriter, with a clear error when the package is missing."""
     try:
