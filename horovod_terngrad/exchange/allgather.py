@@ -219,20 +219,19 @@ class AllgatherExchange:
     def _progress(self, block: bool) -> None:
         """Turn completed (or, if block, all) handshakes into payload exchanges, then completed (or
         all) alltoalls of the sharded exchange into allgathers of the owners' sums, in start order."""
+        self._pending = self._advance(self._pending, lambda tk: tk.hs, self._after_handshake, block)
+        # (the first stage may have queued new alltoalls; they are advanced here too)
+        self._pending_a2a = self._advance(self._pending_a2a, lambda tk: tk.a2a, self._after_alltoall, block)
+
+    def _advance(self, queue: list, handle_of, step, block: bool) -> list:
+        """Run ``step`` on the tickets whose collective completed (all, if block); return the rest."""
         waiting = []
-        for tk in self._pending:
-            if block or self.coll.poll(tk.hs):
-                self._after_handshake(tk)
+        for tk in queue:
+            if block or self.coll.poll(handle_of(tk)):
+                step(tk)
             else:
                 waiting.append(tk)
-        self._pending = waiting
-        waiting = []
-        for tk in self._pending_a2a:
-            if block or self.coll.poll(tk.a2a):
-                self._after_alltoall(tk)
-            else:
-                waiting.append(tk)
-        self._pending_a2a = waiting
+        return waiting
 
     def _after_handshake(self, tk: Ticket) -> None:
         t0 = time.perf_counter()
