@@ -68,6 +68,7 @@ def main(argv=None):
 
     from horovod_terngrad import TernGrad
     from horovod_terngrad.datasets import load_mnist
+    from horovod_terngrad.metrics import epoch_report, wire_bytes
 
     hvd.init()
     torch.set_num_threads(args.threads)
@@ -89,7 +90,7 @@ def main(argv=None):
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    fp32_ring_bytes = 2 * (size - 1) / size * 4 * nparams
+    fp32_ring_bytes = wire_bytes(size, 0, 0, nparams)
     steps_per_epoch = len(xtr) // args.batch_size
     if args.max_steps:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
@@ -132,13 +133,7 @@ def main(argv=None):
         step_ms = 1000 * elapsed / steps_per_epoch
         ips = steps_per_epoch * args.batch_size * size / elapsed
         if args.compression == "terngrad":
-            st = compressor.stats
-            # on the wire: a ring allgather makes each rank send N-1 payloads; the handshake is a ring allreduce
-            sent = ((size - 1) * st.payload_bytes_sent + 2 * (size - 1) / size * st.handshake_bytes_sent) / steps_per_epoch
-            bits = st.bits_per_element()
-            timing = (f"  [TernGrad per step: codec {1000 * st.codec_s / steps_per_epoch:.1f} ms, waiting for "
-                      f"handshakes {1000 * st.handshake_wait_s / steps_per_epoch:.1f} ms, for payloads "
-                      f"{1000 * st.gather_wait_s / steps_per_epoch:.1f} ms]")
+            sent, bits, timing = epoch_report(compressor.stats, size, steps_per_epoch)
         elif args.compression == "fp16":
             sent, bits, timing = fp32_ring_bytes / 2, 16.0, ""
         else:

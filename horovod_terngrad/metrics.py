@@ -19,6 +19,23 @@ import sys
 import time
 
 
+def wire_bytes(n_ranks: int, payload_bytes: float, handshake_bytes: float = 0.0,
+               uncompressed_elements: float = 0.0) -> float:
+    """Bytes one rank puts on the wire with ring collectives: a ring allgather forwards N-1 payloads;
+    the scaler handshake and uncompressed fp32 tensors are ring allreduces (2(N-1)/N of their size)."""
+    N = n_ranks
+    return (N - 1) * payload_bytes + 2 * (N - 1) / N * (handshake_bytes + 4 * uncompressed_elements)
+
+
+def epoch_report(stats, n_ranks: int, steps: int) -> tuple[float, float, str]:
+    """(wire bytes per step, bits per element handed to collectives, timing text) of an epoch's stats."""
+    sent = wire_bytes(n_ranks, stats.payload_bytes_sent, stats.handshake_bytes_sent) / steps
+    timing = (f"  [TernGrad per step: {stats.tensors / steps:.0f} tensors, codec {1000 * stats.codec_s / steps:.1f} ms, "
+              f"waiting for handshakes {1000 * stats.handshake_wait_s / steps:.1f} ms, for payloads "
+              f"{1000 * stats.gather_wait_s / steps:.1f} ms]")
+    return sent, stats.bits_per_element(), timing
+
+
 class TernGradMetrics:
     def __init__(self, compressor, world_size: int, log_layers: bool = True, capture=()):
         self.comp = compressor
@@ -38,18 +55,19 @@ class TernGradMetrics:
 
     def _snapshot(self):
         st = self.comp.stats
-        return (st.payload_bytes_sent + st.handshake_bytes_sent, st.bytes_received, st.elements,
+        return (st.payload_bytes_sent, st.handshake_bytes_sent, st.bytes_received, st.elements,
                 getattr(self.comp, "uncompressed_elements", 0))
 
     def step(self) -> dict:
         """Figures of the exchanges since the previous call."""
         self._apply()            # engines are created lazily at the first compress()
         now = self._snapshot()
-        sent, received, elements, plain = (a - b for a, b in zip(now, self._last))
+        payload, handshake, received, elements, plain = (a - b for a, b in zip(now, self._last))
         self._last = now
+        sent = payload + handshake
         N = self.world
-        fp32_ring = 2 * (N - 1) / N * 4 * (elements + plain) if N > 1 else 0.0
-        wire = (N - 1) * sent + 2 * (N - 1) / N * 4 * plain   # ring allgather: each rank forwards N-1 payloads
+        fp32_ring = wire_bytes(N, 0, 0, elements + plain) if N > 1 else 0.0
+        wire = wire_bytes(N, payload, handshake, plain)
         row = {"bytes_sent": sent, "bytes_received": received, "elements": elements,
                "bits_per_element": 8 * sent / elements if elements else 0.0,
                "compression_vs_fp32": fp32_ring / wire if wire else float("nan"),
