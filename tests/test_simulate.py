@@ -28,6 +28,46 @@ def test_simulator_matches_two_real_horovod_ranks_bit_for_bit(tmp_path):
             assert torch.equal(a.detach(), b)
 
 
+@pytest.mark.parametrize("cfg", [dict(), dict(packing="base3", bucket_size=100), dict(shared_scaler=False),
+                                 dict(clip_factor=0.0)])
+def test_direct_averaging_is_the_exchange_bit_for_bit(cfg):
+    """The default 'direct' averaging replays the allgather exchange's arithmetic without collectives:
+    identical averages over several steps (stream keys advance per step) and identical counters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+    config = TernGradConfig(seed=7, **cfg)
+    ex = Simulator(model, 5, config, average="exchange")
+    di = Simulator(model, 5, config)
+    assert di.average_mode == "direct"
+    for step in range(3):
+        x, y = torch.randn(10, 20), torch.randint(0, 5, (10,))
+        g = ex.worker_gradients(x, y, F.cross_entropy)
+        for a, b in zip(ex.average(g), di.average(g)):
+            assert torch.equal(a, b), step
+    for field in ("tensors", "elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received"):
+        assert getattr(ex.stats, field) == getattr(di.stats, field), field
+    assert di.stats.tensors == 12 and di.stats.bytes_received > di.stats.payload_bytes_sent > 0
+    assert (di.stats.handshake_bytes_sent > 0) == config.shared_scaler
+
+
+def test_direct_averaging_nonfinite_and_mismatch():
+    from horovod_terngrad import NonFiniteGradientError, RankMismatchError
+    sim = Simulator(torch.nn.Linear(3, 2), 3)
+    good = [torch.randn(2, 3) for _ in range(3)]
+    bad = list(good)
+    bad[1] = good[1].clone()
+    bad[1][0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"'w'.*rank\(s\) \[1\]"):
+        sim._average_direct(bad, "w")
+    zero = Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(on_nonfinite="zero"))
+    assert torch.equal(zero._average_direct(bad, "w"), torch.zeros(2, 3)) and zero.stats.nonfinite_zeroed == 1
+    with pytest.raises(RankMismatchError, match="'w'"):
+        sim._average_direct([good[0], good[1], torch.randn(3, 2)], "w")
+    with pytest.raises(ValueError, match="average='exchange'"):
+        Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(exchange="sharded"), average="direct")
+    assert Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(exchange="sharded")).average_mode == "exchange"
+
+
 def test_vmap_gradients_match_the_loop():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
