@@ -43,6 +43,12 @@ class TernGradConfig:
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
                    nearly constant in N; needs shared_scaler) or "auto" (per tensor, whichever the
                    cost model of exchange/choice.py predicts to be faster).
+    fusion_numel:  tensor fusion in the Horovod frontend: the optimizer's compressed parameters, in
+                   reverse registration order (about the order backward produces them), are cut into
+                   groups of consecutive tensors of at most this many elements in total; a group shares
+                   one handshake and one allgather (a tensor larger than this travels alone).  Fusing
+                   never changes a result (each tensor keeps its scaler, stream and header); it saves
+                   two collectives and their latency per small tensor.  0 disables fusion.
     """
 
     clip_factor: float = 2.5
@@ -54,6 +60,7 @@ class TernGradConfig:
     shared_scaler: bool = True
     on_nonfinite: str = "raise"
     exchange: str = "allgather"
+    fusion_numel: int = 1 << 20
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -68,6 +75,8 @@ class TernGradConfig:
             raise ValueError(f"bucket_size must be an integer in [0, 2^32), got {self.bucket_size!r}")
         if int(self.min_numel) != self.min_numel or self.min_numel < 0:
             raise ValueError(f"min_numel must be an integer >= 0, got {self.min_numel!r}")
+        if int(self.fusion_numel) != self.fusion_numel or self.fusion_numel < 0:
+            raise ValueError(f"fusion_numel must be an integer >= 0, got {self.fusion_numel!r}")
         if int(self.seed) != self.seed or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.on_nonfinite not in NONFINITE_POLICIES:

@@ -265,3 +265,80 @@ def test_sharded_reference_path_gives_the_fused_bytes(monkeypatch):
     reference = run_ranks(3, body)
     want, _ = expected_average([grad((1001,), r) for r in range(3)], "w", 0, cfg)
     assert all(torch.equal(x, want) for x in fused + reference)
+
+
+# -- tensor fusion ----------------------------------------------------------------------------------
+
+FUSED = [(20, 50), (50,), (0,), (7, 3, 3), (1,), (1000,)]
+
+
+@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
+                                 TernGradConfig(packing="base3", bucket_size=64, seed=9)],
+                         ids=["shared", "per-rank", "base3-buckets"])
+def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_collectives(cfg):
+    steps, N = 2, 3
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        outs = []
+        for step in range(steps):
+            items = [(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(FUSED)]
+            tickets = ex.start_group(items, "group0")
+            outs.append([ex.finish(t) for t in reversed(tickets)][::-1])
+        return outs, c.world
+
+    res = run_ranks(N, body)
+    for step in range(steps):
+        for i, s in enumerate(FUSED):
+            want, _ = expected_average([grad(s, r, i + 10 * step) for r in range(N)], f"layer{i}", step, cfg)
+            for r in range(N):
+                assert torch.equal(res[r][0][step][i], want), (step, i, r)
+    # one handshake (shared scaler only) and one allgather per step for six tensors
+    assert res[0][1].completed == ({"max": steps, "gather": steps} if cfg.shared_scaler else {"gather": steps})
+
+
+@pytest.mark.parametrize("policy", ["raise", "zero"])
+def test_fused_member_with_nan_fails_alone(policy):
+    cfg = TernGradConfig(on_nonfinite=policy)
+
+    def body(c):
+        ex = AllgatherExchange(c, cfg)
+        items = [(grad((30,), c.rank, i), f"w{i}") for i in range(3)]
+        if c.rank == 1:
+            items[1][0][4] = float("nan")
+        out = []
+        for tk in ex.start_group(items, "g"):
+            try:
+                out.append(ex.finish(tk))
+            except NonFiniteGradientError as e:
+                out.append(str(e))
+        return out
+
+    res = run_ranks(2, body, timeout=30)
+    for i in (0, 2):
+        want, _ = expected_average([grad((30,), r, i) for r in range(2)], f"w{i}", 0, cfg)
+        assert all(torch.equal(r[i], want) for r in res)
+    for r in res:
+        if policy == "raise":
+            assert isinstance(r[1], str) and "'w1'" in r[1] and "rank 1" in r[1]
+        else:
+            assert torch.equal(r[1], torch.zeros(30))
+
+
+def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_rank():
+    def body(c):
+        ex = AllgatherExchange(c, TernGradConfig())
+        members = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 10), "b")]
+        if c.rank == 1:
+            members.append((torch.randn(5), "c"))      # a member the other rank does not have
+        msgs = []
+        for tk in ex.start_group(members, "g"):
+            try:
+                ex.finish(tk)
+                msgs.append(None)
+            except RankMismatchError as e:
+                msgs.append(str(e))
+        return msgs
+
+    for msgs in run_ranks(2, body, timeout=30):
+        assert all(m is not None and "disagree" in m and "fused in group 'g'" in m for m in msgs), msgs

@@ -53,6 +53,7 @@ class ExchangeStats:
     handshake_bytes_sent: int = 0
     bytes_received: int = 0
     nonfinite_zeroed: int = 0
+    collectives: int = 0          # handshakes, allgathers and alltoalls launched (fusion lowers it)
     handshake_wait_s: float = 0.0
     gather_wait_s: float = 0.0
     codec_s: float = 0.0
@@ -107,13 +108,37 @@ class Ticket:
     owner: object = None   # the AllgatherExchange that started it
     mode: str = "allgather"  # or "sharded"
     shared: torch.Tensor | None = None   # the agreed scalers (sharded decode)
-    hs: object = None
-    a2a: object = None
-    ag: object = None
+    group: "Group | None" = None   # the collectives it travels in (alone, or fused with others)
+    nb: int = 1                    # number of scalers (handshake slots after the fixed ones)
+    a2a: object = None             # sharded: the alltoall of its chunks
+    sent: bool = False             # its payload is in the group's allgather
     payload_bytes: int = 0
     error: Exception | None = None
     zero: bool = False
     done: bool = False
+
+
+@dataclass
+class Group:
+    """Tensors that share one handshake and one payload allgather: one tensor, or several small ones
+    fused (``AllgatherExchange.start_group``).  Each member keeps its own statistics, clip threshold,
+    scaler and random stream, and its payload (header included) is the one it would send alone; the
+    group's payload is the members' payloads back to back.  So fusing changes how many collectives
+    run, never a bit of any result."""
+
+    name: str
+    members: list
+    hs: object = None
+    ag: object = None
+    sent: list = field(default_factory=list)   # members whose payloads are in the allgather, in order
+    bytes_sent: int = 0
+    gathered: torch.Tensor | None = None
+    walked: tuple | None = None
+    gather_error: Exception | None = None
+
+    @property
+    def fused(self) -> bool:
+        return len(self.members) > 1
 
 
 class AllgatherExchange:
@@ -125,7 +150,7 @@ class AllgatherExchange:
         self.config = config or TernGradConfig()
         self.stats = stats if stats is not None else ExchangeStats()
         self._steps: dict[str, int] = {}
-        self._pending: list[Ticket] = []        # waiting for their handshake
+        self._pending: list[Group] = []         # waiting for their handshake
         self._pending_a2a: list[Ticket] = []    # sharded: waiting for their alltoall
         self._warned_nonfinite: set = set()
         self.track_layers = False          # record zero fraction and scaler per tensor (costs a pass over the codes)
@@ -136,43 +161,63 @@ class AllgatherExchange:
         """Begin averaging ``tensor``.  With ``in_place`` the result may be written into ``tensor``
         itself (the Horovod frontend allows it: the gradient is replaced by the result anyway), which
         saves allocating and page-faulting a new buffer per step."""
-        check_gradient(tensor, name)
+        return self.start_group([(tensor, name)], name, average, in_place)[0]
+
+    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
+        """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one payload
+        allgather named after ``group`` (tensor fusion; every rank must form the same groups, in the
+        same member order).  Results are bit-identical to starting each tensor alone.  A fused group
+        always uses the allgather exchange (fusion is for small tensors; sharding pays for large
+        ones).  Returns one ticket per item, each finished with ``finish``."""
         cfg = self.config
         t0 = time.perf_counter()
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        rank = self.coll.rank
-        g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-        backend = backends.for_device(g32.device)
-        prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
-        tk = Ticket(name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
-                    key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), rank), average=average,
-                    in_place=in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
-                    owner=self, mode=self._mode(g32.numel()))
+        tickets, preps = [], []
+        for tensor, name in items:
+            check_gradient(tensor, name)
+            step = self._steps.get(name, 0)
+            self._steps[name] = step + 1
+            g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+            prep = backends.for_device(g32.device).prepare(g32, cfg.bucket_size, cfg.clip_factor)
+            tickets.append(Ticket(
+                name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
+                key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), average=average,
+                in_place=in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
+                owner=self, mode=self._mode(g32.numel()) if len(items) == 1 else "allgather",
+                nb=prep.scalers.numel()))
+            preps.append(prep)
+        grp = Group(group, tickets)
+        for tk in tickets:
+            tk.group = grp
         if cfg.shared_scaler:
-            hs = self._handshake_vector(prep, tensor)
+            vecs = [self._handshake_vector(p, tensor) for p, (tensor, _) in zip(preps, items)]
+            hs = vecs[0] if len(vecs) == 1 else torch.cat(vecs)
             self.stats.codec_s += time.perf_counter() - t0
-            tk.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{name}")
+            grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{group}")
+            self.stats.collectives += 1
             self.stats.handshake_bytes_sent += hs.numel() * 8
             self._progress(block=False)   # earlier tensors whose handshake is back go out now
-            self._pending.append(tk)
+            self._pending.append(grp)
         else:
-            host_flag = isinstance(prep.nonfinite, bool)
-            payload = backend.encode(g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
-                                     flags=int(prep.nonfinite) if host_flag else 0, shape=tensor.shape)
-            if not host_flag:
-                payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
-            self._record_tensor(tk, payload, prep.scalers)
+            sends = []
+            for tk, prep, (tensor, _) in zip(tickets, preps, items):
+                host_flag = isinstance(prep.nonfinite, bool)
+                payload = backends.for_device(tk.g32.device).encode(
+                    tk.g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
+                    flags=int(prep.nonfinite) if host_flag else 0, shape=tensor.shape)
+                if not host_flag:
+                    payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
+                self._record_tensor(tk, payload, prep.scalers)
+                sends.append((tk, payload))
             self.stats.codec_s += time.perf_counter() - t0
-            self._send(tk, payload)
-        return tk
+            self._send(grp, sends)
+        return tickets
 
     def finish(self, tk: Ticket) -> torch.Tensor:
         try:
             self._progress(block=True)
             if tk.error is not None:
                 raise tk.error
-            out = self._receive(tk) if (tk.ag is not None and not tk.zero) else None
+            out = self._receive(tk) if (tk.sent and not tk.zero) else None
             if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
                 out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
             if tk.name in self.stats.captures and self.stats.captures[tk.name][3] is None:
@@ -219,7 +264,7 @@ class AllgatherExchange:
     def _progress(self, block: bool) -> None:
         """Turn completed (or, if block, all) handshakes into payload exchanges, then completed (or
         all) alltoalls of the sharded exchange into allgathers of the owners' sums, in start order."""
-        self._pending = self._advance(self._pending, lambda tk: tk.hs, self._after_handshake, block)
+        self._pending = self._advance(self._pending, lambda grp: grp.hs, self._after_handshake, block)
         # (the first stage may have queued new alltoalls; they are advanced here too)
         self._pending_a2a = self._advance(self._pending_a2a, lambda tk: tk.a2a, self._after_alltoall, block)
 
@@ -233,19 +278,37 @@ class AllgatherExchange:
                 waiting.append(tk)
         return waiting
 
-    def _after_handshake(self, tk: Ticket) -> None:
+    def _after_handshake(self, grp: Group) -> None:
         t0 = time.perf_counter()
         try:
-            v = self.coll.synchronize(tk.hs)
+            v = self.coll.synchronize(grp.hs)
         except CollectiveError as e:
-            tk.error = RankMismatchError(
-                f"TernGrad: ranks disagree on gradient '{tk.name}' (shape {tuple(tk.shape)}, "
-                f"{tk.g32.numel()} elements on rank {self.coll.rank}): {e}")
+            for tk in grp.members:
+                tk.error = RankMismatchError(
+                    f"TernGrad: ranks disagree on gradient '{tk.name}' (shape {tuple(tk.shape)}, "
+                    f"{tk.g32.numel()} elements on rank {self.coll.rank}"
+                    + (f", fused in group '{grp.name}'" if grp.fused else "") + f"): {e}")
             return
         finally:
             self.stats.handshake_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         values = v.tolist()
+        sends, pos = [], 0
+        for tk in grp.members:
+            payload = self._agreed(tk, values[pos:pos + _HS_FIXED + tk.nb])
+            pos += _HS_FIXED + tk.nb
+            if payload is not None:
+                sends.append((tk, payload))
+        self.stats.codec_s += time.perf_counter() - t0
+        if not sends:
+            return
+        if sends[0][0].mode == "sharded":      # (only ever a group of one)
+            self._send_shards(*sends[0])
+        else:
+            self._send(grp, sends)
+
+    def _agreed(self, tk: Ticket, values: list) -> torch.Tensor | None:
+        """Check one tensor's slice of the reduced handshake; its payload if it is to be sent."""
         fixed = values[:_HS_FIXED]
         bad_hi, bad_lo = int(fixed[0]), int(-fixed[1])
         if fixed[2] != -fixed[3] or fixed[4] != -fixed[5] or fixed[6] != -fixed[7]:
@@ -254,36 +317,33 @@ class AllgatherExchange:
             tk.error = RankMismatchError(
                 f"TernGrad: ranks disagree on gradient '{tk.name}': {what} (this rank {self.coll.rank}: "
                 f"shape {tuple(tk.shape)}, dtype {tk.dtype})")
-            return
+            return None
         if bad_hi > 0:
             msg = (f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on "
                    f"rank {bad_lo - 1}" + (f" (and up to rank {bad_hi - 1})" if bad_hi != bad_lo else ""))
             self._nonfinite(tk, msg)
-            return
+            return None
         if tk.g32.numel() == 0:
             tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor
-            return
+            return None
         cfg = self.config
         shared = torch.tensor(values[_HS_FIXED:], dtype=torch.float32, device=tk.g32.device)
+        tk.shared = shared
         payload = backends.for_device(tk.g32.device).encode(
             tk.g32, tk.threshold, shared, cfg.bucket_size, tk.key, cfg.packing, shape=tk.shape)
         self._record_tensor(tk, payload, shared)
-        self.stats.codec_s += time.perf_counter() - t0
-        if tk.mode == "sharded":
-            self._send_shards(tk, payload, shared)
-        else:
-            self._send(tk, payload)
+        return payload
 
-    def _send_shards(self, tk: Ticket, payload: torch.Tensor, shared: torch.Tensor) -> None:
-        codes = payload[codec.HEADER_BYTES + 4 * shared.numel():]
+    def _send_shards(self, tk: Ticket, payload: torch.Tensor) -> None:
+        codes = payload[codec.HEADER_BYTES + 4 * tk.nb:]
         splits = []
         for lo, hi in sharded.shard_bounds(tk.g32.numel(), self.coll.size):
             b0, b1 = sharded.code_byte_range(lo, hi, self.config.packing)
             splits.append(b1 - b0)
-        tk.shared = shared
         self.stats.payload_bytes_sent += codes.numel()
         tk.payload_bytes = splits[self.coll.rank]
         tk.a2a = self.coll.alltoall_async(codes, splits, f"terngrad.a2a.{tk.name}")
+        self.stats.collectives += 1
         self._pending_a2a.append(tk)
 
     def _after_alltoall(self, tk: Ticket) -> None:
@@ -301,8 +361,7 @@ class AllgatherExchange:
         sums = sharded.owner_sums(received, self.coll.size, lo, hi, self.config.packing)
         self.stats.codec_s += time.perf_counter() - t0
         tk.payload_bytes = sums.numel()
-        self.stats.payload_bytes_sent += sums.numel()
-        tk.ag = self.coll.allgather_async(sums, f"terngrad.sg.{tk.name}")
+        self._launch_allgather(tk.group, [tk], sums, f"terngrad.sg.{tk.name}")
 
     def _nonfinite(self, tk: Ticket, msg: str) -> None:
         if self.config.on_nonfinite == "raise":
@@ -329,21 +388,43 @@ class AllgatherExchange:
                 thr = tk.threshold if isinstance(tk.threshold, torch.Tensor) else torch.tensor(tk.threshold)
                 self.stats.captures[tk.name] = [tk.g32.clone(), torch.clamp(tk.g32, -thr, thr), ternary * s, None]
 
-    def _send(self, tk: Ticket, payload: torch.Tensor) -> None:
-        tk.payload_bytes = payload.numel()
-        self.stats.payload_bytes_sent += payload.numel()
-        tk.ag = self.coll.allgather_async(payload, f"terngrad.ag.{tk.name}")
+    def _send(self, grp: Group, sends: list) -> None:
+        for tk, payload in sends:
+            tk.payload_bytes = payload.numel()
+        data = sends[0][1] if len(sends) == 1 else torch.cat([p for _, p in sends])
+        self._launch_allgather(grp, [tk for tk, _ in sends], data, f"terngrad.ag.{grp.name}")
+
+    def _launch_allgather(self, grp: Group, members: list, data: torch.Tensor, name: str) -> None:
+        for tk in members:
+            tk.sent = True
+        grp.sent = members
+        grp.bytes_sent = data.numel()
+        self.stats.payload_bytes_sent += data.numel()
+        grp.ag = self.coll.allgather_async(data, name)
+        self.stats.collectives += 1
+
+    def _gathered(self, tk: Ticket) -> torch.Tensor:
+        """The group's allgather result (waited for once, by whichever member finishes first)."""
+        grp = tk.group
+        if grp.gathered is None and grp.gather_error is None:
+            t0 = time.perf_counter()
+            try:
+                grp.gathered = self.coll.synchronize(grp.ag)
+                self.stats.bytes_received += grp.gathered.numel() - grp.bytes_sent
+            except CollectiveError as e:
+                grp.gather_error = e
+            finally:
+                self.stats.gather_wait_s += time.perf_counter() - t0
+        if grp.gather_error is not None:
+            raise RankMismatchError(f"TernGrad: exchange of gradient '{tk.name}'"
+                                    + (f" (fused in group '{grp.name}')" if grp.fused else "")
+                                    + f" failed: {grp.gather_error}") from grp.gather_error
+        return grp.gathered
 
     def _receive(self, tk: Ticket) -> torch.Tensor | None:
+        gathered = self._gathered(tk)
         t0 = time.perf_counter()
-        try:
-            gathered = self.coll.synchronize(tk.ag)
-        except CollectiveError as e:
-            raise RankMismatchError(f"TernGrad: exchange of gradient '{tk.name}' failed: {e}") from e
-        finally:
-            self.stats.gather_wait_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.stats.bytes_received += gathered.numel() - tk.payload_bytes
+        grp = tk.group
         if tk.mode == "sharded":
             # (float(k)·s)/N: the allgather exchange's decode for a shared scaler, so the same bits
             out = sharded.decode_gathered(gathered, tk.g32.numel(), self.coll.size, tk.shared,
@@ -351,10 +432,14 @@ class AllgatherExchange:
                                           out=tk.g32 if tk.in_place else None)
             self.stats.codec_s += time.perf_counter() - t0
             return out
-        try:
-            headers, offsets = codec.packing.walk(gathered, self.coll.size, f"gathered payloads of '{tk.name}'")
-        except codec.PayloadError as e:
-            raise TernGradError(f"TernGrad: {e}") from e
+        m = len(grp.sent)
+        if grp.walked is None:
+            try:
+                grp.walked = codec.packing.walk(gathered, self.coll.size * m, f"gathered payloads of '{grp.name}'")
+            except codec.PayloadError as e:
+                raise TernGradError(f"TernGrad: {e}") from e
+        j = grp.sent.index(tk)
+        headers, offsets = grp.walked[0][j::m], grp.walked[1][j::m]
         if any(h.numel != tk.g32.numel() for h in headers):
             raise RankMismatchError(
                 f"TernGrad: ranks disagree on gradient '{tk.name}': element counts "

@@ -86,6 +86,7 @@ class ThreadWorld:
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, str], _Slot] = {}
         self.bytes_in: list[int] = [0] * size   # bytes each rank handed to collectives
+        self.completed: dict[str, int] = {}      # collectives completed, by kind ("max", "gather", "a2a")
 
     def post(self, kind: str, name: str, rank: int, tensor: torch.Tensor, splits=None) -> _Slot:
         with self._lock:
@@ -97,6 +98,7 @@ class ThreadWorld:
             self.bytes_in[rank] += tensor.numel() * tensor.element_size()
             if slot.arrived == self.size:
                 del self._slots[(kind, name)]
+                self.completed[kind] = self.completed.get(kind, 0) + 1
                 try:
                     slot.result = self._combine(kind, name, slot.inputs)
                 except CollectiveError as e:

@@ -14,6 +14,14 @@ allreduce, ``decompress(tensor, ctx)`` after it):
 * Tensors kept at full precision by the policy (``min_numel``, ``exclude``) are returned as they are
   (fp16/bf16 sent as fp32) and Horovod allreduces them as usual.
 
+Tensor fusion (``fusion_numel``): the optimizer's compressed parameters are cut once into groups of
+consecutive tensors (reverse registration order, so a group's members come out of backward together;
+every rank builds the same groups from the same model).  ``compress`` of a group member only records
+the tensor; the member that completes the group starts one handshake and one allgather for all of
+them (``AllgatherExchange.start_group``).  Horovod calls every compress of a step before the first
+decompress, so a group is always complete by then; if a member never came (a parameter frozen
+mid-training), the members that came are sent as a smaller group, and the plan is rebuilt next step.
+
 Horovod does not pass the parameter name to a compressor, so it is read from the calling
 ``DistributedOptimizer`` (its ``_parameter_names``, ``op`` and ``process_set``), or from the ``name``
 of a direct ``hvd.allreduce(..., compression=TernGrad)`` call.  Without either, tensors are named by
@@ -34,6 +42,66 @@ from ..exchange import AllgatherExchange, ExchangeStats, HorovodCollectives, che
 from ..exchange.allgather import Ticket
 
 log = logging.getLogger("horovod_terngrad")
+
+
+class _FusionPlan:
+    """Which compressed parameters of one optimizer share collectives (see module docstring)."""
+
+    def __init__(self, optimizer, config: TernGradConfig, mode_of):
+        names = optimizer._parameter_names
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p in names]
+        self.group_of: dict[str, int] = {}
+        self.members: list[list[str]] = []
+        self.numel: dict[str, int] = {}
+        current, total = [], 0
+        for p in reversed(params):
+            name, n = names[p], p.numel()
+            if not config.compresses(name, n) or mode_of(n) != "allgather":   # sharded tensors go alone
+                continue
+            if current and total + n > config.fusion_numel:
+                self._close(current)
+                current, total = [], 0
+            current.append(name)
+            self.numel[name] = n
+            total += n
+        self._close(current)
+        self.batches = [_FusedBatch(self, g) for g in range(len(self.members))]
+        self.stale = False
+
+    def _close(self, names: list) -> None:
+        if len(names) > 1:                       # a lone tensor travels under its own name
+            for n in names:
+                self.group_of[n] = len(self.members)
+            self.members.append(names)
+
+
+class _FusedBatch:
+    """One step's worth of a fused group: the tensors that arrived, then the tickets."""
+
+    def __init__(self, plan: _FusionPlan, group: int):
+        self.plan = plan
+        self.group = group
+        self.arrived: dict[str, torch.Tensor] = {}
+        self.tickets: dict[str, Ticket] | None = None
+        self.engine = None
+        self.average = True
+
+    def start(self, partial: bool = False) -> None:
+        order = [n for n in self.plan.members[self.group] if n in self.arrived]
+        name = f"terngrad.fused{self.group}" + (f".partial{len(order)}" if partial else "")
+        tickets = self.engine.start_group([(self.arrived[n], n) for n in order], name, average=self.average,
+                                          in_place=True)
+        self.tickets = dict(zip(order, tickets))
+        self.arrived = {}
+
+
+class _FusedMember:
+    """ctx of a tensor that travels in a fused group."""
+    __slots__ = ("batch", "name")
+
+    def __init__(self, batch: _FusedBatch, name: str):
+        self.batch = batch
+        self.name = name
 
 
 class _Passthrough:
@@ -94,6 +162,8 @@ class TernGradCompressor:
         self._lock = threading.Lock()
         self._noname = 0
         self._warned_noname = False
+        self._plans: dict = {}          # id(optimizer) -> _FusionPlan
+        self._warned_partial = False
 
     def configure(self, **settings) -> "TernGradCompressor":
         """A new compressor with some settings changed, e.g. ``TernGrad.configure(packing='base3')``."""
@@ -136,14 +206,53 @@ class TernGradCompressor:
                 if tensor.dtype in (torch.float16, torch.bfloat16):
                     return tensor.to(torch.float32), _Passthrough(tensor.dtype, name)
                 return tensor, _Passthrough(tensor.dtype, name)
+            empty = torch.empty(0, dtype=torch.float32, device=tensor.device)
+            batch = self._fused_batch(optimizer, name, tensor)
+            if batch is not None:
+                if name in batch.arrived:
+                    raise TernGradError(f"TernGrad: gradient '{name}' was submitted twice in one step before "
+                                        f"its fused group was exchanged")
+                batch.arrived[name] = tensor
+                batch.engine, batch.average = self.engine(process_set), average
+                if len(batch.arrived) == len(batch.plan.members[batch.group]):
+                    batch.start()
+                    batch.plan.batches[batch.group] = _FusedBatch(batch.plan, batch.group)
+                return empty, _FusedMember(batch, name)
             # Only the optimizer replaces the gradient with the result, so only then may the result be
             # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
             ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None)
-        return torch.empty(0, dtype=torch.float32, device=tensor.device), ticket
+        return empty, ticket
+
+    def _fused_batch(self, optimizer, name: str, tensor: torch.Tensor):
+        """The fused group this optimizer's tensor joins this step, or None if it travels alone."""
+        if optimizer is None or not self.config.fusion_numel:
+            return None
+        plan = self._plans.get(id(optimizer))
+        if plan is None or plan.stale:
+            engine = self.engine(getattr(optimizer, "process_set", None))
+            plan = self._plans[id(optimizer)] = _FusionPlan(optimizer, self.config, engine._mode)
+        g = plan.group_of.get(name)
+        if g is None or plan.numel[name] != tensor.numel():
+            return None
+        return plan.batches[g]
 
     def decompress(self, tensor: torch.Tensor, ctx):
         if isinstance(ctx, _Passthrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+        if isinstance(ctx, _FusedMember):
+            with self._lock:
+                batch = ctx.batch
+                if batch.tickets is None:      # a member never arrived this step
+                    missing = [n for n in batch.plan.members[batch.group] if n not in batch.arrived]
+                    if not self._warned_partial:
+                        self._warned_partial = True
+                        log.warning("TernGrad: fused group %d is missing %s this step (frozen or unused "
+                                    "parameters?); sending the rest as a smaller group and re-planning "
+                                    "fusion", batch.group, missing)
+                    batch.start(partial=True)
+                    batch.plan.batches[batch.group] = _FusedBatch(batch.plan, batch.group)
+                    batch.plan.stale = True
+                ctx = batch.tickets[ctx.name]
         if not isinstance(ctx, Ticket):
             raise TernGradError(f"TernGrad.decompress got a ctx of type {type(ctx).__name__}; it must be "
                                 "the ctx returned by the same compressor's compress()")
