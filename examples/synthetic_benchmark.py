@@ -186,6 +186,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="alexnet")
     p.add_argument("--compression", choices=["none", "fp16", "terngrad"], default="terngrad")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
+    p.add_argument("--fusion-numel", type=int, default=None,
+                   help="TernGrad tensor fusion: max elements per fused group (0 = off; default: TernGradConfig's)")
     p.add_argument("--batch-size", type=int, default=0,
                    help="per rank; 0 = the model's default (alexnet 32, vgg 16, googlenet 16)")
     p.add_argument("--num-classes", type=int, default=256)
@@ -218,7 +220,8 @@ def main(argv=None):
     model = MODELS[args.model](num_classes=args.num_classes)
     prof = profile(model)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed),
+    fusion = {} if args.fusion_numel is None else {"fusion_numel": args.fusion_numel}
+    compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed, **fusion),
                   "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -279,9 +282,12 @@ def main(argv=None):
     if args.compression == "terngrad":
         st = compressor.stats
         res["bits_per_element"] = st.bits_per_element()
+        res["collectives_per_step"] = st.collectives / steps
+        res["fusion_numel"] = compressor.config.fusion_numel
         log(f"TernGrad: {st.bits_per_element():.3f} bits/element handed to collectives "
             f"({st.bytes_sent / steps / 1024:.1f} KiB/step vs fp32 {4 * prof['params'] / 1024:.1f} KiB/step; "
-            f"{st.tensors / steps:.0f} tensors/step); per step codec {1000 * st.codec_s / steps:.1f} ms, "
+            f"{st.tensors / steps:.0f} tensors in {st.collectives / steps:.0f} collectives/step, fusion_numel "
+            f"{compressor.config.fusion_numel}); per step codec {1000 * st.codec_s / steps:.1f} ms, "
             f"waiting for handshakes {1000 * st.handshake_wait_s / steps:.1f} ms, for payloads "
             f"{1000 * st.gather_wait_s / steps:.1f} ms")
     else:

@@ -98,6 +98,7 @@ STEP_CONFIGS = {
     "fp32": ("fp32 (Compression.none)", lambda hvd, T: hvd.Compression.none),
     "fp16": ("fp16 (Compression.fp16)", lambda hvd, T: hvd.Compression.fp16),
     "terngrad": ("TernGrad shared scaler", lambda hvd, T: T()),
+    "terngrad-unfused": ("TernGrad, no fusion", lambda hvd, T: T(fusion_numel=0)),
     "terngrad-per-rank": ("TernGrad per-rank scaler", lambda hvd, T: T(shared_scaler=False)),
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
 }
@@ -146,6 +147,7 @@ def bench_step(args):
             k = args.steps
             row.update(codec_ms=1000 * st.codec_s / k, handshake_wait_ms=1000 * st.handshake_wait_s / k,
                        payload_wait_ms=1000 * st.gather_wait_s / k, bits_per_element=st.bits_per_element(),
+                       collectives_per_step=st.collectives / k,
                        received_bits_per_element=8 * st.bytes_received / max(1, st.elements))
         rows.append(row)
         hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{key}")
@@ -156,10 +158,13 @@ def bench_step(args):
         for r in rows:
             extra = ""
             if "codec_ms" in r:
-                extra = (f"codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
+                extra = (f"{r['collectives_per_step']:.0f} collectives/step, codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
                          f"for payloads {r['payload_wait_ms']:.2f} ms per step; {r['bits_per_element']:.3f} bits/element sent")
             print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}")
         by = {r["config"]: r["step_ms"] for r in rows}
+        if "terngrad" in by and "terngrad-unfused" in by:
+            print(f"  tensor fusion saves {by['terngrad-unfused'] - by['terngrad']:+.2f} ms/step "
+                  f"({by['terngrad-unfused'] / by['terngrad']:.2f}x) for {ntensors} tensors")
         if "terngrad" in by and "terngrad-per-rank" in by:
             print(f"  handshake cost (shared - per-rank scaler): {by['terngrad'] - by['terngrad-per-rank']:+.2f} ms/step "
                   f"for {ntensors} tensors")
@@ -186,7 +191,7 @@ def main(argv=None):
     s.add_argument("--batch", type=int, default=32)
     s.add_argument("--steps", type=int, default=30)
     s.add_argument("--warmup", type=int, default=5)
-    s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-per-rank",
+    s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-unfused,terngrad-per-rank",
                    help="comma list of " + ",".join(STEP_CONFIGS))
     s.add_argument("--json", default="", help="rank 0 writes the figures here")
     args = p.parse_args(argv)

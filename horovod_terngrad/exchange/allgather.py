@@ -93,7 +93,7 @@ class LayerRecord:
     payload_bytes: int
 
 
-@dataclass
+@dataclass(eq=False)      # identity, not field-wise (tensor) comparison
 class Ticket:
     """One tensor in flight."""
 
@@ -112,13 +112,14 @@ class Ticket:
     nb: int = 1                    # number of scalers (handshake slots after the fixed ones)
     a2a: object = None             # sharded: the alltoall of its chunks
     sent: bool = False             # its payload is in the group's allgather
+    slot: int = 0                  # its position among the group's sent payloads
     payload_bytes: int = 0
     error: Exception | None = None
     zero: bool = False
     done: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class Group:
     """Tensors that share one handshake and one payload allgather: one tensor, or several small ones
     fused (``AllgatherExchange.start_group``).  Each member keeps its own statistics, clip threshold,
@@ -172,12 +173,15 @@ class AllgatherExchange:
         cfg = self.config
         t0 = time.perf_counter()
         tickets, preps = [], []
+        backend = backends.for_device(items[0][0].device) if items else None
         for tensor, name in items:
             check_gradient(tensor, name)
             step = self._steps.get(name, 0)
             self._steps[name] = step + 1
             g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-            prep = backends.for_device(g32.device).prepare(g32, cfg.bucket_size, cfg.clip_factor)
+            if g32.device != items[0][0].device:
+                raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
+            prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
             tickets.append(Ticket(
                 name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
                 key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), average=average,
@@ -201,7 +205,7 @@ class AllgatherExchange:
             sends = []
             for tk, prep, (tensor, _) in zip(tickets, preps, items):
                 host_flag = isinstance(prep.nonfinite, bool)
-                payload = backends.for_device(tk.g32.device).encode(
+                payload = backend.encode(
                     tk.g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
                     flags=int(prep.nonfinite) if host_flag else 0, shape=tensor.shape)
                 if not host_flag:
@@ -395,8 +399,8 @@ class AllgatherExchange:
         self._launch_allgather(grp, [tk for tk, _ in sends], data, f"terngrad.ag.{grp.name}")
 
     def _launch_allgather(self, grp: Group, members: list, data: torch.Tensor, name: str) -> None:
-        for tk in members:
-            tk.sent = True
+        for j, tk in enumerate(members):
+            tk.sent, tk.slot = True, j
         grp.sent = members
         grp.bytes_sent = data.numel()
         self.stats.payload_bytes_sent += data.numel()
@@ -438,8 +442,7 @@ class AllgatherExchange:
                 grp.walked = codec.packing.walk(gathered, self.coll.size * m, f"gathered payloads of '{grp.name}'")
             except codec.PayloadError as e:
                 raise TernGradError(f"TernGrad: {e}") from e
-        j = grp.sent.index(tk)
-        headers, offsets = grp.walked[0][j::m], grp.walked[1][j::m]
+        headers, offsets = grp.walked[0][tk.slot::m], grp.walked[1][tk.slot::m]
         if any(h.numel != tk.g32.numel() for h in headers):
             raise RankMismatchError(
                 f"TernGrad: ranks disagree on gradient '{tk.name}': element counts "
