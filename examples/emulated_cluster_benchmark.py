@@ -9,7 +9,11 @@ with the netns rsh agent), for fp32, fp16, TernGrad (allgather) and TernGrad (sh
 communication-heavy MLP of about 25M parameters, then tear the cluster down.  Predictions use
 horovod_terngrad.perfmodel with the compute time profiled here (scaled by ranks per core, since the
 emulated hosts share this machine's cores), the link rate (for unshaped veth links: measured with a TCP
-stream) and the codec throughput measured here.
+stream) and the codec throughput measured here ("link-rate model"), and again with the inputs the
+model takes from a calibration run inside each emulated cluster before the timed steps
+(``bench step --calibrate``: compute time of a step with all ranks computing at once and no exchange,
+and one large allreduce, allgather and alltoall at this model's sizes, which set per-collective
+efficiencies, ``perfmodel.calibrated_efficiency``) ("calibrated model").  Neither uses the timed steps.
 """
 from __future__ import annotations
 
@@ -91,7 +95,7 @@ def run_case(hosts: int, rate: str, args) -> dict:
                "--launcher", "mpirun", "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--no-preflight",
                "--", PY, "-m", "horovod_terngrad.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
                "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", "2", "--configs", CONFIGS,
-               "--json", out]
+               "--calibrate", "--json", out]
         p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
         if p.returncode:
             raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])
@@ -103,19 +107,24 @@ def run_case(hosts: int, rate: str, args) -> dict:
         sh([NETNS, "down", "--prefix", prefix])
 
 
-def predict(res: dict, compute_1: float, rate_elems: float) -> dict:
-    from horovod_terngrad.perfmodel import Network, predict_step
+def predict(res: dict, compute_1: float, rate_elems: float) -> tuple[dict, dict]:
+    """(link-rate model, calibrated model) step times in ms per configuration."""
+    from horovod_terngrad.perfmodel import Network, calibrated_efficiency, predict_step
     hosts = res["hosts"]
     gbps = 1.0 if res["rate"] == "1gbit" else res["measured_gbps"]
     net = Network.from_gbps("emulated", gbps, 30.0)
     share = max(1.0, hosts / (os.cpu_count() or 2))      # emulated hosts share this machine's cores
     sizes = model_sizes(res["layers"], res["width"])
-    out = {}
+    cal = res["calibration"]
+    cal_net = calibrated_efficiency(net, hosts, {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")})
+    res["efficiency"] = dict(cal_net.efficiency)
+    plain, calibrated = {}, {}
     for key, method in METHOD.items():
-        pred = predict_step(sizes, compute_1 * share, hosts, net, method=method,
-                            codec_elements_per_s=rate_elems / share)
-        out[key] = 1000 * pred.step_s
-    return out
+        plain[key] = 1000 * predict_step(sizes, compute_1 * share, hosts, net, method=method,
+                                         codec_elements_per_s=rate_elems / share).step_s
+        calibrated[key] = 1000 * predict_step(sizes, cal["compute_ms"] / 1000, hosts, cal_net, method=method,
+                                              codec_elements_per_s=rate_elems / share).step_s
+    return plain, calibrated
 
 
 def main(argv=None):
@@ -139,27 +148,34 @@ def main(argv=None):
         for rate in args.rates.split(","):
             res = run_case(hosts, rate, args)
             res.update(layers=args.layers, width=args.width)
-            res["predicted_ms"] = predict(res, compute_1, rate_elems)
+            res["predicted_ms"], res["calibrated_ms"] = predict(res, compute_1, rate_elems)
             rows.append(res)
             print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
             for r in res["rows"]:
                 print(f"  {hosts} hosts {rate}: {r['config']:18s} measured {r['step_ms']:8.1f} ms  "
-                      f"predicted {res['predicted_ms'][r['config']]:8.1f} ms", flush=True)
+                      f"link-rate model {res['predicted_ms'][r['config']]:8.1f} ms  "
+                      f"calibrated model {res['calibrated_ms'][r['config']]:8.1f} ms", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
         json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_elements_per_s": rate_elems, "cases": rows}, f, indent=1)
     lines = [f"MLP {args.layers}x{args.width}x{args.width} ({sum(model_sizes(args.layers, args.width))} parameters), "
              f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps} steps.", "",
-             "| hosts | link | exchange | measured ms/step | predicted ms/step | error | vs fp32 | vs fp16 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| hosts | link | exchange | measured ms/step | link-rate model | error | calibrated model | error | vs fp32 | vs fp16 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in rows:
         by = {r["config"]: r["step_ms"] for r in res["rows"]}
         link = res["rate"] if res["rate"] != "none" else f"unshaped ({res['measured_gbps']:.1f} Gbit/s measured)"
         for r in res["rows"]:
-            pr = res["predicted_ms"][r["config"]]
-            lines.append(f"| {res['hosts']} | {link} | {r['config']} | {r['step_ms']:.1f} | {pr:.1f} | "
-                         f"{100 * (pr - r['step_ms']) / r['step_ms']:+.0f}% | {r['step_ms'] / by['fp32']:.2f}x | "
-                         f"{r['step_ms'] / by['fp16']:.2f}x |")
+            pr, pc, m = res["predicted_ms"][r["config"]], res["calibrated_ms"][r["config"]], r["step_ms"]
+            lines.append(f"| {res['hosts']} | {link} | {r['config']} | {m:.1f} | {pr:.1f} | {100 * (pr - m) / m:+.0f}% | "
+                         f"{pc:.1f} | {100 * (pc - m) / m:+.0f}% | {m / by['fp32']:.2f}x | {m / by['fp16']:.2f}x |")
+    lines += ["", "Calibration (per cluster, measured before the timed steps): compute ms/step with every rank computing, "
+              "and the efficiency of each collective (fraction of the link rate the alpha-beta model assumes):", "",
+              "| hosts | link | compute ms | allreduce | allgather | alltoall |", "|---|---|---|---|---|---|"]
+    for res in rows:
+        e = res["efficiency"]
+        lines.append(f"| {res['hosts']} | {res['rate']} | {res['calibration']['compute_ms']:.1f} | {e['allreduce']:.2f} | "
+                     f"{e['allgather']:.2f} | {e['alltoall']:.2f} |")
     with open(os.path.join(args.out, "emulated_cluster.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

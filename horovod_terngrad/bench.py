@@ -104,6 +104,48 @@ STEP_CONFIGS = {
 }
 
 
+def _median_s(fn, repeat: int, warmup: int = 1) -> float:
+    times = []
+    for i in range(warmup + repeat):
+        t = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(hvd, make_model, x, steps: int) -> dict:
+    """What the performance model needs, measured where the job runs, every rank at once:
+    the compute time of a step without any exchange (so with whatever sharing of cores the job has),
+    and one large instance of each collective the exchanges use, at this model's sizes (fp32
+    allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks).
+    ``perfmodel.calibrated_efficiency`` turns the collective times into per-collective efficiencies."""
+    from . import perfmodel as pm
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def compute_step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    sizes = [p.numel() for p in model.parameters()]
+    n, N = sum(sizes), hvd.size()
+    hvd.allreduce(torch.zeros(1), name="bench.cal.barrier0")
+    compute = _median_s(compute_step, max(3, steps // 2), warmup=2)
+    hvd.allreduce(torch.zeros(1), name="bench.cal.barrier1")
+    grads = torch.randn(n)
+    allreduce = _median_s(lambda: hvd.allreduce(grads, name="bench.cal.ar", op=hvd.Sum), 3)
+    payload = torch.zeros(sum(pm.payload_bytes(s) for s in sizes), dtype=torch.uint8)
+    allgather = _median_s(lambda: hvd.allgather(payload, name="bench.cal.ag"), 3)
+    chunk = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(n, N))
+    chunks = torch.zeros(chunk * N, dtype=torch.uint8)
+    alltoall = _median_s(lambda: hvd.alltoall(chunks, splits=torch.tensor([chunk] * N, dtype=torch.int32),
+                                              name="bench.cal.a2a"), 3)
+    return {"compute_ms": 1000 * compute, "allreduce": [4 * n, allreduce], "allgather": [payload.numel(), allgather],
+            "alltoall": [chunk, alltoall]}
+
+
 def bench_step(args):
     import json
 
@@ -124,6 +166,7 @@ def bench_step(args):
     ntensors = sum(1 for _ in model.parameters())
     nparams = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, args.width)
+    calibration = calibrate(hvd, make_model, x, args.steps) if args.calibrate else None
     rows = []
     for key in args.configs.split(","):
         label, make = STEP_CONFIGS[key]
@@ -171,7 +214,7 @@ def bench_step(args):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": hvd.size(), "params": nparams, "tensors": ntensors, "batch": args.batch,
-                           "rows": rows}, f, indent=1)
+                           "rows": rows, "calibration": calibration}, f, indent=1)
     hvd.shutdown()
 
 
@@ -194,6 +237,8 @@ def main(argv=None):
     s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-unfused,terngrad-per-rank",
                    help="comma list of " + ",".join(STEP_CONFIGS))
     s.add_argument("--json", default="", help="rank 0 writes the figures here")
+    s.add_argument("--calibrate", action="store_true",
+                   help="first measure compute alone and one large allreduce/allgather/alltoall (for the perf model)")
     args = p.parse_args(argv)
     {"codec": bench_codec, "step": bench_step}[args.what](args)
 

@@ -60,7 +60,7 @@ class TernGradConfig:
     shared_scaler: bool = True
     on_nonfinite: str = "raise"
     exchange: str = "allgather"
-    fusion_numel: int = 1 << 20
+    fusion_numel: int = 1 << 22
 
     def __post_init__(self):
         if isinstance(self.exclude, str):

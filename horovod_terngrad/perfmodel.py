@@ -99,6 +99,7 @@ METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
 
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024   #: Horovod's default HOROVOD_FUSION_THRESHOLD
+TERNGRAD_FUSION_NUMEL = 1 << 22            #: TernGradConfig.fusion_numel's default
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,6 +117,17 @@ class Network:
     bandwidth_Bps: float
     ranks_per_node: int = 1
     intra_node: "Network | None" = None
+    efficiency: tuple = ()   #: ((collective, factor), ...): measured fraction of the link rate it reaches
+
+    def eff(self, collective: str) -> float:
+        """Fraction of ``bandwidth_Bps`` that ``collective`` ("allreduce", "allgather", "alltoall")
+        achieves on this network: 1 unless calibrated (:func:`calibrated_efficiency`).  Covers what
+        alpha-beta leaves out: the implementation's algorithm, reductions and copies, and the host CPU
+        cost of the transport (large on TCP over shared cores)."""
+        for kind, factor in self.efficiency:
+            if kind == collective:
+                return factor
+        return 1.0
 
     @property
     def alpha(self) -> float:
@@ -187,7 +199,7 @@ def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
     N = workers
     if N <= 1:
         return 0.0
-    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta
+    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta / link.eff("allreduce")
 
 
 def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> float:
@@ -195,7 +207,7 @@ def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> f
     N = workers
     if N <= 1:
         return 0.0
-    return (N - 1) * link.alpha + (N - 1) * bytes_per_rank * link.beta
+    return (N - 1) * link.alpha + (N - 1) * bytes_per_rank * link.beta / link.eff("allgather")
 
 
 def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_node: int = 1) -> float:
@@ -208,7 +220,30 @@ def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_
     if N <= 1:
         return 0.0
     G = max(1, min(int(ranks_per_node), N))
-    return (N - 1) * link.alpha + max(N - 1, G * (N - G)) * bytes_per_peer * link.beta
+    return (N - 1) * link.alpha + max(N - 1, G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall")
+
+
+_COLLECTIVE_TIME = {"allreduce": ring_allreduce_time, "allgather": ring_allgather_time, "alltoall": alltoall_time}
+
+
+def calibrated_efficiency(network: Network, workers: int, measured: dict) -> Network:
+    """``network`` with per-collective efficiencies fitted to measured times.
+
+    ``measured``: {collective: (bytes, seconds)} where bytes is the argument of that collective's time
+    function (allreduce: buffer bytes B; allgather: bytes per rank P; alltoall: bytes to each peer c),
+    e.g. from ``python -m horovod_terngrad.bench step --calibrate`` run on the cluster itself.  The
+    efficiency is the alpha-beta model's bandwidth term over the measured time less the latency term,
+    so one large measurement per collective calibrates it (like nccl-tests' bus bandwidth).
+    """
+    factors = []
+    for kind, (nbytes, seconds) in measured.items():
+        base = replace(network, efficiency=())
+        latency_part = _COLLECTIVE_TIME[kind](0, workers, base)
+        wire = _COLLECTIVE_TIME[kind](nbytes, workers, base) - latency_part
+        if seconds <= latency_part or wire <= 0:
+            raise ValueError(f"measured {kind} time {seconds:.6f}s is not above its latency term")
+        factors.append((kind, wire / (seconds - latency_part)))
+    return replace(network, efficiency=tuple(factors))
 
 
 @dataclass(frozen=True)
@@ -389,14 +424,23 @@ def _wire_bytes_per_element(method: str, packing: str) -> float:
     return {FP32: 4.0, FP16: 2.0}.get(method, BITS_PER_CODE[packing] / 8)
 
 
+def _buffers(method: str, tensor_sizes: Sequence[int], packing: str, fusion_bytes: int,
+             fusion_numel: int) -> list[list[int]]:
+    """How the tensors travel: Horovod fuses fp32/fp16 up to ``fusion_bytes`` on the wire; TernGrad's
+    frontend fuses up to ``fusion_numel`` elements (TernGradConfig.fusion_numel; 0 = none)."""
+    if method in (FP32, FP16):
+        return fuse_buffers(tensor_sizes, fusion_bytes, _wire_bytes_per_element(method, packing))
+    return fuse_buffers(tensor_sizes, fusion_numel, 1.0)
+
+
 def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
-                        packing: str = "2bit",
-                        fusion_bytes: int = HOROVOD_FUSION_BYTES) -> tuple[ExchangeCost, list[str]]:
+                        packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                        fusion_numel: int = TERNGRAD_FUSION_NUMEL) -> tuple[ExchangeCost, list[str]]:
     """Cost of exchanging all of a model's gradients: the sum over its fused buffers.
 
     Returns (total cost, method used per buffer); for "terngrad" each buffer gets :func:`choose_exchange`.
     """
-    buffers = fuse_buffers(tensor_sizes, fusion_bytes, _wire_bytes_per_element(method, packing))
+    buffers = _buffers(method, tensor_sizes, packing, fusion_bytes, fusion_numel)
     total, used = None, []
     for buf in buffers:
         if method == TERNGRAD_BEST:
@@ -464,7 +508,7 @@ class StepPrediction:
 
 def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: Network,
                  method: str = FP32, *, packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
-                 overlap: float = 0.0, codec_elements_per_s: float | None = None,
+                 fusion_numel: int = None, overlap: float = 0.0, codec_elements_per_s: float | None = None,
                  batch_per_worker: int | None = None) -> StepPrediction:
     """T_step = T_compute + T_comm + T_codec - min(T_comm + T_codec, overlap·T_compute).
 
@@ -477,10 +521,11 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
         raise ValueError("overlap must be in [0, 1]")
     if compute_s < 0 or workers < 1:
         raise ValueError("compute_s must be >= 0 and workers >= 1")
-    cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes)
+    fusion_numel = TERNGRAD_FUSION_NUMEL if fusion_numel is None else fusion_numel
+    cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel)
     codec = 0.0
     if codec_elements_per_s:
-        buffers = fuse_buffers(tensor_sizes, fusion_bytes, _wire_bytes_per_element(method, packing))
+        buffers = _buffers(method, tensor_sizes, packing, fusion_bytes, fusion_numel)
         work = sum(codec_work_elements(m, sum(b), workers) for m, b in zip(used, buffers))
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
@@ -831,6 +876,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
     p.add_argument("--fusion-mb", type=float, default=HOROVOD_FUSION_BYTES / 2**20,
                    help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod's 64")
+    p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL,
+                   help="TernGrad's tensor fusion: elements per fused group (0: none); default TernGradConfig's")
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
     p.add_argument("--codec-gelems", type=float, default=None,
                    help="codec rate in 10^9 elements/s (default: codec not modelled)")
@@ -854,7 +901,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.compute_ms is not None and len(model_keys) > 1:
         p.error("--compute-ms needs a single --model")
 
-    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), overlap=a.overlap,
+    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
+                  overlap=a.overlap,
                   codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
     compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
     workers = worker_counts(a.max_workers)
