@@ -252,3 +252,34 @@ def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
     assert 1.9 < res["bits_per_element"] < 2.1
     assert res["img_sec_total"] > 0
     assert res["loss_last"] < res["loss_first"], res           # memorizing the fixed batch
+
+
+def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
+    out = tmp_path / "bench.json"
+    horovodrun("synthetic_benchmark.py", ["--model", "googlenet", "--compression", "terngrad",
+                                          "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                                          "--num-iters", "2", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["profile_tensors"] == 173 and res["fusion_numel"] == 1 << 22
+    assert res["collectives_per_step"] == 2          # 173 tensors, 442k elements: one group
+
+
+def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
+    """bench step --calibrate on 2 real ranks, then the emulated-cluster benchmark's prediction code
+    on that result: calibrated efficiencies in (0, 1.5) and predictions for every configuration."""
+    import emulated_cluster_benchmark as ecb
+    out = tmp_path / "step.json"
+    p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
+        "--steps", "3", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded", "--calibrate",
+        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    cal = res["calibration"]
+    assert cal["compute_ms"] > 0 and cal["allreduce"][0] == 4 * res["params"]
+    res.update(hosts=2, rate="none", measured_gbps=10.0, layers=2, width=300)
+    plain, calibrated = ecb.predict(res, cal["compute_ms"] / 1000, 1e9)
+    assert set(plain) == set(calibrated) == set(ecb.METHOD)
+    assert all(v > 0 for v in list(plain.values()) + list(calibrated.values()))
+    assert set(res["efficiency"]) == {"allreduce", "allgather", "alltoall"}
+    assert all(v > 0 for v in res["efficiency"].values())
