@@ -86,6 +86,40 @@ class CifarNet(nn.Module):
         return self.logits(x)
 
 
+class ParameterEMA:
+    """Exponential moving average of the parameters, evaluated instead of the raw ones (paper §4: "We
+    maintain the exponential moving average of parameters by employing an exponential decay of 0.9999
+    ... The accuracy is evaluated by the final averaged parameters").  As TensorFlow's
+    ExponentialMovingAverage with num_updates: the decay at update t is min(decay, (1 + t) / (10 + t)),
+    so early averages are not dominated by the initial weights."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.updates = 0
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
+        self.updates += 1
+        for n, p in model.named_parameters():
+            self.shadow[n].mul_(d).add_(p.detach(), alpha=1.0 - d)
+
+    @torch.no_grad()
+    def evaluate_with(self, model: nn.Module, fn):
+        """fn(model) with the averaged parameters swapped in (the raw ones restored afterwards)."""
+        raw = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            for n, p in model.named_parameters():
+                p.copy_(self.shadow[n])
+            return fn(model)
+        finally:
+            for n, p in model.named_parameters():
+                p.copy_(raw[n])
+
+
 # -- data pipeline (batched, on uint8 images [B, C, H, W]) ------------------------------------------
 def _standardize(x):
     """tf.image.per_image_standardization: zero mean, unit std per image, std floored at 1/sqrt(numel)."""
@@ -140,6 +174,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.0002, help="Adam learning rate (paper: 0.0002)")
     p.add_argument("--weight-decay", type=float, default=0.004, help="L2 on fc3/fc4 weights (slim cifarnet)")
     p.add_argument("--dropout-keep", type=float, default=0.5, help="keep probability after fc3 (slim: 0.5)")
+    p.add_argument("--ema", type=float, default=0.9999,
+                   help="decay of the parameters' moving average that is also evaluated (paper: 0.9999; 0: off)")
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
     p.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N test images (0: all)")
     p.add_argument("--seed", type=int, default=42)
@@ -205,6 +241,7 @@ def main(argv=None):
         f"{size} ranks, batch {args.batch_size}/rank, Adam lr {args.lr}, "
         f"compression={args.compression}" + (f" ({args.packing})" if args.compression == "terngrad" else ""))
     g = torch.Generator().manual_seed(args.seed + 1000 * rank)
+    ema = ParameterEMA(model, args.ema) if args.ema else None
     history = []
     for epoch in range(1, args.epochs + 1):
         perm = torch.randperm(len(xtr), generator=g)
@@ -219,9 +256,12 @@ def main(argv=None):
             loss = F.cross_entropy(model(xb), ytr[idx])
             loss.backward()
             opt.step()
+            if ema is not None:
+                ema.update(model)
             losses.append(loss.item())
         elapsed = time.perf_counter() - t0
         acc = evaluate(model, xte, yte)
+        acc_ema = ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)) if ema is not None else None
         step_ms = 1000 * elapsed / steps_per_epoch
         ips = steps_per_epoch * args.batch_size * size / elapsed
         k = max(1, min(10, len(losses) // 4))
@@ -233,6 +273,7 @@ def main(argv=None):
         else:
             sent, bits, timing = fp32_ring_bytes, 32.0, ""
         rec = {"epoch": epoch, "dataset": dataset, "substitute": not args.cifar10, "test_acc": acc,
+               "test_acc_ema": acc_ema, "ema_decay": args.ema,
                "loss": sum(losses) / len(losses), "loss_first": loss_first, "loss_last": loss_last,
                "images_per_s": ips, "step_ms": step_ms, "steps": steps_per_epoch,
                "bytes_sent_per_step": sent, "fp32_allreduce_bytes_per_step": fp32_ring_bytes,
@@ -240,7 +281,8 @@ def main(argv=None):
                "compression": args.compression, "parameters": nparams}
         history.append(rec)
         ratio = fp32_ring_bytes / sent if sent else math.inf
-        say(f"epoch {epoch}: test acc {100 * acc:.2f}%  loss {rec['loss']:.4f} (first {loss_first:.3f}, "
+        ema_note = f" (moving average of parameters: {100 * acc_ema:.2f}%)" if acc_ema is not None else ""
+        say(f"epoch {epoch}: test acc {100 * acc:.2f}%{ema_note}  loss {rec['loss']:.4f} (first {loss_first:.3f}, "
             f"last {loss_last:.3f})  {ips:.0f} images/s  {step_ms:.1f} ms/step  sends {sent / 1024:.1f} KiB/step "
             f"on the wire vs fp32 allreduce {fp32_ring_bytes / 1024:.1f} KiB/step ({ratio:.1f}x less, "
             f"{bits:.2f} bits/element){timing}")

@@ -238,6 +238,35 @@ def test_cifarnet_substitute_two_ranks_terngrad(tmp_path):
     assert 1.9 < rec["bits_per_element"] < 2.1                 # ternary: 2 bits + headers and handshake
     assert rec["loss_last"] < rec["loss_first"], rec           # it learned ...
     assert rec["test_acc"] > 0.25, rec                         # ... well beyond chance (10%)
+    assert rec["ema_decay"] == 0.9999 and 0.1 < rec["test_acc_ema"] <= 1.0 and "moving average" in log
+
+
+def test_parameter_ema_follows_tensorflows_warm_up_and_restores_raw_weights():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    w0 = model.weight.detach().clone()
+    ema = cifarnet.ParameterEMA(model, 0.9999)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)                          # t = 0: decay min(0.9999, 1/10) = 0.1
+    torch.testing.assert_close(ema.shadow["weight"], 0.1 * w0 + 0.9 * (w0 + 1.0))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)                          # t = 1: decay 2/11
+    want = 2 / 11 * (0.1 * w0 + 0.9 * (w0 + 1.0)) + 9 / 11 * (w0 + 2.0)
+    torch.testing.assert_close(ema.shadow["weight"], want)
+    seen = ema.evaluate_with(model, lambda m: m.weight.detach().clone())
+    torch.testing.assert_close(seen, want)
+    torch.testing.assert_close(model.weight.detach(), w0 + 2.0)   # raw weights back
+    big = cifarnet.ParameterEMA(model, 0.9999)
+    big.updates = 10 ** 6                      # late in training the decay is the configured one
+    before = big.shadow["weight"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    big.update(model)
+    torch.testing.assert_close(big.shadow["weight"], 0.9999 * before + 0.0001 * model.weight.detach())
+    with pytest.raises(ValueError, match="decay"):
+        cifarnet.ParameterEMA(model, 1.0)
 
 
 def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
