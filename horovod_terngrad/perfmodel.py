@@ -37,14 +37,15 @@ b bits per element (b = 2 for "2bit", 4 codes a byte; b = 1.6 for "base3", 5 cod
 
 * allgather exchange (what ``exchange/allgather.py`` implements): each rank's payload is
       P = sum_i (20 + 4 + ceil(n_i·b/8))     (20-byte header, one fp32 scaler, packed codes)
-  sent by ring allgather, plus the shared-scaler handshake, an allreduce of 8·(8+1) = 72 bytes per tensor:
-      T = (N-1)·alpha + (N-1)·P·beta  +  2(N-1)·alpha + 2(N-1)/N · 72k · beta
+  sent by ring allgather, plus the shared-scaler handshake, an allreduce of H = 8·(8+1) = 72 bytes for a
+  tensor alone, H = 32 + 24k for k fused tensors (4 fixed fields, 2 NaN flags and a scaler per tensor):
+      T = (N-1)·alpha + (N-1)·P·beta  +  2(N-1)·alpha + 2(N-1)/N · H · beta
   Received bits per element ~ (N-1)·b: grows with N.
 * sharded exchange (each rank owns 1/N of every tensor; a fused buffer of n = n_1 + ... + n_k elements is
   sharded as one vector): ternary chunks of m = ceil(n/N) elements go to their owner by alltoall
   (c = 24 + ceil(m·b/8) bytes to each peer); the owner sums N chunks (integers in [-N, N]) and packs the
   sums in L = ceil(log2(2N+1)) bits; the sums return to every rank by ring allgather
-  (P_sum = 24 + ceil(m·L/8) bytes per rank); plus the same handshake (72k bytes):
+  (P_sum = 24 + ceil(m·L/8) bytes per rank); plus the same handshake (H bytes):
       T = (N-1)·alpha + (N-1)·c·beta  +  (N-1)·alpha + (N-1)·P_sum·beta  +  handshake
   Received bits per element ~ (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
   The 24-byte header per chunk in both stages is this model's assumption (the same header as a payload);
@@ -86,6 +87,7 @@ from typing import Iterable, Sequence
 PAYLOAD_HEADER_BYTES = 20          #: TernGrad payload header
 SCALER_BYTES = 4                   #: one fp32 scaler per tensor (layer-wise, bucket_size = 0)
 HANDSHAKE_BYTES_PER_TENSOR = 8 * (8 + 1)   #: fp64 handshake vector [8 fixed fields + 1 scaler]
+FUSED_HANDSHAKE_BYTES = (8 * 4, 8 * (2 + 1))  #: fused group: 4 fixed fields, then 2 flags + 1 scaler per tensor
 SHARDED_CHUNK_HEADER_BYTES = PAYLOAD_HEADER_BYTES + SCALER_BYTES   #: assumed per chunk, both stages
 CODES_PER_BYTE = {"2bit": 4, "base3": 5}
 BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
@@ -280,9 +282,16 @@ def _check_packing(packing: str) -> str:
     return packing
 
 
+def handshake_bytes(tensors: int) -> int:
+    """Shared-scaler handshake of a buffer: 72 bytes for a tensor alone, 32 + 24k for k fused tensors."""
+    if tensors <= 1:
+        return HANDSHAKE_BYTES_PER_TENSOR * tensors
+    return FUSED_HANDSHAKE_BYTES[0] + FUSED_HANDSHAKE_BYTES[1] * tensors
+
+
 def _handshake(tensors: int, workers: int, link: Network) -> tuple[float, float, int]:
-    """Shared-scaler handshake: one allreduce of 72 bytes per tensor (fused for the buffer)."""
-    nbytes = HANDSHAKE_BYTES_PER_TENSOR * tensors
+    """Shared-scaler handshake: one allreduce of :func:`handshake_bytes` for the buffer."""
+    nbytes = handshake_bytes(tensors)
     N = workers
     return (ring_allreduce_time(nbytes, N, link), 2 * (N - 1) / N * nbytes, 2 * (N - 1))
 
@@ -317,8 +326,8 @@ def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: N
                             packing: str = "2bit") -> ExchangeCost:
     """TernGrad allgather exchange of one buffer of tensors n_1..n_k.
 
-    P = sum_i (24 + ceil(n_i·b/8));  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·72k·beta.
-    Received bytes per rank: (N-1)·P + 2(N-1)/N·72k.  Messages: 3(N-1).
+    P = sum_i (24 + ceil(n_i·b/8));  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·H·beta,
+    H = :func:`handshake_bytes` (k).  Received bytes per rank: (N-1)·P + 2(N-1)/N·H.  Messages: 3(N-1).
     """
     ns = _sizes(sizes)
     n, N = sum(ns), int(workers)
@@ -338,8 +347,8 @@ def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Net
     The buffer (one tensor, or k fused tensors of n = n_1 + ... + n_k elements, sharded as one vector;
     the per-tensor shared scalers come from the handshake) is cut in N chunks of at most m = ceil(n/N):
     L = ceil(log2(2N+1)),  c = 24 + ceil(m·b/8) bytes to each peer,  P_sum = 24 + ceil(m·L/8) per rank,
-    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (2(N-1)·alpha + 2(N-1)/N·72k·beta).
-    Received bytes per rank: (N-1)·(c + P_sum) + 2(N-1)/N·72k ~ (N-1)/N·n·(b + L)/8.  Messages: 4(N-1).
+    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (2(N-1)·alpha + 2(N-1)/N·H·beta).
+    Received bytes per rank: (N-1)·(c + P_sum) + 2(N-1)/N·H ~ (N-1)/N·n·(b + L)/8.  Messages: 4(N-1).
     """
     ns = _sizes(sizes)
     n, N = sum(ns), int(workers)

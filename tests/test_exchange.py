@@ -275,7 +275,13 @@ FUSED = [(20, 50), (50,), (0,), (7, 3, 3), (1,), (1000,)]
 @pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
                                  TernGradConfig(packing="base3", bucket_size=64, seed=9)],
                          ids=["shared", "per-rank", "base3-buckets"])
-def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_collectives(cfg):
+@pytest.mark.parametrize("backend", ["fused-c", "torch"])
+def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_collectives(cfg, backend,
+                                                                                         monkeypatch):
+    """(backend "torch": the reference path, whose statistics stay device tensors as on CUDA, so the
+    handshake is built without host synchronization.)"""
+    if backend == "torch":
+        monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
     steps, N = 2, 3
 
     def body(c):
@@ -298,7 +304,10 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
 
 
 @pytest.mark.parametrize("policy", ["raise", "zero"])
-def test_fused_member_with_nan_fails_alone(policy):
+@pytest.mark.parametrize("backend", ["fused-c", "torch"])
+def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
+    if backend == "torch":
+        monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
     cfg = TernGradConfig(on_nonfinite=policy)
 
     def body(c):
@@ -342,3 +351,27 @@ def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_ran
 
     for msgs in run_ranks(2, body, timeout=30):
         assert all(m is not None and "disagree" in m and "fused in group 'g'" in m for m in msgs), msgs
+
+
+def test_fused_handshake_is_compact_and_catches_layout_disagreement():
+    """A fused group's handshake costs 32 + 16 per member + 8 per scaler bytes (72 per tensor alone);
+    members of equal count whose sizes differ between ranks are caught by the layout checksum."""
+    def body(c):
+        ex = AllgatherExchange(c, TernGradConfig())
+        tks = ex.start_group([(grad((7,), c.rank, i), f"t{i}") for i in range(5)], "g")
+        for tk in tks:
+            ex.finish(tk)
+        hs = ex.stats.handshake_bytes_sent
+        bad = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 13), "b")]
+        msgs = []
+        for tk in ex.start_group(bad, "g2"):
+            try:
+                ex.finish(tk)
+                msgs.append(None)
+            except RankMismatchError as e:
+                msgs.append(str(e))
+        return hs, msgs
+
+    for hs, msgs in run_ranks(2, body, timeout=30):
+        assert hs == 32 + 16 * 5 + 8 * 5
+        assert all(m and "disagree" in m and "group 'g2'" in m for m in msgs), msgs

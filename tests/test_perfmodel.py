@@ -55,11 +55,13 @@ def test_terngrad_allgather_by_hand():
     # base3: P = 24 + 200 = 224
     b = pm.terngrad_allgather_cost(1000, 4, FLAT, "base3")
     assert b.bytes_received == pytest.approx(3 * 224 + 108)
-    # a fused buffer of two tensors: two payloads in one message, two handshake entries in one allreduce
+    # a fused buffer of two tensors: two payloads in one message, one compact handshake of
+    # 32 + 2·24 = 80 bytes (what exchange/allgather.py sends: tests/test_exchange.py) -> 2·3/4·80 = 120
+    assert pm.handshake_bytes(1) == 72 and pm.handshake_bytes(2) == 80
     f = pm.terngrad_allgather_cost([1000, 1000], 4, FLAT)
-    assert f.bytes_received == pytest.approx(3 * 548 + 2 * 108)
+    assert f.bytes_received == pytest.approx(3 * 548 + 120)
     assert f.messages == 9
-    assert f.time_s == pytest.approx((3e-3 + 3 * 548e-6) + (6e-3 + 216e-6))
+    assert f.time_s == pytest.approx((3e-3 + 3 * 548e-6) + (6e-3 + 120e-6))
 
 
 def test_terngrad_sharded_by_hand():
