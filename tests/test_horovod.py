@@ -89,7 +89,7 @@ def check_exact(ranks):
     return checked
 
 
-ALL = ["exact", "exact_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
+ALL = ["fusion_partial", "exact", "exact_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
        "mismatch", "functional"]
 
 
@@ -118,6 +118,14 @@ def test_gloo2_tensor_fusion_cuts_collectives_not_bits(gloo2):
         assert stats[sc]["payload_bytes_sent"] == stats["exact_unfused"]["payload_bytes_sent"]
         for a, b in zip(gloo2[sc][0]["params"], gloo2["exact_unfused"][0]["params"]):
             assert torch.equal(a, b)
+
+
+def test_gloo2_fused_group_with_a_member_gone_still_completes(gloo2):
+    a, b = gloo2["fusion_partial"]
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+    # steps 0-1: one group (2 collectives); step 2: the partial group (2); step 3: re-planned (2)
+    assert a["collectives"] == b["collectives"] == 8
 
 
 def test_gloo2_excluded_tensors_travel_uncompressed(gloo2):

@@ -151,6 +151,23 @@ def run(name):
         return out
     if name == "lenet_sim":
         return scenario_lenet_sim()
+    if name == "fusion_partial":
+        # A parameter leaves the optimizer's update set after the fusion plan was made (as if frozen
+        # and dropped): its group is incomplete at decompress time, the rest goes as a smaller group.
+        comp = TernGradCompressor(seed=2)
+        model = mlp()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=comp)
+        gen = torch.Generator().manual_seed(100 + r)
+        for step in range(4):
+            if step == 2:
+                frozen = model[-1].bias
+                frozen.requires_grad_(False)
+                opt._requires_update.discard(frozen)
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        return {"params": [p.detach().clone() for p in model.parameters()], "collectives": comp.stats.collectives}
     if name == "functional":
         res = {}
         gen = torch.Generator().manual_seed(r)
