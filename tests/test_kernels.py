@@ -82,6 +82,38 @@ def test_host_built_kernels_match_reference_and_fused_cpu(host, n, bucket, fmt):
         assert torch.equal(fused.decode(x, h, o, 2), want)
 
 
+@pytest.mark.parametrize("cfg", [dict(), dict(packing="base3", bucket_size=50), dict(shared_scaler=False)])
+def test_kernel_driver_in_fused_and_single_exchanges(host, monkeypatch, cfg):
+    """The CUDA driver code (KernelBackend: device-resident scalers and NaN flags, decode at arbitrary
+    payload offsets) run through the exchange on 3 thread-ranks, with the host build of the kernels:
+    a fused group (payloads of several tensors interleaved by rank) and a tensor alone give the
+    reference's averages bit for bit."""
+    import horovod_terngrad.backends as B
+    from helpers import expected_average
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import AllgatherExchange, run_ranks
+    monkeypatch.setattr(B, "for_device", lambda device: host)
+    config = TernGradConfig(seed=4, **cfg)
+    shapes = [(30, 7), (5,), (0,), (300,)]
+
+    def grads(rank):
+        return [sample(int(torch.Size(s).numel()), 10 * rank + i).reshape(s) for i, s in enumerate(shapes)]
+
+    def body(c):
+        ex = AllgatherExchange(c, config)
+        fused = [ex.finish(t) for t in ex.start_group([(g, f"k{i}") for i, g in enumerate(grads(c.rank))], "grp")]
+        alone = ex.allreduce(grads(c.rank)[0] * 3, "alone")
+        return fused, alone
+
+    res = run_ranks(3, body)
+    monkeypatch.undo()
+    for i in range(len(shapes)):
+        want, _ = expected_average([grads(r)[i] for r in range(3)], f"k{i}", 0, config)
+        assert all(torch.equal(r[0][i], want) for r in res), i
+    want, _ = expected_average([grads(r)[0] * 3 for r in range(3)], "alone", 0, config)
+    assert all(torch.equal(r[1], want) for r in res)
+
+
 def test_host_kernels_flag_nonfinite(host):
     g = sample(5000, 3)
     g[17] = float("nan")
