@@ -12,8 +12,9 @@ emulated hosts share this machine's cores), the link rate (for unshaped veth lin
 stream) and the codec throughput measured here ("link-rate model"), and again with the inputs the
 model takes from a calibration run inside each emulated cluster before the timed steps
 (``bench step --calibrate``: compute time of a step with all ranks computing at once and no exchange,
-and one large allreduce, allgather and alltoall at this model's sizes, which set per-collective
-efficiencies, ``perfmodel.calibrated_efficiency``) ("calibrated model").  Neither uses the timed steps.
+the latency alpha from a 4-byte allreduce, and one large allreduce, allgather and alltoall at this
+model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``)
+("calibrated model").  Neither uses the timed steps.
 """
 from __future__ import annotations
 
@@ -116,7 +117,11 @@ def predict(res: dict, compute_1: float, rate_elems: float) -> tuple[dict, dict]
     share = max(1.0, hosts / (os.cpu_count() or 2))      # emulated hosts share this machine's cores
     sizes = model_sizes(res["layers"], res["width"])
     cal = res["calibration"]
-    cal_net = calibrated_efficiency(net, hosts, {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")})
+    # alpha from a 4-byte allreduce (2(N-1) latency terms); then each collective's bandwidth efficiency
+    alpha_us = 1e3 * cal["small_allreduce_ms"] / (2 * (hosts - 1))
+    cal_net = calibrated_efficiency(Network.from_gbps("emulated", gbps, alpha_us), hosts,
+                                    {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")})
+    res["alpha_us"] = alpha_us
     res["efficiency"] = dict(cal_net.efficiency)
     plain, calibrated = {}, {}
     for key, method in METHOD.items():
@@ -171,10 +176,12 @@ def main(argv=None):
                          f"{pc:.1f} | {100 * (pc - m) / m:+.0f}% | {m / by['fp32']:.2f}x | {m / by['fp16']:.2f}x |")
     lines += ["", "Calibration (per cluster, measured before the timed steps): compute ms/step with every rank computing, "
               "and the efficiency of each collective (fraction of the link rate the alpha-beta model assumes):", "",
-              "| hosts | link | compute ms | allreduce | allgather | alltoall |", "|---|---|---|---|---|---|"]
+              "| hosts | link | compute ms | alpha us (4-byte allreduce) | allreduce | allgather | alltoall |",
+              "|---|---|---|---|---|---|---|"]
     for res in rows:
         e = res["efficiency"]
-        lines.append(f"| {res['hosts']} | {res['rate']} | {res['calibration']['compute_ms']:.1f} | {e['allreduce']:.2f} | "
+        lines.append(f"| {res['hosts']} | {res['rate']} | {res['calibration']['compute_ms']:.1f} | {res['alpha_us']:.0f} | "
+                     f"{e['allreduce']:.2f} | "
                      f"{e['allgather']:.2f} | {e['alltoall']:.2f} |")
     with open(os.path.join(args.out, "emulated_cluster.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -117,7 +117,8 @@ def _median_s(fn, repeat: int, warmup: int = 1) -> float:
 def calibrate(hvd, make_model, x, steps: int) -> dict:
     """What the performance model needs, measured where the job runs, every rank at once:
     the compute time of a step without any exchange (so with whatever sharing of cores the job has),
-    and one large instance of each collective the exchanges use, at this model's sizes (fp32
+    the time of a 4-byte allreduce (the per-collective latency, Horovod's negotiation included), and
+    one large instance of each collective the exchanges use, at this model's sizes (fp32
     allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks).
     ``perfmodel.calibrated_efficiency`` turns the collective times into per-collective efficiencies."""
     from . import perfmodel as pm
@@ -134,6 +135,8 @@ def calibrate(hvd, make_model, x, steps: int) -> dict:
     hvd.allreduce(torch.zeros(1), name="bench.cal.barrier0")
     compute = _median_s(compute_step, max(3, steps // 2), warmup=2)
     hvd.allreduce(torch.zeros(1), name="bench.cal.barrier1")
+    tiny = torch.zeros(1)
+    small = _median_s(lambda: hvd.allreduce(tiny, name="bench.cal.small", op=hvd.Sum), 9, warmup=2)
     grads = torch.randn(n)
     allreduce = _median_s(lambda: hvd.allreduce(grads, name="bench.cal.ar", op=hvd.Sum), 3)
     payload = torch.zeros(sum(pm.payload_bytes(s) for s in sizes), dtype=torch.uint8)
@@ -142,7 +145,7 @@ def calibrate(hvd, make_model, x, steps: int) -> dict:
     chunks = torch.zeros(chunk * N, dtype=torch.uint8)
     alltoall = _median_s(lambda: hvd.alltoall(chunks, splits=torch.tensor([chunk] * N, dtype=torch.int32),
                                               name="bench.cal.a2a"), 3)
-    return {"compute_ms": 1000 * compute, "allreduce": [4 * n, allreduce], "allgather": [payload.numel(), allgather],
+    return {"compute_ms": 1000 * compute, "small_allreduce_ms": 1000 * small, "allreduce": [4 * n, allreduce], "allgather": [payload.numel(), allgather],
             "alltoall": [chunk, alltoall]}
 
 
