@@ -43,13 +43,13 @@ b bits per element (b = 2 for "2bit", 4 codes a byte; b = 1.6 for "base3", 5 cod
   Received bits per element ~ (N-1)·b: grows with N.
 * sharded exchange (each rank owns 1/N of every tensor; a fused buffer of n = n_1 + ... + n_k elements is
   sharded as one vector): ternary chunks of m = ceil(n/N) elements go to their owner by alltoall
-  (c = 24 + ceil(m·b/8) bytes to each peer); the owner sums N chunks (integers in [-N, N]) and packs the
-  sums in L = ceil(log2(2N+1)) bits; the sums return to every rank by ring allgather
-  (P_sum = 24 + ceil(m·L/8) bytes per rank); plus the same handshake (H bytes):
+  (c = ceil(m·b/8) bytes to each peer; m = ceil(n/N) rounded up to a multiple of 20, as the
+  implementation shards); the owner sums N chunks (integers in [-N, N]) and packs the sums in
+  L = ceil(log2(2N+1)) bits; the sums return to every rank by ring allgather (P_sum = ceil(m·L/8) bytes
+  per rank); no headers in either stage (the scalers come from the handshake); plus the handshake (H bytes):
       T = (N-1)·alpha + (N-1)·c·beta  +  (N-1)·alpha + (N-1)·P_sum·beta  +  handshake
   Received bits per element ~ (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
-  The 24-byte header per chunk in both stages is this model's assumption (the same header as a payload);
-  chunks are taken as ceil(n/N) elements, the largest owner's share (the slowest rank sets the time).
+  Chunks are taken as the largest owner's share (the slowest rank sets the time).
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
 crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link.
@@ -88,7 +88,8 @@ PAYLOAD_HEADER_BYTES = 20          #: TernGrad payload header
 SCALER_BYTES = 4                   #: one fp32 scaler per tensor (layer-wise, bucket_size = 0)
 HANDSHAKE_BYTES_PER_TENSOR = 8 * (8 + 1)   #: fp64 handshake vector [8 fixed fields + 1 scaler]
 FUSED_HANDSHAKE_BYTES = (8 * 4, 8 * (2 + 1))  #: fused group: 4 fixed fields, then 2 flags + 1 scaler per tensor
-SHARDED_CHUNK_HEADER_BYTES = PAYLOAD_HEADER_BYTES + SCALER_BYTES   #: assumed per chunk, both stages
+SHARDED_CHUNK_HEADER_BYTES = 0   #: exchange/sharded.py sends chunks and sums without headers
+SHARD_ALIGN = 20                 #: = exchange.sharded.SHARD_ALIGN: shards start on byte boundaries
 CODES_PER_BYTE = {"2bit": 4, "base3": 5}
 BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
 
@@ -192,8 +193,10 @@ def sum_bits(workers: int) -> int:
 
 
 def shard_numel(numel: int, workers: int) -> int:
-    """ceil(n/N): elements owned by the largest owner in the sharded exchange."""
-    return -(-int(numel) // int(workers))
+    """Elements owned by the largest owner in the sharded exchange: ceil(n/N) rounded up to a multiple
+    of 20 (so every shard starts on a byte of both packings), at most n."""
+    m = -(-int(numel) // int(workers))
+    return min(int(numel), -(-m // SHARD_ALIGN) * SHARD_ALIGN)
 
 
 def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:

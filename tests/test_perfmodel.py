@@ -65,15 +65,20 @@ def test_terngrad_allgather_by_hand():
 
 
 def test_terngrad_sharded_by_hand():
-    # N = 4, n = 1000, 2bit: m = 250; alltoall chunk c = 24 + ceil(250/4) = 87 bytes to each of 3 peers;
-    # L = ceil(log2 9) = 4, sums P_sum = 24 + 250·4/8 = 149 bytes, ring allgather 3·149; handshake 108.
+    # N = 4, n = 1000, 2bit: m = ceil(250/20)·20 = 260 (shards on byte boundaries of both packings);
+    # alltoall chunk c = ceil(260/4) = 65 bytes to each of 3 peers (no header); L = ceil(log2 9) = 4,
+    # sums P_sum = 260·4/8 = 130 bytes, ring allgather 3·130; handshake 2·3/4·72 = 108.
+    from horovod_terngrad.exchange import sharded
+    assert pm.SHARD_ALIGN == sharded.SHARD_ALIGN
+    assert pm.shard_numel(1000, 4) == max(hi - lo for lo, hi in sharded.shard_bounds(1000, 4)) == 260
     c = pm.terngrad_sharded_cost(1000, 4, FLAT)
-    assert c.bytes_received == pytest.approx(3 * 87 + 3 * 149 + 108)      # 816
+    assert c.bytes_received == pytest.approx(3 * 65 + 3 * 130 + 108)      # 693
     assert c.messages == 3 + 3 + 6
-    assert c.time_s == pytest.approx((3e-3 + 261e-6) + (3e-3 + 447e-6) + (6e-3 + 108e-6))
-    # N = 3, n = 10 (uneven): m = 4, c = 24 + 1, L = 3 -> P_sum = 24 + ceil(12/8) = 26
+    assert c.time_s == pytest.approx((3e-3 + 195e-6) + (3e-3 + 390e-6) + (6e-3 + 108e-6))
+    # N = 3, n = 10: the first shard (20 elements, capped at 10) holds everything: c = 3, L = 3 -> P_sum = 4
+    assert pm.shard_numel(10, 3) == max(hi - lo for lo, hi in sharded.shard_bounds(10, 3)) == 10
     u = pm.terngrad_sharded_cost(10, 3, FLAT)
-    assert u.bytes_received == pytest.approx(2 * 25 + 2 * 26 + 2 * 2 / 3 * 72)
+    assert u.bytes_received == pytest.approx(2 * 3 + 2 * 4 + 2 * 2 / 3 * 72)
 
 
 def test_one_worker_exchanges_nothing():
@@ -108,7 +113,7 @@ def test_fusion_groups_consecutive_tensors_up_to_the_threshold():
 def test_sharded_receives_at_most_10_bits_per_element_at_64_workers_headers_included():
     for n in (10**6, 25 * 10**6, sum(pm.MODELS["alexnet"].sizes)):
         bits = pm.terngrad_sharded_cost(n, 64, pm.ETHERNET_1G).bits_per_element
-        assert 63 / 64 * (2 + 8) < bits <= 10.0, (n, bits)            # 9.84 + headers
+        assert 63 / 64 * (2 + 8) < bits <= 10.0, (n, bits)            # 9.84 + handshake
     # while the allgather receives (N-1)·2 = 126 bits, and fp32 allreduce 2·63/64·32 = 63
     assert pm.terngrad_allgather_cost(10**6, 64, pm.ETHERNET_1G).bits_per_element > 126
     assert pm.fp32_allreduce_cost(10**6, 64, pm.ETHERNET_1G).bits_per_element == pytest.approx(63.0)
