@@ -224,3 +224,22 @@ def test_walk_device_strategy_equal_and_unequal_sizes(monkeypatch):
         headers, offsets = P.walk(buf, len(sizes), batched=True)
         assert [h.numel for h in headers] == sizes and offsets == P.walk(buf, len(sizes))[1]
         assert len(calls) == walks + 1   # + the CPU walk used as the expectation
+
+
+def test_walk_device_strategy_with_a_fused_groups_period(monkeypatch):
+    """A fused group's gather: 3 ranks x members of 7, 30 and 2 elements. With the period (the byte
+    sizes one rank sent) all 9 headers come in one batched fetch; a wrong period falls back to the
+    header-by-header walk and still finds them."""
+    calls = []
+    orig = P._walk
+    monkeypatch.setattr(P, "_walk", lambda *a: calls.append(1) or orig(*a))
+    members = [7, 30, 2]
+    pays = [C.encode(torch.ones(n, dtype=torch.int8), "2bit", torch.ones(1), 0) for n in members]
+    buf = torch.cat(pays * 3)
+    period = [p.numel() for p in pays]
+    headers, offsets = P.walk(buf, 9, batched=True, period=period)
+    assert [h.numel for h in headers] == members * 3 and offsets == P.walk(buf, 9)[1]
+    assert len(calls) == 1 + 1
+    calls.clear()
+    headers, _ = P.walk(buf, 9, batched=True, period=period[::-1])
+    assert [h.numel for h in headers] == members * 3 and len(calls) == 2

@@ -177,13 +177,15 @@ def _parse_head(head: bytes, what: str) -> Header:
                   shape_code=int.from_bytes(head[16:20], "little"))
 
 
-def walk(buf: torch.Tensor, count: int, what: str = "payloads", batched: bool | None = None) -> tuple[list, list]:
+def walk(buf: torch.Tensor, count: int, what: str = "payloads", batched: bool | None = None,
+         period: list | None = None) -> tuple[list, list]:
     """Headers and byte offsets of ``count`` payloads laid end to end in ``buf`` (an allgather result).
 
-    On the CPU the headers are read in place.  On a device the first header is read, the others are
-    fetched together assuming equal sizes (the common case: same tensor on every rank), and only if
-    that guess fails is the buffer walked header by header.  ``batched`` forces that device strategy
-    (tests use it on CPU tensors).
+    On the CPU the headers are read in place.  On a device the headers are fetched together (one copy
+    to the host) at the offsets a guessed layout gives: ``period``, the byte sizes of the payloads one
+    rank sent (a fused group's members; default: ``count`` payloads of equal size, the same tensor on
+    every rank), repeated for every rank.  Only if that guess fails is the buffer walked header by
+    header.  ``batched`` forces the device strategy (tests use it on CPU tensors).
     """
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise PayloadError(f"{what}: need a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
@@ -192,17 +194,32 @@ def walk(buf: torch.Tensor, count: int, what: str = "payloads", batched: bool | 
     if not batched:
         raw = memoryview(buf.numpy())
         return _walk(lambda off: bytes(raw[off:off + HEADER_BYTES]), buf.numel(), count, what)
-    if count > 1 and buf.numel() % count == 0 and buf.numel() >= HEADER_BYTES:
-        size = buf.numel() // count
-        idx = (torch.arange(count, device=buf.device) * size)[:, None] + torch.arange(HEADER_BYTES, device=buf.device)
+    guess = _guess_offsets(buf.numel(), count, period)
+    if guess is not None and count > 1:
+        idx = torch.tensor(guess, dtype=torch.int64, device=buf.device)[:, None] + \
+            torch.arange(HEADER_BYTES, device=buf.device)
         heads = buf[idx].cpu().numpy().tobytes()
+        at = {off: heads[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i, off in enumerate(guess)}
         try:
-            headers, offsets = _walk(lambda off: heads[(off // size) * HEADER_BYTES:(off // size + 1) * HEADER_BYTES]
-                                     if off % size == 0 else b"", buf.numel(), count, what)
-            return headers, offsets
+            return _walk(lambda off: at.get(off, b""), buf.numel(), count, what)
         except PayloadError:
             pass
     return _walk(lambda off: bytes(buf[off:off + HEADER_BYTES].cpu().tolist()), buf.numel(), count, what)
+
+
+def _guess_offsets(total: int, count: int, period: list | None) -> list | None:
+    if period is None:
+        if count < 1 or total % count or total < HEADER_BYTES:
+            return None
+        period = [total // count]
+    if not period or count % len(period) or sum(period) * (count // len(period)) != total:
+        return None
+    offsets, off = [], 0
+    for _ in range(count // len(period)):
+        for size in period:
+            offsets.append(off)
+            off += size
+    return offsets
 
 
 def _walk(head_at, total: int, count: int, what: str) -> tuple[list, list]:
@@ -212,7 +229,7 @@ def _walk(head_at, total: int, count: int, what: str) -> tuple[list, list]:
             raise PayloadError(f"{what}: ends at byte {off}, inside the header of payload {r}")
         head = head_at(off)
         if len(head) != HEADER_BYTES:
-            raise PayloadError(f"{what}: payload {r} does not start where the equal-size layout expects")
+            raise PayloadError(f"{what}: payload {r} does not start where the guessed layout expects")
         h = _parse_head(head, f"{what}, payload {r}")
         if off + h.total_bytes > total:
             raise PayloadError(f"{what}: ends inside payload {r}")

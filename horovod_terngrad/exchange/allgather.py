@@ -479,7 +479,8 @@ class AllgatherExchange:
         m = len(grp.sent)
         if grp.walked is None:
             try:
-                grp.walked = codec.packing.walk(gathered, self.coll.size * m, f"gathered payloads of '{grp.name}'")
+                grp.walked = codec.packing.walk(gathered, self.coll.size * m, f"gathered payloads of '{grp.name}'",
+                                                period=[t.payload_bytes for t in grp.sent])
             except codec.PayloadError as e:
                 raise TernGradError(f"TernGrad: {e}") from e
         headers, offsets = grp.walked[0][tk.slot::m], grp.walked[1][tk.slot::m]
