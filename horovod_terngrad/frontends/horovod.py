@@ -14,13 +14,16 @@ allreduce, ``decompress(tensor, ctx)`` after it):
 * Tensors kept at full precision by the policy (``min_numel``, ``exclude``) are returned as they are
   (fp16/bf16 sent as fp32) and Horovod allreduces them as usual.
 
-Tensor fusion (``fusion_numel``): the optimizer's compressed parameters are cut once into groups of
-consecutive tensors (reverse registration order, so a group's members come out of backward together;
-every rank builds the same groups from the same model).  ``compress`` of a group member only records
-the tensor; the member that completes the group starts one handshake and one allgather for all of
-them (``AllgatherExchange.start_group``).  Horovod calls every compress of a step before the first
-decompress, so a group is always complete by then; if a member never came (a parameter frozen
-mid-training), the members that came are sent as a smaller group, and the plan is rebuilt next step.
+Tensor fusion (``fusion_numel``): the optimizer's compressed parameters are cut into groups of
+consecutive tensors (reverse registration order, so a group's members come out of backward together).
+The first step runs unfused and records which parameters were compressed; from the second step the plan
+is built from those (so parameters Horovod never hands over, sparse or frozen ones, stay out), checked
+once across ranks with one small blocking allreduce (ranks that cut different groups turn fusion off
+together instead of waiting on each other's collectives), and rebuilt whenever the set changes.
+``compress`` of a group member only records the tensor; the member that completes the group starts one
+handshake and one allgather for all of them (``AllgatherExchange.start_group``).  Horovod calls every
+compress of a step before the first decompress, so a group is normally complete by then; groups with
+members missing are all started at the first decompress, in group order, as smaller groups.
 
 Horovod does not pass the parameter name to a compressor, so it is read from the calling
 ``DistributedOptimizer`` (its ``_parameter_names``, ``op`` and ``process_set``), or from the ``name``
@@ -34,6 +37,7 @@ import os
 import sys
 import threading
 import types
+import zlib
 
 import torch
 
@@ -45,34 +49,65 @@ log = logging.getLogger("horovod_terngrad")
 
 
 class _FusionPlan:
-    """Which compressed parameters of one optimizer share collectives (see module docstring)."""
+    """Which compressed parameters of one optimizer share collectives (see module docstring).
 
-    def __init__(self, optimizer, config: TernGradConfig, mode_of):
+    Built from the names compressed in the previous step (``seen``), in the optimizer's reverse
+    registration order: parameters Horovod never hands to the compressor (sparse gradients, frozen
+    ones) are left out, and every rank, seeing the same parameters, cuts the same groups."""
+
+    def __init__(self, optimizer, config: TernGradConfig, mode_of, seen: frozenset):
         names = optimizer._parameter_names
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p in names]
+        params = [p for g in optimizer.param_groups for p in g["params"] if p in names and names[p] in seen]
+        self.seen = seen
         self.group_of: dict[str, int] = {}
         self.members: list[list[str]] = []
         self.numel: dict[str, int] = {}
-        current, total = [], 0
+        current, total, device = [], 0, None
         for p in reversed(params):
             name, n = names[p], p.numel()
             if not config.compresses(name, n) or mode_of(n) != "allgather":   # sharded tensors go alone
                 continue
-            if current and total + n > config.fusion_numel:
+            if current and (total + n > config.fusion_numel or p.device != device):
                 self._close(current)
                 current, total = [], 0
             current.append(name)
             self.numel[name] = n
             total += n
+            device = p.device
         self._close(current)
         self.batches = [_FusedBatch(self, g) for g in range(len(self.members))]
-        self.stale = False
 
     def _close(self, names: list) -> None:
         if len(names) > 1:                       # a lone tensor travels under its own name
             for n in names:
                 self.group_of[n] = len(self.members)
             self.members.append(names)
+
+    def checksum(self) -> float:
+        return float(zlib.crc32(repr([(m, [self.numel[n] for n in m]) for m in self.members]).encode()))
+
+    def start_incomplete(self) -> list:
+        """Start, in group order, every group of this step with members missing (called at the first
+        decompress, when all of this step's compress calls have been made); returns their missing names."""
+        missing = []
+        for g, batch in enumerate(self.batches):
+            if batch.arrived and batch.tickets is None:
+                missing += [n for n in self.members[g] if n not in batch.arrived]
+                batch.start(partial=True)
+                self.batches[g] = _FusedBatch(self, g)
+        return missing
+
+
+class _Fusion:
+    """Tensor fusion state of one optimizer: the names compressed this step and last step, the plan."""
+
+    def __init__(self, decompress_count: int):
+        self.current: list[str] = []
+        self.last: frozenset | None = None
+        self.seen_decompress = decompress_count
+        self.plan: _FusionPlan | None = None
+        self.generation = 0
+        self.disabled = False
 
 
 class _FusedBatch:
@@ -162,7 +197,8 @@ class TernGradCompressor:
         self._lock = threading.Lock()
         self._noname = 0
         self._warned_noname = False
-        self._plans: dict = {}          # id(optimizer) -> _FusionPlan
+        self._fusions: dict = {}        # id(optimizer) -> _Fusion
+        self._decompress_count = 0
         self._warned_partial = False
 
     def configure(self, **settings) -> "TernGradCompressor":
@@ -224,34 +260,59 @@ class TernGradCompressor:
         return empty, ticket
 
     def _fused_batch(self, optimizer, name: str, tensor: torch.Tensor):
-        """The fused group this optimizer's tensor joins this step, or None if it travels alone."""
+        """The fused group this optimizer's tensor joins this step, or None if it travels alone.
+
+        The first step runs unfused and records which names were compressed; the plan is (re)built
+        from the previous step's names whenever they change, and checked across ranks once (one small
+        blocking allreduce): if ranks cut different groups (e.g. they disagree on a size), fusion is
+        turned off on every rank and the per-tensor handshake reports the disagreement."""
         if optimizer is None or not self.config.fusion_numel:
             return None
-        plan = self._plans.get(id(optimizer))
-        if plan is None or plan.stale:
-            engine = self.engine(getattr(optimizer, "process_set", None))
-            plan = self._plans[id(optimizer)] = _FusionPlan(optimizer, self.config, engine._mode)
-        g = plan.group_of.get(name)
-        if g is None or plan.numel[name] != tensor.numel():
+        fus = self._fusions.get(id(optimizer))
+        if fus is None:
+            fus = self._fusions[id(optimizer)] = _Fusion(self._decompress_count)
+        if fus.seen_decompress != self._decompress_count:    # decompress ran since: a new step
+            fus.seen_decompress = self._decompress_count
+            if fus.current:
+                fus.last = frozenset(fus.current)
+            fus.current = []
+            if fus.plan is not None:                         # a step abandoned before its groups went out
+                fus.plan.batches = [_FusedBatch(fus.plan, g) for g in range(len(fus.plan.members))]
+        fus.current.append(name)
+        if fus.last is None or fus.disabled:
             return None
-        return plan.batches[g]
+        if fus.plan is None or fus.plan.seen != fus.last:
+            engine = self.engine(getattr(optimizer, "process_set", None))
+            fus.plan = _FusionPlan(optimizer, self.config, engine._mode, fus.last)
+            fus.generation += 1
+            c = fus.plan.checksum()
+            v = engine.coll.synchronize(engine.coll.allreduce_max_async(
+                torch.tensor([c, -c], dtype=torch.float64), f"terngrad.fusionplan.{fus.generation}"))
+            engine.stats.collectives += 1
+            if v[0].item() != -v[1].item():
+                fus.disabled = True
+                log.error("TernGrad: ranks formed different tensor-fusion groups (their parameters differ in "
+                          "number or size); tensor fusion is off for this optimizer on every rank")
+                return None
+        g = fus.plan.group_of.get(name)
+        if g is None or fus.plan.numel[name] != tensor.numel():
+            return None
+        return fus.plan.batches[g]
 
     def decompress(self, tensor: torch.Tensor, ctx):
         if isinstance(ctx, _Passthrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
-        if isinstance(ctx, _FusedMember):
-            with self._lock:
+        with self._lock:
+            self._decompress_count += 1
+            if isinstance(ctx, _FusedMember):
                 batch = ctx.batch
-                if batch.tickets is None:      # a member never arrived this step
-                    missing = [n for n in batch.plan.members[batch.group] if n not in batch.arrived]
+                if batch.tickets is None:      # members never arrived this step: start every such group
+                    missing = batch.plan.start_incomplete()
                     if not self._warned_partial:
                         self._warned_partial = True
-                        log.warning("TernGrad: fused group %d is missing %s this step (frozen or unused "
-                                    "parameters?); sending the rest as a smaller group and re-planning "
-                                    "fusion", batch.group, missing)
-                    batch.start(partial=True)
-                    batch.plan.batches[batch.group] = _FusedBatch(batch.plan, batch.group)
-                    batch.plan.stale = True
+                        log.warning("TernGrad: fused groups miss %s this step (parameters frozen or without "
+                                    "a gradient?); their other members go as smaller groups, and the "
+                                    "fusion plan follows from the next step", missing)
                 ctx = batch.tickets[ctx.name]
         if not isinstance(ctx, Ticket):
             raise TernGradError(f"TernGrad.decompress got a ctx of type {type(ctx).__name__}; it must be "
