@@ -436,30 +436,47 @@ def _wire_bytes_per_element(method: str, packing: str) -> float:
     return {FP32: 4.0, FP16: 2.0}.get(method, BITS_PER_CODE[packing] / 8)
 
 
-def _buffers(method: str, tensor_sizes: Sequence[int], packing: str, fusion_bytes: int,
-             fusion_numel: int) -> list[list[int]]:
-    """How the tensors travel: Horovod fuses fp32/fp16 up to ``fusion_bytes`` on the wire; TernGrad's
-    frontend fuses up to ``fusion_numel`` elements (TernGradConfig.fusion_numel; 0 = none)."""
+def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
+                  packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                  fusion_numel: int = None) -> list[tuple[str, list[int]]]:
+    """How a model's gradients travel under ``method``: [(exchange, tensor sizes of the buffer), ...].
+
+    fp32/fp16: Horovod fuses consecutive tensors up to ``fusion_bytes`` on the wire (0 = none).
+    TernGrad, as the Horovod frontend does: tensors are fused greedily in reverse order into groups of
+    at most ``fusion_numel`` elements (default :data:`TERNGRAD_FUSION_NUMEL`; 0 = none; a larger tensor
+    travels alone); each group uses the method's exchange, or for "terngrad" (= exchange="auto") the
+    one :func:`choose_exchange` picks for the group.
+    """
+    sizes = [int(x) for x in tensor_sizes]
     if method in (FP32, FP16):
-        return fuse_buffers(tensor_sizes, fusion_bytes, _wire_bytes_per_element(method, packing))
-    return fuse_buffers(tensor_sizes, fusion_numel, 1.0)
+        return [(method, b) for b in fuse_buffers(sizes, fusion_bytes, _wire_bytes_per_element(method, packing))]
+    if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST):
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    limit = TERNGRAD_FUSION_NUMEL if fusion_numel is None else int(fusion_numel)
+    groups, current, total = [], [], 0
+    for n in reversed(sizes):
+        if current and (limit <= 0 or total + n > limit):
+            groups.append(current)
+            current, total = [], 0
+        current.append(n)
+        total += n
+    if current:
+        groups.append(current)
+    if method != TERNGRAD_BEST:
+        return [(method, g) for g in groups]
+    return [(choose_exchange(g, workers, network, packing).method, g) for g in groups]
 
 
 def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
                         packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
-                        fusion_numel: int = TERNGRAD_FUSION_NUMEL) -> tuple[ExchangeCost, list[str]]:
-    """Cost of exchanging all of a model's gradients: the sum over its fused buffers.
+                        fusion_numel: int = None) -> tuple[ExchangeCost, list[str]]:
+    """Cost of exchanging all of a model's gradients: the sum over its buffers (:func:`exchange_plan`).
 
-    Returns (total cost, method used per buffer); for "terngrad" each buffer gets :func:`choose_exchange`.
+    Returns (total cost, exchange used per buffer).
     """
-    buffers = _buffers(method, tensor_sizes, packing, fusion_bytes, fusion_numel)
     total, used = None, []
-    for buf in buffers:
-        if method == TERNGRAD_BEST:
-            choice = choose_exchange(buf, workers, network, packing)
-            cost, name = choice.cost, choice.method
-        else:
-            cost, name = exchange_cost(method, buf, workers, network, packing), method
+    for name, buf in exchange_plan(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel):
+        cost = exchange_cost(name, buf, workers, network, packing)
         total = cost if total is None else total + cost
         used.append(name)
     if total is None:
@@ -533,12 +550,11 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
         raise ValueError("overlap must be in [0, 1]")
     if compute_s < 0 or workers < 1:
         raise ValueError("compute_s must be >= 0 and workers >= 1")
-    fusion_numel = TERNGRAD_FUSION_NUMEL if fusion_numel is None else fusion_numel
     cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel)
     codec = 0.0
     if codec_elements_per_s:
-        buffers = _buffers(method, tensor_sizes, packing, fusion_bytes, fusion_numel)
-        work = sum(codec_work_elements(m, sum(b), workers) for m, b in zip(used, buffers))
+        plan = exchange_plan(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel)
+        work = sum(codec_work_elements(m, sum(b), workers) for m, b in plan)
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
     step = compute_s + exposed - min(exposed, overlap * compute_s)

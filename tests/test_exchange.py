@@ -273,16 +273,20 @@ FUSED = [(20, 50), (50,), (0,), (7, 3, 3), (1,), (1000,)]
 
 
 @pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
-                                 TernGradConfig(packing="base3", bucket_size=64, seed=9)],
-                         ids=["shared", "per-rank", "base3-buckets"])
+                                 TernGradConfig(packing="base3", bucket_size=64, seed=9),
+                                 TernGradConfig(exchange="sharded", seed=2),
+                                 TernGradConfig(exchange="sharded", packing="base3", bucket_size=64)],
+                         ids=["shared", "per-rank", "base3-buckets", "sharded", "sharded-base3-buckets"])
 @pytest.mark.parametrize("backend", ["fused-c", "torch"])
-def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_collectives(cfg, backend,
+@pytest.mark.parametrize("N", [3, 5])
+def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_collectives(cfg, backend, N,
                                                                                          monkeypatch):
     """(backend "torch": the reference path, whose statistics stay device tensors as on CUDA, so the
-    handshake is built without host synchronization.)"""
+    handshake is built without host synchronization.)  A sharded group moves every member's chunks in
+    one alltoall and every owner's sums in one allgather: 3 collectives per step."""
     if backend == "torch":
         monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
-    steps, N = 2, 3
+    steps = 2
 
     def body(c):
         ex = AllgatherExchange(c, cfg)
@@ -299,8 +303,11 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
             want, _ = expected_average([grad(s, r, i + 10 * step) for r in range(N)], f"layer{i}", step, cfg)
             for r in range(N):
                 assert torch.equal(res[r][0][step][i], want), (step, i, r)
-    # one handshake (shared scaler only) and one allgather per step for six tensors
-    assert res[0][1].completed == ({"max": steps, "gather": steps} if cfg.shared_scaler else {"gather": steps})
+    # one handshake (shared scaler only) and one allgather (+ one alltoall if sharded) per step, six tensors
+    want = {"max": steps, "gather": steps} if cfg.shared_scaler else {"gather": steps}
+    if cfg.exchange == "sharded":
+        want["a2a"] = steps
+    assert res[0][1].completed == want
 
 
 @pytest.mark.parametrize("policy", ["raise", "zero"])

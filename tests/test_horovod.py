@@ -89,7 +89,7 @@ def check_exact(ranks):
     return checked
 
 
-ALL = ["fusion_partial", "exact", "exact_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
+ALL = ["fusion_partial", "exact", "exact_unfused", "exact_sharded_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
        "mismatch", "functional"]
 
 
@@ -99,7 +99,7 @@ def gloo2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sc", ["exact", "exact_unfused", "exact_small_groups", "exact_base3_buckets",
-                                "exact_per_rank_bpps2", "bf16", "exact_sharded"])
+                                "exact_per_rank_bpps2", "bf16", "exact_sharded", "exact_sharded_unfused"])
 def test_gloo2_exact(gloo2, sc):
     assert check_exact(gloo2[sc]) > 0
 
@@ -114,6 +114,9 @@ def test_gloo2_tensor_fusion_cuts_collectives_not_bits(gloo2):
     assert stats["exact_unfused"]["collectives"] == 3 * 2 * 8
     assert stats["exact"]["collectives"] == 2 * 8 + 1 + 2 * 2 * 1
     assert stats["exact_small_groups"]["collectives"] == 2 * 8 + 1 + 2 * 2 * 5
+    # sharded: handshake + alltoall + allgather, per tensor in step 1, then per group of 8
+    assert gloo2["exact_sharded"][0]["stats"]["collectives"] == 3 * 8 + 1 + 2 * 3
+    assert gloo2["exact_sharded_unfused"][0]["stats"]["collectives"] == 3 * 3 * 8
     for sc in ("exact", "exact_small_groups"):
         assert stats[sc]["elements"] == stats["exact_unfused"]["elements"]
         assert stats[sc]["payload_bytes_sent"] == stats["exact_unfused"]["payload_bytes_sent"]

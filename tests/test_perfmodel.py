@@ -222,7 +222,7 @@ def test_paper_alexnet_8_gpus_on_1g_ethernet():
     """Paper §5: TernGrad gives 3.04x for AlexNet on 8 GPUs on the 1 Gbit/s Ethernet cluster.
 
     Not reproduced exactly (see docs/perfmodel.md): with the default GTX 1080 compute time (79.7 ms per
-    batch of 128) the allgather exchange gives 3.73x, the chooser (sharded) 5.86x.  With a ring the speedup
+    batch of 128) the allgather exchange gives 3.73x, the chooser (per fused group, as exchange="auto") 5.86x.  With a ring the speedup
     of the allgather at N = 8 is bounded by the bandwidth ratio 2·7/8·32 / (7·2) = 4, and it equals 3.04
     only if compute takes 0.40 s per iteration (5x the published GPU time).
     """

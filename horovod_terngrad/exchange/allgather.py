@@ -116,7 +116,6 @@ class Ticket:
     shared: torch.Tensor | None = None   # the agreed scalers (sharded decode)
     group: "Group | None" = None   # the collectives it travels in (alone, or fused with others)
     nb: int = 1                    # number of scalers (handshake slots after the fixed ones)
-    a2a: object = None             # sharded: the alltoall of its chunks
     sent: bool = False             # its payload is in the group's allgather
     slot: int = 0                  # its position among the group's sent payloads
     payload_bytes: int = 0
@@ -136,6 +135,9 @@ class Group:
     name: str
     members: list
     hs: object = None
+    a2a: object = None                          # sharded: the alltoall of the members' chunks
+    a2a_own: int = 0                            # bytes of it addressed to this rank itself
+    shard_members: list = field(default_factory=list)
     ag: object = None
     sent: list = field(default_factory=list)   # members whose payloads are in the allgather, in order
     bytes_sent: int = 0
@@ -158,7 +160,7 @@ class AllgatherExchange:
         self.stats = stats if stats is not None else ExchangeStats()
         self._steps: dict[str, int] = {}
         self._pending: list[Group] = []         # waiting for their handshake
-        self._pending_a2a: list[Ticket] = []    # sharded: waiting for their alltoall
+        self._pending_a2a: list[Group] = []     # sharded: waiting for their alltoall
         self._warned_nonfinite: set = set()
         self.track_layers = False          # record zero fraction and scaler per tensor (costs a pass over the codes)
         self.capture: set = set()          # tensor names whose float/clipped/ternary/averaged values to keep
@@ -192,12 +194,13 @@ class AllgatherExchange:
                 name=name, shape=tensor.shape, dtype=tensor.dtype, g32=g32, threshold=prep.threshold,
                 key=codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), average=average,
                 in_place=in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
-                owner=self, mode=self._mode(g32.numel()) if len(items) == 1 else "allgather",
-                nb=prep.scalers.numel()))
+                owner=self, nb=prep.scalers.numel()))
             preps.append(prep)
         grp = Group(group, tickets)
+        mode = self._mode([tk.g32.numel() for tk in tickets] if len(tickets) > 1 else tickets[0].g32.numel()) \
+            if tickets else "allgather"
         for tk in tickets:
-            tk.group = grp
+            tk.group, tk.mode = grp, mode
         if cfg.shared_scaler:
             hs = (self._handshake_vector(preps[0], items[0][0]) if len(items) == 1
                   else self._fused_handshake_vector(preps, [t for t, _ in items]))
@@ -284,7 +287,7 @@ class AllgatherExchange:
         return torch.cat([torch.tensor([c, -c, m, -m], dtype=torch.float64, device=dev), flags]
                          + [p.scalers.to(torch.float64) for p in preps])
 
-    def _mode(self, n: int) -> str:
+    def _mode(self, n) -> str:
         ex = self.config.exchange
         if ex == "auto":
             from .choice import choose_exchange
@@ -296,7 +299,7 @@ class AllgatherExchange:
         all) alltoalls of the sharded exchange into allgathers of the owners' sums, in start order."""
         self._pending = self._advance(self._pending, lambda grp: grp.hs, self._after_handshake, block)
         # (the first stage may have queued new alltoalls; they are advanced here too)
-        self._pending_a2a = self._advance(self._pending_a2a, lambda tk: tk.a2a, self._after_alltoall, block)
+        self._pending_a2a = self._advance(self._pending_a2a, lambda grp: grp.a2a, self._after_alltoall, block)
 
     def _advance(self, queue: list, handle_of, step, block: bool) -> list:
         """Run ``step`` on the tickets whose collective completed (all, if block); return the rest."""
@@ -354,8 +357,8 @@ class AllgatherExchange:
         self.stats.codec_s += time.perf_counter() - t0
         if not sends:
             return
-        if sends[0][0].mode == "sharded":      # (only ever a group of one)
-            self._send_shards(*sends[0])
+        if grp.members[0].mode == "sharded":
+            self._send_shards(grp, sends)
         else:
             self._send(grp, sends)
 
@@ -378,34 +381,59 @@ class AllgatherExchange:
         self._record_tensor(tk, payload, shared)
         return payload
 
-    def _send_shards(self, tk: Ticket, payload: torch.Tensor) -> None:
-        codes = payload[codec.HEADER_BYTES + 4 * tk.nb:]
-        splits = []
-        for lo, hi in sharded.shard_bounds(tk.g32.numel(), self.coll.size):
-            b0, b1 = sharded.code_byte_range(lo, hi, self.config.packing)
-            splits.append(b1 - b0)
-        self.stats.payload_bytes_sent += codes.numel()
-        tk.payload_bytes = splits[self.coll.rank]
-        tk.a2a = self.coll.alltoall_async(codes, splits, f"terngrad.a2a.{tk.name}")
+    def _send_shards(self, grp: Group, sends: list) -> None:
+        """Alltoall: to rank r, shard r of every member's packed codes (members in order)."""
+        N, fmt = self.coll.size, self.config.packing
+        to_rank = [[] for _ in range(N)]
+        for tk, payload in sends:
+            codes = payload[codec.HEADER_BYTES + 4 * tk.nb:]
+            for r, (lo, hi) in enumerate(sharded.shard_bounds(tk.g32.numel(), N)):
+                b0, b1 = sharded.code_byte_range(lo, hi, fmt)
+                to_rank[r].append(codes[b0:b1])
+        splits = [sum(c.numel() for c in chunks) for chunks in to_rank]
+        data = (sends[0][1][codec.HEADER_BYTES + 4 * sends[0][0].nb:] if len(sends) == 1
+                else torch.cat([c for chunks in to_rank for c in chunks]))
+        grp.shard_members = [tk for tk, _ in sends]
+        grp.a2a_own = splits[self.coll.rank]
+        self.stats.payload_bytes_sent += data.numel()
+        grp.a2a = self.coll.alltoall_async(data, splits, f"terngrad.a2a.{grp.name}")
         self.stats.collectives += 1
-        self._pending_a2a.append(tk)
+        self._pending_a2a.append(grp)
 
-    def _after_alltoall(self, tk: Ticket) -> None:
+    def _after_alltoall(self, grp: Group) -> None:
+        """Owner step: per member, add the N chunks of this rank's shard; allgather all members' sums."""
         t0 = time.perf_counter()
         try:
-            received = self.coll.synchronize(tk.a2a)
+            received = self.coll.synchronize(grp.a2a)
         except CollectiveError as e:
-            tk.error = RankMismatchError(f"TernGrad: sharded exchange of '{tk.name}' failed: {e}")
+            for tk in grp.shard_members:
+                tk.error = RankMismatchError(f"TernGrad: sharded exchange of '{tk.name}' failed: {e}")
             return
         finally:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.stats.bytes_received += received.numel() - tk.payload_bytes
-        lo, hi = sharded.shard_bounds(tk.g32.numel(), self.coll.size)[self.coll.rank]
-        sums = sharded.owner_sums(received, self.coll.size, lo, hi, self.config.packing)
+        N, me, fmt = self.coll.size, self.coll.rank, self.config.packing
+        self.stats.bytes_received += received.numel() - grp.a2a_own
+        members = grp.shard_members
+        bounds = [sharded.shard_bounds(tk.g32.numel(), N)[me] for tk in members]
+        sizes = [b1 - b0 for b0, b1 in (sharded.code_byte_range(lo, hi, fmt) for lo, hi in bounds)]
+        block = sum(sizes)
+        if received.numel() != N * block:
+            err = RankMismatchError(f"TernGrad: sharded exchange of group '{grp.name}': received "
+                                    f"{received.numel()} bytes, expected {N}x{block}")
+            for tk in members:
+                tk.error = err
+            return
+        sums, pre = [], 0
+        for tk, (lo, hi), size in zip(members, bounds, sizes):
+            mine = received if len(members) == 1 else \
+                torch.cat([received[s * block + pre:s * block + pre + size] for s in range(N)])
+            sums.append(sharded.owner_sums(mine, N, lo, hi, fmt))
+            tk.payload_bytes = sums[-1].numel()
+            pre += size
         self.stats.codec_s += time.perf_counter() - t0
-        tk.payload_bytes = sums.numel()
-        self._launch_allgather(tk.group, [tk], sums, f"terngrad.sg.{tk.name}")
+        data = sums[0] if len(sums) == 1 else torch.cat(sums)
+        self._launch_allgather(grp, members, data, f"terngrad.sg.{grp.name}")
 
     def _nonfinite(self, tk: Ticket, msg: str) -> None:
         if self.config.on_nonfinite == "raise":
@@ -465,13 +493,30 @@ class AllgatherExchange:
                                     + f" failed: {grp.gather_error}") from grp.gather_error
         return grp.gathered
 
+    def _member_sums(self, grp: Group, tk: Ticket, gathered: torch.Tensor) -> torch.Tensor:
+        """One member's packed sums, every owner's in rank order, out of a sharded group's allgather
+        (rank r's block holds the sums of shard r of every member, in member order)."""
+        N, L = self.coll.size, sharded.sum_bits(self.coll.size)
+        nbytes = [[-(-(hi - lo) * L // 8) for lo, hi in sharded.shard_bounds(m.g32.numel(), N)] for m in grp.sent]
+        parts, off = [], 0
+        for r in range(N):
+            for j, m in enumerate(grp.sent):
+                if m is tk:
+                    parts.append(gathered[off:off + nbytes[j][r]])
+                off += nbytes[j][r]
+        if off != gathered.numel():
+            raise RankMismatchError(f"TernGrad: sharded exchange of group '{grp.name}': gathered "
+                                    f"{gathered.numel()} bytes of sums, expected {off}")
+        return torch.cat(parts)
+
     def _receive(self, tk: Ticket) -> torch.Tensor | None:
         gathered = self._gathered(tk)
         t0 = time.perf_counter()
         grp = tk.group
         if tk.mode == "sharded":
             # (float(k)·s)/N: the allgather exchange's decode for a shared scaler, so the same bits
-            out = sharded.decode_gathered(gathered, tk.g32.numel(), self.coll.size, tk.shared,
+            mine = gathered if len(grp.sent) == 1 else self._member_sums(grp, tk, gathered)
+            out = sharded.decode_gathered(mine, tk.g32.numel(), self.coll.size, tk.shared,
                                           self.config.bucket_size, self.coll.size if tk.average else 1,
                                           out=tk.g32 if tk.in_place else None)
             self.stats.codec_s += time.perf_counter() - t0

@@ -20,8 +20,9 @@ def network():
                     float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")))
 
 
-def choose_exchange(n: int, n_ranks: int, fmt: str, net=None) -> str:
-    """'allgather' or 'sharded', whichever the model predicts to be faster for one n-element tensor."""
+def choose_exchange(n, n_ranks: int, fmt: str, net=None) -> str:
+    """'allgather' or 'sharded', whichever the model predicts to be faster for one n-element tensor
+    (or a fused group: n = the members' element counts)."""
     if n_ranks <= 2:
         return "allgather"   # with two ranks sharding cannot receive less, and costs one more collective
     from ..perfmodel import choose_exchange as model_choice

@@ -55,7 +55,7 @@ class _FusionPlan:
     registration order: parameters Horovod never hands to the compressor (sparse gradients, frozen
     ones) are left out, and every rank, seeing the same parameters, cuts the same groups."""
 
-    def __init__(self, optimizer, config: TernGradConfig, mode_of, seen: frozenset):
+    def __init__(self, optimizer, config: TernGradConfig, seen: frozenset):
         names = optimizer._parameter_names
         params = [p for g in optimizer.param_groups for p in g["params"] if p in names and names[p] in seen]
         self.seen = seen
@@ -65,7 +65,7 @@ class _FusionPlan:
         current, total, device = [], 0, None
         for p in reversed(params):
             name, n = names[p], p.numel()
-            if not config.compresses(name, n) or mode_of(n) != "allgather":   # sharded tensors go alone
+            if not config.compresses(name, n):
                 continue
             if current and (total + n > config.fusion_numel or p.device != device):
                 self._close(current)
@@ -283,7 +283,7 @@ class TernGradCompressor:
             return None
         if fus.plan is None or fus.plan.seen != fus.last:
             engine = self.engine(getattr(optimizer, "process_set", None))
-            fus.plan = _FusionPlan(optimizer, self.config, engine._mode, fus.last)
+            fus.plan = _FusionPlan(optimizer, self.config, fus.last)
             fus.generation += 1
             c = fus.plan.checksum()
             v = engine.coll.synchronize(engine.coll.allreduce_max_async(

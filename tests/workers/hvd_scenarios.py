@@ -115,6 +115,8 @@ def run(name):
         return scenario_exact({"packing": "base3", "bucket_size": 100, "seed": 4})
     if name == "exact_sharded":
         return scenario_exact({"exchange": "sharded", "seed": 8})
+    if name == "exact_sharded_unfused":
+        return scenario_exact({"exchange": "sharded", "seed": 8, "fusion_numel": 0})
     if name == "exact_unfused":
         return scenario_exact({"seed": 3, "fusion_numel": 0})
     if name == "exact_small_groups":     # groups of a few tensors each, and a tensor too big to fuse
