@@ -238,7 +238,9 @@ def calibrated_efficiency(network: Network, workers: int, measured: dict) -> Net
     function (allreduce: buffer bytes B; allgather: bytes per rank P; alltoall: bytes to each peer c),
     e.g. from ``python -m horovod_terngrad.bench step --calibrate`` run on the cluster itself.  The
     efficiency is the alpha-beta model's bandwidth term over the measured time less the latency term,
-    so one large measurement per collective calibrates it (like nccl-tests' bus bandwidth).
+    so one large measurement per collective calibrates it (like nccl-tests' bus bandwidth).  Fitted as
+    for one rank per NIC on ``network`` itself (not its intra-node link): calibrate with the same
+    placement you predict for.
     """
     factors = []
     for kind, (nbytes, seconds) in measured.items():

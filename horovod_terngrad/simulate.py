@@ -130,8 +130,10 @@ class Simulator:
         n = g32s[0].numel()
         st.tensors += 1
         st.elements += n
+        st.collectives += 1                       # the payload allgather
         if cfg.shared_scaler:
             st.handshake_bytes_sent += 8 * (8 + preps[0].scalers.numel())
+            st.collectives += 1                   # the handshake
         bad = [r for r, p in enumerate(preps) if bool(p.nonfinite)]
         if bad:
             msg = f"TernGrad: gradient '{name}' (shape {tuple(shape)}) contains NaN or Inf on rank(s) {bad}"

@@ -44,7 +44,7 @@ def test_direct_averaging_is_the_exchange_bit_for_bit(cfg):
         g = ex.worker_gradients(x, y, F.cross_entropy)
         for a, b in zip(ex.average(g), di.average(g)):
             assert torch.equal(a, b), step
-    for field in ("tensors", "elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received"):
+    for field in ("tensors", "elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received", "collectives"):
         assert getattr(ex.stats, field) == getattr(di.stats, field), field
     assert di.stats.tensors == 12 and di.stats.bytes_received > di.stats.payload_bytes_sent > 0
     assert (di.stats.handshake_bytes_sent > 0) == config.shared_scaler

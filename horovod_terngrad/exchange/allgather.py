@@ -21,7 +21,9 @@ carries the rank's scaler and NaN flag, checked by every rank after the allgathe
 Tensor fusion (``start_group``): several tensors share one handshake and one allgather.  The group's
 handshake is [c, -c, M, -M] (c: CRC-32 of the members' sizes, shapes and dtypes, so ranks that disagree
 are caught), two NaN/Inf slots per member, then every member's scalers; its payload is the members'
-payloads back to back.  Each member's result is bit-identical to exchanging it alone.
+payloads back to back.  A sharded group sends every member's shard r to rank r in one alltoall and
+the owners' sums of every member in one allgather.  Each member's result is bit-identical to
+exchanging it alone.
 
 Cost per rank and tensor: sends 20 + 4B + n/4 bytes (2bit) or n/5 (base3), receives N-1 times that,
 plus 8·(8+B) bytes of handshake alone, or 16 + 8B in a fused group (+32 per group).  Received traffic grows with N (see the sharded exchange for large N).
