@@ -120,9 +120,9 @@ def predict(res: dict, compute_1: float, rate_elems: float) -> tuple[dict, dict]
     # alpha from a 4-byte allreduce (2(N-1) latency terms); then each collective's bandwidth efficiency
     alpha_us = 1e3 * cal["small_allreduce_ms"] / (2 * (hosts - 1))
     cal_net = calibrated_efficiency(Network.from_gbps("emulated", gbps, alpha_us), hosts,
-                                    {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")})
+                                    {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")}, strict=False)
     res["alpha_us"] = alpha_us
-    res["efficiency"] = dict(cal_net.efficiency)
+    res["efficiency"] = {k: cal_net.eff(k) for k in ("allreduce", "allgather", "alltoall")}
     plain, calibrated = {}, {}
     for key, method in METHOD.items():
         plain[key] = 1000 * predict_step(sizes, compute_1 * share, hosts, net, method=method,

@@ -294,3 +294,5 @@ def test_calibrated_efficiency_reproduces_the_measured_times():
     assert t_half == pytest.approx(6 * net.alpha + (3.0 - 6 * net.alpha) / 2, rel=1e-9)
     with pytest.raises(ValueError, match="latency"):
         pm.calibrated_efficiency(net, N, {"allgather": (1e6, 1e-6)})
+    loose = pm.calibrated_efficiency(net, N, {"allgather": (1e6, 1e-6), "allreduce": (100e6, 3.0)}, strict=False)
+    assert loose.eff("allgather") == 1.0 and loose.eff("allreduce") == cal.eff("allreduce")
