@@ -457,15 +457,7 @@ def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, networ
     if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST):
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     limit = TERNGRAD_FUSION_NUMEL if fusion_numel is None else int(fusion_numel)
-    groups, current, total = [], [], 0
-    for n in reversed(sizes):
-        if current and (limit <= 0 or total + n > limit):
-            groups.append(current)
-            current, total = [], 0
-        current.append(n)
-        total += n
-    if current:
-        groups.append(current)
+    groups = fuse_buffers(sizes[::-1], limit, 1.0)     # the frontend's greedy cut, in elements
     if method != TERNGRAD_BEST:
         return [(method, g) for g in groups]
     return [(choose_exchange(g, workers, network, packing).method, g) for g in groups]
