@@ -53,6 +53,29 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
             "seconds": time.perf_counter() - t0}
 
 
+def write_outputs(rows: list, out: str, epochs: float) -> None:
+    """<out>/cifarnet_study.{json,md} from result rows (also used to merge runs made per N)."""
+    dataset = rows[0]["dataset"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cifarnet_study.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    lines = [f"CifarNet, Adam lr 0.0002, batch 64 per worker, {epochs:g} epochs, data: **{dataset}**. "
+             "Accuracy of the final parameters, and (as the paper evaluates) of their exponential moving "
+             "average (decay 0.9999, TensorFlow's warm-up).", "",
+             "| workers N | total batch | iterations | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n in sorted({r["workers"] for r in rows}):
+        b = next(r for r in rows if r["workers"] == n and r["compression"] == "none")
+        t = next(r for r in rows if r["workers"] == n and r["compression"] == "terngrad")
+        lines.append(f"| {n} | {b['total_batch']} | {b['iterations']} | {100 * b['test_acc']:.2f}% | "
+                     f"{100 * t['test_acc']:.2f}% | {100 * (t['test_acc'] - b['test_acc']):+.2f}% | "
+                     f"{100 * b['test_acc_ema']:.2f}% | {100 * t['test_acc_ema']:.2f}% | "
+                     f"{100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f}% |")
+    with open(os.path.join(out, "cifarnet_study.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="2,4,8")
@@ -75,24 +98,7 @@ def main(argv=None):
             print(f"[{dataset}] N={n} {comp}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "
                   f"{r['iterations']} iterations, "
                   f"{r['seconds']:.0f}s)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cifarnet_study.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    lines = [f"CifarNet, Adam lr 0.0002, batch 64 per worker, {args.epochs:g} epochs, data: **{dataset}**. "
-             "Accuracy of the final parameters, and (as the paper evaluates) of their exponential moving "
-             "average (decay 0.9999, TensorFlow's warm-up).", "",
-             "| workers N | total batch | iterations | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for n in sorted({r["workers"] for r in rows}):
-        b = next(r for r in rows if r["workers"] == n and r["compression"] == "none")
-        t = next(r for r in rows if r["workers"] == n and r["compression"] == "terngrad")
-        lines.append(f"| {n} | {b['total_batch']} | {b['iterations']} | {100 * b['test_acc']:.2f}% | "
-                     f"{100 * t['test_acc']:.2f}% | {100 * (t['test_acc'] - b['test_acc']):+.2f}% | "
-                     f"{100 * b['test_acc_ema']:.2f}% | {100 * t['test_acc_ema']:.2f}% | "
-                     f"{100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f}% |")
-    with open(os.path.join(args.out, "cifarnet_study.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_outputs(rows, args.out, args.epochs)
 
 
 if __name__ == "__main__":
