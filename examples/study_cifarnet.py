@@ -26,7 +26,10 @@ from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
 
 
 def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_worker: int = 64,
-          lr: float = 2e-4, test_limit: int = 0, ema_decay: float = 0.9999) -> dict:
+          lr: float = 2e-4, test_limit: int = 0, ema_decay: float = 0.9999, eval_every: float = 0,
+          on_eval=None) -> dict:
+    """One run.  With ``eval_every`` (epochs) the test accuracy (raw and EMA) is also taken along the
+    way and passed to ``on_eval(point)``, so a long run leaves a learning curve even if cut short."""
     torch.manual_seed(seed)
     xtr, ytr = data["train"]
     model = CifarNet(in_channels=xtr.shape[1])
@@ -39,18 +42,27 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
     steps = int(epochs * len(xtr) // batch)
     g = torch.Generator().manual_seed(seed)
     ema = ParameterEMA(model, ema_decay)
+    xte, yte = data["test"]
+    if test_limit:
+        xte, yte = xte[:test_limit], yte[:test_limit]
+    every = int(eval_every * len(xtr) // batch) if eval_every else 0
+    curve = []
     t0 = time.perf_counter()
     for it in range(steps):
         idx = batch_indices(seed, it, len(xtr), batch)
         sim.step(augment(xtr[idx], g), ytr[idx], F.cross_entropy, opt)
         ema.update(model)
-    xte, yte = data["test"]
-    if test_limit:
-        xte, yte = xte[:test_limit], yte[:test_limit]
+        if every and (it + 1) % every == 0 and it + 1 < steps:
+            point = {"iterations": it + 1, "epochs": (it + 1) * batch / len(xtr), "test_acc": evaluate(model, xte, yte),
+                     "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)),
+                     "seconds": time.perf_counter() - t0}
+            curve.append(point)
+            if on_eval:
+                on_eval(point)
     return {"workers": n_workers, "compression": compression, "total_batch": batch, "iterations": steps,
             "epochs": epochs, "test_acc": evaluate(model, xte, yte),
             "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)), "ema_decay": ema_decay,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "curve": curve}
 
 
 def write_outputs(rows: list, out: str, epochs: float) -> None:
@@ -84,6 +96,10 @@ def main(argv=None):
     p.add_argument("--cifar10", default="")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--out", default="docs/study")
+    p.add_argument("--compressions", default="none,terngrad",
+                   help="run only some of them (e.g. one per process, side by side); the table needs both")
+    p.add_argument("--eval-every", type=float, default=0,
+                   help="also evaluate every this many epochs; the curve goes to <out>/cifarnet_curve_<N>_<comp>.jsonl")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from horovod_terngrad.data_extra import load_cifar10, load_fashion_mnist
@@ -91,14 +107,29 @@ def main(argv=None):
     dataset = "CIFAR-10" if args.cifar10 else SUBSTITUTE
     rows = []
     for n in (int(v) for v in args.workers.split(",")):
-        for comp in ("none", "terngrad"):
-            r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit)
+        for comp in args.compressions.split(","):
+            curve_path = os.path.join(args.out, f"cifarnet_curve_{n}_{comp}.jsonl")
+
+            def log_point(point, n=n, comp=comp, curve_path=curve_path):
+                os.makedirs(args.out, exist_ok=True)
+                with open(curve_path, "a") as f:
+                    f.write(json.dumps(dict(point, workers=n, compression=comp, dataset=dataset)) + "\n")
+                print(f"[{dataset}] N={n} {comp} epoch {point['epochs']:.2f}: {100 * point['test_acc']:.2f}% "
+                      f"(EMA {100 * point['test_acc_ema']:.2f}%)", flush=True)
+            if args.eval_every and os.path.exists(curve_path):
+                os.unlink(curve_path)
+            r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit,
+                      eval_every=args.eval_every, on_eval=log_point if args.eval_every else None)
             r["dataset"] = dataset
             rows.append(r)
             print(f"[{dataset}] N={n} {comp}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "
                   f"{r['iterations']} iterations, "
                   f"{r['seconds']:.0f}s)", flush=True)
-    write_outputs(rows, args.out, args.epochs)
+    if {r["compression"] for r in rows} >= {"none", "terngrad"}:
+        write_outputs(rows, args.out, args.epochs)
+    else:
+        with open(os.path.join(args.out, f"cifarnet_rows_{args.compressions.replace(',', '_')}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
