@@ -129,3 +129,35 @@ def test_thread_count_does_not_change_bytes(fused):
         torch.set_num_threads(old)
     assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][2], results[1][2])
+
+
+@pytest.mark.parametrize("N", [2, 3, 5, 64, 200])      # sum widths 3, 3, 4, 8 and 9 bits
+@pytest.mark.parametrize("m", [1, 7, 8, 1283, 2 * 1280 + 13])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_sharded_owner_sums_and_decode_match_reference(fused, N, m, fmt, monkeypatch):
+    """The fused one-pass owner sums (code sums packed in L bits, chunked over threads) and the fused
+    decode of the gathered sums give the torch reference's bytes and floats, for every sum width."""
+    from horovod_terngrad.exchange import sharded
+    gen = torch.Generator().manual_seed(N * 1000 + m)
+    chunks = [C.pack(torch.randint(-1, 2, (m,), generator=gen, dtype=torch.int8), fmt) for _ in range(N)]
+    received = torch.cat(chunks)
+    bits = sharded.sum_bits(N)
+    want = sharded.owner_sums_reference(received, N, m, chunks[0].numel(), fmt)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(fused.owner_sums(received, N, m, fmt, bits), want), threads
+    finally:
+        torch.set_num_threads(old)
+    # decode: an n-element tensor whose shards' sums were gathered (bucketed scalers too)
+    n = N * m - (m // 2)
+    bounds = sharded.shard_bounds(n, N)
+    parts = [sharded.pack_bits(torch.randint(0, 2 * N + 1, (hi - lo,), generator=gen), bits) for lo, hi in bounds]
+    gathered = torch.cat(parts)
+    for scalers, bucket in ((torch.tensor([0.3]), 0), (torch.rand(-(-n // 7), generator=gen) + 0.1, 7)):
+        got = sharded.decode_gathered(gathered, n, N, scalers, bucket, float(N))
+        monkeypatch.setattr(sharded, "_fused", lambda device: None)
+        ref = sharded.decode_gathered(gathered, n, N, scalers, bucket, float(N))
+        monkeypatch.undo()
+        assert torch.equal(got, ref)

@@ -28,7 +28,7 @@ from ..codec.packing import FORMATS
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -115,9 +115,9 @@ class FusedCPUBackend:
         lib.tg_ternarize_pack.argtypes = [_P, _c_int64, _c_float, _P, _c_int64, _u32, _u32, _c_int, _P, _c_int]
         lib.tg_decode_average.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
         lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
-        lib.tg_pack_sums.argtypes = [_P, _c_int64, _c_int, _c_int, _P]
-        lib.tg_unpack_sums.argtypes = [_P, _c_int64, _c_int, _c_int, _P, _c_int64, _c_int64, _c_float, _P]
-        for fn in (lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_pack_sums,
+        lib.tg_owner_sums.argtypes = [_P, _c_int, _c_int64, _c_int, _c_int, _P, _c_int]
+        lib.tg_unpack_sums.argtypes = [_P, _c_int64, _c_int, _c_int, _P, _c_int64, _c_int64, _c_float, _P, _c_int]
+        for fn in (lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
                    lib.tg_unpack_sums):
             fn.restype = None
         self.lib = lib
@@ -184,16 +184,13 @@ class FusedCPUBackend:
 
     # -- sharded exchange --------------------------------------------------------------------------
     def owner_sums(self, received: torch.Tensor, n_ranks: int, m: int, fmt: str, bits: int) -> torch.Tensor:
-        """Sum N equal-size code chunks (one shard) and pack k + N in ``bits`` bits."""
+        """Sum N equal-size code chunks (one shard) and pack k + N in ``bits`` bits, in one pass."""
         nbytes = received.numel() // n_ranks if n_ranks else 0
-        k = torch.empty(m, dtype=torch.float32)
         out = torch.empty(-(-m * bits // 8), dtype=torch.uint8)
         if m:
             base = received.data_ptr()
             pp = (ctypes.c_void_p * n_ranks)(*[base + r * nbytes for r in range(n_ranks)])
-            one = torch.ones(1, dtype=torch.float32)
-            self.lib.tg_decode_shared(pp, _ptr(one), n_ranks, m, FORMATS[fmt], 0, 1.0, _ptr(k), self._threads())
-            self.lib.tg_pack_sums(_ptr(k), m, n_ranks, bits, _ptr(out))
+            self.lib.tg_owner_sums(pp, n_ranks, m, FORMATS[fmt], bits, _ptr(out), self._threads())
         return out
 
     def decode_sums(self, data: torch.Tensor, m: int, n_ranks: int, bits: int, scalers: torch.Tensor,
@@ -201,7 +198,7 @@ class FusedCPUBackend:
         if m:
             s = scalers.to(torch.float32).contiguous()
             self.lib.tg_unpack_sums(_ptr(data), m, n_ranks, bits, _ptr(s), bucket_size, start, float(divisor),
-                                    _ptr(out))
+                                    _ptr(out), self._threads())
 
 
 def load() -> FusedCPUBackend | None:

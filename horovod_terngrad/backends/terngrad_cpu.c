@@ -24,7 +24,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 5; }
+int tg_abi_version(void) { return 6; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -192,44 +192,52 @@ static void init_luts(void) {
 
 /* Shared scaler (every payload carries the same scalers): out = ((float)k * s) / divisor with
  * k = sum of the payloads' ternary values, an exact integer. */
-void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
-                      int64_t bucket, float divisor, float *out, int nthreads) {
-    init_luts();
+/* k[j] = sum over the npay payloads of the code value of element start + j, j < cnt <= TG_CHUNK
+ * (start a multiple of TG_CHUNK).  Codes are added as biased lanes through a 256-entry table: four 16-bit
+ * lanes per 2bit byte, five 12-bit lanes per base3 byte, in groups small enough not to overflow a lane. */
+static void sum_codes_chunk(const uint8_t *const *packed, int npay, int64_t start, int64_t cnt, int fmt,
+                            int32_t *k) {
+    uint64_t lo[TG_CHUNK / 4];
     const int per = fmt == 1 ? 4 : 5;
     const uint64_t *lut = fmt == 1 ? lut_lo2 : lut_lo3;
     const int maxgroup = fmt == 1 ? 32767 : 2047;
+    const int64_t nbytes = (cnt + per - 1) / per;
+    const int64_t b0 = start / per;
+    for (int64_t j = 0; j < TG_CHUNK; j++) k[j] = 0;
+    for (int p0 = 0; p0 < npay; p0 += maxgroup) {
+        int p1 = p0 + maxgroup < npay ? p0 + maxgroup : npay;
+        const int32_t bias = p1 - p0;
+        for (int64_t b = 0; b < nbytes; b++) lo[b] = 0;
+        for (int p = p0; p < p1; p++) {
+            const uint8_t *src = packed[p] + b0;
+            for (int64_t b = 0; b < nbytes; b++) lo[b] += lut[src[b]];
+        }
+        if (fmt == 1) {
+            const uint16_t *l16 = (const uint16_t *)lo;   /* little-endian lanes, in element order */
+            for (int64_t j = 0; j < cnt; j++) k[j] += (int32_t)l16[j] - bias;
+        } else {
+            for (int64_t b = 0; b < nbytes; b++) {
+                const uint64_t a = lo[b];
+                k[5 * b + 0] += (int32_t)(a & 0xFFF) - bias;
+                k[5 * b + 1] += (int32_t)((a >> 12) & 0xFFF) - bias;
+                k[5 * b + 2] += (int32_t)((a >> 24) & 0xFFF) - bias;
+                k[5 * b + 3] += (int32_t)((a >> 36) & 0xFFF) - bias;
+                k[5 * b + 4] += (int32_t)((a >> 48) & 0xFFF) - bias;
+            }
+        }
+    }
+}
+
+void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
+                      int64_t bucket, float divisor, float *out, int nthreads) {
+    init_luts();
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t ch = 0; ch < nchunks; ch++) {
-        uint64_t lo[TG_CHUNK / 4];
         int32_t k[TG_CHUNK];
         int64_t start = ch * TG_CHUNK;
         int64_t cnt = n - start < TG_CHUNK ? n - start : TG_CHUNK;
-        int64_t nbytes = (cnt + per - 1) / per;
-        const int64_t b0 = start / per;
-        for (int64_t j = 0; j < TG_CHUNK; j++) k[j] = 0;
-        for (int p0 = 0; p0 < npay; p0 += maxgroup) {
-            int p1 = p0 + maxgroup < npay ? p0 + maxgroup : npay;
-            const int32_t bias = p1 - p0;
-            for (int64_t b = 0; b < nbytes; b++) lo[b] = 0;
-            for (int p = p0; p < p1; p++) {
-                const uint8_t *src = packed[p] + b0;
-                for (int64_t b = 0; b < nbytes; b++) lo[b] += lut[src[b]];
-            }
-            if (fmt == 1) {
-                const uint16_t *l16 = (const uint16_t *)lo;   /* little-endian lanes, in element order */
-                for (int64_t j = 0; j < cnt; j++) k[j] += (int32_t)l16[j] - bias;
-            } else {
-                for (int64_t b = 0; b < nbytes; b++) {
-                    const uint64_t a = lo[b];
-                    k[5 * b + 0] += (int32_t)(a & 0xFFF) - bias;
-                    k[5 * b + 1] += (int32_t)((a >> 12) & 0xFFF) - bias;
-                    k[5 * b + 2] += (int32_t)((a >> 24) & 0xFFF) - bias;
-                    k[5 * b + 3] += (int32_t)((a >> 36) & 0xFFF) - bias;
-                    k[5 * b + 4] += (int32_t)((a >> 48) & 0xFFF) - bias;
-                }
-            }
-        }
+        sum_codes_chunk(packed, npay, start, cnt, fmt, k);
         if (bucket <= 0) {
             const float s = scalers[0];
             for (int64_t j = 0; j < cnt; j++) out[start + j] = ((float)k[j] * s) / divisor;
@@ -281,32 +289,83 @@ void tg_decode_average(const uint8_t *const *packed, const float *const *scalers
     }
 }
 
-/* Sharded exchange: owners' sums k in [-N, N] stored as k + N in L bits, little-endian bitstream. */
-void tg_pack_sums(const float *kf, int64_t m, int nranks, int bits, uint8_t *out) {
+/* Sharded exchange: owners' sums k in [-N, N] stored as k + N in L bits, little-endian bitstream.
+ * Work goes in chunks of TG_CHUNK elements (a multiple of 8), so every chunk starts on a byte of the
+ * stream and threads never share a byte.  With L <= 8, 8 values fill exactly L bytes. */
+static void pack_bits_chunk(const int32_t *k, int64_t cnt, int32_t bias, int bits, uint8_t *dst) {
+    int64_t j = 0;
+    if (bits <= 8) {
+        for (; j + 8 <= cnt; j += 8) {
+            uint64_t v = 0;
+            for (int q = 0; q < 8; q++) v |= (uint64_t)(uint32_t)(k[j + q] + bias) << (q * bits);
+            uint8_t *o = dst + (j / 8) * bits;
+            for (int b = 0; b < bits; b++) o[b] = (uint8_t)(v >> (8 * b));
+        }
+    }
+    uint8_t *o = dst + (j * bits) / 8;          /* j is a multiple of 8 */
     uint64_t acc = 0;
     int have = 0;
-    int64_t o = 0;
-    for (int64_t i = 0; i < m; i++) {
-        acc |= (uint64_t)((int64_t)kf[i] + nranks) << have;
+    for (; j < cnt; j++) {
+        acc |= (uint64_t)(uint32_t)(k[j] + bias) << have;
         have += bits;
-        while (have >= 8) { out[o++] = (uint8_t)acc; acc >>= 8; have -= 8; }
+        while (have >= 8) { *o++ = (uint8_t)acc; acc >>= 8; have -= 8; }
     }
-    if (have > 0) out[o++] = (uint8_t)acc;
+    if (have > 0) *o = (uint8_t)acc;
+}
+
+static void unpack_bits_chunk(const uint8_t *src, int64_t cnt, int32_t bias, int bits, int32_t *k) {
+    const uint64_t mask = (1ULL << bits) - 1;
+    int64_t j = 0;
+    if (bits <= 8) {
+        for (; j + 8 <= cnt; j += 8) {
+            const uint8_t *i = src + (j / 8) * bits;
+            uint64_t v = 0;
+            for (int b = 0; b < bits; b++) v |= (uint64_t)i[b] << (8 * b);
+            for (int q = 0; q < 8; q++) k[j + q] = (int32_t)((v >> (q * bits)) & mask) - bias;
+        }
+    }
+    const uint8_t *i = src + (j * bits) / 8;
+    uint64_t acc = 0;
+    int have = 0;
+    for (; j < cnt; j++) {
+        while (have < bits) { acc |= (uint64_t)*i++ << have; have += 8; }
+        k[j] = (int32_t)(acc & mask) - bias;
+        acc >>= bits;
+        have -= bits;
+    }
+}
+
+/* One owner's shard of m elements: add the N ranks' code chunks (rank order) and pack k + N in L bits. */
+void tg_owner_sums(const uint8_t *const *packed, int npay, int64_t m, int fmt, int bits, uint8_t *out,
+                   int nthreads) {
+    init_luts();
+    int64_t nchunks = (m + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        int32_t k[TG_CHUNK];
+        int64_t start = ch * TG_CHUNK;
+        int64_t cnt = m - start < TG_CHUNK ? m - start : TG_CHUNK;
+        sum_codes_chunk(packed, npay, start, cnt, fmt, k);
+        pack_bits_chunk(k, cnt, npay, bits, out + (start * bits) / 8);
+    }
 }
 
 /* out[i] = ((float)k * s) / divisor for the m sums of one shard that starts at element `start`. */
 void tg_unpack_sums(const uint8_t *data, int64_t m, int nranks, int bits, const float *scalers, int64_t bucket,
-                    int64_t start, float divisor, float *out) {
-    const uint64_t mask = (1ULL << bits) - 1;
-    uint64_t acc = 0;
-    int have = 0;
-    int64_t in = 0;
-    for (int64_t i = 0; i < m; i++) {
-        while (have < bits) { acc |= (uint64_t)data[in++] << have; have += 8; }
-        int k = (int)(acc & mask) - nranks;
-        acc >>= bits;
-        have -= bits;
-        float s = bucket > 0 ? scalers[(start + i) / bucket] : scalers[0];
-        out[i] = ((float)k * s) / divisor;
+                    int64_t start, float divisor, float *out, int nthreads) {
+    int64_t nchunks = (m + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        int32_t k[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int64_t cnt = m - lo < TG_CHUNK ? m - lo : TG_CHUNK;
+        unpack_bits_chunk(data + (lo * bits) / 8, cnt, nranks, bits, k);
+        float *o = out + lo;
+        if (bucket <= 0) {
+            const float s = scalers[0];
+            for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * s) / divisor;
+        } else {
+            for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * scalers[(start + lo + j) / bucket]) / divisor;
+        }
     }
 }
