@@ -14,7 +14,15 @@ model takes from a calibration run inside each emulated cluster before the timed
 (``bench step --calibrate``: compute time of a step with all ranks computing at once and no exchange,
 the latency alpha from a 4-byte allreduce, and one large allreduce, allgather and alltoall at this
 model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``)
-("calibrated model").  Neither uses the timed steps.
+("calibrated model"), and a third time with horovod_terngrad.timeline, which schedules the step as
+Horovod runs it (collectives overlap backward, concurrent ones fuse into one round, codec stages on the
+main thread at rates measured here) on the calibrated inputs ("scheduled model").  None uses the timed
+steps; ``--predict-only`` recomputes the predictions of a saved run.
+
+The emulated hosts share this machine's cores, which real hosts do not: Open MPI's busy-polling in one
+rank would steal the core another rank computes on, so ranks are started with
+OMPI_MCA_mpi_yield_when_idle=1 (waiting ranks yield the CPU), as Open MPI does itself when it knows a
+node is oversubscribed.
 """
 from __future__ import annotations
 
@@ -70,16 +78,9 @@ def profile(layers: int, width: int, batch: int) -> float:
     return profile_compute(model, batch, (width,), steps=5)
 
 
-def codec_rate() -> float:
-    """Elements per second of (prepare + encode) on one core: the perf model's codec throughput."""
-    from horovod_terngrad.backends import for_device
-    be = for_device(torch.device("cpu"))
-    g = torch.randn(10_000_000)
-    t = time.perf_counter()
-    for _ in range(3):
-        p = be.prepare(g, 0, 2.5)
-        be.encode(g, p.threshold, p.scalers, 0, (1, 2), "2bit")
-    return 3 * g.numel() / (time.perf_counter() - t)
+def codec_rate(rates) -> float:
+    """Elements per second of (prepare + encode) on one core: the additive model's codec throughput."""
+    return 1.0 / (rates.prepare + rates.encode)
 
 
 def run_case(hosts: int, rate: str, args) -> dict:
@@ -97,7 +98,7 @@ def run_case(hosts: int, rate: str, args) -> dict:
                "--", PY, "-m", "horovod_terngrad.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
                "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", "2", "--configs", CONFIGS,
                "--calibrate", "--json", out]
-        p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
+        p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT, OMPI_MCA_mpi_yield_when_idle="1"))
         if p.returncode:
             raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])
         with open(out) as f:
@@ -108,9 +109,13 @@ def run_case(hosts: int, rate: str, args) -> dict:
         sh([NETNS, "down", "--prefix", prefix])
 
 
-def predict(res: dict, compute_1: float, rate_elems: float) -> tuple[dict, dict]:
-    """(link-rate model, calibrated model) step times in ms per configuration."""
+def predict(res: dict, compute_1: float, rates) -> tuple[dict, dict, dict]:
+    """(link-rate model, calibrated model, scheduled model) step times in ms per configuration."""
+    from horovod_terngrad.launcher import network_env
     from horovod_terngrad.perfmodel import Network, calibrated_efficiency, predict_step
+    from horovod_terngrad.timeline import timeline_step
+    rate_elems = codec_rate(rates)
+    cycle_s = float(network_env("ethernet", "eth0", [], True)["HOROVOD_CYCLE_TIME"]) / 1000
     hosts = res["hosts"]
     gbps = 1.0 if res["rate"] == "1gbit" else res["measured_gbps"]
     net = Network.from_gbps("emulated", gbps, 30.0)
@@ -123,13 +128,15 @@ def predict(res: dict, compute_1: float, rate_elems: float) -> tuple[dict, dict]
                                     {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")}, strict=False)
     res["alpha_us"] = alpha_us
     res["efficiency"] = {k: cal_net.eff(k) for k in ("allreduce", "allgather", "alltoall")}
-    plain, calibrated = {}, {}
+    plain, calibrated, scheduled = {}, {}, {}
     for key, method in METHOD.items():
+        scheduled[key] = 1000 * timeline_step(sizes, cal["compute_ms"] / 1000, hosts, cal_net, method,
+                                              codec=rates.slowed(share), cycle_s=cycle_s).step_s
         plain[key] = 1000 * predict_step(sizes, compute_1 * share, hosts, net, method=method,
                                          codec_elements_per_s=rate_elems / share).step_s
         calibrated[key] = 1000 * predict_step(sizes, cal["compute_ms"] / 1000, hosts, cal_net, method=method,
                                               codec_elements_per_s=rate_elems / share).step_s
-    return plain, calibrated
+    return plain, calibrated, scheduled
 
 
 def main(argv=None):
@@ -141,39 +148,58 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="docs/cluster")
+    p.add_argument("--predict-only", default="", metavar="JSON",
+                   help="recompute the predictions (and the table) of a saved emulated_cluster.json; runs nothing")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        sys.exit("emulated_cluster_benchmark: needs root (network namespaces)")
+    from horovod_terngrad.timeline import CodecRates, measure_codec_rates
     torch.set_num_threads(1)
-    compute_1 = profile(args.layers, args.width, args.batch)
-    rate_elems = codec_rate()
-    print(f"compute per step on one core: {1000 * compute_1:.1f} ms; codec {rate_elems / 1e9:.2f} G elements/s", flush=True)
-    rows = []
-    for hosts in (int(h) for h in args.hosts.split(",")):
-        for rate in args.rates.split(","):
-            res = run_case(hosts, rate, args)
-            res.update(layers=args.layers, width=args.width)
-            res["predicted_ms"], res["calibrated_ms"] = predict(res, compute_1, rate_elems)
-            rows.append(res)
-            print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
-            for r in res["rows"]:
-                print(f"  {hosts} hosts {rate}: {r['config']:18s} measured {r['step_ms']:8.1f} ms  "
-                      f"link-rate model {res['predicted_ms'][r['config']]:8.1f} ms  "
-                      f"calibrated model {res['calibrated_ms'][r['config']]:8.1f} ms", flush=True)
+    if args.predict_only:
+        with open(args.predict_only) as f:
+            saved = json.load(f)
+        compute_1, rows = saved["compute_ms_one_core"] / 1000, saved["cases"]
+        rates = CodecRates(**saved["codec_s_per_element"]) if "codec_s_per_element" in saved else measure_codec_rates()
+        args.layers, args.width, args.batch = rows[0]["layers"], rows[0]["width"], saved.get("batch", args.batch)
+        args.steps = saved.get("steps", args.steps)
+        for res in rows:
+            res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates)
+    else:
+        if os.geteuid() != 0:
+            sys.exit("emulated_cluster_benchmark: needs root (network namespaces)")
+        compute_1 = profile(args.layers, args.width, args.batch)
+        rates = measure_codec_rates()
+        print(f"compute per step on one core: {1000 * compute_1:.1f} ms; codec ns/element: "
+              f"{ {k: round(1e9 * v, 3) for k, v in rates.__dict__.items()} }", flush=True)
+        rows = []
+        for hosts in (int(h) for h in args.hosts.split(",")):
+            for rate in args.rates.split(","):
+                res = run_case(hosts, rate, args)
+                res.update(layers=args.layers, width=args.width)
+                res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates)
+                rows.append(res)
+                print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+                for r in res["rows"]:
+                    print(f"  {hosts} hosts {rate}: {r['config']:18s} measured {r['step_ms']:8.1f} ms  "
+                          f"link-rate model {res['predicted_ms'][r['config']]:8.1f} ms  "
+                          f"calibrated model {res['calibrated_ms'][r['config']]:8.1f} ms  "
+                          f"scheduled model {res['scheduled_ms'][r['config']]:8.1f} ms", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
-        json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_elements_per_s": rate_elems, "cases": rows}, f, indent=1)
+        json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_s_per_element": rates.__dict__,
+                   "batch": args.batch, "steps": args.steps, "cases": rows}, f, indent=1)
     lines = [f"MLP {args.layers}x{args.width}x{args.width} ({sum(model_sizes(args.layers, args.width))} parameters), "
              f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps} steps.", "",
-             "| hosts | link | exchange | measured ms/step | link-rate model | error | calibrated model | error | vs fp32 | vs fp16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| hosts | link | exchange | measured ms/step | link-rate model | error | calibrated model | error | "
+             "scheduled model | error | vs fp32 | vs fp16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in rows:
         by = {r["config"]: r["step_ms"] for r in res["rows"]}
         link = res["rate"] if res["rate"] != "none" else f"unshaped ({res['measured_gbps']:.1f} Gbit/s measured)"
         for r in res["rows"]:
             pr, pc, m = res["predicted_ms"][r["config"]], res["calibrated_ms"][r["config"]], r["step_ms"]
+            ps = res["scheduled_ms"][r["config"]]
             lines.append(f"| {res['hosts']} | {link} | {r['config']} | {m:.1f} | {pr:.1f} | {100 * (pr - m) / m:+.0f}% | "
-                         f"{pc:.1f} | {100 * (pc - m) / m:+.0f}% | {m / by['fp32']:.2f}x | {m / by['fp16']:.2f}x |")
+                         f"{pc:.1f} | {100 * (pc - m) / m:+.0f}% | {ps:.1f} | {100 * (ps - m) / m:+.0f}% | "
+                         f"{m / by['fp32']:.2f}x | {m / by['fp16']:.2f}x |")
     lines += ["", "Calibration (per cluster, measured before the timed steps): compute ms/step with every rank computing, "
               "and the efficiency of each collective (fraction of the link rate the alpha-beta model assumes):", "",
               "| hosts | link | compute ms | alpha us (4-byte allreduce) | allreduce | allgather | alltoall |",

@@ -1,0 +1,285 @@
+"""Scheduled step-time model: when each collective runs during a step, as Horovod and this library run it.
+
+``perfmodel.predict_step`` adds compute, communication and codec times (with an optional overlap
+fraction).  That over-charges real steps in two ways that the emulated-cluster measurements showed
+(docs/cluster.md): Horovod starts a gradient's collective while backward is still running, and
+collectives submitted while the network is busy are fused into one round, so latency is paid per round,
+not per buffer.  This module simulates one step on one worker instead, with two resources:
+
+* the **main thread** (a CPU core): forward; backward, one tensor after the other in reverse layer order,
+  each taking a share of the backward time proportional to its size; the work the compressor does on
+  it: TernGrad's statistics in the backward hook, encoding once a group's handshake is back (at the next
+  hook, or in the optimizer's synchronize), owners' sums (sharded), decoding in synchronize; fp16's casts.
+* the **channel** (Horovod's background thread and the link): one collective at a time, in submission
+  order.  A collective starts ``cycle_s`` after its submission, or when the channel frees up, whichever
+  is later.  A collective of the same kind submitted before the last queued one has started joins it
+  (Horovod's tensor fusion): one latency term for the round, the bandwidth terms added.
+
+Collective times are perfmodel's alpha-beta formulas (ring allreduce, ring allgather, pairwise
+alltoall; with the network's calibrated efficiencies).  Step time = when the main thread has decoded
+the last gradient (TernGrad) or the last allreduce is back and cast (fp32/fp16).
+
+Gradient buffers follow perfmodel.exchange_plan: Horovod's fusion threshold for fp32/fp16 (buffers
+formed from the tensors ready when the channel frees up), TernGrad's fixed groups (fusion_numel).
+
+Codec work is charged from :class:`CodecRates` (seconds per element of each stage, measured on the
+machine with :func:`measure_codec_rates`); None = free.  Cost: O(tensors) per prediction.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from . import perfmodel as pm
+
+
+@dataclass(frozen=True)
+class CodecRates:
+    """Seconds per element of each codec stage on one worker (one core).
+
+    prepare: statistics, clip threshold and scaler, per gradient element (in the backward hook);
+    encode: ternarize + pack, per element; decode_base + decode_per_payload·N: allgather decode of N
+    payloads, per output element; owner_sum: per code an owner adds (sharded: N·n/N = n per step);
+    decode_sums: per element of the gathered sums; cast: one fp32<->fp16 cast, per element.
+    """
+
+    prepare: float
+    encode: float
+    decode_base: float
+    decode_per_payload: float
+    owner_sum: float
+    decode_sums: float
+    cast: float
+
+    def slowed(self, factor: float) -> "CodecRates":
+        """Every stage ``factor`` times slower (ranks sharing a core)."""
+        return CodecRates(*(factor * getattr(self, f) for f in self.__dataclass_fields__))
+
+
+def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3) -> CodecRates:
+    """Time each stage of this machine's codec backend on one thread (best of ``repeat``)."""
+    import torch
+
+    from .backends import for_device
+    from .codec import packing
+    from .exchange import sharded
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        be = for_device(torch.device("cpu"))
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+
+        def best(fn):
+            t = float("inf")
+            for _ in range(repeat + 1):
+                t0 = time.perf_counter()
+                fn()
+                t = min(t, time.perf_counter() - t0)
+            return t / numel
+
+        prep = be.prepare(g, 0, 2.5)
+        prepare = best(lambda: be.prepare(g, 0, 2.5))
+        encode = best(lambda: be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit"))
+        pay = be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit")
+        out = torch.empty(numel)
+        dec = {}
+        for k in (1, 8):
+            gathered = torch.cat([pay] * k)
+            headers, offsets = packing.walk(gathered, k)
+            dec[k] = best(lambda: be.decode(gathered, headers, offsets, float(k), out=out))
+        per_payload = max(0.0, (dec[8] - dec[1]) / 7)
+        codes = pay[packing.HEADER_BYTES + 4:]
+        N = 8
+        m = numel // N // 20 * 20
+        received = torch.cat([codes[:m // 4]] * N)
+        bits = sharded.sum_bits(N)
+        owner = best(lambda: be.owner_sums(received, N, m, "2bit", bits)) * numel / (N * m)
+        sums = be.owner_sums(received, N, m, "2bit", bits)
+        one = torch.ones(1)
+        dsums = best(lambda: be.decode_sums(sums, m, N, bits, one, 0, 0, float(N), out[:m])) * numel / m
+        half = torch.empty(numel, dtype=torch.float16)
+        cast = best(lambda: half.copy_(g))
+        return CodecRates(prepare, encode, max(0.0, dec[1] - per_payload), per_payload, owner, dsums, cast)
+    finally:
+        torch.set_num_threads(old)
+
+
+class _Channel:
+    """Collectives one at a time in submission order; same-kind submissions fuse into a queued round."""
+
+    def __init__(self, cycle_s: float):
+        self.cycle = cycle_s
+        self.ops = []          # [kind, start, bandwidth_s, latency_s, [ids]]
+        self.done = {}         # id -> op index
+
+    def submit(self, t: float, kind: str, op_id, latency_s: float, bandwidth_s: float) -> None:
+        if self.ops:
+            last = self.ops[-1]
+            if last[0] == kind and t <= last[1]:       # not started yet: join its round
+                last[2] += bandwidth_s
+                last[3] = max(last[3], latency_s)
+                last[4].append(op_id)
+                self.done[op_id] = len(self.ops) - 1
+                return
+        free = self.ops[-1][1] + self.ops[-1][2] + self.ops[-1][3] if self.ops else 0.0
+        self.ops.append([kind, max(t + self.cycle, free), bandwidth_s, latency_s, [op_id]])
+        self.done[op_id] = len(self.ops) - 1
+
+    def finish_time(self, op_id) -> float:
+        op = self.ops[self.done[op_id]]
+        return op[1] + op[2] + op[3]
+
+    def rounds(self) -> int:
+        return len(self.ops)
+
+
+def _split(fn, nbytes: float, workers: int, link: pm.Network, *extra) -> tuple[float, float]:
+    """(latency part, bandwidth part) of a perfmodel collective time."""
+    lat = fn(0, workers, link, *extra)
+    return lat, fn(nbytes, workers, link, *extra) - lat
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What :func:`timeline_step` predicts for one step of one worker (seconds)."""
+
+    method: str
+    workers: int
+    step_s: float
+    compute_s: float
+    backward_end_s: float     # when backward (with the hooks' codec work) is done on the main thread
+    channel_busy_s: float     # total time the channel spent in collectives
+    codec_s: float            # codec work on the main thread
+    rounds: int               # collective rounds after fusion
+
+
+def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: pm.Network,
+                  method: str = pm.FP32, *, codec: CodecRates | None = None, backward_fraction: float = 2 / 3,
+                  packing: str = "2bit", fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
+                  fusion_numel: int | None = None, cycle_s: float = 0.0) -> Timeline:
+    """Simulate one step (see the module docstring).  ``tensor_sizes`` in layer (forward) order."""
+    if not 0.0 <= backward_fraction <= 1.0:
+        raise ValueError("backward_fraction must be in [0, 1]")
+    sizes = [int(s) for s in tensor_sizes]
+    N = int(workers)
+    total = sum(sizes) or 1
+    link = network.link_for(N)
+    fwd = compute_s * (1 - backward_fraction)
+    bwd = compute_s * backward_fraction
+    zero = CodecRates(0, 0, 0, 0, 0, 0, 0)
+    c = codec or zero
+    chan = _Channel(cycle_s)
+    main = fwd
+    codec_s = 0.0
+    order = list(range(len(sizes)))[::-1]         # backward: last layer first
+    ready = {}
+    if N <= 1:
+        return Timeline(method, N, compute_s, compute_s, compute_s, 0.0, 0.0, 0)
+
+    if method in (pm.FP32, pm.FP16):
+        width = 4 if method == pm.FP32 else 2
+        for i in order:
+            main += bwd * sizes[i] / total
+            if method == pm.FP16:
+                main += c.cast * sizes[i]
+                codec_s += c.cast * sizes[i]
+            ready[i] = main
+        backward_end = main
+        # Horovod: when the channel frees up, every ready tensor (up to the fusion threshold) goes in one buffer
+        t_free, k, last_done = 0.0, 0, fwd
+        while k < len(order):
+            start = max(t_free, ready[order[k]] + cycle_s)
+            nbytes, j = 0, k
+            while j < len(order) and ready[order[j]] + cycle_s <= start and (
+                    j == k or nbytes + width * sizes[order[j]] <= fusion_bytes):
+                nbytes += width * sizes[order[j]]
+                j += 1
+            lat, bw = _split(pm.ring_allreduce_time, nbytes, N, link)
+            chan.ops.append(["allreduce", start, bw, lat, order[k:j]])
+            t_free = last_done = start + lat + bw
+            k = j
+        end = max(backward_end, last_done)
+        if method == pm.FP16:
+            cast_back = c.cast * sum(sizes)
+            end += cast_back
+            codec_s += cast_back
+        busy = sum(op[2] + op[3] for op in chan.ops)
+        return Timeline(method, N, end, compute_s, backward_end, busy, codec_s, chan.rounds())
+
+    if method not in (pm.TERNGRAD_ALLGATHER, pm.TERNGRAD_SHARDED, pm.TERNGRAD_BEST):
+        raise ValueError(f"method must be one of {pm.METHODS}, got {method!r}")
+    plan = pm.exchange_plan(method, sizes, N, network, packing, fusion_bytes, fusion_numel)
+    # group g's members, in backward order, as the frontend cuts them
+    members, pos = [], 0
+    for _, group in plan:
+        members.append(order[pos:pos + len(group)])
+        pos += len(group)
+    group_of_last = {m[-1]: g for g, m in enumerate(members)}
+    kinds = [kind for kind, _ in plan]
+    numel = [sum(sizes[i] for i in m) for m in members]
+    encoded = [False] * len(plan)
+
+    def work(seconds: float) -> None:
+        nonlocal main, codec_s
+        main += seconds
+        codec_s += seconds
+
+    def encode_and_send(g: int) -> None:
+        nonlocal main
+        main = max(main, chan.finish_time(("hs", g)))
+        work(c.encode * numel[g])
+        encoded[g] = True
+        if kinds[g] == pm.TERNGRAD_SHARDED:
+            per_peer = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(numel[g], N), packing)
+            G = network.ranks_per_node if link is network else N
+            lat, bw = _split(pm.alltoall_time, per_peer, N, link, G)
+            chan.submit(main, "alltoall", ("a2a", g), lat, bw)
+        else:
+            P = sum(pm.payload_bytes(sizes[i], packing) for i in members[g])
+            lat, bw = _split(pm.ring_allgather_time, P, N, link)
+            chan.submit(main, "allgather", ("ag", g), lat, bw)
+
+    def encode_ready(now: float) -> None:
+        for g in range(len(plan)):
+            if not encoded[g] and ("hs", g) in chan.done and chan.finish_time(("hs", g)) <= now:
+                encode_and_send(g)
+
+    for i in order:
+        main += bwd * sizes[i] / total
+        encode_ready(main)                           # the hook's start() sends payloads of finished handshakes
+        g = group_of_last.get(i)
+        if g is not None:                            # the group's last member: statistics, then handshake
+            work(c.prepare * numel[g])
+            lat, bw = _split(pm.ring_allreduce_time, pm.handshake_bytes(len(members[g])), N, link)
+            chan.submit(main, "allreduce", ("hs", g), lat, bw)
+    backward_end = main
+    for g in range(len(plan)):                       # synchronize: every outstanding handshake first
+        if not encoded[g]:
+            encode_and_send(g)
+    for g in range(len(plan)):
+        if kinds[g] == pm.TERNGRAD_SHARDED:          # owners add their shard, then the sums go round
+            main = max(main, chan.finish_time(("a2a", g)))
+            work(c.owner_sum * numel[g])
+            P_sum = pm.SHARDED_CHUNK_HEADER_BYTES + -(-(pm.shard_numel(numel[g], N) * pm.sum_bits(N)) // 8)
+            lat, bw = _split(pm.ring_allgather_time, P_sum, N, link)
+            chan.submit(main, "allgather", ("ag", g), lat, bw)
+    for g in range(len(plan)):
+        main = max(main, chan.finish_time(("ag", g)))
+        if kinds[g] == pm.TERNGRAD_SHARDED:
+            work(c.decode_sums * numel[g])
+        else:
+            work((c.decode_base + c.decode_per_payload * N) * numel[g])
+    busy = sum(op[2] + op[3] for op in chan.ops)
+    return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds())
+
+
+def with_codec_slowdown(rates: CodecRates | None, ranks_per_core: float) -> CodecRates | None:
+    """Codec rates for ranks that share cores (``ranks_per_core`` > 1 slows every stage)."""
+    if rates is None or ranks_per_core <= 1:
+        return rates
+    return rates.slowed(ranks_per_core)
+
+
+__all__ = ["CodecRates", "Timeline", "measure_codec_rates", "timeline_step", "with_codec_slowdown"]

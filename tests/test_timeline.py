@@ -1,0 +1,89 @@
+"""Scheduled step model (horovod_terngrad/timeline.py): hand-checked schedules on a flat network."""
+import pytest
+
+from horovod_terngrad import perfmodel as pm
+from horovod_terngrad.timeline import CodecRates, measure_codec_rates, timeline_step
+
+FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)      # alpha 1 ms, 1 MB/s
+
+
+def test_fp32_one_tensor_waits_for_backward_then_one_allreduce():
+    # one tensor: its gradient is ready when backward ends, so nothing overlaps
+    n, N, compute = 1000, 4, 0.5
+    t = timeline_step([n], compute, N, FLAT, "fp32")
+    assert t.step_s == pytest.approx(compute + pm.ring_allreduce_time(4 * n, N, FLAT))
+    assert t.rounds == 1
+
+
+def test_fp32_last_layer_overlaps_backward_of_the_others():
+    # two equal tensors, no fusion: the last layer's allreduce (issued halfway through backward) hides
+    # under the other half of backward when the link is fast enough
+    n, N, compute = 1000, 2, 3.0       # backward = 2 s, 1 s per tensor; one allreduce = 2 ms + 4 ms
+    one = pm.ring_allreduce_time(4 * n, N, FLAT)
+    t = timeline_step([n, n], compute, N, FLAT, "fp32", fusion_bytes=0)
+    assert t.step_s == pytest.approx(compute + one)          # only the first layer's allreduce is exposed
+    additive = pm.predict_step([n, n], compute, N, FLAT, "fp32", fusion_bytes=0).step_s
+    assert additive == pytest.approx(compute + 2 * one)
+    assert t.rounds == 2
+
+
+def test_fp32_tensors_ready_while_the_channel_is_busy_fuse_into_one_round():
+    # a slow link: the first allreduce is still running when the other tensors become ready, so they
+    # go together in the next round (one latency term for three tensors)
+    sizes, N, compute = [1000, 1000, 1000, 1_000_000], 2, 0.003
+    t = timeline_step(sizes, compute, N, FLAT, "fp32")
+    assert t.rounds == 2
+    assert t.channel_busy_s == pytest.approx(pm.ring_allreduce_time(4_000_000, N, FLAT)
+                                             + pm.ring_allreduce_time(12_000, N, FLAT))
+
+
+def test_terngrad_pays_codec_on_the_main_thread_and_one_round_per_stage():
+    n, N, compute = 100_000, 4, 0.01
+    rates = CodecRates(prepare=1e-8, encode=2e-8, decode_base=1e-8, decode_per_payload=1e-9, owner_sum=1e-9,
+                       decode_sums=1e-8, cast=1e-9)
+    t = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=rates, fusion_numel=0)
+    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    ag = pm.ring_allgather_time(pm.payload_bytes(n), N, FLAT)
+    codec = (1e-8 + 2e-8 + 1e-8 + 4e-9) * n
+    assert t.codec_s == pytest.approx(codec)
+    assert t.step_s == pytest.approx(compute + codec + hs + ag)   # nothing to overlap with: one tensor
+    assert t.rounds == 2
+    free = timeline_step([n], compute, N, FLAT, "terngrad_allgather", fusion_numel=0)
+    assert free.step_s == pytest.approx(t.step_s - codec)
+
+
+def test_terngrad_handshakes_submitted_together_share_one_round():
+    # many small tensors, no TernGrad fusion: every handshake is issued during backward; those issued
+    # while one runs fuse, so there are far fewer rounds than 2 per tensor
+    sizes = [100] * 50
+    t = timeline_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0)
+    assert t.rounds < 2 * len(sizes) / 4
+    additive = pm.predict_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0)
+    assert t.step_s < additive.step_s
+
+
+def test_sharded_schedule_has_alltoall_then_sums_allgather():
+    n, N = 1_000_000, 8
+    t = timeline_step([n], 0.01, N, FLAT, "terngrad_sharded", fusion_numel=0)
+    m = pm.shard_numel(n, N)
+    a2a = pm.alltoall_time(pm.packed_bytes(m), N, FLAT)
+    sums = pm.ring_allgather_time(-(-m * pm.sum_bits(N) // 8), N, FLAT)
+    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    assert t.step_s == pytest.approx(0.01 + hs + a2a + sums)
+    assert t.rounds == 3
+
+
+def test_one_worker_is_compute_only_and_bad_arguments_are_refused():
+    assert timeline_step([10, 20], 0.2, 1, FLAT, "terngrad").step_s == 0.2
+    with pytest.raises(ValueError):
+        timeline_step([10], 0.2, 2, FLAT, "int8")
+    with pytest.raises(ValueError):
+        timeline_step([10], 0.2, 2, FLAT, "fp32", backward_fraction=1.5)
+
+
+def test_measured_codec_rates_are_positive_and_decode_grows_with_payloads():
+    r = measure_codec_rates(numel=400_000, repeat=1)
+    for name in ("prepare", "encode", "decode_base", "owner_sum", "decode_sums", "cast"):
+        assert 0 < getattr(r, name) < 1e-6, name          # between 0 and 1 us per element
+    assert r.decode_per_payload >= 0
+    assert r.slowed(2.0).encode == pytest.approx(2 * r.encode)
