@@ -116,7 +116,8 @@ def _median_s(fn, repeat: int, warmup: int = 1) -> float:
 
 def calibrate(hvd, make_model, x, steps: int) -> dict:
     """What the performance model needs, measured where the job runs, every rank at once:
-    the compute time of a step without any exchange (so with whatever sharing of cores the job has),
+    the compute time of a step without any exchange (so with whatever sharing of cores the job has:
+    the median on this rank, and the mean over steps of the slowest rank's time),
     the time of a 4-byte allreduce (the per-collective latency, Horovod's negotiation included), and
     one large instance of each collective the exchanges use, at this model's sizes (fp32
     allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks).
@@ -133,7 +134,17 @@ def calibrate(hvd, make_model, x, steps: int) -> dict:
     sizes = [p.numel() for p in model.parameters()]
     n, N = sum(sizes), hvd.size()
     hvd.allreduce(torch.zeros(1), name="bench.cal.barrier0")
-    compute = _median_s(compute_step, max(3, steps // 2), warmup=2)
+    k = max(3, steps // 2)
+    times = []
+    for i in range(2 + k):
+        t = time.perf_counter()
+        compute_step()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    compute = sorted(times)[len(times) // 2]
+    # a synchronous step waits for its slowest rank: the mean over steps of the slowest rank's time
+    per_rank = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.cal.times")
+    slowest = float(per_rank.max(dim=0).values.mean())
     hvd.allreduce(torch.zeros(1), name="bench.cal.barrier1")
     tiny = torch.zeros(1)
     small = _median_s(lambda: hvd.allreduce(tiny, name="bench.cal.small", op=hvd.Sum), 9, warmup=2)
@@ -145,7 +156,7 @@ def calibrate(hvd, make_model, x, steps: int) -> dict:
     chunks = torch.zeros(chunk * N, dtype=torch.uint8)
     alltoall = _median_s(lambda: hvd.alltoall(chunks, splits=torch.tensor([chunk] * N, dtype=torch.int32),
                                               name="bench.cal.a2a"), 3)
-    return {"compute_ms": 1000 * compute, "small_allreduce_ms": 1000 * small, "allreduce": [4 * n, allreduce], "allgather": [payload.numel(), allgather],
+    return {"compute_ms": 1000 * compute, "compute_slowest_ms": 1000 * slowest, "small_allreduce_ms": 1000 * small, "allreduce": [4 * n, allreduce], "allgather": [payload.numel(), allgather],
             "alltoall": [chunk, alltoall]}
 
 
