@@ -21,8 +21,8 @@ steps; ``--predict-only`` recomputes the predictions of a saved run.
 
 The emulated hosts share this machine's cores, which real hosts do not: Open MPI's busy-polling in one
 rank would steal the core another rank computes on, so ranks are started with
-OMPI_MCA_mpi_yield_when_idle=1 (waiting ranks yield the CPU), as Open MPI does itself when it knows a
-node is oversubscribed.
+``terngrad-launch --shared-cores`` (OMPI_MCA_mpi_yield_when_idle=1: waiting ranks yield the CPU), as
+Open MPI does itself when it knows a node is oversubscribed.
 """
 from __future__ import annotations
 
@@ -95,10 +95,11 @@ def run_case(hosts: int, rate: str, args) -> dict:
         out = f"/tmp/emulated-{hosts}-{rate}.json"
         cmd = [NETNS, "exec", names[0], LAUNCH, "-np", str(hosts), "-H", ",".join(f"{h}:1" for h in names),
                "--launcher", "mpirun", "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--no-preflight",
+               "--shared-cores",
                "--", PY, "-m", "horovod_terngrad.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
                "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", "2", "--configs", CONFIGS,
                "--calibrate", "--json", out]
-        p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT, OMPI_MCA_mpi_yield_when_idle="1"))
+        p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
         if p.returncode:
             raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])
         with open(out) as f:

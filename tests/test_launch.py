@@ -70,6 +70,10 @@ def test_profiles_set_the_network_settings(tmp_path):
              "--no-terngrad", "--", "python", "t.py"])
     assert "export NCCL_SOCKET_IFNAME=eno1" in p.stdout and "export NCCL_IB_DISABLE=1" in p.stdout
     assert "--network-interface eno1" in p.stdout and "export HOROVOD_TERNGRAD=0" in p.stdout
+    assert "mpi_yield_when_idle" not in p.stdout
+    p = run([LAUNCH, "--dry-run", "-np", "2", "-H", "n1:1,n2:1", "--network", "ethernet", "--iface", "eno1",
+             "--launcher", "mpirun", "--shared-cores", "--", "python", "t.py"])
+    assert "export OMPI_MCA_mpi_yield_when_idle=1" in p.stdout and "-x OMPI_MCA_mpi_yield_when_idle" in p.stdout
     # auto: an ACTIVE port under /sys/class/infiniband means IB
     ib = tmp_path / "ib" / "mlx5_0" / "ports" / "1"
     ib.mkdir(parents=True)
