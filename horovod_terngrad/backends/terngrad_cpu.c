@@ -228,6 +228,17 @@ static void sum_codes_chunk(const uint8_t *const *packed, int npay, int64_t star
     }
 }
 
+/* o[j] = ((float)k[j] * s) / divisor, s the scaler of element first + j (one per tensor, or per bucket). */
+static inline void scale_chunk(const int32_t *k, int64_t cnt, const float *scalers, int64_t bucket, int64_t first,
+                               float divisor, float *o) {
+    if (bucket <= 0) {
+        const float s = scalers[0];
+        for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * s) / divisor;
+    } else {
+        for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * scalers[(first + j) / bucket]) / divisor;
+    }
+}
+
 void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
                       int64_t bucket, float divisor, float *out, int nthreads) {
     init_luts();
@@ -238,12 +249,7 @@ void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int np
         int64_t start = ch * TG_CHUNK;
         int64_t cnt = n - start < TG_CHUNK ? n - start : TG_CHUNK;
         sum_codes_chunk(packed, npay, start, cnt, fmt, k);
-        if (bucket <= 0) {
-            const float s = scalers[0];
-            for (int64_t j = 0; j < cnt; j++) out[start + j] = ((float)k[j] * s) / divisor;
-        } else {
-            for (int64_t j = 0; j < cnt; j++) out[start + j] = ((float)k[j] * scalers[(start + j) / bucket]) / divisor;
-        }
+        scale_chunk(k, cnt, scalers, bucket, start, divisor, out + start);
     }
 }
 
@@ -360,12 +366,6 @@ void tg_unpack_sums(const uint8_t *data, int64_t m, int nranks, int bits, const 
         int64_t lo = ch * TG_CHUNK;
         int64_t cnt = m - lo < TG_CHUNK ? m - lo : TG_CHUNK;
         unpack_bits_chunk(data + (lo * bits) / 8, cnt, nranks, bits, k);
-        float *o = out + lo;
-        if (bucket <= 0) {
-            const float s = scalers[0];
-            for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * s) / divisor;
-        } else {
-            for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * scalers[(start + lo + j) / bucket]) / divisor;
-        }
+        scale_chunk(k, cnt, scalers, bucket, start + lo, divisor, out + lo);
     }
 }
