@@ -88,6 +88,52 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
     print("\n".join(lines))
 
 
+def write_curves(out: str) -> str:
+    """<out>/cifarnet_curve.{md,png} from the learning curves (<out>/cifarnet_curve_<N>_<comp>.jsonl) that
+    runs with --eval-every leave: test accuracy per epoch of fp32 and TernGrad, and their gap."""
+    import glob
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    curves = {}
+    for path in sorted(glob.glob(os.path.join(out, "cifarnet_curve_*_*.jsonl"))):
+        with open(path) as f:
+            points = [json.loads(line) for line in f if line.strip()]
+        if points:
+            curves[(points[0]["workers"], points[0]["compression"])] = points
+    if not curves:
+        raise FileNotFoundError(f"no learning curves (cifarnet_curve_*_*.jsonl) under {out}")
+    dataset = next(iter(curves.values()))[0]["dataset"]
+    lines = [f"CifarNet learning curves, Adam lr 0.0002, batch 64 per worker, data: **{dataset}**. "
+             "Test accuracy after each epoch (raw parameters / their moving average).", ""]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in sorted({w for w, _ in curves}):
+        base, tern = curves.get((n, "none"), []), curves.get((n, "terngrad"), [])
+        for comp, pts, style in (("fp32", base, "-"), ("TernGrad", tern, "--")):
+            if pts:
+                ax.plot([p["epochs"] for p in pts], [100 * p["test_acc_ema"] for p in pts], style, label=f"N={n} {comp} (EMA)")
+        lines += [f"N = {n}:", "", "| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
+                  "|---|---|---|---|---|---|---|"]
+        for b, t in zip(base, tern):
+            lines.append(f"| {b['epochs']:.0f} | {100 * b['test_acc']:.2f}% | {100 * t['test_acc']:.2f}% | "
+                         f"{100 * (t['test_acc'] - b['test_acc']):+.2f} | {100 * b['test_acc_ema']:.2f}% | "
+                         f"{100 * t['test_acc_ema']:.2f}% | {100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f} |")
+        lines.append("")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"CifarNet, fp32 vs TernGrad ({dataset})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = os.path.join(out, "cifarnet_curve.png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    with open(os.path.join(out, "cifarnet_curve.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return png
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="2,4,8")
@@ -100,7 +146,12 @@ def main(argv=None):
                    help="run only some of them (e.g. one per process, side by side); the table needs both")
     p.add_argument("--eval-every", type=float, default=0,
                    help="also evaluate every this many epochs; the curve goes to <out>/cifarnet_curve_<N>_<comp>.jsonl")
+    p.add_argument("--plot-curves", action="store_true",
+                   help="only write <out>/cifarnet_curve.{md,png} from the curves already under <out>")
     args = p.parse_args(argv)
+    if args.plot_curves:
+        print(write_curves(args.out))
+        return
     torch.set_num_threads(1)
     from horovod_terngrad.data_extra import load_cifar10, load_fashion_mnist
     data = load_cifar10(args.cifar10) if args.cifar10 else load_fashion_mnist()

@@ -320,3 +320,21 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     assert scheduled["terngrad"] >= cal["compute_slowest_ms"] + 2 * 5.0   # two rounds, each after a 5 ms cycle
     assert set(res["efficiency"]) == {"allreduce", "allgather", "alltoall"}
     assert all(v > 0 for v in res["efficiency"].values())
+
+
+def test_cifarnet_learning_curves_table_and_plot(tmp_path):
+    """study_cifarnet --eval-every leaves one JSON line per evaluation; write_curves pairs fp32 and TernGrad
+    epoch by epoch (gap = TernGrad - fp32) and draws them."""
+    import study_cifarnet
+    for comp, accs in (("none", [0.70, 0.80]), ("terngrad", [0.69, 0.785])):
+        with open(tmp_path / f"cifarnet_curve_2_{comp}.jsonl", "w") as f:
+            for e, a in enumerate(accs, 1):
+                f.write(json.dumps({"epochs": e, "test_acc": a, "test_acc_ema": a + 0.01, "workers": 2,
+                                    "compression": comp, "dataset": "SUBSTITUTE: test"}) + "\n")
+    png = study_cifarnet.write_curves(str(tmp_path))
+    assert os.path.getsize(png) > 10_000
+    md = (tmp_path / "cifarnet_curve.md").read_text()
+    assert "| 1 | 70.00% | 69.00% | -1.00 |" in md and "| 2 | 80.00% | 78.50% | -1.50 |" in md
+    assert "SUBSTITUTE" in md
+    with pytest.raises(FileNotFoundError):
+        study_cifarnet.write_curves(str(tmp_path / "empty"))
