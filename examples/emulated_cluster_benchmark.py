@@ -110,7 +110,7 @@ def run_case(hosts: int, rate: str, args) -> dict:
         sh([NETNS, "down", "--prefix", prefix])
 
 
-def predict(res: dict, compute_1: float, rates) -> tuple[dict, dict, dict]:
+def predict(res: dict, compute_1: float, rates, cpus: int | None = None) -> tuple[dict, dict, dict]:
     """(link-rate model, calibrated model, scheduled model) step times in ms per configuration."""
     from horovod_terngrad.launcher import network_env
     from horovod_terngrad.perfmodel import Network, calibrated_efficiency, predict_step
@@ -120,11 +120,11 @@ def predict(res: dict, compute_1: float, rates) -> tuple[dict, dict, dict]:
     hosts = res["hosts"]
     gbps = 1.0 if res["rate"] == "1gbit" else res["measured_gbps"]
     net = Network.from_gbps("emulated", gbps, 30.0)
-    share = max(1.0, hosts / (os.cpu_count() or 2))      # emulated hosts share this machine's cores
+    share = max(1.0, hosts / (cpus or os.cpu_count() or 2))   # emulated hosts share the run's machine's cores
     sizes = model_sizes(res["layers"], res["width"])
     cal = res["calibration"]
     # alpha from a 4-byte allreduce (2(N-1) latency terms); then each collective's bandwidth efficiency
-    alpha_us = 1e3 * cal["small_allreduce_ms"] / (2 * (hosts - 1))
+    alpha_us = 1e3 * cal["small_allreduce_ms"] / max(1, 2 * (hosts - 1))
     cal_net = calibrated_efficiency(Network.from_gbps("emulated", gbps, alpha_us), hosts,
                                     {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")}, strict=False)
     res["alpha_us"] = alpha_us
@@ -160,16 +160,22 @@ def main(argv=None):
         with open(args.predict_only) as f:
             saved = json.load(f)
         compute_1, rows = saved["compute_ms_one_core"] / 1000, saved["cases"]
-        rates = CodecRates(**saved["codec_s_per_element"]) if "codec_s_per_element" in saved else measure_codec_rates()
+        if "codec_s_per_element" in saved:
+            rates = CodecRates(**saved["codec_s_per_element"])
+        else:
+            print("emulated_cluster_benchmark: the saved run has no codec rates; measuring them on this machine")
+            rates = measure_codec_rates()
         args.layers, args.width, args.batch = rows[0]["layers"], rows[0]["width"], saved.get("batch", args.batch)
         args.steps = saved.get("steps", args.steps)
+        cpus = saved.get("cpus")
         for res in rows:
-            res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates)
+            res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates, cpus)
     else:
         if os.geteuid() != 0:
             sys.exit("emulated_cluster_benchmark: needs root (network namespaces)")
         compute_1 = profile(args.layers, args.width, args.batch)
         rates = measure_codec_rates()
+        cpus = os.cpu_count()
         print(f"compute per step on one core: {1000 * compute_1:.1f} ms; codec ns/element: "
               f"{ {k: round(1e9 * v, 3) for k, v in rates.__dict__.items()} }", flush=True)
         rows = []
@@ -177,7 +183,7 @@ def main(argv=None):
             for rate in args.rates.split(","):
                 res = run_case(hosts, rate, args)
                 res.update(layers=args.layers, width=args.width)
-                res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates)
+                res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates, cpus)
                 rows.append(res)
                 print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
                 for r in res["rows"]:
@@ -188,7 +194,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
         json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_s_per_element": rates.__dict__,
-                   "batch": args.batch, "steps": args.steps, "cases": rows}, f, indent=1)
+                   "cpus": cpus or 2, "batch": args.batch, "steps": args.steps, "cases": rows}, f, indent=1)
     lines = [f"MLP {args.layers}x{args.width}x{args.width} ({sum(model_sizes(args.layers, args.width))} parameters), "
              f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps} steps.", "",
              "| hosts | link | exchange | measured ms/step | link-rate model | error | calibrated model | error | "

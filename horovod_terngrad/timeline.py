@@ -12,8 +12,9 @@ not per buffer.  This module simulates one step on one worker instead, with two 
   hook, or in the optimizer's synchronize), owners' sums (sharded), decoding in synchronize; fp16's casts.
 * the **channel** (Horovod's background thread and the link): one collective at a time, in submission
   order.  A collective starts ``cycle_s`` after its submission, or when the channel frees up, whichever
-  is later.  A collective of the same kind submitted before the last queued one has started joins it
-  (Horovod's tensor fusion): one latency term for the round, the bandwidth terms added.
+  is later.  An allreduce or allgather submitted before the last queued one of its kind has started
+  joins it (Horovod's tensor fusion): one latency term for the round, the bandwidth terms added.  (Only
+  the last queued round is joined, and alltoalls never fuse, as in Horovod.)
 
 Collective times are perfmodel's alpha-beta formulas (ring allreduce, ring allgather, pairwise
 alltoall; with the network's calibrated efficiencies).  Step time = when the main thread has decoded
@@ -94,11 +95,11 @@ def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3) -> CodecRates:
         N = 8
         m = numel // N // 20 * 20
         received = torch.cat([codes[:m // 4]] * N)
-        bits = sharded.sum_bits(N)
-        owner = best(lambda: be.owner_sums(received, N, m, "2bit", bits)) * numel / (N * m)
-        sums = be.owner_sums(received, N, m, "2bit", bits)
+        # through exchange/sharded.py, which uses this backend's kernels when it has them, else the reference
+        owner = best(lambda: sharded.owner_sums(received, N, 0, m, "2bit")) * numel / (N * m)
+        sums = torch.cat([sharded.owner_sums(received, N, 0, m, "2bit")] * N)
         one = torch.ones(1)
-        dsums = best(lambda: be.decode_sums(sums, m, N, bits, one, 0, 0, float(N), out[:m])) * numel / m
+        dsums = best(lambda: sharded.decode_gathered(sums, N * m, N, one, 0, float(N), out=out[:N * m])) * numel / (N * m)
         half = torch.empty(numel, dtype=torch.float16)
         cast = best(lambda: half.copy_(g))
         return CodecRates(prepare, encode, max(0.0, dec[1] - per_payload), per_payload, owner, dsums, cast)
@@ -117,7 +118,8 @@ class _Channel:
     def submit(self, t: float, kind: str, op_id, latency_s: float, bandwidth_s: float) -> None:
         if self.ops:
             last = self.ops[-1]
-            if last[0] == kind and t <= last[1]:       # not started yet: join its round
+            if last[0] == kind and kind != "alltoall" and t <= last[1]:   # not started yet: join its round
+                # (Horovod fuses allreduces and allgathers; every alltoall is a round of its own)
                 last[2] += bandwidth_s
                 last[3] = max(last[3], latency_s)
                 last[4].append(op_id)
@@ -220,6 +222,10 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     kinds = [kind for kind, _ in plan]
     numel = [sum(sizes[i] for i in m) for m in members]
     encoded = [False] * len(plan)
+    summed = [kind != pm.TERNGRAD_SHARDED for kind in kinds]
+    L = pm.sum_bits(N)
+    # the library shards every member of a group on its own (20-element aligned) and sends them together
+    shard = [[pm.shard_numel(sizes[i], N) for i in m] for m in members]
 
     def work(seconds: float) -> None:
         nonlocal main, codec_s
@@ -232,7 +238,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         work(c.encode * numel[g])
         encoded[g] = True
         if kinds[g] == pm.TERNGRAD_SHARDED:
-            per_peer = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(numel[g], N), packing)
+            per_peer = pm.SHARDED_CHUNK_HEADER_BYTES + sum(pm.packed_bytes(m, packing) for m in shard[g])
             G = network.ranks_per_node if link is network else N
             lat, bw = _split(pm.alltoall_time, per_peer, N, link, G)
             chan.submit(main, "alltoall", ("a2a", g), lat, bw)
@@ -241,30 +247,35 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
             lat, bw = _split(pm.ring_allgather_time, P, N, link)
             chan.submit(main, "allgather", ("ag", g), lat, bw)
 
-    def encode_ready(now: float) -> None:
+    def sum_and_send(g: int) -> None:             # sharded owner step: add the N chunks, allgather the sums
+        nonlocal main
+        main = max(main, chan.finish_time(("a2a", g)))
+        work(c.owner_sum * numel[g])
+        summed[g] = True
+        P_sum = pm.SHARDED_CHUNK_HEADER_BYTES + sum(-(-(m * L) // 8) for m in shard[g])
+        lat, bw = _split(pm.ring_allgather_time, P_sum, N, link)
+        chan.submit(main, "allgather", ("ag", g), lat, bw)
+
+    def progress(block: bool) -> None:
+        """The library's _progress: finished (all, if block) handshakes -> payloads, in start order; then
+        finished (all) alltoalls -> owners' sums."""
         for g in range(len(plan)):
-            if not encoded[g] and ("hs", g) in chan.done and chan.finish_time(("hs", g)) <= now:
+            if not encoded[g] and ("hs", g) in chan.done and (block or chan.finish_time(("hs", g)) <= main):
                 encode_and_send(g)
+        for g in range(len(plan)):
+            if not summed[g] and ("a2a", g) in chan.done and (block or chan.finish_time(("a2a", g)) <= main):
+                sum_and_send(g)
 
     for i in order:
         main += bwd * sizes[i] / total
-        encode_ready(main)                           # the hook's start() sends payloads of finished handshakes
         g = group_of_last.get(i)
-        if g is not None:                            # the group's last member: statistics, then handshake
+        if g is not None:                # the group is complete: statistics, handshake, then progress
             work(c.prepare * numel[g])
             lat, bw = _split(pm.ring_allreduce_time, pm.handshake_bytes(len(members[g])), N, link)
             chan.submit(main, "allreduce", ("hs", g), lat, bw)
+            progress(block=False)
     backward_end = main
-    for g in range(len(plan)):                       # synchronize: every outstanding handshake first
-        if not encoded[g]:
-            encode_and_send(g)
-    for g in range(len(plan)):
-        if kinds[g] == pm.TERNGRAD_SHARDED:          # owners add their shard, then the sums go round
-            main = max(main, chan.finish_time(("a2a", g)))
-            work(c.owner_sum * numel[g])
-            P_sum = pm.SHARDED_CHUNK_HEADER_BYTES + -(-(pm.shard_numel(numel[g], N) * pm.sum_bits(N)) // 8)
-            lat, bw = _split(pm.ring_allgather_time, P_sum, N, link)
-            chan.submit(main, "allgather", ("ag", g), lat, bw)
+    progress(block=True)                 # synchronize: every outstanding handshake, then every alltoall
     for g in range(len(plan)):
         main = max(main, chan.finish_time(("ag", g)))
         if kinds[g] == pm.TERNGRAD_SHARDED:

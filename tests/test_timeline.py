@@ -87,3 +87,34 @@ def test_measured_codec_rates_are_positive_and_decode_grows_with_payloads():
         assert 0 < getattr(r, name) < 1e-6, name          # between 0 and 1 us per element
     assert r.decode_per_payload >= 0
     assert r.slowed(2.0).encode == pytest.approx(2 * r.encode)
+
+
+def test_channel_fuses_allgathers_and_allreduces_but_never_alltoalls():
+    from horovod_terngrad.timeline import _Channel
+    ch = _Channel(cycle_s=0.005)
+    ch.submit(0.0, "allgather", "a", 0.001, 0.010)
+    ch.submit(0.002, "allgather", "b", 0.001, 0.020)     # before "a" starts (at 5 ms): same round
+    assert ch.rounds() == 1 and ch.finish_time("a") == ch.finish_time("b") == pytest.approx(0.005 + 0.001 + 0.030)
+    ch.submit(0.003, "alltoall", "c", 0.001, 0.010)
+    ch.submit(0.003, "alltoall", "d", 0.001, 0.010)      # Horovod runs every alltoall on its own
+    assert ch.rounds() == 3
+    assert ch.finish_time("d") == pytest.approx(ch.finish_time("c") + 0.011)
+    ch.submit(1.0, "allgather", "e", 0.001, 0.010)       # after the channel went idle: a new round
+    assert ch.rounds() == 4 and ch.finish_time("e") == pytest.approx(1.0 + 0.005 + 0.011)
+
+
+def test_sharded_owner_sums_run_in_the_backward_hooks_when_their_alltoall_is_back():
+    # three large layers: the last layer's alltoall goes out in the middle layer's hook, the middle layer's
+    # in the first layer's hook, which then finds both back (the first after a poll, the second after
+    # the 10 ms owner step that followed) and does both owner steps, as the library's _progress does;
+    # only the first layer's owner step waits for synchronize
+    fast = pm.Network("fast", latency_s=1e-5, bandwidth_Bps=1e10)
+    rates = CodecRates(prepare=1e-9, encode=1e-9, decode_base=1e-9, decode_per_payload=0, owner_sum=1e-8,
+                       decode_sums=1e-9, cast=0)
+    n = 1_000_000
+    t = timeline_step([n, n, n], 3.0, 4, fast, "terngrad_sharded", codec=rates, fusion_numel=0)
+    owner = 1e-8 * n                                     # 10 ms per layer
+    # hooks: 3 x 1 ms statistics + 2 encodes + 2 owner steps inside backward; after it: 1 encode,
+    # 1 owner step and 3 decodes (1 ms each), plus microseconds of network
+    assert t.backward_end_s == pytest.approx(3.0 + 3e-3 + 2e-3 + 2 * owner, abs=2e-4)
+    assert t.step_s == pytest.approx(t.backward_end_s + 1e-3 + owner + 3e-3, abs=1e-3)
