@@ -161,3 +161,11 @@ def test_sharded_owner_sums_and_decode_match_reference(fused, N, m, fmt, monkeyp
         ref = sharded.decode_gathered(gathered, n, N, scalers, bucket, float(N))
         monkeypatch.undo()
         assert torch.equal(got, ref)
+
+
+def test_short_gathered_sums_are_refused_before_any_byte_is_read(fused):
+    from horovod_terngrad.exchange import sharded
+    n, N = 1000, 4
+    full = sum(-(-(hi - lo) * sharded.sum_bits(N) // 8) for lo, hi in sharded.shard_bounds(n, N))
+    with pytest.raises(ValueError, match="expected"):
+        sharded.decode_gathered(torch.zeros(full - 1, dtype=torch.uint8), n, N, torch.ones(1), 0, 4.0)

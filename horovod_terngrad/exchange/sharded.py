@@ -105,13 +105,15 @@ def decode_gathered(gathered: torch.Tensor, n: int, n_ranks: int, scalers: torch
         s = scalers if scalers.numel() == 1 else scalers.repeat_interleave(bucket_size)[:n]
         return out.copy_((k.to(torch.float32) * s) / float(divisor))
     bits, off = sum_bits(n_ranks), 0
-    for lo, hi in shard_bounds(n, n_ranks):
+    bounds = shard_bounds(n, n_ranks)
+    expected = sum(-(-(hi - lo) * bits // 8) for lo, hi in bounds)
+    if expected != gathered.numel():      # checked first: the kernels read exactly this many bytes
+        raise ValueError(f"gathered sums: {gathered.numel()} bytes, expected {expected}")
+    for lo, hi in bounds:
         nbytes = -(-(hi - lo) * bits // 8)
         fused.decode_sums(gathered[off:off + nbytes], hi - lo, n_ranks, bits, scalers, bucket_size, lo, divisor,
                           out[lo:hi])
         off += nbytes
-    if off != gathered.numel():
-        raise ValueError(f"gathered sums: {gathered.numel()} bytes, expected {off}")
     return out
 
 
