@@ -104,13 +104,19 @@ STEP_CONFIGS = {
 }
 
 
-def _median_s(fn, repeat: int, warmup: int = 1) -> float:
+def _times_s(fn, repeat: int, warmup: int = 1) -> list:
+    """Seconds of each of ``repeat`` calls of ``fn`` after ``warmup`` untimed ones."""
     times = []
     for i in range(warmup + repeat):
         t = time.perf_counter()
         fn()
         if i >= warmup:
             times.append(time.perf_counter() - t)
+    return times
+
+
+def _median_s(fn, repeat: int, warmup: int = 1) -> float:
+    times = _times_s(fn, repeat, warmup)
     return sorted(times)[len(times) // 2]
 
 
@@ -134,13 +140,7 @@ def calibrate(hvd, make_model, x, steps: int) -> dict:
     sizes = [p.numel() for p in model.parameters()]
     n, N = sum(sizes), hvd.size()
     hvd.allreduce(torch.zeros(1), name="bench.cal.barrier0")
-    k = max(3, steps // 2)
-    times = []
-    for i in range(2 + k):
-        t = time.perf_counter()
-        compute_step()
-        if i >= 2:
-            times.append(time.perf_counter() - t)
+    times = _times_s(compute_step, max(3, steps // 2), warmup=2)
     compute = sorted(times)[len(times) // 2]
     # a synchronous step waits for its slowest rank: the mean over steps of the slowest rank's time
     per_rank = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.cal.times")

@@ -286,11 +286,4 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds())
 
 
-def with_codec_slowdown(rates: CodecRates | None, ranks_per_core: float) -> CodecRates | None:
-    """Codec rates for ranks that share cores (``ranks_per_core`` > 1 slows every stage)."""
-    if rates is None or ranks_per_core <= 1:
-        return rates
-    return rates.slowed(ranks_per_core)
-
-
-__all__ = ["CodecRates", "Timeline", "measure_codec_rates", "timeline_step", "with_codec_slowdown"]
+__all__ = ["CodecRates", "Timeline", "measure_codec_rates", "timeline_step"]
