@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,9 +28,10 @@ from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
 
 def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_worker: int = 64,
           lr: float = 2e-4, test_limit: int = 0, ema_decay: float = 0.9999, eval_every: float = 0,
-          on_eval=None) -> dict:
+          on_eval=None, exclude: tuple = (), bucket_size: int = 0) -> dict:
     """One run.  With ``eval_every`` (epochs) the test accuracy (raw and EMA) is also taken along the
-    way and passed to ``on_eval(point)``, so a long run leaves a learning curve even if cut short."""
+    way and passed to ``on_eval(point)``, so a long run leaves a learning curve even if cut short.
+    ``exclude`` / ``bucket_size`` go to TernGradConfig (the paper's remedies: fp32 last layer, buckets)."""
     torch.manual_seed(seed)
     xtr, ytr = data["train"]
     model = CifarNet(in_channels=xtr.shape[1])
@@ -37,7 +39,8 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
     opt = torch.optim.Adam([{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": 0.004},
                             {"params": [p for p in model.parameters() if id(p) not in decayed], "weight_decay": 0.0}],
                            lr=lr)
-    sim = Simulator(model, n_workers, TernGradConfig(seed=seed), compression=compression)
+    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, exclude=tuple(exclude), bucket_size=bucket_size),
+                    compression=compression)
     batch = per_worker * n_workers
     steps = int(epochs * len(xtr) // batch)
     g = torch.Generator().manual_seed(seed)
@@ -59,7 +62,8 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
             curve.append(point)
             if on_eval:
                 on_eval(point)
-    return {"workers": n_workers, "compression": compression, "total_batch": batch, "iterations": steps,
+    return {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
+            "total_batch": batch, "iterations": steps,
             "epochs": epochs, "test_acc": evaluate(model, xte, yte),
             "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)), "ema_decay": ema_decay,
             "seconds": time.perf_counter() - t0, "curve": curve}
@@ -88,9 +92,28 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
     print("\n".join(lines))
 
 
+def variant_name(exclude=(), bucket_size: int = 0) -> str:
+    """A short label for a TernGrad variant ('' = the paper's default: every layer, one scaler each)."""
+    parts = [f"exclude={'|'.join(exclude)}"] if exclude else []
+    if bucket_size:
+        parts.append(f"bucket={bucket_size}")
+    return ",".join(parts)
+
+
+def variant_tag(variant: str) -> str:
+    """The variant as a file-name suffix ('' for the default)."""
+    tag = re.sub(r"[^A-Za-z0-9.]+", "-", variant).strip("-")
+    return "_" + tag if tag else ""
+
+
+def curve_filename(n: int, comp: str, variant: str = "") -> str:
+    return f"cifarnet_curve_{n}_{comp}{variant_tag(variant)}.jsonl"
+
+
 def write_curves(out: str) -> str:
-    """<out>/cifarnet_curve.{md,png} from the learning curves (<out>/cifarnet_curve_<N>_<comp>.jsonl) that
-    runs with --eval-every leave: test accuracy per epoch of fp32 and TernGrad, and their gap."""
+    """<out>/cifarnet_curve.{md,png} from the learning curves (<out>/cifarnet_curve_<N>_<comp>[_<variant>].jsonl)
+    that runs with --eval-every leave: test accuracy per epoch of fp32 and of each TernGrad variant, and
+    their gap."""
     import glob
 
     import matplotlib
@@ -101,25 +124,31 @@ def write_curves(out: str) -> str:
         with open(path) as f:
             points = [json.loads(line) for line in f if line.strip()]
         if points:
-            curves[(points[0]["workers"], points[0]["compression"])] = points
+            curves[(points[0]["workers"], points[0]["compression"], points[0].get("variant", ""))] = points
     if not curves:
         raise FileNotFoundError(f"no learning curves (cifarnet_curve_*_*.jsonl) under {out}")
     dataset = next(iter(curves.values()))[0]["dataset"]
     lines = [f"CifarNet learning curves, Adam lr 0.0002, batch 64 per worker, data: **{dataset}**. "
              "Test accuracy after each epoch (raw parameters / their moving average).", ""]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n in sorted({w for w, _ in curves}):
-        base, tern = curves.get((n, "none"), []), curves.get((n, "terngrad"), [])
-        for comp, pts, style in (("fp32", base, "-"), ("TernGrad", tern, "--")):
-            if pts:
-                ax.plot([p["epochs"] for p in pts], [100 * p["test_acc_ema"] for p in pts], style, label=f"N={n} {comp} (EMA)")
-        lines += [f"N = {n}:", "", "| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
-                  "|---|---|---|---|---|---|---|"]
-        for b, t in zip(base, tern):
-            lines.append(f"| {b['epochs']:.0f} | {100 * b['test_acc']:.2f}% | {100 * t['test_acc']:.2f}% | "
-                         f"{100 * (t['test_acc'] - b['test_acc']):+.2f} | {100 * b['test_acc_ema']:.2f}% | "
-                         f"{100 * t['test_acc_ema']:.2f}% | {100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f} |")
-        lines.append("")
+    styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))] * 4)
+    for n in sorted({w for w, _, _ in curves}):
+        base = curves.get((n, "none", ""), [])
+        if base:
+            ax.plot([p["epochs"] for p in base], [100 * p["test_acc_ema"] for p in base], "-", label=f"N={n} fp32 (EMA)")
+        for variant in sorted(v for w, c, v in curves if w == n and c == "terngrad"):
+            tern = curves[(n, "terngrad", variant)]
+            name = f"TernGrad{' (' + variant + ')' if variant else ''}"
+            ax.plot([p["epochs"] for p in tern], [100 * p["test_acc_ema"] for p in tern], linestyle=next(styles),
+                    label=f"N={n} {name} (EMA)")
+            lines += [f"N = {n}, {name}:", "",
+                      "| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
+                      "|---|---|---|---|---|---|---|"]
+            for b, t in zip(base, tern):
+                lines.append(f"| {b['epochs']:.0f} | {100 * b['test_acc']:.2f}% | {100 * t['test_acc']:.2f}% | "
+                             f"{100 * (t['test_acc'] - b['test_acc']):+.2f} | {100 * b['test_acc_ema']:.2f}% | "
+                             f"{100 * t['test_acc_ema']:.2f}% | {100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f} |")
+            lines.append("")
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"CifarNet, fp32 vs TernGrad ({dataset})", fontsize=9)
@@ -146,6 +175,11 @@ def main(argv=None):
                    help="run only some of them (e.g. one per process, side by side); the table needs both")
     p.add_argument("--eval-every", type=float, default=0,
                    help="also evaluate every this many epochs; the curve goes to <out>/cifarnet_curve_<N>_<comp>.jsonl")
+    p.add_argument("--exclude", default="",
+                   help="comma-separated regular expressions: TernGrad leaves matching layers in fp32 "
+                        "(the paper's remedy for the last classification layer: --exclude '^logits')")
+    p.add_argument("--bucket-size", type=int, default=0,
+                   help="TernGrad scaler per this many elements (0: one per layer, the paper's default)")
     p.add_argument("--plot-curves", action="store_true",
                    help="only write <out>/cifarnet_curve.{md,png} from the curves already under <out>")
     args = p.parse_args(argv)
@@ -156,21 +190,25 @@ def main(argv=None):
     from horovod_terngrad.data_extra import load_cifar10, load_fashion_mnist
     data = load_cifar10(args.cifar10) if args.cifar10 else load_fashion_mnist()
     dataset = "CIFAR-10" if args.cifar10 else SUBSTITUTE
+    exclude = tuple(e for e in args.exclude.split(",") if e)
     rows = []
     for n in (int(v) for v in args.workers.split(",")):
         for comp in args.compressions.split(","):
-            curve_path = os.path.join(args.out, f"cifarnet_curve_{n}_{comp}.jsonl")
+            variant = variant_name(exclude, args.bucket_size) if comp == "terngrad" else ""
+            curve_path = os.path.join(args.out, curve_filename(n, comp, variant))
 
-            def log_point(point, n=n, comp=comp, curve_path=curve_path):
+            def log_point(point, n=n, comp=comp, variant=variant, curve_path=curve_path):
                 os.makedirs(args.out, exist_ok=True)
                 with open(curve_path, "a") as f:
-                    f.write(json.dumps(dict(point, workers=n, compression=comp, dataset=dataset)) + "\n")
+                    f.write(json.dumps(dict(point, workers=n, compression=comp, variant=variant,
+                                            dataset=dataset)) + "\n")
                 print(f"[{dataset}] N={n} {comp} epoch {point['epochs']:.2f}: {100 * point['test_acc']:.2f}% "
                       f"(EMA {100 * point['test_acc_ema']:.2f}%)", flush=True)
             if args.eval_every and os.path.exists(curve_path):
                 os.unlink(curve_path)
             r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit,
-                      eval_every=args.eval_every, on_eval=log_point if args.eval_every else None)
+                      eval_every=args.eval_every, on_eval=log_point if args.eval_every else None,
+                      exclude=exclude, bucket_size=args.bucket_size)
             r["dataset"] = dataset
             rows.append(r)
             print(f"[{dataset}] N={n} {comp}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "
@@ -179,7 +217,8 @@ def main(argv=None):
     if {r["compression"] for r in rows} >= {"none", "terngrad"}:
         write_outputs(rows, args.out, args.epochs)
     else:
-        with open(os.path.join(args.out, f"cifarnet_rows_{args.compressions.replace(',', '_')}.json"), "w") as f:
+        name = f"cifarnet_rows_{args.compressions.replace(',', '_')}{variant_tag(variant_name(exclude, args.bucket_size))}"
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -24,7 +24,9 @@ Gradients per worker (``grad_mode=``):
   the same gradients up to float rounding; slower than ``"loop"`` for LeNet on CPU (it materializes
   64 per-sample copies of every gradient).
 
-``compression="none"`` averages the fp32 gradients instead (the baseline).
+``compression="none"`` averages the fp32 gradients instead (the baseline).  Tensors that the config's
+policy keeps at full precision (``min_numel``, ``exclude``) are averaged in fp32 as well, as the Horovod
+frontend sends them through Horovod's own allreduce.
 """
 from __future__ import annotations
 
@@ -103,16 +105,24 @@ class Simulator:
     # -- averaging --------------------------------------------------------------------------------
     def average(self, grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """What every rank gets back: TernGrad's decoded average (or the fp32 mean)."""
+        def mean(i):
+            return torch.stack([grads[r][i] for r in range(self.n)]).mean(dim=0)
         if self.compression == "none":
-            return [torch.stack([grads[r][i] for r in range(self.n)]).mean(dim=0) for i in range(len(self.names))]
+            return [mean(i) for i in range(len(self.names))]
+        # The policy (min_numel, exclude) keeps some tensors in fp32, as the Horovod frontend does.
+        ternary = {i for i, name in enumerate(self.names) if self.config.compresses(name, grads[0][i].numel())}
+        out = [None if i in ternary else mean(i) for i in range(len(self.names))]
         if self.average_mode == "direct":
-            return [self._average_direct([grads[r][i] for r in range(self.n)], name)
-                    for i, name in enumerate(self.names)]
-        tickets = [[eng.start(grads[r][i], name) for i, name in enumerate(self.names)]
-                   for r, eng in enumerate(self.engines)]
+            for i in sorted(ternary):
+                out[i] = self._average_direct([grads[r][i] for r in range(self.n)], self.names[i])
+            return out
+        order = sorted(ternary)
+        tickets = [[eng.start(grads[r][i], self.names[i]) for i in order] for r, eng in enumerate(self.engines)]
         for eng in self.engines:
             eng.flush()
-        return [self.engines[0].finish(t) for t in tickets[0]]
+        for i, t in zip(order, tickets[0]):
+            out[i] = self.engines[0].finish(t)
+        return out
 
     def _average_direct(self, per_rank: list[torch.Tensor], name: str) -> torch.Tensor:
         """AllgatherExchange's arithmetic for one tensor, all ranks at once (see module docstring)."""

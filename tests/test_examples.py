@@ -331,10 +331,18 @@ def test_cifarnet_learning_curves_table_and_plot(tmp_path):
             for e, a in enumerate(accs, 1):
                 f.write(json.dumps({"epochs": e, "test_acc": a, "test_acc_ema": a + 0.01, "workers": 2,
                                     "compression": comp, "dataset": "SUBSTITUTE: test"}) + "\n")
+    variant = study_cifarnet.variant_name(("^logits",), 512)
+    name = study_cifarnet.curve_filename(2, "terngrad", variant)
+    assert name == "cifarnet_curve_2_terngrad_exclude-logits-bucket-512.jsonl"
+    with open(tmp_path / name, "w") as f:
+        f.write(json.dumps({"epochs": 1, "test_acc": 0.695, "test_acc_ema": 0.7, "workers": 2, "variant": variant,
+                            "compression": "terngrad", "dataset": "SUBSTITUTE: test"}) + "\n")
     png = study_cifarnet.write_curves(str(tmp_path))
     assert os.path.getsize(png) > 10_000
     md = (tmp_path / "cifarnet_curve.md").read_text()
     assert "| 1 | 70.00% | 69.00% | -1.00 |" in md and "| 2 | 80.00% | 78.50% | -1.50 |" in md
+    variant_table = md.split("TernGrad (exclude=^logits,bucket=512):")[1]
+    assert "| 1 | 70.00% | 69.50% | -0.50 | 71.00% | 70.00% | -1.00 |" in variant_table
     assert "SUBSTITUTE" in md
     with pytest.raises(FileNotFoundError):
         study_cifarnet.write_curves(str(tmp_path / "empty"))

@@ -19,7 +19,7 @@ def test_simulator_matches_two_real_horovod_ranks_bit_for_bit(tmp_path):
     real = launch(tmp_path, "gloo", 2, ["lenet_sim"])["lenet_sim"]
     torch.set_num_threads(1)
     model, x, y, opt = W.sim_setup()
-    sim = Simulator(model, 2, TernGradConfig(seed=W.SIM_SEED), grad_mode="loop")
+    sim = Simulator(model, 2, TernGradConfig(seed=W.SIM_SEED, exclude=W.SIM_EXCLUDE), grad_mode="loop")
     for step in range(W.SIM_STEPS):
         idx = batch_indices(W.SIM_SEED, step, len(x), W.SIM_BATCH)
         sim.step(x[idx], y[idx], F.cross_entropy, opt)
@@ -48,6 +48,26 @@ def test_direct_averaging_is_the_exchange_bit_for_bit(cfg):
         assert getattr(ex.stats, field) == getattr(di.stats, field), field
     assert di.stats.tensors == 12 and di.stats.bytes_received > di.stats.payload_bytes_sent > 0
     assert (di.stats.handshake_bytes_sent > 0) == config.shared_scaler
+
+
+@pytest.mark.parametrize("average", ["direct", "exchange"])
+def test_policy_keeps_excluded_and_small_tensors_in_fp32(average):
+    """exclude= and min_numel= tensors are averaged in fp32 (as the frontend hands them to Horovod's
+    allreduce); the others are still ternarized, with the same streams as without the policy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+    x, y = torch.randn(12, 20), torch.randint(0, 5, (12,))
+    plain = Simulator(model, 3, TernGradConfig(seed=3), average=average)
+    policy = Simulator(model, 3, TernGradConfig(seed=3, exclude=(r"^2\.",), min_numel=301), average=average)
+    g = plain.worker_gradients(x, y, F.cross_entropy)
+    mean = Simulator(model, 3, compression="none").average(g)
+    a, b = plain.average(g), policy.average(g)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert torch.equal(b[0], a[0]) and not torch.equal(b[0], mean[0])      # ternarized, same stream
+    for i in (1, 2, 3):                                                       # 300 < 301 elements; "^2\."
+        assert torch.equal(b[i], mean[i]) and not torch.equal(a[i], mean[i]), names[i]
+    assert policy.stats.tensors == 1 and plain.stats.tensors == 4
 
 
 def test_direct_averaging_nonfinite_and_mismatch():
