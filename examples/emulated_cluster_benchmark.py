@@ -10,7 +10,7 @@ communication-heavy MLP of about 25M parameters, then tear the cluster down.  Pr
 horovod_terngrad.perfmodel with the compute time profiled here (scaled by ranks per core, since the
 emulated hosts share this machine's cores), the link rate (for unshaped veth links: measured with a TCP
 stream) and the codec throughput measured here ("link-rate model"), and again with the inputs the
-model takes from a calibration run inside each emulated cluster before the timed steps
+model takes from a calibration inside each emulated cluster, repeated in every round before the timed steps
 (``bench step --calibrate``: compute time of a step with all ranks computing at once and no exchange,
 the latency alpha from a 4-byte allreduce, and one large allreduce, allgather and alltoall at this
 model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``)
@@ -97,7 +97,7 @@ def run_case(hosts: int, rate: str, args) -> dict:
                "--launcher", "mpirun", "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--no-preflight",
                "--shared-cores",
                "--", PY, "-m", "horovod_terngrad.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", "2", "--configs", CONFIGS,
+               "--batch", str(args.batch), "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", "2", "--configs", CONFIGS,
                "--calibrate", "--json", out]
         p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
         if p.returncode:
@@ -149,7 +149,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=2500)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds in which the configurations (and the calibration) take turns; medians over all")
     p.add_argument("--out", default="docs/cluster")
     p.add_argument("--predict-only", default="", metavar="JSON",
                    help="recompute the predictions (and the table) of a saved emulated_cluster.json; runs nothing")
@@ -167,6 +169,7 @@ def main(argv=None):
             rates = measure_codec_rates()
         args.layers, args.width, args.batch = rows[0]["layers"], rows[0]["width"], saved.get("batch", args.batch)
         args.steps = saved.get("steps", args.steps)
+        args.rounds = saved.get("rounds", 1)
         cpus = saved.get("cpus")
         for res in rows:
             res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates, cpus)
@@ -194,9 +197,11 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
         json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_s_per_element": rates.__dict__,
-                   "cpus": cpus or 2, "batch": args.batch, "steps": args.steps, "cases": rows}, f, indent=1)
+                   "cpus": cpus or 2, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
+                   "cases": rows}, f, indent=1)
     lines = [f"MLP {args.layers}x{args.width}x{args.width} ({sum(model_sizes(args.layers, args.width))} parameters), "
-             f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps} steps.", "",
+             f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps * args.rounds} steps "
+             f"({args.rounds} interleaved rounds of {args.steps}: fp32, fp16, TernGrad, sharded, then again).", "",
              "| hosts | link | exchange | measured ms/step | link-rate model | error | calibrated model | error | "
              "scheduled model | error | vs fp32 | vs fp16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -209,7 +214,7 @@ def main(argv=None):
             lines.append(f"| {res['hosts']} | {link} | {r['config']} | {m:.1f} | {pr:.1f} | {100 * (pr - m) / m:+.0f}% | "
                          f"{pc:.1f} | {100 * (pc - m) / m:+.0f}% | {ps:.1f} | {100 * (ps - m) / m:+.0f}% | "
                          f"{m / by['fp32']:.2f}x | {m / by['fp16']:.2f}x |")
-    lines += ["", "Calibration (per cluster, measured before the timed steps): compute ms/step with every rank computing, "
+    lines += ["", "Calibration (per cluster, measured in every round before the timed steps; medians): compute ms/step with every rank computing, "
               "and the efficiency of each collective (fraction of the link rate the alpha-beta model assumes):", "",
               "| hosts | link | compute ms (median) | compute ms (slowest rank) | alpha us (4-byte allreduce) | allreduce | allgather | alltoall |",
               "|---|---|---|---|---|---|---|---|"]

@@ -115,52 +115,73 @@ def _times_s(fn, repeat: int, warmup: int = 1) -> list:
     return times
 
 
-def _median_s(fn, repeat: int, warmup: int = 1) -> float:
-    times = _times_s(fn, repeat, warmup)
-    return sorted(times)[len(times) // 2]
-
-
-def calibrate(hvd, make_model, x, steps: int) -> dict:
-    """What the performance model needs, measured where the job runs, every rank at once:
+class Calibration:
+    """What the performance model needs, measured where the job runs, every rank at once (one ``measure``
+    call per round; ``result`` combines the rounds):
     the compute time of a step without any exchange (so with whatever sharing of cores the job has:
     the median on this rank, and the mean over steps of the slowest rank's time),
     the time of a 4-byte allreduce (the per-collective latency, Horovod's negotiation included), and
     one large instance of each collective the exchanges use, at this model's sizes (fp32
     allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks).
     ``perfmodel.calibrated_efficiency`` turns the collective times into per-collective efficiencies."""
-    from . import perfmodel as pm
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    def compute_step():
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+    def __init__(self, hvd, make_model, x, steps: int):
+        from . import perfmodel as pm
+        self.hvd, self.x, self.steps = hvd, x, steps
+        self.model = make_model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        sizes = [p.numel() for p in self.model.parameters()]
+        self.n, N = sum(sizes), hvd.size()
+        self.grads = torch.randn(self.n)
+        self.payload = torch.zeros(sum(pm.payload_bytes(s) for s in sizes), dtype=torch.uint8)
+        self.chunk = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(self.n, N))
+        self.chunks = torch.zeros(self.chunk * N, dtype=torch.uint8)
+        self.splits = torch.tensor([self.chunk] * N, dtype=torch.int32)
+        self.times = {"compute": [], "small": [], "allreduce": [], "allgather": [], "alltoall": []}
+        self.slowest = []          # per compute step: the slowest rank's seconds
+        self.rounds = 0
 
-    sizes = [p.numel() for p in model.parameters()]
-    n, N = sum(sizes), hvd.size()
-    hvd.allreduce(torch.zeros(1), name="bench.cal.barrier0")
-    times = _times_s(compute_step, max(3, steps // 2), warmup=2)
-    compute = sorted(times)[len(times) // 2]
-    # a synchronous step waits for its slowest rank: the mean over steps of the slowest rank's time
-    per_rank = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.cal.times")
-    slowest = float(per_rank.max(dim=0).values.mean())
-    hvd.allreduce(torch.zeros(1), name="bench.cal.barrier1")
-    tiny = torch.zeros(1)
-    small = _median_s(lambda: hvd.allreduce(tiny, name="bench.cal.small", op=hvd.Sum), 9, warmup=2)
-    grads = torch.randn(n)
-    allreduce = _median_s(lambda: hvd.allreduce(grads, name="bench.cal.ar", op=hvd.Sum), 3)
-    payload = torch.zeros(sum(pm.payload_bytes(s) for s in sizes), dtype=torch.uint8)
-    allgather = _median_s(lambda: hvd.allgather(payload, name="bench.cal.ag"), 3)
-    chunk = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(n, N))
-    chunks = torch.zeros(chunk * N, dtype=torch.uint8)
-    alltoall = _median_s(lambda: hvd.alltoall(chunks, splits=torch.tensor([chunk] * N, dtype=torch.int32),
-                                              name="bench.cal.a2a"), 3)
-    return {"compute_ms": 1000 * compute, "compute_slowest_ms": 1000 * slowest, "small_allreduce_ms": 1000 * small, "allreduce": [4 * n, allreduce], "allgather": [payload.numel(), allgather],
-            "alltoall": [chunk, alltoall]}
+    def _compute_step(self):
+        self.opt.zero_grad()
+        self.model(self.x).square().mean().backward()
+        self.opt.step()
+
+    def measure(self):
+        hvd, r = self.hvd, self.rounds
+        self.rounds += 1
+        hvd.allreduce(torch.zeros(1), name=f"bench.cal.barrier0.{r}")
+        times = _times_s(self._compute_step, max(3, self.steps // 2), warmup=2 if r == 0 else 1)
+        self.times["compute"] += times
+        # a synchronous step waits for its slowest rank: per step, the slowest rank's time
+        per_rank = hvd.allgather(torch.tensor([times], dtype=torch.float64), name=f"bench.cal.times.{r}")
+        self.slowest += per_rank.max(dim=0).values.tolist()
+        hvd.allreduce(torch.zeros(1), name=f"bench.cal.barrier1.{r}")
+        tiny = torch.zeros(1)
+        self.times["small"] += _times_s(lambda: hvd.allreduce(tiny, name="bench.cal.small", op=hvd.Sum), 9, warmup=2)
+        self.times["allreduce"] += _times_s(lambda: hvd.allreduce(self.grads, name="bench.cal.ar", op=hvd.Sum), 3)
+        self.times["allgather"] += _times_s(lambda: hvd.allgather(self.payload, name="bench.cal.ag"), 3)
+        self.times["alltoall"] += _times_s(lambda: hvd.alltoall(self.chunks, splits=self.splits, name="bench.cal.a2a"), 3)
+
+    def result(self) -> dict:
+        med = {k: _median(v) for k, v in self.times.items()}
+        return {"compute_ms": 1000 * med["compute"], "compute_slowest_ms": 1000 * sum(self.slowest) / len(self.slowest),
+                "small_allreduce_ms": 1000 * med["small"], "allreduce": [4 * self.n, med["allreduce"]],
+                "allgather": [self.payload.numel(), med["allgather"]], "alltoall": [self.chunk, med["alltoall"]],
+                "rounds": self.rounds}
+
+
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
+_COUNTERS = ("tensors", "elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received", "collectives",
+             "handshake_wait_s", "gather_wait_s", "codec_s")
 
 
 def bench_step(args):
+    """Step time of each configuration.  With ``--rounds R`` the configurations (and the calibration)
+    take turns: every round runs each of them for ``steps`` timed steps, and the figures are medians over
+    all rounds, so a slow spell of a shared machine lands on all of them, not on whichever ran then."""
     import json
 
     import horovod.torch as hvd
@@ -179,45 +200,67 @@ def bench_step(args):
     model = make_model()
     ntensors = sum(1 for _ in model.parameters())
     nparams = sum(p.numel() for p in model.parameters())
+    del model
     x = torch.randn(args.batch, args.width)
-    calibration = calibrate(hvd, make_model, x, args.steps) if args.calibrate else None
-    rows = []
+    rounds = max(1, getattr(args, "rounds", 1))
+    cal = Calibration(hvd, make_model, x, args.steps) if args.calibrate else None
+    setups = []
     for key in args.configs.split(","):
         label, make = STEP_CONFIGS[key]
         comp = make(hvd, TernGradCompressor)
         model = make_model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                        named_parameters=model.named_parameters(), compression=comp)
-        times = []
-        for step in range(args.warmup + args.steps):
-            if step == args.warmup and hasattr(comp, "stats"):
-                comp.stats.reset()
-            t = time.perf_counter()
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-            times.append(time.perf_counter() - t)
-        step_ms = 1000 * sorted(times[args.warmup:])[len(times[args.warmup:]) // 2]
-        row = {"config": key, "label": label, "step_ms": step_ms}
-        if hasattr(comp, "stats"):
-            st = comp.stats
-            k = args.steps
-            row.update(codec_ms=1000 * st.codec_s / k, handshake_wait_ms=1000 * st.handshake_wait_s / k,
-                       payload_wait_ms=1000 * st.gather_wait_s / k, bits_per_element=st.bits_per_element(),
-                       collectives_per_step=st.collectives / k,
-                       received_bits_per_element=8 * st.bytes_received / max(1, st.elements))
+        setups.append({"key": key, "label": label, "comp": comp, "model": model, "opt": opt, "times": [],
+                       "counters": dict.fromkeys(_COUNTERS, 0)})
+
+    def one_step(su):
+        t = time.perf_counter()
+        su["opt"].zero_grad()
+        su["model"](x).square().mean().backward()
+        su["opt"].step()
+        return time.perf_counter() - t
+
+    for r in range(rounds):
+        if cal is not None:
+            cal.measure()
+        for su in setups:
+            # warm-up: the first time a configuration runs, and one step whenever it takes its turn again
+            for _ in range(args.warmup if r == 0 else 1):
+                one_step(su)
+            st = getattr(su["comp"], "stats", None)
+            before = {k: getattr(st, k) for k in _COUNTERS} if st is not None else None
+            su["times"] += [one_step(su) for _ in range(args.steps)]
+            if st is not None:
+                for k in _COUNTERS:
+                    su["counters"][k] += getattr(st, k) - before[k]
+            hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{su['key']}.{r}")
+    calibration = cal.result() if cal is not None else None
+    rows = []
+    k = args.steps * rounds
+    for su in setups:
+        row = {"config": su["key"], "label": su["label"], "step_ms": 1000 * _median(su["times"]),
+               "step_ms_by_round": [1000 * _median(su["times"][i * args.steps:(i + 1) * args.steps])
+                                    for i in range(rounds)]}
+        if hasattr(su["comp"], "stats"):
+            c = su["counters"]
+            row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
+                       payload_wait_ms=1000 * c["gather_wait_s"] / k,
+                       bits_per_element=8.0 * (c["payload_bytes_sent"] + c["handshake_bytes_sent"]) / max(1, c["elements"]),
+                       collectives_per_step=c["collectives"] / k,
+                       received_bits_per_element=8 * c["bytes_received"] / max(1, c["elements"]))
         rows.append(row)
-        hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{key}")
     if hvd.rank() == 0:
         print(f"step benchmark: MLP with {ntensors} parameter tensors ({nparams} parameters), batch {args.batch}, "
-              f"{hvd.size()} ranks, median of {args.steps} steps")
+              f"{hvd.size()} ranks, median of {args.steps} steps" + (f" x {rounds} interleaved rounds" if rounds > 1 else ""))
         base = rows[0]["step_ms"]
         for r in rows:
             extra = ""
             if "codec_ms" in r:
                 extra = (f"{r['collectives_per_step']:.0f} collectives/step, codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
                          f"for payloads {r['payload_wait_ms']:.2f} ms per step; {r['bits_per_element']:.3f} bits/element sent")
-            print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}")
+            rounds_txt = f" rounds: {', '.join(f'{v:.0f}' for v in r['step_ms_by_round'])}" if rounds > 1 else ""
+            print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}{rounds_txt}")
         by = {r["config"]: r["step_ms"] for r in rows}
         if "terngrad" in by and "terngrad-unfused" in by:
             print(f"  tensor fusion saves {by['terngrad-unfused'] - by['terngrad']:+.2f} ms/step "
@@ -228,7 +271,7 @@ def bench_step(args):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": hvd.size(), "params": nparams, "tensors": ntensors, "batch": args.batch,
-                           "rows": rows, "calibration": calibration}, f, indent=1)
+                           "rounds": rounds, "rows": rows, "calibration": calibration}, f, indent=1)
     hvd.shutdown()
 
 
@@ -248,6 +291,8 @@ def main(argv=None):
     s.add_argument("--batch", type=int, default=32)
     s.add_argument("--steps", type=int, default=30)
     s.add_argument("--warmup", type=int, default=5)
+    s.add_argument("--rounds", type=int, default=1,
+                   help="interleave: every round runs each configuration (and the calibration) for --steps steps")
     s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-unfused,terngrad-per-rank",
                    help="comma list of " + ",".join(STEP_CONFIGS))
     s.add_argument("--json", default="", help="rank 0 writes the figures here")

@@ -300,14 +300,19 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     import emulated_cluster_benchmark as ecb
     out = tmp_path / "step.json"
     p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
-        "--steps", "3", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded", "--calibrate",
+        "--steps", "3", "--rounds", "2", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded", "--calibrate",
         "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
     cal = res["calibration"]
     assert cal["compute_ms"] > 0 and cal["allreduce"][0] == 4 * res["params"]
-    assert cal["compute_slowest_ms"] > 0
+    assert cal["compute_slowest_ms"] > 0 and cal["rounds"] == res["rounds"] == 2
+    # configurations take turns: a median per round, and counters over all 2 x 3 timed steps
+    assert all(len(r["step_ms_by_round"]) == 2 and min(r["step_ms_by_round"]) <= r["step_ms"] <= max(r["step_ms_by_round"])
+               for r in res["rows"])
+    tern = next(r for r in res["rows"] if r["config"] == "terngrad")
+    assert 2.0 <= tern["bits_per_element"] < 2.2 and tern["collectives_per_step"] >= 1
     res.update(hosts=2, rate="none", measured_gbps=10.0, layers=2, width=300)
     from horovod_terngrad.timeline import CodecRates
     rates = CodecRates(prepare=2e-10, encode=5e-10, decode_base=3e-10, decode_per_payload=1e-10, owner_sum=2e-10,
