@@ -12,12 +12,17 @@ emulated hosts share this machine's cores), the link rate (for unshaped veth lin
 stream) and the codec throughput measured here ("link-rate model"), and again with the inputs the
 model takes from a calibration inside each emulated cluster, repeated in every round before the timed steps
 (``bench step --calibrate``: compute time of a step with all ranks computing at once and no exchange,
-the latency alpha from a 4-byte allreduce, and one large allreduce, allgather and alltoall at this
-model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``)
-("calibrated model"), and a third time with horovod_terngrad.timeline, which schedules the step as
-Horovod runs it (collectives overlap backward, concurrent ones fuse into one round, codec stages on the
-main thread at rates measured here) on the calibrated inputs ("scheduled model").  None uses the timed
-steps; ``--predict-only`` recomputes the predictions of a saved run.
+the latency alpha from a 4-byte allreduce, one large allreduce, allgather and alltoall at this
+model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``, and the
+codec's per-element rates, every rank at once) ("calibrated model"), and a third time with
+horovod_terngrad.timeline, which schedules the step as Horovod runs it (collectives overlap backward,
+concurrent ones fuse into one round, codec stages on the main thread) on the calibrated inputs
+("scheduled model").  None uses the timed steps; ``--predict-only`` recomputes the predictions of a
+saved run.
+
+Timing: a warm-up round first (every configuration runs its warm-up steps before any is timed), then
+``--rounds`` rounds in which the calibration and the configurations take turns, ``--steps`` timed
+steps each; figures are medians over all rounds.
 
 The emulated hosts share this machine's cores, which real hosts do not: Open MPI's busy-polling in one
 rank would steal the core another rank computes on, so ranks are started with
@@ -114,7 +119,7 @@ def predict(res: dict, compute_1: float, rates, cpus: int | None = None) -> tupl
     """(link-rate model, calibrated model, scheduled model) step times in ms per configuration."""
     from horovod_terngrad.launcher import network_env
     from horovod_terngrad.perfmodel import Network, calibrated_efficiency, predict_step
-    from horovod_terngrad.timeline import timeline_step
+    from horovod_terngrad.timeline import CodecRates, timeline_step
     rate_elems = codec_rate(rates)
     cycle_s = float(network_env("ethernet", "eth0", [], True)["HOROVOD_CYCLE_TIME"]) / 1000
     hosts = res["hosts"]
@@ -129,16 +134,23 @@ def predict(res: dict, compute_1: float, rates, cpus: int | None = None) -> tupl
                                     {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")}, strict=False)
     res["alpha_us"] = alpha_us
     res["efficiency"] = {k: cal_net.eff(k) for k in ("allreduce", "allgather", "alltoall")}
+    # The codec's rates as the calibration measured them inside the cluster (every rank at once, slowest
+    # rank); older runs have none: this machine's rates, slowed by the ranks sharing each core.
+    if "codec_s_per_element" in cal:
+        cal_rates = CodecRates(**cal["codec_s_per_element"])
+    else:
+        cal_rates = rates.slowed(share)
+    res["codec_source"] = "calibration" if "codec_s_per_element" in cal else "this machine, slowed by sharing"
     plain, calibrated, scheduled = {}, {}, {}
     for key, method in METHOD.items():
         # a synchronous step waits for its slowest rank: the schedule starts from that rank's compute
         slowest = cal.get("compute_slowest_ms", cal["compute_ms"]) / 1000
         scheduled[key] = 1000 * timeline_step(sizes, slowest, hosts, cal_net, method,
-                                              codec=rates.slowed(share), cycle_s=cycle_s).step_s
+                                              codec=cal_rates, cycle_s=cycle_s).step_s
         plain[key] = 1000 * predict_step(sizes, compute_1 * share, hosts, net, method=method,
                                          codec_elements_per_s=rate_elems / share).step_s
         calibrated[key] = 1000 * predict_step(sizes, cal["compute_ms"] / 1000, hosts, cal_net, method=method,
-                                              codec_elements_per_s=rate_elems / share).step_s
+                                              codec_elements_per_s=codec_rate(cal_rates)).step_s
     return plain, calibrated, scheduled
 
 

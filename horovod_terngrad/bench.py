@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -120,9 +121,10 @@ class Calibration:
     call per round; ``result`` combines the rounds):
     the compute time of a step without any exchange (so with whatever sharing of cores the job has:
     the median on this rank, and the mean over steps of the slowest rank's time),
-    the time of a 4-byte allreduce (the per-collective latency, Horovod's negotiation included), and
+    the time of a 4-byte allreduce (the per-collective latency, Horovod's negotiation included),
     one large instance of each collective the exchanges use, at this model's sizes (fp32
-    allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks).
+    allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks), and
+    the codec's per-element rates (``timeline.measure_codec_rates``, median run, slowest rank).
     ``perfmodel.calibrated_efficiency`` turns the collective times into per-collective efficiencies."""
 
     def __init__(self, hvd, make_model, x, steps: int):
@@ -139,6 +141,7 @@ class Calibration:
         self.splits = torch.tensor([self.chunk] * N, dtype=torch.int32)
         self.times = {"compute": [], "small": [], "allreduce": [], "allgather": [], "alltoall": []}
         self.slowest = []          # per compute step: the slowest rank's seconds
+        self.codec = []            # per round: seconds per element of each codec stage, slowest rank
         self.rounds = 0
 
     def _compute_step(self):
@@ -161,12 +164,21 @@ class Calibration:
         self.times["allreduce"] += _times_s(lambda: hvd.allreduce(self.grads, name="bench.cal.ar", op=hvd.Sum), 3)
         self.times["allgather"] += _times_s(lambda: hvd.allgather(self.payload, name="bench.cal.ag"), 3)
         self.times["alltoall"] += _times_s(lambda: hvd.alltoall(self.chunks, splits=self.splits, name="bench.cal.a2a"), 3)
+        # the codec's stages, every rank at once (as the job runs them); a step waits for the slowest rank
+        from .timeline import measure_codec_rates
+        hvd.allreduce(torch.zeros(1), name=f"bench.cal.barrier2.{r}")
+        rates = measure_codec_rates(numel=2_000_000, repeat=3, statistic="median")
+        fields = list(rates.__dataclass_fields__)
+        per_rank = hvd.allgather(torch.tensor([[getattr(rates, f) for f in fields]], dtype=torch.float64),
+                                 name=f"bench.cal.codec.{r}")
+        self.codec.append(dict(zip(fields, per_rank.max(dim=0).values.tolist())))
 
     def result(self) -> dict:
         med = {k: _median(v) for k, v in self.times.items()}
         return {"compute_ms": 1000 * med["compute"], "compute_slowest_ms": 1000 * sum(self.slowest) / len(self.slowest),
                 "small_allreduce_ms": 1000 * med["small"], "allreduce": [4 * self.n, med["allreduce"]],
                 "allgather": [self.payload.numel(), med["allgather"]], "alltoall": [self.chunk, med["alltoall"]],
+                "codec_s_per_element": {k: _median([c[k] for c in self.codec]) for k in self.codec[0]},
                 "rounds": self.rounds}
 
 
@@ -212,25 +224,35 @@ def bench_step(args):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                        named_parameters=model.named_parameters(), compression=comp)
         setups.append({"key": key, "label": label, "comp": comp, "model": model, "opt": opt, "times": [],
-                       "counters": dict.fromkeys(_COUNTERS, 0)})
+                       "faults": [], "counters": dict.fromkeys(_COUNTERS, 0)})
 
-    def one_step(su):
+    def one_step(su, timed=True):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = time.perf_counter()
         su["opt"].zero_grad()
         su["model"](x).square().mean().backward()
         su["opt"].step()
-        return time.perf_counter() - t
+        dt = time.perf_counter() - t
+        if timed:
+            su["times"].append(dt)
+            su["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
+    # A warm-up round: every configuration runs its warm-up steps before any is timed (first touches of
+    # memory, Horovod's response cache, the fusion plan), so that no timed round is special.
+    for su in setups:
+        for _ in range(args.warmup):
+            one_step(su, timed=False)
+        hvd.allreduce(torch.zeros(1), name=f"bench.warm.{su['key']}")
     for r in range(rounds):
         if cal is not None:
             cal.measure()
         for su in setups:
-            # warm-up: the first time a configuration runs, and one step whenever it takes its turn again
-            for _ in range(args.warmup if r == 0 else 1):
-                one_step(su)
+            if rounds > 1:
+                one_step(su, timed=False)        # one untimed step whenever a configuration takes its turn
             st = getattr(su["comp"], "stats", None)
             before = {k: getattr(st, k) for k in _COUNTERS} if st is not None else None
-            su["times"] += [one_step(su) for _ in range(args.steps)]
+            for _ in range(args.steps):
+                one_step(su)
             if st is not None:
                 for k in _COUNTERS:
                     su["counters"][k] += getattr(st, k) - before[k]
@@ -241,7 +263,10 @@ def bench_step(args):
     for su in setups:
         row = {"config": su["key"], "label": su["label"], "step_ms": 1000 * _median(su["times"]),
                "step_ms_by_round": [1000 * _median(su["times"][i * args.steps:(i + 1) * args.steps])
-                                    for i in range(rounds)]}
+                                    for i in range(rounds)],
+               # page faults (this process, all threads) per step, by round: first touches of fresh memory
+               "page_faults_by_round": [_median(su["faults"][i * args.steps:(i + 1) * args.steps])
+                                        for i in range(rounds)]}
         if hasattr(su["comp"], "stats"):
             c = su["counters"]
             row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,

@@ -58,8 +58,12 @@ class CodecRates:
         return CodecRates(*(factor * getattr(self, f) for f in self.__dataclass_fields__))
 
 
-def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3) -> CodecRates:
-    """Time each stage of this machine's codec backend on one thread (best of ``repeat``)."""
+def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str = "best") -> CodecRates:
+    """Time each stage of this machine's codec backend on one thread: the best of ``repeat`` runs (what the
+    core can do), or with ``statistic="median"`` the typical run (what it does while other processes
+    share the machine, e.g. measured on every rank of a job at once)."""
+    if statistic not in ("best", "median"):
+        raise ValueError(f"statistic must be 'best' or 'median', got {statistic!r}")
     import torch
 
     from .backends import for_device
@@ -73,12 +77,14 @@ def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3) -> CodecRates:
         g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
 
         def best(fn):
-            t = float("inf")
-            for _ in range(repeat + 1):
+            times = []
+            for i in range(repeat + 1):
                 t0 = time.perf_counter()
                 fn()
-                t = min(t, time.perf_counter() - t0)
-            return t / numel
+                if i:                                  # the first run warms up
+                    times.append(time.perf_counter() - t0)
+            times.sort()
+            return (times[0] if statistic == "best" else times[len(times) // 2]) / numel
 
         prep = be.prepare(g, 0, 2.5)
         prepare = best(lambda: be.prepare(g, 0, 2.5))

@@ -298,6 +298,8 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     """bench step --calibrate on 2 real ranks, then the emulated-cluster benchmark's prediction code
     on that result: calibrated efficiencies in (0, 1.5) and predictions for every configuration."""
     import emulated_cluster_benchmark as ecb
+
+    from horovod_terngrad.timeline import CodecRates
     out = tmp_path / "step.json"
     p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
         "--steps", "3", "--rounds", "2", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded", "--calibrate",
@@ -308,16 +310,19 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     cal = res["calibration"]
     assert cal["compute_ms"] > 0 and cal["allreduce"][0] == 4 * res["params"]
     assert cal["compute_slowest_ms"] > 0 and cal["rounds"] == res["rounds"] == 2
+    # the codec's rates measured in the job (every rank at once): what the scheduled model charges
+    assert set(cal["codec_s_per_element"]) == set(CodecRates.__dataclass_fields__)
+    assert all(0 < v < 1e-6 for k, v in cal["codec_s_per_element"].items() if k != "decode_per_payload")
     # configurations take turns: a median per round, and counters over all 2 x 3 timed steps
     assert all(len(r["step_ms_by_round"]) == 2 and min(r["step_ms_by_round"]) <= r["step_ms"] <= max(r["step_ms_by_round"])
                for r in res["rows"])
     tern = next(r for r in res["rows"] if r["config"] == "terngrad")
     assert 2.0 <= tern["bits_per_element"] < 2.2 and tern["collectives_per_step"] >= 1
     res.update(hosts=2, rate="none", measured_gbps=10.0, layers=2, width=300)
-    from horovod_terngrad.timeline import CodecRates
     rates = CodecRates(prepare=2e-10, encode=5e-10, decode_base=3e-10, decode_per_payload=1e-10, owner_sum=2e-10,
                        decode_sums=5e-10, cast=2e-10)
     plain, calibrated, scheduled = ecb.predict(res, cal["compute_ms"] / 1000, rates)
+    assert res["codec_source"] == "calibration"
     assert set(plain) == set(calibrated) == set(scheduled) == set(ecb.METHOD)
     assert all(v > 0 for v in list(plain.values()) + list(calibrated.values()) + list(scheduled.values()))
     # a step is never shorter than its compute, and TernGrad's schedule has at least its two rounds

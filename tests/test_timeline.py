@@ -87,6 +87,10 @@ def test_measured_codec_rates_are_positive_and_decode_grows_with_payloads():
         assert 0 < getattr(r, name) < 1e-6, name          # between 0 and 1 us per element
     assert r.decode_per_payload >= 0
     assert r.slowed(2.0).encode == pytest.approx(2 * r.encode)
+    m = measure_codec_rates(numel=400_000, repeat=3, statistic="median")     # what a calibration uses
+    assert all(0 < getattr(m, f) < 1e-6 for f in ("prepare", "encode", "decode_base", "owner_sum"))
+    with pytest.raises(ValueError, match="statistic"):
+        measure_codec_rates(numel=1000, statistic="mean")
 
 
 def test_channel_fuses_allgathers_and_allreduces_but_never_alltoalls():
