@@ -161,8 +161,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=2500)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=5,
                    help="rounds in which the configurations (and the calibration) take turns; medians over all")
     p.add_argument("--out", default="docs/cluster")
     p.add_argument("--predict-only", default="", metavar="JSON",

@@ -123,7 +123,8 @@ class Calibration:
     the median on this rank, and the mean over steps of the slowest rank's time),
     the time of a 4-byte allreduce (the per-collective latency, Horovod's negotiation included),
     one large instance of each collective the exchanges use, at this model's sizes (fp32
-    allreduce of all gradients; allgather of the TernGrad payloads; alltoall of the sharded chunks), and
+    allreduce of all gradients, submitted at once one tensor per parameter as the step does, so Horovod
+    fuses them as in the step; allgather of the TernGrad payloads; alltoall of the sharded chunks), and
     the codec's per-element rates (``timeline.measure_codec_rates``, median run, slowest rank).
     ``perfmodel.calibrated_efficiency`` turns the collective times into per-collective efficiencies."""
 
@@ -134,7 +135,8 @@ class Calibration:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         sizes = [p.numel() for p in self.model.parameters()]
         self.n, N = sum(sizes), hvd.size()
-        self.grads = torch.randn(self.n)
+        # the gradients as the step hands them to Horovod: one tensor per parameter, fused by Horovod
+        self.grads = [torch.randn(s) for s in sizes]
         self.payload = torch.zeros(sum(pm.payload_bytes(s) for s in sizes), dtype=torch.uint8)
         self.chunk = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(self.n, N))
         self.chunks = torch.zeros(self.chunk * N, dtype=torch.uint8)
@@ -149,6 +151,11 @@ class Calibration:
         self.model(self.x).square().mean().backward()
         self.opt.step()
 
+    def _allreduce_all(self):
+        handles = [self.hvd.allreduce_async(g, name=f"bench.cal.ar.{i}", op=self.hvd.Sum) for i, g in enumerate(self.grads)]
+        for h in handles:
+            self.hvd.synchronize(h)
+
     def measure(self):
         hvd, r = self.hvd, self.rounds
         self.rounds += 1
@@ -161,7 +168,7 @@ class Calibration:
         hvd.allreduce(torch.zeros(1), name=f"bench.cal.barrier1.{r}")
         tiny = torch.zeros(1)
         self.times["small"] += _times_s(lambda: hvd.allreduce(tiny, name="bench.cal.small", op=hvd.Sum), 9, warmup=2)
-        self.times["allreduce"] += _times_s(lambda: hvd.allreduce(self.grads, name="bench.cal.ar", op=hvd.Sum), 3)
+        self.times["allreduce"] += _times_s(self._allreduce_all, 3)
         self.times["allgather"] += _times_s(lambda: hvd.allgather(self.payload, name="bench.cal.ag"), 3)
         self.times["alltoall"] += _times_s(lambda: hvd.alltoall(self.chunks, splits=self.splits, name="bench.cal.a2a"), 3)
         # the codec's stages, every rank at once (as the job runs them); a step waits for the slowest rank
