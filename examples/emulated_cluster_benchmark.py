@@ -137,10 +137,9 @@ def predict(res: dict, compute_1: float, rates, cpus: int | None = None) -> tupl
     # The codec's rates as the calibration measured them inside the cluster (every rank at once, slowest
     # rank); older runs have none: this machine's rates, slowed by the ranks sharing each core.
     if "codec_s_per_element" in cal:
-        cal_rates = CodecRates(**cal["codec_s_per_element"])
+        cal_rates, res["codec_source"] = CodecRates(**cal["codec_s_per_element"]), "calibration"
     else:
-        cal_rates = rates.slowed(share)
-    res["codec_source"] = "calibration" if "codec_s_per_element" in cal else "this machine, slowed by sharing"
+        cal_rates, res["codec_source"] = rates.slowed(share), "this machine, slowed by sharing"
     plain, calibrated, scheduled = {}, {}, {}
     for key, method in METHOD.items():
         # a synchronous step waits for its slowest rank: the schedule starts from that rank's compute

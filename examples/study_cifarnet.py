@@ -10,6 +10,8 @@ outputs say so.  Writes <out>/cifarnet_study.{json,md}.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import os
 import re
@@ -69,6 +71,13 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
             "seconds": time.perf_counter() - t0, "curve": curve}
 
 
+def variant_note(rows: list) -> str:
+    """' TernGrad variant: ...' when the TernGrad rows ran with exclude/bucket_size, else ''."""
+    names = {variant_name(tuple(r.get("exclude", ())), r.get("bucket_size", 0)) for r in rows if r["compression"] == "terngrad"}
+    names.discard("")
+    return f" TernGrad variant: {', '.join(sorted(names))}." if names else ""
+
+
 def write_outputs(rows: list, out: str, epochs: float) -> None:
     """<out>/cifarnet_study.{json,md} from result rows (also used to merge runs made per N)."""
     dataset = rows[0]["dataset"]
@@ -77,7 +86,7 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
         json.dump(rows, f, indent=1)
     lines = [f"CifarNet, Adam lr 0.0002, batch 64 per worker, {epochs:g} epochs, data: **{dataset}**. "
              "Accuracy of the final parameters, and (as the paper evaluates) of their exponential moving "
-             "average (decay 0.9999, TensorFlow's warm-up).", "",
+             "average (decay 0.9999, TensorFlow's warm-up)." + variant_note(rows), "",
              "| workers N | total batch | iterations | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for n in sorted({r["workers"] for r in rows}):
@@ -110,6 +119,19 @@ def curve_filename(n: int, comp: str, variant: str = "") -> str:
     return f"cifarnet_curve_{n}_{comp}{variant_tag(variant)}.jsonl"
 
 
+def curve_path(out: str, n: int, comp: str, variant: str = "") -> str:
+    """Where a run's curve goes: curve_filename, or, if that file holds another variant whose tag reads the
+    same (e.g. '^logits' and 'logits$'), that name with a hash of the variant, so neither overwrites the other."""
+    path = os.path.join(out, curve_filename(n, comp, variant))
+    if os.path.exists(path):
+        with open(path) as f:
+            first = f.readline()
+        if first.strip() and json.loads(first).get("variant", "") != variant:
+            digest = hashlib.sha1(variant.encode()).hexdigest()[:8]
+            path = path[:-len(".jsonl")] + f"-{digest}.jsonl"
+    return path
+
+
 def write_curves(out: str) -> str:
     """<out>/cifarnet_curve.{md,png} from the learning curves (<out>/cifarnet_curve_<N>_<comp>[_<variant>].jsonl)
     that runs with --eval-every leave: test accuracy per epoch of fp32 and of each TernGrad variant, and
@@ -131,7 +153,7 @@ def write_curves(out: str) -> str:
     lines = [f"CifarNet learning curves, Adam lr 0.0002, batch 64 per worker, data: **{dataset}**. "
              "Test accuracy after each epoch (raw parameters / their moving average).", ""]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))] * 4)
+    styles = itertools.cycle(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
     for n in sorted({w for w, _, _ in curves}):
         base = curves.get((n, "none", ""), [])
         if base:
@@ -175,8 +197,8 @@ def main(argv=None):
                    help="run only some of them (e.g. one per process, side by side); the table needs both")
     p.add_argument("--eval-every", type=float, default=0,
                    help="also evaluate every this many epochs; the curve goes to <out>/cifarnet_curve_<N>_<comp>.jsonl")
-    p.add_argument("--exclude", default="",
-                   help="comma-separated regular expressions: TernGrad leaves matching layers in fp32 "
+    p.add_argument("--exclude", action="append", default=[],
+                   help="a regular expression (repeatable): TernGrad leaves matching layers in fp32 "
                         "(the paper's remedy for the last classification layer: --exclude '^logits')")
     p.add_argument("--bucket-size", type=int, default=0,
                    help="TernGrad scaler per this many elements (0: one per layer, the paper's default)")
@@ -190,34 +212,35 @@ def main(argv=None):
     from horovod_terngrad.data_extra import load_cifar10, load_fashion_mnist
     data = load_cifar10(args.cifar10) if args.cifar10 else load_fashion_mnist()
     dataset = "CIFAR-10" if args.cifar10 else SUBSTITUTE
-    exclude = tuple(e for e in args.exclude.split(",") if e)
+    exclude = tuple(e for e in args.exclude if e)
     rows = []
     for n in (int(v) for v in args.workers.split(",")):
         for comp in args.compressions.split(","):
             variant = variant_name(exclude, args.bucket_size) if comp == "terngrad" else ""
-            curve_path = os.path.join(args.out, curve_filename(n, comp, variant))
+            path = curve_path(args.out, n, comp, variant)
 
-            def log_point(point, n=n, comp=comp, variant=variant, curve_path=curve_path):
+            def log_point(point, n=n, comp=comp, variant=variant, path=path):
                 os.makedirs(args.out, exist_ok=True)
-                with open(curve_path, "a") as f:
+                with open(path, "a") as f:
                     f.write(json.dumps(dict(point, workers=n, compression=comp, variant=variant,
                                             dataset=dataset)) + "\n")
                 print(f"[{dataset}] N={n} {comp} epoch {point['epochs']:.2f}: {100 * point['test_acc']:.2f}% "
                       f"(EMA {100 * point['test_acc_ema']:.2f}%)", flush=True)
-            if args.eval_every and os.path.exists(curve_path):
-                os.unlink(curve_path)
+            if args.eval_every and os.path.exists(path):
+                os.unlink(path)
             r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit,
                       eval_every=args.eval_every, on_eval=log_point if args.eval_every else None,
                       exclude=exclude, bucket_size=args.bucket_size)
             r["dataset"] = dataset
             rows.append(r)
-            print(f"[{dataset}] N={n} {comp}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "
+            print(f"[{dataset}] N={n} {comp}{' (' + variant + ')' if variant else ''}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "
                   f"{r['iterations']} iterations, "
                   f"{r['seconds']:.0f}s)", flush=True)
     if {r["compression"] for r in rows} >= {"none", "terngrad"}:
         write_outputs(rows, args.out, args.epochs)
     else:
-        name = f"cifarnet_rows_{args.compressions.replace(',', '_')}{variant_tag(variant_name(exclude, args.bucket_size))}"
+        tern_variant = variant_name(exclude, args.bucket_size) if "terngrad" in args.compressions.split(",") else ""
+        name = f"cifarnet_rows_{args.compressions.replace(',', '_')}{variant_tag(tern_variant)}"
         with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -193,14 +193,16 @@ def _median(values):
     return sorted(values)[len(values) // 2]
 
 
-_COUNTERS = ("tensors", "elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received", "collectives",
+_COUNTERS = ("elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received", "collectives",
              "handshake_wait_s", "gather_wait_s", "codec_s")
 
 
 def bench_step(args):
     """Step time of each configuration.  With ``--rounds R`` the configurations (and the calibration)
     take turns: every round runs each of them for ``steps`` timed steps, and the figures are medians over
-    all rounds, so a slow spell of a shared machine lands on all of them, not on whichever ran then."""
+    all rounds, so a slow spell of a shared machine lands on all of them, not on whichever ran then.
+    Every configuration keeps its own model (Horovod's hooks stay on the parameters), so memory is about
+    (configurations + 2) x the model's parameters and gradients."""
     import json
 
     import horovod.torch as hvd

@@ -26,7 +26,8 @@ Gradients per worker (``grad_mode=``):
 
 ``compression="none"`` averages the fp32 gradients instead (the baseline).  Tensors that the config's
 policy keeps at full precision (``min_numel``, ``exclude``) are averaged in fp32 as well, as the Horovod
-frontend sends them through Horovod's own allreduce.
+frontend sends them through Horovod's own allreduce (the same bits at N = 2; at other N Horovod's ring
+adds in another order, so equal up to float rounding).
 """
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str 
         be = for_device(torch.device("cpu"))
         g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
 
-        def best(fn):
+        def per_element(fn):
             times = []
             for i in range(repeat + 1):
                 t0 = time.perf_counter()
@@ -87,27 +87,27 @@ def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str 
             return (times[0] if statistic == "best" else times[len(times) // 2]) / numel
 
         prep = be.prepare(g, 0, 2.5)
-        prepare = best(lambda: be.prepare(g, 0, 2.5))
-        encode = best(lambda: be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit"))
+        prepare = per_element(lambda: be.prepare(g, 0, 2.5))
+        encode = per_element(lambda: be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit"))
         pay = be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit")
         out = torch.empty(numel)
         dec = {}
         for k in (1, 8):
             gathered = torch.cat([pay] * k)
             headers, offsets = packing.walk(gathered, k)
-            dec[k] = best(lambda: be.decode(gathered, headers, offsets, float(k), out=out))
+            dec[k] = per_element(lambda: be.decode(gathered, headers, offsets, float(k), out=out))
         per_payload = max(0.0, (dec[8] - dec[1]) / 7)
         codes = pay[packing.HEADER_BYTES + 4:]
         N = 8
         m = numel // N // 20 * 20
         received = torch.cat([codes[:m // 4]] * N)
         # through exchange/sharded.py, which uses this backend's kernels when it has them, else the reference
-        owner = best(lambda: sharded.owner_sums(received, N, 0, m, "2bit")) * numel / (N * m)
+        owner = per_element(lambda: sharded.owner_sums(received, N, 0, m, "2bit")) * numel / (N * m)
         sums = torch.cat([sharded.owner_sums(received, N, 0, m, "2bit")] * N)
         one = torch.ones(1)
-        dsums = best(lambda: sharded.decode_gathered(sums, N * m, N, one, 0, float(N), out=out[:N * m])) * numel / (N * m)
+        dsums = per_element(lambda: sharded.decode_gathered(sums, N * m, N, one, 0, float(N), out=out[:N * m])) * numel / (N * m)
         half = torch.empty(numel, dtype=torch.float16)
-        cast = best(lambda: half.copy_(g))
+        cast = per_element(lambda: half.copy_(g))
         return CodecRates(prepare, encode, max(0.0, dec[1] - per_payload), per_payload, owner, dsums, cast)
     finally:
         torch.set_num_threads(old)

@@ -353,6 +353,11 @@ def test_cifarnet_learning_curves_table_and_plot(tmp_path):
     assert "| 1 | 70.00% | 69.00% | -1.00 |" in md and "| 2 | 80.00% | 78.50% | -1.50 |" in md
     variant_table = md.split("TernGrad (exclude=^logits,bucket=512):")[1]
     assert "| 1 | 70.00% | 69.50% | -0.50 | 71.00% | 70.00% | -1.00 |" in variant_table
+    # another variant whose file-name tag reads the same gets its own file instead of overwriting this one
+    other = study_cifarnet.variant_name(("logits$",), 512)
+    assert study_cifarnet.curve_filename(2, "terngrad", other) == name
+    assert study_cifarnet.curve_path(str(tmp_path), 2, "terngrad", variant) == str(tmp_path / name)
+    assert study_cifarnet.curve_path(str(tmp_path), 2, "terngrad", other) != str(tmp_path / name)
     assert "SUBSTITUTE" in md
     with pytest.raises(FileNotFoundError):
         study_cifarnet.write_curves(str(tmp_path / "empty"))
