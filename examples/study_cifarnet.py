@@ -71,6 +71,14 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
             "seconds": time.perf_counter() - t0, "curve": curve}
 
 
+def gap_cells(b: dict, t: dict, gap_unit: str = "") -> str:
+    """Table cells 'fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA)' of one comparison."""
+    cells = []
+    for key in ("test_acc", "test_acc_ema"):
+        cells += [f"{100 * b[key]:.2f}%", f"{100 * t[key]:.2f}%", f"{100 * (t[key] - b[key]):+.2f}{gap_unit}"]
+    return " | ".join(cells)
+
+
 def variant_note(rows: list) -> str:
     """' TernGrad variant: ...' when the TernGrad rows ran with exclude/bucket_size, else ''."""
     names = {variant_name(tuple(r.get("exclude", ())), r.get("bucket_size", 0)) for r in rows if r["compression"] == "terngrad"}
@@ -92,10 +100,7 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
     for n in sorted({r["workers"] for r in rows}):
         b = next(r for r in rows if r["workers"] == n and r["compression"] == "none")
         t = next(r for r in rows if r["workers"] == n and r["compression"] == "terngrad")
-        lines.append(f"| {n} | {b['total_batch']} | {b['iterations']} | {100 * b['test_acc']:.2f}% | "
-                     f"{100 * t['test_acc']:.2f}% | {100 * (t['test_acc'] - b['test_acc']):+.2f}% | "
-                     f"{100 * b['test_acc_ema']:.2f}% | {100 * t['test_acc_ema']:.2f}% | "
-                     f"{100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f}% |")
+        lines.append(f"| {n} | {b['total_batch']} | {b['iterations']} | {gap_cells(b, t, '%')} |")
     with open(os.path.join(out, "cifarnet_study.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -167,9 +172,7 @@ def write_curves(out: str) -> str:
                       "| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
                       "|---|---|---|---|---|---|---|"]
             for b, t in zip(base, tern):
-                lines.append(f"| {b['epochs']:.0f} | {100 * b['test_acc']:.2f}% | {100 * t['test_acc']:.2f}% | "
-                             f"{100 * (t['test_acc'] - b['test_acc']):+.2f} | {100 * b['test_acc_ema']:.2f}% | "
-                             f"{100 * t['test_acc_ema']:.2f}% | {100 * (t['test_acc_ema'] - b['test_acc_ema']):+.2f} |")
+                lines.append(f"| {b['epochs']:.0f} | {gap_cells(b, t)} |")
             lines.append("")
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (%)")

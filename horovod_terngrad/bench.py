@@ -147,9 +147,7 @@ class Calibration:
         self.rounds = 0
 
     def _compute_step(self):
-        self.opt.zero_grad()
-        self.model(self.x).square().mean().backward()
-        self.opt.step()
+        _train_step(self.model, self.opt, self.x)
 
     def _allreduce_all(self):
         handles = [self.hvd.allreduce_async(g, name=f"bench.cal.ar.{i}", op=self.hvd.Sum) for i, g in enumerate(self.grads)]
@@ -187,6 +185,13 @@ class Calibration:
                 "allgather": [self.payload.numel(), med["allgather"]], "alltoall": [self.chunk, med["alltoall"]],
                 "codec_s_per_element": {k: _median([c[k] for c in self.codec]) for k in self.codec[0]},
                 "rounds": self.rounds}
+
+
+def _train_step(model, opt, x):
+    """One step of the benchmark's training loop (the same in the calibration and every configuration)."""
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
 
 
 def _median(values):
@@ -238,9 +243,7 @@ def bench_step(args):
     def one_step(su, timed=True):
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = time.perf_counter()
-        su["opt"].zero_grad()
-        su["model"](x).square().mean().backward()
-        su["opt"].step()
+        _train_step(su["model"], su["opt"], x)
         dt = time.perf_counter() - t
         if timed:
             su["times"].append(dt)
