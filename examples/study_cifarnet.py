@@ -106,11 +106,17 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
     print("\n".join(lines))
 
 
-def variant_name(exclude=(), bucket_size: int = 0) -> str:
-    """A short label for a TernGrad variant ('' = the paper's default: every layer, one scaler each)."""
+PAPER_LR = 2e-4
+
+
+def variant_name(exclude=(), bucket_size: int = 0, lr: float = PAPER_LR) -> str:
+    """A short label for a run's variant ('' = the paper's setup: Adam lr 0.0002 and, for TernGrad, every
+    layer with one scaler each)."""
     parts = [f"exclude={'|'.join(exclude)}"] if exclude else []
     if bucket_size:
         parts.append(f"bucket={bucket_size}")
+    if lr != PAPER_LR:
+        parts.append(f"lr={lr:g}")
     return ",".join(parts)
 
 
@@ -137,10 +143,36 @@ def curve_path(out: str, n: int, comp: str, variant: str = "") -> str:
     return path
 
 
+def curve_lr(points: list) -> float:
+    """The Adam learning rate of a curve: its 'lr' field, else the 'lr=' in its variant, else the paper's (curves
+    written before --lr existed)."""
+    if "lr" in points[0]:
+        return float(points[0]["lr"])
+    found = re.search(r"(?:^|,)lr=([^,]+)", points[0].get("variant", ""))
+    return float(found.group(1)) if found else PAPER_LR
+
+
+def gap_table(base: list, tern: list, last: int = 5) -> list:
+    """Markdown rows, epoch by epoch, of one TernGrad curve against one fp32 curve, then the mean gap (raw and
+    EMA) over the last ``last`` epochs they share: one epoch's gap moves by a few tenths from epoch to epoch."""
+    lines = ["| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
+             "|---|---|---|---|---|---|---|"]
+    pairs = list(zip(base, tern))
+    lines += [f"| {b['epochs']:.0f} | {gap_cells(b, t)} |" for b, t in pairs]
+    tail = pairs[-last:]
+    if tail:
+        raw = sum(t["test_acc"] - b["test_acc"] for b, t in tail) / len(tail)
+        ema = sum(t["test_acc_ema"] - b["test_acc_ema"] for b, t in tail) / len(tail)
+        lines += ["", f"Mean gap over epochs {tail[0][0]['epochs']:.0f}-{tail[-1][0]['epochs']:.0f}: "
+                      f"{100 * raw:+.2f} (raw), {100 * ema:+.2f} (EMA)."]
+    return lines
+
+
 def write_curves(out: str) -> str:
     """<out>/cifarnet_curve.{md,png} from the learning curves (<out>/cifarnet_curve_<N>_<comp>[_<variant>].jsonl)
     that runs with --eval-every leave: test accuracy per epoch of fp32 and of each TernGrad variant, and
-    their gap."""
+    their gap.  A TernGrad run at another learning rate than the paper's is compared with the fp32 run at
+    the same rate and with the fp32 run at the paper's (the fair baseline is the better fp32)."""
     import glob
 
     import matplotlib
@@ -155,30 +187,30 @@ def write_curves(out: str) -> str:
     if not curves:
         raise FileNotFoundError(f"no learning curves (cifarnet_curve_*_*.jsonl) under {out}")
     dataset = next(iter(curves.values()))[0]["dataset"]
-    lines = [f"CifarNet learning curves, Adam lr 0.0002, batch 64 per worker, data: **{dataset}**. "
-             "Test accuracy after each epoch (raw parameters / their moving average).", ""]
+    lines = [f"CifarNet learning curves, Adam (lr 0.0002 unless the variant says otherwise), batch 64 per worker, "
+             f"data: **{dataset}**. Test accuracy after each epoch (raw parameters / their moving average).", ""]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = itertools.cycle(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
     for n in sorted({w for w, _, _ in curves}):
-        base = curves.get((n, "none", ""), [])
-        if base:
-            ax.plot([p["epochs"] for p in base], [100 * p["test_acc_ema"] for p in base], "-", label=f"N={n} fp32 (EMA)")
+        bases = {curve_lr(pts): pts for (w, c, _), pts in curves.items() if w == n and c == "none"}
+        for lr, base in sorted(bases.items()):
+            ax.plot([p["epochs"] for p in base], [100 * p["test_acc_ema"] for p in base], "-",
+                    label=f"N={n} fp32{'' if lr == PAPER_LR else f' (lr={lr:g})'} (EMA)")
         for variant in sorted(v for w, c, v in curves if w == n and c == "terngrad"):
             tern = curves[(n, "terngrad", variant)]
             name = f"TernGrad{' (' + variant + ')' if variant else ''}"
             ax.plot([p["epochs"] for p in tern], [100 * p["test_acc_ema"] for p in tern], linestyle=next(styles),
                     label=f"N={n} {name} (EMA)")
-            lines += [f"N = {n}, {name}:", "",
-                      "| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
-                      "|---|---|---|---|---|---|---|"]
-            for b, t in zip(base, tern):
-                lines.append(f"| {b['epochs']:.0f} | {gap_cells(b, t)} |")
-            lines.append("")
+            lr = curve_lr(tern)
+            for base_lr in dict.fromkeys([lr, PAPER_LR]):
+                if base_lr in bases:
+                    against = "" if base_lr == PAPER_LR and lr == PAPER_LR else f", against fp32 at lr {base_lr:g}"
+                    lines += [f"N = {n}, {name}{against}:", ""] + gap_table(bases[base_lr], tern) + [""]
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"CifarNet, fp32 vs TernGrad ({dataset})", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     png = os.path.join(out, "cifarnet_curve.png")
     fig.savefig(png, dpi=120)
@@ -205,6 +237,8 @@ def main(argv=None):
                         "(the paper's remedy for the last classification layer: --exclude '^logits')")
     p.add_argument("--bucket-size", type=int, default=0,
                    help="TernGrad scaler per this many elements (0: one per layer, the paper's default)")
+    p.add_argument("--lr", type=float, default=PAPER_LR,
+                   help="Adam learning rate (paper: 0.0002); a run with another one carries 'lr=...' in its variant")
     p.add_argument("--plot-curves", action="store_true",
                    help="only write <out>/cifarnet_curve.{md,png} from the curves already under <out>")
     args = p.parse_args(argv)
@@ -219,13 +253,14 @@ def main(argv=None):
     rows = []
     for n in (int(v) for v in args.workers.split(",")):
         for comp in args.compressions.split(","):
-            variant = variant_name(exclude, args.bucket_size) if comp == "terngrad" else ""
+            variant = (variant_name(exclude, args.bucket_size, args.lr) if comp == "terngrad"
+                       else variant_name(lr=args.lr))
             path = curve_path(args.out, n, comp, variant)
 
             def log_point(point, n=n, comp=comp, variant=variant, path=path):
                 os.makedirs(args.out, exist_ok=True)
                 with open(path, "a") as f:
-                    f.write(json.dumps(dict(point, workers=n, compression=comp, variant=variant,
+                    f.write(json.dumps(dict(point, workers=n, compression=comp, variant=variant, lr=args.lr,
                                             dataset=dataset)) + "\n")
                 print(f"[{dataset}] N={n} {comp} epoch {point['epochs']:.2f}: {100 * point['test_acc']:.2f}% "
                       f"(EMA {100 * point['test_acc_ema']:.2f}%)", flush=True)
@@ -233,7 +268,7 @@ def main(argv=None):
                 os.unlink(path)
             r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit,
                       eval_every=args.eval_every, on_eval=log_point if args.eval_every else None,
-                      exclude=exclude, bucket_size=args.bucket_size)
+                      exclude=exclude, bucket_size=args.bucket_size, lr=args.lr)
             r["dataset"] = dataset
             rows.append(r)
             print(f"[{dataset}] N={n} {comp}{' (' + variant + ')' if variant else ''}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "
@@ -242,8 +277,9 @@ def main(argv=None):
     if {r["compression"] for r in rows} >= {"none", "terngrad"}:
         write_outputs(rows, args.out, args.epochs)
     else:
-        tern_variant = variant_name(exclude, args.bucket_size) if "terngrad" in args.compressions.split(",") else ""
-        name = f"cifarnet_rows_{args.compressions.replace(',', '_')}{variant_tag(tern_variant)}"
+        run_variant = (variant_name(exclude, args.bucket_size, args.lr) if "terngrad" in args.compressions.split(",")
+                       else variant_name(lr=args.lr))
+        name = f"cifarnet_rows_{args.compressions.replace(',', '_')}{variant_tag(run_variant)}"
         with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -361,3 +361,29 @@ def test_cifarnet_learning_curves_table_and_plot(tmp_path):
     assert "SUBSTITUTE" in md
     with pytest.raises(FileNotFoundError):
         study_cifarnet.write_curves(str(tmp_path / "empty"))
+
+
+def test_adam_second_moment_ratio_of_terngrad(tmp_path):
+    """study_adam_variance: along an fp32 trajectory, TernGrad's average has a larger second moment than the
+    fp32 average of the same per-worker gradients (E[t^2] = s|g| >= g^2), so every layer's median ratio is
+    above 1; the measurement is a pure function of the seed; the table names each N."""
+    import study_adam_variance as sav
+    from cifarnet import CifarNet
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (256,), generator=g)
+
+    def run():
+        torch.manual_seed(3)
+        return sav.second_moment_ratios(CifarNet(in_channels=1), x, y, 2, warm_steps=2, steps=6, per_worker=16)
+    rows = run()
+    assert [r["layer"] for r in rows][:2] == ["conv1.weight", "conv1.bias"] and rows[2]["numel"] == 64 * 64 * 25
+    for r in rows:
+        assert r["p10"] <= r["median"] <= r["p90"], r
+        assert r["median"] > 1.0, r
+    assert run() == rows
+    md = sav.write_outputs({"2": rows, "4": rows}, str(tmp_path), {"dataset": "random", "lr": 2e-4, "steps": 6,
+                                                                   "warm_steps": 2})
+    text = open(md).read()
+    assert "| N = 2 | N = 4 |" in text and "| conv2.weight | 102,400 |" in text
+    assert json.load(open(tmp_path / "adam_variance.json"))["results"]["2"] == rows
