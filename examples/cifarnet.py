@@ -107,6 +107,17 @@ class ParameterEMA:
         for n, p in model.named_parameters():
             self.shadow[n].mul_(d).add_(p.detach(), alpha=1.0 - d)
 
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "updates": self.updates, "shadow": self.shadow}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["shadow"]) != set(self.shadow):
+            raise ValueError(f"EMA state is of another model: parameters {sorted(state['shadow'])}")
+        self.decay, self.updates = state["decay"], state["updates"]
+        for n, t in state["shadow"].items():
+            self.shadow[n].copy_(t)
+
     @torch.no_grad()
     def evaluate_with(self, model: nn.Module, fn):
         """fn(model) with the averaged parameters swapped in (the raw ones restored afterwards)."""

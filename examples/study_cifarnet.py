@@ -27,16 +27,26 @@ from cifarnet import SUBSTITUTE, CifarNet, ParameterEMA, augment, evaluate  # no
 from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
 
+PAPER_LR = 2e-4          # Adam's base learning rate in the paper's Table 1
+
 
 def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_worker: int = 64,
-          lr: float = 2e-4, test_limit: int = 0, ema_decay: float = 0.9999, eval_every: float = 0,
-          on_eval=None, exclude: tuple = (), bucket_size: int = 0) -> dict:
+          lr: float = PAPER_LR, test_limit: int = 0, ema_decay: float = 0.9999, eval_every: float = 0,
+          on_eval=None, exclude: tuple = (), bucket_size: int = 0, device: str = "cpu",
+          checkpoint: str = "") -> dict:
     """One run.  With ``eval_every`` (epochs) the test accuracy (raw and EMA) is also taken along the
     way and passed to ``on_eval(point)``, so a long run leaves a learning curve even if cut short.
-    ``exclude`` / ``bucket_size`` go to TernGradConfig (the paper's remedies: fp32 last layer, buckets)."""
+    ``exclude`` / ``bucket_size`` go to TernGradConfig (the paper's remedies: fp32 last layer, buckets).
+
+    ``checkpoint``: a file that the run saves itself to at every evaluation and at the end, and resumes from
+    when it exists (model, Adam, EMA, the data generator and the simulator's step counters: the resumed run
+    takes the same steps as an uninterrupted one).  A later call with more ``epochs`` extends the run.
+    ``device``: where the model, gradients and codec run (the data stays on the CPU and is augmented there)."""
+    run = {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
+           "lr": lr, "seed": seed, "per_worker": per_worker, "ema_decay": ema_decay, "test_limit": test_limit}
     torch.manual_seed(seed)
     xtr, ytr = data["train"]
-    model = CifarNet(in_channels=xtr.shape[1])
+    model = CifarNet(in_channels=xtr.shape[1]).to(device)
     decayed = {id(p) for p in model.decayed_parameters()}
     opt = torch.optim.Adam([{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": 0.004},
                             {"params": [p for p in model.parameters() if id(p) not in decayed], "weight_decay": 0.0}],
@@ -51,24 +61,58 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
     if test_limit:
         xte, yte = xte[:test_limit], yte[:test_limit]
     every = int(eval_every * len(xtr) // batch) if eval_every else 0
-    curve = []
-    t0 = time.perf_counter()
-    for it in range(steps):
+    start, curve, seconds_before = 0, [], 0.0
+    if checkpoint and os.path.exists(checkpoint):
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if state["run"] != run:
+            raise ValueError(f"checkpoint {checkpoint} is of another run: {state['run']}; this run: {run}")
+        if state["iterations"] > steps:
+            raise ValueError(f"checkpoint {checkpoint} is at iteration {state['iterations']}, past the "
+                             f"{steps} iterations of {epochs:g} epochs")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        ema.load_state_dict(state["ema"])
+        sim.load_state_dict(state["simulator"])
+        g.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])                 # dropout draws from the global generator
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
+        start, curve, seconds_before = state["iterations"], state["curve"], state["seconds"]
+
+    def save(iterations, seconds):
+        if not checkpoint:
+            return
+        state = {"run": run, "iterations": iterations, "seconds": seconds, "curve": curve,
+                 "model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.state_dict(),
+                 "simulator": sim.state_dict(), "generator": g.get_state(), "torch_rng": torch.get_rng_state()}
+        if torch.device(device).type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(device)
+        os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
+        torch.save(state, checkpoint + ".tmp")
+        os.replace(checkpoint + ".tmp", checkpoint)      # a run killed while saving keeps the last good one
+
+    t0 = time.perf_counter() - seconds_before
+    for it in range(start, steps):
         idx = batch_indices(seed, it, len(xtr), batch)
-        sim.step(augment(xtr[idx], g), ytr[idx], F.cross_entropy, opt)
+        sim.step(augment(xtr[idx], g).to(device), ytr[idx].to(device), F.cross_entropy, opt)
         ema.update(model)
-        if every and (it + 1) % every == 0 and it + 1 < steps:
+        if every and (it + 1) % every == 0:
             point = {"iterations": it + 1, "epochs": (it + 1) * batch / len(xtr), "test_acc": evaluate(model, xte, yte),
                      "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)),
                      "seconds": time.perf_counter() - t0}
             curve.append(point)
+            save(it + 1, point["seconds"])
             if on_eval:
                 on_eval(point)
-    return {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
-            "total_batch": batch, "iterations": steps,
-            "epochs": epochs, "test_acc": evaluate(model, xte, yte),
-            "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)), "ema_decay": ema_decay,
-            "seconds": time.perf_counter() - t0, "curve": curve}
+    if curve and curve[-1]["iterations"] == steps:       # the last evaluation was at the last step
+        acc, acc_ema = curve[-1]["test_acc"], curve[-1]["test_acc_ema"]
+    else:
+        acc, acc_ema = evaluate(model, xte, yte), ema.evaluate_with(model, lambda m: evaluate(m, xte, yte))
+    result = {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
+              "lr": lr, "total_batch": batch, "iterations": steps, "epochs": epochs, "test_acc": acc,
+              "test_acc_ema": acc_ema, "ema_decay": ema_decay, "seconds": time.perf_counter() - t0, "curve": curve}
+    save(steps, result["seconds"])
+    return result
 
 
 def gap_cells(b: dict, t: dict, gap_unit: str = "") -> str:
@@ -92,7 +136,9 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "cifarnet_study.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    lines = [f"CifarNet, Adam lr 0.0002, batch 64 per worker, {epochs:g} epochs, data: **{dataset}**. "
+    lrs = sorted({r.get("lr", PAPER_LR) for r in rows})
+    lines = [f"CifarNet, Adam lr {', '.join(f'{lr:g}' for lr in lrs)}, batch 64 per worker, {epochs:g} epochs, "
+             f"data: **{dataset}**. "
              "Accuracy of the final parameters, and (as the paper evaluates) of their exponential moving "
              "average (decay 0.9999, TensorFlow's warm-up)." + variant_note(rows), "",
              "| workers N | total batch | iterations | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
@@ -104,9 +150,6 @@ def write_outputs(rows: list, out: str, epochs: float) -> None:
     with open(os.path.join(out, "cifarnet_study.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-PAPER_LR = 2e-4
 
 
 def variant_name(exclude=(), bucket_size: int = 0, lr: float = PAPER_LR) -> str:
@@ -239,13 +282,18 @@ def main(argv=None):
                    help="TernGrad scaler per this many elements (0: one per layer, the paper's default)")
     p.add_argument("--lr", type=float, default=PAPER_LR,
                    help="Adam learning rate (paper: 0.0002); a run with another one carries 'lr=...' in its variant")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (model, gradients and codec)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: two runs side by side on 2 cores)")
+    p.add_argument("--checkpoint-dir", default="",
+                   help="save each run there at every evaluation and at the end, and resume from it: rerun the "
+                        "same command after an interruption, or with more --epochs to extend a run")
     p.add_argument("--plot-curves", action="store_true",
                    help="only write <out>/cifarnet_curve.{md,png} from the curves already under <out>")
     args = p.parse_args(argv)
     if args.plot_curves:
         print(write_curves(args.out))
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from horovod_terngrad.data_extra import load_cifar10, load_fashion_mnist
     data = load_cifar10(args.cifar10) if args.cifar10 else load_fashion_mnist()
     dataset = "CIFAR-10" if args.cifar10 else SUBSTITUTE
@@ -256,19 +304,30 @@ def main(argv=None):
             variant = (variant_name(exclude, args.bucket_size, args.lr) if comp == "terngrad"
                        else variant_name(lr=args.lr))
             path = curve_path(args.out, n, comp, variant)
+            ckpt = (os.path.join(args.checkpoint_dir, curve_filename(n, comp, variant)[:-len(".jsonl")] + ".pt")
+                    if args.checkpoint_dir else "")
 
-            def log_point(point, n=n, comp=comp, variant=variant, path=path):
-                os.makedirs(args.out, exist_ok=True)
+            def curve_line(point, n=n, comp=comp, variant=variant):
+                return json.dumps(dict(point, workers=n, compression=comp, variant=variant, lr=args.lr,
+                                       dataset=dataset)) + "\n"
+
+            def log_point(point, path=path, n=n, comp=comp):
                 with open(path, "a") as f:
-                    f.write(json.dumps(dict(point, workers=n, compression=comp, variant=variant, lr=args.lr,
-                                            dataset=dataset)) + "\n")
+                    f.write(curve_line(point))
                 print(f"[{dataset}] N={n} {comp} epoch {point['epochs']:.2f}: {100 * point['test_acc']:.2f}% "
                       f"(EMA {100 * point['test_acc_ema']:.2f}%)", flush=True)
-            if args.eval_every and os.path.exists(path):
-                os.unlink(path)
+            if args.eval_every:
+                # the curve file starts as the checkpoint's curve (empty for a fresh run): points a killed run
+                # logged after its last checkpoint are taken again, not twice
+                os.makedirs(args.out, exist_ok=True)
+                restored = (torch.load(ckpt, map_location="cpu", weights_only=True)["curve"]
+                            if ckpt and os.path.exists(ckpt) else [])
+                with open(path, "w") as f:
+                    f.writelines(curve_line(point) for point in restored)
             r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit,
                       eval_every=args.eval_every, on_eval=log_point if args.eval_every else None,
-                      exclude=exclude, bucket_size=args.bucket_size, lr=args.lr)
+                      exclude=exclude, bucket_size=args.bucket_size, lr=args.lr, device=args.device,
+                      checkpoint=ckpt)
             r["dataset"] = dataset
             rows.append(r)
             print(f"[{dataset}] N={n} {comp}{' (' + variant + ')' if variant else ''}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "

@@ -97,12 +97,14 @@ class TernGradMetrics:
 def accuracy(model, x, y, batch: int = 1000, transform=None) -> float:
     """Top-1 accuracy of ``model`` on (x, y) in eval mode, ``transform`` applied to each input batch."""
     import torch
+    device = next(model.parameters()).device      # the data may stay on the CPU while the model is on a GPU
     model.eval()
     correct = 0
     with torch.no_grad():
         for i in range(0, len(x), batch):
             xb = x[i:i + batch]
-            correct += (model(transform(xb) if transform else xb).argmax(1) == y[i:i + batch]).sum().item()
+            xb = (transform(xb) if transform else xb).to(device)
+            correct += (model(xb).argmax(1) == y[i:i + batch].to(device)).sum().item()
     model.train()
     return correct / len(x)
 

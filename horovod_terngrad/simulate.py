@@ -176,6 +176,18 @@ class Simulator:
             p.grad = g.to(p.dtype)
         optimizer.step()
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to draw the same random streams: the per-tensor step counters (the
+        stream key's ``step``), of the direct path and of each simulated rank's exchange."""
+        return {"steps": dict(self._steps), "engine_steps": [dict(e._steps) for e in self.engines]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["engine_steps"]) != self.n:
+            raise ValueError(f"simulator state is of {len(state['engine_steps'])} workers, this one has {self.n}")
+        self._steps = dict(state["steps"])
+        for e, steps in zip(self.engines, state["engine_steps"]):
+            e._steps = dict(steps)
+
     @property
     def stats(self) -> ExchangeStats:
         """Rank 0's counters (what it handed to and got from the collectives)."""

@@ -387,3 +387,41 @@ def test_adam_second_moment_ratio_of_terngrad(tmp_path):
     text = open(md).read()
     assert "| N = 2 | N = 4 |" in text and "| conv2.weight | 102,400 |" in text
     assert json.load(open(tmp_path / "adam_variance.json"))["results"]["2"] == rows
+
+
+def _tiny_image_data(n_train=256, n_test=64):
+    g = torch.Generator().manual_seed(5)
+    return {"train": (torch.randint(0, 256, (n_train, 1, 28, 28), generator=g, dtype=torch.uint8),
+                      torch.randint(0, 10, (n_train,), generator=g)),
+            "test": (torch.randint(0, 256, (n_test, 1, 28, 28), generator=g, dtype=torch.uint8),
+                     torch.randint(0, 10, (n_test,), generator=g))}
+
+
+def test_cifarnet_study_checkpoint_resumes_the_same_run(tmp_path):
+    """A run stopped after 1 epoch and resumed (or extended) to 2 from its checkpoint takes exactly the steps
+    of an uninterrupted 2-epoch run: same parameters, Adam state, EMA, random streams, curve; a checkpoint of
+    another run is refused by name."""
+    import study_cifarnet
+    data = _tiny_image_data(n_train=64, n_test=32)
+    kw = dict(per_worker=8, eval_every=0.5, exclude=("^logits",))
+    whole = study_cifarnet.train(data, 2, "terngrad", 2, seed=3, checkpoint=str(tmp_path / "whole.pt"), **kw)
+    part = study_cifarnet.train(data, 2, "terngrad", 1, seed=3, checkpoint=str(tmp_path / "part.pt"), **kw)
+    assert part["iterations"] == 4 and whole["iterations"] == 8
+    resumed = study_cifarnet.train(data, 2, "terngrad", 2, seed=3, checkpoint=str(tmp_path / "part.pt"), **kw)
+    a = torch.load(tmp_path / "whole.pt", weights_only=True)
+    b = torch.load(tmp_path / "part.pt", weights_only=True)
+    assert a["iterations"] == b["iterations"] == 8
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for name, t in a["ema"]["shadow"].items():
+        assert torch.equal(t, b["ema"]["shadow"][name]), name
+    assert a["simulator"] == b["simulator"] and a["simulator"]["steps"]["conv1.weight"] == 8
+    assert "logits.weight" not in a["simulator"]["steps"]        # excluded: averaged in fp32, no stream drawn
+    assert torch.equal(a["generator"], b["generator"])
+    assert (whole["test_acc"], whole["test_acc_ema"]) == (resumed["test_acc"], resumed["test_acc_ema"])
+    strip = [{k: v for k, v in p.items() if k != "seconds"} for p in whole["curve"]]
+    assert strip == [{k: v for k, v in p.items() if k != "seconds"} for p in resumed["curve"]] and len(strip) == 4
+    with pytest.raises(ValueError, match="part.pt is of another run"):
+        study_cifarnet.train(data, 2, "terngrad", 2, seed=3, lr=3e-4, checkpoint=str(tmp_path / "part.pt"), **kw)
+    with pytest.raises(ValueError, match="past the"):
+        study_cifarnet.train(data, 2, "terngrad", 1, seed=3, checkpoint=str(tmp_path / "part.pt"), **kw)
