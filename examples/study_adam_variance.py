@@ -3,21 +3,26 @@
     python examples/study_adam_variance.py --workers 2,4 --out docs/study
 
 Adam moves each parameter by lr * m / (sqrt(v) + eps), where m and v are running means of the gradient and of
-its square.  TernGrad's average is unbiased (E[t] = g, so m is unchanged in expectation) but not its square:
-one worker's ternary element is s * sign(g) with probability |g| / s and 0 otherwise, so
+its square.  One worker's ternary element is s * sign(g) with probability |g| / s and 0 otherwise, g being
+the clipped gradient (|g| <= 2.5 sigma) and s the layer's scaler (the largest |g| over the layer and the
+workers), so
 
-    E[t^2] = s * |g|  >=  g^2          (s: the layer's shared scaler, about 2.5 standard deviations)
+    E[t] = g,    E[t^2] = s * |g|  >=  g^2
 
-and the average over N workers adds (1/N^2) * sum_k (s |g_k| - g_k^2) to the square of the mean.  Adam divides
-by the square root of that larger v, so with the same lr every step is shorter by the factor
+and the average over N workers adds (1/N^2) * sum_k (s |g_k| - g_k^2) to the square of the mean: the first
+moment is unchanged (up to the clipping of the few elements beyond 2.5 sigma), the second is larger.  Adam
+divides by the square root of that larger v, so with the same lr the steps are shorter by about
 
     ratio = sqrt(v_TernGrad / v_fp32)
 
-(per element).  This script measures the ratio along an fp32 training trajectory of CifarNet: it trains with
-fp32 gradients for --warm-steps, then for --steps more it averages the same per-worker gradients both ways
-(the exact codec of a real run, horovod_terngrad.simulate) and accumulates both squares, while still
-stepping with the fp32 average.  It reports the ratio's median (and 10th/90th percentiles) per layer.
-A ratio r means TernGrad + Adam runs at about lr / r: the slower convergence seen in docs/study, and the
+per element (a heuristic for the drift: TernGrad's m is noisier too).  This script measures the ratio along
+an fp32 training trajectory of CifarNet, set up as in study_cifarnet (Adam, weight decay 0.004 on fc3 and
+fc4): it trains with fp32 gradients for --warm-steps, then for --steps more it averages the same per-worker
+gradients both ways (the exact codec of a real run, horovod_terngrad.simulate), adds the weight-decay term
+that Adam adds after the exchange, and sums both squares over the steps (an equally weighted stand-in for
+Adam's running mean, whose 0.999 decay spans ~1000 steps), while still stepping with the fp32 average.  It
+reports the ratio's median (and 10th/90th percentiles) over each layer's elements.  A ratio r means
+TernGrad + Adam moves about as fp32 + Adam at lr / r: the slower convergence seen in docs/study, and the
 reason for trying lr * r with TernGrad.  Writes <out>/adam_variance.{json,md}.
 """
 from __future__ import annotations
@@ -36,19 +41,26 @@ from cifarnet import SUBSTITUTE, CifarNet, augment  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
+from study_cifarnet import WEIGHT_DECAY  # noqa: E402
 
 
 def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.Tensor, n_workers: int,
                          warm_steps: int, steps: int, lr: float = 2e-4, seed: int = 1, per_worker: int = 64,
                          config: TernGradConfig | None = None) -> list[dict]:
-    """Per layer: numel and the quantiles of sqrt(sum t^2 / sum g^2) over its elements, where g is the fp32
-    average and t TernGrad's decoded average of the same per-worker gradients, summed over ``steps`` steps
-    of an Adam/fp32 trajectory (after ``warm_steps`` steps of it).  Elements whose fp32 sum is 0 are left
-    out (the ratio is undefined there)."""
+    """Per layer: numel and the quantiles of sqrt(sum (t + wd p)^2 / sum (g + wd p)^2) over its elements, where g
+    is the fp32 average and t TernGrad's decoded average of the same per-worker gradients, summed over
+    ``steps`` steps of an Adam/fp32 trajectory (after ``warm_steps`` steps of it).  Elements whose fp32 sum
+    is 0 are left out (the ratio is undefined there)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 to measure anything, got {steps}")
     config = config or TernGradConfig(seed=seed)
     fp32 = Simulator(model, n_workers, config, compression="none")
     tern = Simulator(model, n_workers, config, compression="terngrad")
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    decayed = {id(p) for p in model.decayed_parameters()}
+    params = list(model.parameters())
+    weight_decay = [WEIGHT_DECAY if id(p) in decayed else 0.0 for p in params]
+    opt = torch.optim.Adam([{"params": [p for p in params if id(p) in decayed], "weight_decay": WEIGHT_DECAY},
+                            {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0}], lr=lr)
     gen = torch.Generator().manual_seed(seed)
     batch = per_worker * n_workers
     sums = None
@@ -60,9 +72,9 @@ def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.T
             t_avg = tern.average(per_worker_grads)
             if sums is None:
                 sums = [(torch.zeros_like(a, dtype=torch.float64), torch.zeros_like(a, dtype=torch.float64)) for a in avg]
-            for (sg, st), a, t in zip(sums, avg, t_avg):
-                sg += a.double() ** 2
-                st += t.double() ** 2
+            for (sg, st), a, t, p, wd in zip(sums, avg, t_avg, params, weight_decay):
+                sg += (a.double() + wd * p.detach().double()) ** 2       # what Adam squares: grad + wd * p
+                st += (t.double() + wd * p.detach().double()) ** 2
         for p, a in zip(model.parameters(), avg):
             p.grad = a
         opt.step()

@@ -28,27 +28,32 @@ from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
 
 PAPER_LR = 2e-4          # Adam's base learning rate in the paper's Table 1
+WEIGHT_DECAY = 0.004     # L2 on the fc3 and fc4 weights (slim's CifarNet, the authors' cifar10 script)
 
 
 def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_worker: int = 64,
           lr: float = PAPER_LR, test_limit: int = 0, ema_decay: float = 0.9999, eval_every: float = 0,
           on_eval=None, exclude: tuple = (), bucket_size: int = 0, device: str = "cpu",
-          checkpoint: str = "") -> dict:
+          checkpoint: str = "", on_resume=None, dataset: str = "") -> dict:
     """One run.  With ``eval_every`` (epochs) the test accuracy (raw and EMA) is also taken along the
     way and passed to ``on_eval(point)``, so a long run leaves a learning curve even if cut short.
     ``exclude`` / ``bucket_size`` go to TernGradConfig (the paper's remedies: fp32 last layer, buckets).
 
     ``checkpoint``: a file that the run saves itself to at every evaluation and at the end, and resumes from
     when it exists (model, Adam, EMA, the data generator and the simulator's step counters: the resumed run
-    takes the same steps as an uninterrupted one).  A later call with more ``epochs`` extends the run.
+    takes the same steps as an uninterrupted one on the same device and thread count; on a GPU, cuDNN's
+    nondeterministic kernels make no two runs bitwise equal anyway).  A later call with more ``epochs``
+    extends the run.  A checkpoint of another run (any setting below, dataset included) is refused.
+    ``on_resume(curve)`` gets the curve restored from the checkpoint ([] for a fresh run) once it is accepted.
     ``device``: where the model, gradients and codec run (the data stays on the CPU and is augmented there)."""
     run = {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
-           "lr": lr, "seed": seed, "per_worker": per_worker, "ema_decay": ema_decay, "test_limit": test_limit}
+           "lr": lr, "seed": seed, "per_worker": per_worker, "ema_decay": ema_decay, "test_limit": test_limit,
+           "eval_every": eval_every, "dataset": dataset, "device_type": torch.device(device).type}
     torch.manual_seed(seed)
     xtr, ytr = data["train"]
     model = CifarNet(in_channels=xtr.shape[1]).to(device)
     decayed = {id(p) for p in model.decayed_parameters()}
-    opt = torch.optim.Adam([{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": 0.004},
+    opt = torch.optim.Adam([{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": WEIGHT_DECAY},
                             {"params": [p for p in model.parameters() if id(p) not in decayed], "weight_decay": 0.0}],
                            lr=lr)
     sim = Simulator(model, n_workers, TernGradConfig(seed=seed, exclude=tuple(exclude), bucket_size=bucket_size),
@@ -78,6 +83,8 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
         if "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         start, curve, seconds_before = state["iterations"], state["curve"], state["seconds"]
+    if on_resume:
+        on_resume(list(curve))
 
     def save(iterations, seconds):
         if not checkpoint:
@@ -108,6 +115,12 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
         acc, acc_ema = curve[-1]["test_acc"], curve[-1]["test_acc_ema"]
     else:
         acc, acc_ema = evaluate(model, xte, yte), ema.evaluate_with(model, lambda m: evaluate(m, xte, yte))
+        if every:                                        # off the grid: the curve still ends where the run does
+            point = {"iterations": steps, "epochs": steps * batch / len(xtr), "test_acc": acc,
+                     "test_acc_ema": acc_ema, "seconds": time.perf_counter() - t0}
+            curve.append(point)
+            if on_eval:
+                on_eval(point)
     result = {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
               "lr": lr, "total_batch": batch, "iterations": steps, "epochs": epochs, "test_acc": acc,
               "test_acc_ema": acc_ema, "ema_decay": ema_decay, "seconds": time.perf_counter() - t0, "curve": curve}
@@ -196,18 +209,20 @@ def curve_lr(points: list) -> float:
 
 
 def gap_table(base: list, tern: list, last: int = 5) -> list:
-    """Markdown rows, epoch by epoch, of one TernGrad curve against one fp32 curve, then the mean gap (raw and
-    EMA) over the last ``last`` epochs they share: one epoch's gap moves by a few tenths from epoch to epoch."""
+    """Markdown rows of one TernGrad curve against one fp32 curve at the evaluations both have (matched by
+    iteration), then the mean gap (raw and EMA) over the last ``last`` of them: one evaluation's gap moves
+    by a few tenths from epoch to epoch."""
     lines = ["| epoch | fp32 | TernGrad | gap | fp32 (EMA) | TernGrad (EMA) | gap (EMA) |",
              "|---|---|---|---|---|---|---|"]
-    pairs = list(zip(base, tern))
-    lines += [f"| {b['epochs']:.0f} | {gap_cells(b, t)} |" for b, t in pairs]
+    at = {p["iterations"]: p for p in base}
+    pairs = [(at[t["iterations"]], t) for t in tern if t["iterations"] in at]
+    lines += [f"| {round(b['epochs'], 2):g} | {gap_cells(b, t)} |" for b, t in pairs]
     tail = pairs[-last:]
     if tail:
         raw = sum(t["test_acc"] - b["test_acc"] for b, t in tail) / len(tail)
         ema = sum(t["test_acc_ema"] - b["test_acc_ema"] for b, t in tail) / len(tail)
-        lines += ["", f"Mean gap over epochs {tail[0][0]['epochs']:.0f}-{tail[-1][0]['epochs']:.0f}: "
-                      f"{100 * raw:+.2f} (raw), {100 * ema:+.2f} (EMA)."]
+        lines += ["", f"Mean gap over the last {len(tail)} evaluations (epochs {round(tail[0][0]['epochs'], 2):g}-"
+                      f"{round(tail[-1][0]['epochs'], 2):g}): {100 * raw:+.2f} (raw), {100 * ema:+.2f} (EMA)."]
     return lines
 
 
@@ -304,30 +319,30 @@ def main(argv=None):
             variant = (variant_name(exclude, args.bucket_size, args.lr) if comp == "terngrad"
                        else variant_name(lr=args.lr))
             path = curve_path(args.out, n, comp, variant)
-            ckpt = (os.path.join(args.checkpoint_dir, curve_filename(n, comp, variant)[:-len(".jsonl")] + ".pt")
+            # named as the curve file (hash suffix included), so variants never share a checkpoint
+            ckpt = (os.path.join(args.checkpoint_dir, os.path.basename(path)[:-len(".jsonl")] + ".pt")
                     if args.checkpoint_dir else "")
 
             def curve_line(point, n=n, comp=comp, variant=variant):
                 return json.dumps(dict(point, workers=n, compression=comp, variant=variant, lr=args.lr,
                                        dataset=dataset)) + "\n"
 
-            def log_point(point, path=path, n=n, comp=comp):
+            def log_point(point, path=path, n=n, comp=comp, curve_line=curve_line):
                 with open(path, "a") as f:
                     f.write(curve_line(point))
                 print(f"[{dataset}] N={n} {comp} epoch {point['epochs']:.2f}: {100 * point['test_acc']:.2f}% "
                       f"(EMA {100 * point['test_acc_ema']:.2f}%)", flush=True)
-            if args.eval_every:
-                # the curve file starts as the checkpoint's curve (empty for a fresh run): points a killed run
-                # logged after its last checkpoint are taken again, not twice
+
+            def restart_curve(restored, path=path, curve_line=curve_line):
+                # the curve file starts as the accepted checkpoint's curve (empty for a fresh run): points a
+                # killed run logged after its last checkpoint are taken again, not twice
                 os.makedirs(args.out, exist_ok=True)
-                restored = (torch.load(ckpt, map_location="cpu", weights_only=True)["curve"]
-                            if ckpt and os.path.exists(ckpt) else [])
                 with open(path, "w") as f:
                     f.writelines(curve_line(point) for point in restored)
             r = train(data, n, comp, args.epochs, args.seed, test_limit=args.test_limit,
                       eval_every=args.eval_every, on_eval=log_point if args.eval_every else None,
                       exclude=exclude, bucket_size=args.bucket_size, lr=args.lr, device=args.device,
-                      checkpoint=ckpt)
+                      checkpoint=ckpt, on_resume=restart_curve if args.eval_every else None, dataset=dataset)
             r["dataset"] = dataset
             rows.append(r)
             print(f"[{dataset}] N={n} {comp}{' (' + variant + ')' if variant else ''}: {100 * r['test_acc']:.2f}% (EMA {100 * r['test_acc_ema']:.2f}%, "

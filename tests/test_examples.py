@@ -339,13 +339,13 @@ def test_cifarnet_learning_curves_table_and_plot(tmp_path):
     for comp, accs in (("none", [0.70, 0.80]), ("terngrad", [0.69, 0.785])):
         with open(tmp_path / f"cifarnet_curve_2_{comp}.jsonl", "w") as f:
             for e, a in enumerate(accs, 1):
-                f.write(json.dumps({"epochs": e, "test_acc": a, "test_acc_ema": a + 0.01, "workers": 2,
+                f.write(json.dumps({"epochs": e, "iterations": 100 * e, "test_acc": a, "test_acc_ema": a + 0.01, "workers": 2,
                                     "compression": comp, "dataset": "SUBSTITUTE: test"}) + "\n")
     variant = study_cifarnet.variant_name(("^logits",), 512)
     name = study_cifarnet.curve_filename(2, "terngrad", variant)
     assert name == "cifarnet_curve_2_terngrad_exclude-logits-bucket-512.jsonl"
     with open(tmp_path / name, "w") as f:
-        f.write(json.dumps({"epochs": 1, "test_acc": 0.695, "test_acc_ema": 0.7, "workers": 2, "variant": variant,
+        f.write(json.dumps({"epochs": 1, "iterations": 100, "test_acc": 0.695, "test_acc_ema": 0.7, "workers": 2, "variant": variant,
                             "compression": "terngrad", "dataset": "SUBSTITUTE: test"}) + "\n")
     png = study_cifarnet.write_curves(str(tmp_path))
     assert os.path.getsize(png) > 10_000
@@ -425,3 +425,31 @@ def test_cifarnet_study_checkpoint_resumes_the_same_run(tmp_path):
         study_cifarnet.train(data, 2, "terngrad", 2, seed=3, lr=3e-4, checkpoint=str(tmp_path / "part.pt"), **kw)
     with pytest.raises(ValueError, match="past the"):
         study_cifarnet.train(data, 2, "terngrad", 1, seed=3, checkpoint=str(tmp_path / "part.pt"), **kw)
+
+
+def test_cifarnet_study_main_resumes_curve_files(tmp_path, monkeypatch):
+    """study_cifarnet's command line with --checkpoint-dir: extending a run continues its curve file without
+    duplicates, lines a killed run wrote after its last checkpoint are dropped, and a checkpoint of another
+    run is refused before the curve file is touched."""
+    import horovod_terngrad.data_extra as data_extra
+    import study_cifarnet
+    monkeypatch.setattr(data_extra, "load_fashion_mnist", lambda: _tiny_image_data(n_train=256, n_test=32))
+    out, ckdir = tmp_path / "out", tmp_path / "ck"
+    argv = ["--workers", "2", "--eval-every", "0.5", "--compressions", "terngrad", "--out", str(out),
+            "--checkpoint-dir", str(ckdir)]
+    curve = out / "cifarnet_curve_2_terngrad.jsonl"
+
+    def points():
+        return [json.loads(line) for line in curve.read_text().splitlines()]
+    study_cifarnet.main(argv + ["--epochs", "1"])
+    assert [p["iterations"] for p in points()] == [1, 2]
+    assert (ckdir / "cifarnet_curve_2_terngrad.pt").exists()
+    with open(curve, "a") as f:                   # as if a killed run had logged past its checkpoint
+        f.write(json.dumps(dict(points()[-1], iterations=99)) + "\n")
+    study_cifarnet.main(argv + ["--epochs", "2"])
+    first = points()
+    assert [p["iterations"] for p in first] == [1, 2, 3, 4]
+    assert all(p["variant"] == "" and p["lr"] == 2e-4 and "SUBSTITUTE" in p["dataset"] for p in first)
+    with pytest.raises(ValueError, match="is of another run"):
+        study_cifarnet.main(argv + ["--epochs", "2", "--seed", "9"])
+    assert points() == first
