@@ -208,6 +208,11 @@ def curve_lr(points: list) -> float:
     return float(found.group(1)) if found else PAPER_LR
 
 
+def epoch_label(epochs: float) -> str:
+    """'26' for 25.96 epochs (evaluations every epoch land a few steps short of it), '2.50' off the grid."""
+    return f"{epochs:.0f}" if abs(epochs - round(epochs)) < 0.05 else f"{epochs:.2f}"
+
+
 def gap_table(base: list, tern: list, last: int = 5) -> list:
     """Markdown rows of one TernGrad curve against one fp32 curve at the evaluations both have (matched by
     iteration), then the mean gap (raw and EMA) over the last ``last`` of them: one evaluation's gap moves
@@ -216,13 +221,13 @@ def gap_table(base: list, tern: list, last: int = 5) -> list:
              "|---|---|---|---|---|---|---|"]
     at = {p["iterations"]: p for p in base}
     pairs = [(at[t["iterations"]], t) for t in tern if t["iterations"] in at]
-    lines += [f"| {round(b['epochs'], 2):g} | {gap_cells(b, t)} |" for b, t in pairs]
+    lines += [f"| {epoch_label(b['epochs'])} | {gap_cells(b, t)} |" for b, t in pairs]
     tail = pairs[-last:]
     if tail:
         raw = sum(t["test_acc"] - b["test_acc"] for b, t in tail) / len(tail)
         ema = sum(t["test_acc_ema"] - b["test_acc_ema"] for b, t in tail) / len(tail)
-        lines += ["", f"Mean gap over the last {len(tail)} evaluations (epochs {round(tail[0][0]['epochs'], 2):g}-"
-                      f"{round(tail[-1][0]['epochs'], 2):g}): {100 * raw:+.2f} (raw), {100 * ema:+.2f} (EMA)."]
+        lines += ["", f"Mean gap over the last {len(tail)} evaluations (epochs {epoch_label(tail[0][0]['epochs'])}-"
+                      f"{epoch_label(tail[-1][0]['epochs'])}): {100 * raw:+.2f} (raw), {100 * ema:+.2f} (EMA)."]
     return lines
 
 
