@@ -98,32 +98,34 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
         torch.save(state, checkpoint + ".tmp")
         os.replace(checkpoint + ".tmp", checkpoint)      # a run killed while saving keeps the last good one
 
+    def evaluation(iterations):
+        return {"iterations": iterations, "epochs": iterations * batch / len(xtr), "test_acc": evaluate(model, xte, yte),
+                "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)),
+                "seconds": time.perf_counter() - t0}
+
+    def add_point(point):
+        curve.append(point)
+        save(point["iterations"], point["seconds"])
+        if on_eval:
+            on_eval(point)
+
     t0 = time.perf_counter() - seconds_before
     for it in range(start, steps):
         idx = batch_indices(seed, it, len(xtr), batch)
         sim.step(augment(xtr[idx], g).to(device), ytr[idx].to(device), F.cross_entropy, opt)
         ema.update(model)
         if every and (it + 1) % every == 0:
-            point = {"iterations": it + 1, "epochs": (it + 1) * batch / len(xtr), "test_acc": evaluate(model, xte, yte),
-                     "test_acc_ema": ema.evaluate_with(model, lambda m: evaluate(m, xte, yte)),
-                     "seconds": time.perf_counter() - t0}
-            curve.append(point)
-            save(it + 1, point["seconds"])
-            if on_eval:
-                on_eval(point)
+            add_point(evaluation(it + 1))
     if curve and curve[-1]["iterations"] == steps:       # the last evaluation was at the last step
-        acc, acc_ema = curve[-1]["test_acc"], curve[-1]["test_acc_ema"]
+        final = curve[-1]
     else:
-        acc, acc_ema = evaluate(model, xte, yte), ema.evaluate_with(model, lambda m: evaluate(m, xte, yte))
+        final = evaluation(steps)
         if every:                                        # off the grid: the curve still ends where the run does
-            point = {"iterations": steps, "epochs": steps * batch / len(xtr), "test_acc": acc,
-                     "test_acc_ema": acc_ema, "seconds": time.perf_counter() - t0}
-            curve.append(point)
-            if on_eval:
-                on_eval(point)
+            add_point(final)
     result = {"workers": n_workers, "compression": compression, "exclude": list(exclude), "bucket_size": bucket_size,
-              "lr": lr, "total_batch": batch, "iterations": steps, "epochs": epochs, "test_acc": acc,
-              "test_acc_ema": acc_ema, "ema_decay": ema_decay, "seconds": time.perf_counter() - t0, "curve": curve}
+              "lr": lr, "total_batch": batch, "iterations": steps, "epochs": epochs, "test_acc": final["test_acc"],
+              "test_acc_ema": final["test_acc_ema"], "ema_decay": ema_decay, "seconds": time.perf_counter() - t0,
+              "curve": curve}
     save(steps, result["seconds"])
     return result
 
@@ -200,12 +202,8 @@ def curve_path(out: str, n: int, comp: str, variant: str = "") -> str:
 
 
 def curve_lr(points: list) -> float:
-    """The Adam learning rate of a curve: its 'lr' field, else the 'lr=' in its variant, else the paper's (curves
-    written before --lr existed)."""
-    if "lr" in points[0]:
-        return float(points[0]["lr"])
-    found = re.search(r"(?:^|,)lr=([^,]+)", points[0].get("variant", ""))
-    return float(found.group(1)) if found else PAPER_LR
+    """The Adam learning rate of a curve (curves written before --lr existed ran at the paper's)."""
+    return float(points[0].get("lr", PAPER_LR))
 
 
 def epoch_label(epochs: float) -> str:
