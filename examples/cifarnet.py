@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 SUBSTITUTE = "SUBSTITUTE: Fashion-MNIST (CIFAR-10 not available)"
 CROP = 24
+WEIGHT_DECAY = 0.004     # L2 on the fc3 and fc4 weights (slim's CifarNet, the authors' cifar10 script)
 
 
 class CifarNet(nn.Module):
@@ -77,6 +78,13 @@ class CifarNet(nn.Module):
     def decayed_parameters(self):
         """The weights slim regularizes (fc3, fc4); the rest has no weight decay."""
         return [self.fc3.weight, self.fc4.weight]
+
+    def adam(self, lr: float, weight_decay: float = WEIGHT_DECAY) -> torch.optim.Adam:
+        """Adam with L2 ``weight_decay`` on decayed_parameters() only, as in every CifarNet run here."""
+        decayed = {id(p) for p in self.decayed_parameters()}
+        return torch.optim.Adam([{"params": [p for p in self.parameters() if id(p) in decayed], "weight_decay": weight_decay},
+                                 {"params": [p for p in self.parameters() if id(p) not in decayed], "weight_decay": 0.0}],
+                                lr=lr)
 
     def forward(self, x):
         x = self.lrn(self.pool(F.relu(self.conv1(x))))
@@ -183,7 +191,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="per rank (paper, Table 1: 128 in total on 2 workers)")
     p.add_argument("--lr", type=float, default=0.0002, help="Adam learning rate (paper: 0.0002)")
-    p.add_argument("--weight-decay", type=float, default=0.004, help="L2 on fc3/fc4 weights (slim cifarnet)")
+    p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY, help="L2 on fc3/fc4 weights (slim cifarnet)")
     p.add_argument("--dropout-keep", type=float, default=0.5, help="keep probability after fc3 (slim: 0.5)")
     p.add_argument("--ema", type=float, default=0.9999,
                    help="decay of the parameters' moving average that is also evaluated (paper: 0.9999; 0: off)")
@@ -231,10 +239,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)          # identical initial weights on every rank
     model = CifarNet(in_channels=channels, dropout_keep_prob=args.dropout_keep)
     nparams = sum(p.numel() for p in model.parameters())
-    decayed = {id(p) for p in model.decayed_parameters()}
-    groups = [{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": args.weight_decay},
-              {"params": [p for p in model.parameters() if id(p) not in decayed], "weight_decay": 0.0}]
-    opt = torch.optim.Adam(groups, lr=args.lr)
+    opt = model.adam(args.lr, args.weight_decay)
     compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed),
                   "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor)

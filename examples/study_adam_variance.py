@@ -41,7 +41,6 @@ from cifarnet import SUBSTITUTE, CifarNet, augment  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
-from study_cifarnet import WEIGHT_DECAY  # noqa: E402
 
 
 def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.Tensor, n_workers: int,
@@ -56,11 +55,10 @@ def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.T
     config = config or TernGradConfig(seed=seed)
     fp32 = Simulator(model, n_workers, config, compression="none")
     tern = Simulator(model, n_workers, config, compression="terngrad")
-    decayed = {id(p) for p in model.decayed_parameters()}
+    opt = model.adam(lr)
     params = list(model.parameters())
-    weight_decay = [WEIGHT_DECAY if id(p) in decayed else 0.0 for p in params]
-    opt = torch.optim.Adam([{"params": [p for p in params if id(p) in decayed], "weight_decay": WEIGHT_DECAY},
-                            {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0}], lr=lr)
+    decay_of = {id(p): group["weight_decay"] for group in opt.param_groups for p in group["params"]}
+    weight_decay = [decay_of[id(p)] for p in params]
     gen = torch.Generator().manual_seed(seed)
     batch = per_worker * n_workers
     sums = None
@@ -75,7 +73,7 @@ def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.T
             for (sg, st), a, t, p, wd in zip(sums, avg, t_avg, params, weight_decay):
                 sg += (a.double() + wd * p.detach().double()) ** 2       # what Adam squares: grad + wd * p
                 st += (t.double() + wd * p.detach().double()) ** 2
-        for p, a in zip(model.parameters(), avg):
+        for p, a in zip(params, avg):
             p.grad = a
         opt.step()
     rows = []

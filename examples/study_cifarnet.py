@@ -28,7 +28,6 @@ from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.simulate import Simulator, batch_indices  # noqa: E402
 
 PAPER_LR = 2e-4          # Adam's base learning rate in the paper's Table 1
-WEIGHT_DECAY = 0.004     # L2 on the fc3 and fc4 weights (slim's CifarNet, the authors' cifar10 script)
 
 
 def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_worker: int = 64,
@@ -52,10 +51,7 @@ def train(data, n_workers: int, compression: str, epochs: float, seed: int, per_
     torch.manual_seed(seed)
     xtr, ytr = data["train"]
     model = CifarNet(in_channels=xtr.shape[1]).to(device)
-    decayed = {id(p) for p in model.decayed_parameters()}
-    opt = torch.optim.Adam([{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": WEIGHT_DECAY},
-                            {"params": [p for p in model.parameters() if id(p) not in decayed], "weight_decay": 0.0}],
-                           lr=lr)
+    opt = model.adam(lr)
     sim = Simulator(model, n_workers, TernGradConfig(seed=seed, exclude=tuple(exclude), bucket_size=bucket_size),
                     compression=compression)
     batch = per_worker * n_workers
