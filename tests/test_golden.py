@@ -1,0 +1,128 @@
+"""Golden pins: the bytes every rank hands to each collective, and every decoded average, for a fixed set
+of tensors, settings, exchanges, fusion and rank counts, over two steps (stream keys advance).
+
+The pinned digests were written by the code before the layered redesign (issue 13) and must not change:
+a refactor of how payloads travel may move code, never a bit.  Regenerate only for an intended change
+of the wire format or the arithmetic: ``TERNGRAD_GOLDEN_WRITE=1 pytest tests/test_golden.py``.
+"""
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from horovod_terngrad import TernGradConfig
+from horovod_terngrad.exchange import Exchange, run_ranks
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "exchange.json")
+WRITE = os.environ.get("TERNGRAD_GOLDEN_WRITE") == "1"
+
+SHAPES = [(0,), (1,), (7,), (3, 5), (1000,), (64, 33), (20011,)]
+CASES = {
+    "default": dict(),
+    "base3": dict(packing="base3", seed=5),
+    "buckets": dict(bucket_size=64),
+    "noclip": dict(clip_factor=0.0),
+    "per-rank": dict(shared_scaler=False),
+    "per-rank-base3-buckets": dict(shared_scaler=False, packing="base3", bucket_size=100),
+    "sharded": dict(exchange="sharded"),
+    "sharded-base3-buckets": dict(exchange="sharded", packing="base3", bucket_size=50),
+    "zero-nonfinite": dict(on_nonfinite="zero"),
+    "auto": dict(exchange="auto"),
+}
+RANKS = (1, 2, 3, 4)
+FUSED = ("alone", "fused")
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().reshape(-1)
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
+
+
+def _grad(shape, rank, tensor, step, nan=False):
+    gen = torch.Generator().manual_seed(7919 * tensor + 104729 * step + rank)
+    g = torch.randn(shape, generator=gen) * (0.5 + rank)
+    if nan and g.numel() > 3:
+        g.view(-1)[3] = float("nan")
+    return g
+
+
+class _Recording:
+    """Collectives that log (kind, name, digest of the input) of every call, then delegate."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size, self.log = inner, inner.rank, inner.size, []
+
+    def allreduce_max_async(self, tensor, name):
+        self.log.append(["max", name, _digest(tensor)])
+        return self.inner.allreduce_max_async(tensor, name)
+
+    def allgather_async(self, tensor, name):
+        self.log.append(["gather", name, _digest(tensor)])
+        return self.inner.allgather_async(tensor, name)
+
+    def alltoall_async(self, tensor, splits, name):
+        self.log.append(["a2a", name, _digest(tensor), list(splits)])
+        return self.inner.alltoall_async(tensor, splits, name)
+
+    def poll(self, handle):
+        return self.inner.poll(handle)
+
+    def synchronize(self, handle):
+        return self.inner.synchronize(handle)
+
+
+def _run(case: str, n_ranks: int, fused: str) -> dict:
+    cfg = TernGradConfig(**CASES[case])
+
+    def body(c):
+        rec = _Recording(c)
+        ex = Exchange(rec, cfg)
+        outs = []
+        for step in range(2):
+            grads = [(_grad(s, c.rank, i, step, nan=(case == "zero-nonfinite" and c.rank == n_ranks - 1 and i == 4)),
+                      f"layer{i}") for i, s in enumerate(SHAPES)]
+            if fused == "fused":      # two groups, as the frontend cuts them: small tensors, then the rest
+                tickets = ex.start_group(grads[:4], "g0") + ex.start_group(grads[4:], "g1")
+            else:
+                tickets = [ex.start(g, name) for g, name in grads]
+            outs.append([_digest(ex.finish(t)) for t in tickets])
+        return {"log": rec.log, "outs": outs}
+
+    per_rank = run_ranks(n_ranks, body)
+    for r in range(1, n_ranks):
+        assert per_rank[r]["outs"] == per_rank[0]["outs"], f"rank {r} decoded other bits than rank 0"
+    # a rank posts a payload as soon as its handshake is back: the order across names depends on thread
+    # timing, so the log is compared as a sorted list (every collective, with its bytes, exactly once)
+    return {"outs": per_rank[0]["outs"], "logs": [sorted(r["log"]) for r in per_rank]}
+
+
+def _all_keys():
+    return [(c, n, f) for c in CASES for n in RANKS for f in FUSED]
+
+
+def _load():
+    with open(GOLDEN) as f:
+        return json.load(f)
+
+
+if WRITE:
+    def test_write_golden():
+        torch.set_num_threads(1)
+        pins = {f"{c}/{n}/{f}": _run(c, n, f) for c, n, f in _all_keys()}
+        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+        with open(GOLDEN, "w") as f:
+            json.dump(pins, f, indent=0, sort_keys=True)
+else:
+    @pytest.mark.parametrize("case,n_ranks,fused", _all_keys())
+    def test_bytes_and_averages_match_the_pinned_digests(case, n_ranks, fused):
+        torch.set_num_threads(1)
+        want = _load()[f"{case}/{n_ranks}/{fused}"]
+        got = _run(case, n_ranks, fused)
+        assert got["outs"] == want["outs"], "decoded averages changed"
+        for r in range(n_ranks):
+            assert got["logs"][r] == want["logs"][r], f"rank {r}: collectives or their bytes changed"
+
+    def test_the_pins_cover_every_case():
+        assert sorted(_load()) == sorted(f"{c}/{n}/{f}" for c, n, f in _all_keys())
