@@ -7,10 +7,8 @@ setup(
     description="TernGrad ternary gradient compression as a Horovod compressor",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["horovod_terngrad", "horovod_terngrad.*"]) + ["horovod_terngrad.kernels"],
-    package_dir={"horovod_terngrad.kernels": "kernels"},
-    package_data={"horovod_terngrad.backends": ["*.c"],
-                  "horovod_terngrad.kernels": ["*.cu", "*.h", "*.cpp"]},
+    packages=find_packages(include=["horovod_terngrad", "horovod_terngrad.*"]),
+    package_data={"horovod_terngrad.backends": ["native/*.c", "native/*.cu", "native/*.h", "native/*.cpp"]},
     python_requires=">=3.9",
     # torch and horovod are not listed: torch must be the build matching the user's hardware and
     # horovod must be built against it; scripts/setup.sh installs both. Listing them would let pip

@@ -204,7 +204,7 @@ def parse_args(argv=None):
 
 
 def evaluate(model, x, y, batch=500):
-    from horovod_terngrad.metrics import accuracy
+    from horovod_terngrad.operations.metrics import accuracy
     return accuracy(model, x, y, batch, transform=center)
 
 
@@ -213,8 +213,8 @@ def main(argv=None):
     import horovod.torch as hvd
 
     from horovod_terngrad import TernGrad
-    from horovod_terngrad.data_extra import load_cifar10, load_fashion_mnist
-    from horovod_terngrad.metrics import epoch_report, wire_bytes
+    from horovod_terngrad.operations.datasets import load_cifar10, load_fashion_mnist
+    from horovod_terngrad.operations.metrics import epoch_report, wire_bytes
 
     hvd.init()
     torch.set_num_threads(args.threads)

@@ -4,10 +4,10 @@ performance model's predictions (issue: paper §5 / Fig. 5 validation).  Needs r
     .venv/bin/python examples/emulated_cluster_benchmark.py --hosts 2,4 --rates 1gbit,none --out docs/cluster
 
 For each (hosts, rate): bring up the cluster (launch/netns-cluster.sh), run
-``python -m horovod_terngrad.bench step`` on one rank per host through launch/terngrad-launch (mpirun
+``python -m horovod_terngrad.operations.bench step`` on one rank per host through launch/terngrad-launch (mpirun
 with the netns rsh agent), for fp32, fp16, TernGrad (allgather) and TernGrad (sharded) on a
 communication-heavy MLP of about 25M parameters, then tear the cluster down.  Predictions use
-horovod_terngrad.perfmodel with the compute time profiled here (scaled by ranks per core, since the
+horovod_terngrad.operations.perfmodel with the compute time profiled here (scaled by ranks per core, since the
 emulated hosts share this machine's cores), the link rate (for unshaped veth links: measured with a TCP
 stream) and the codec throughput measured here ("link-rate model"), and again with the inputs the
 model takes from a calibration inside each emulated cluster, repeated in every round before the timed steps
@@ -15,7 +15,7 @@ model takes from a calibration inside each emulated cluster, repeated in every r
 the latency alpha from a 4-byte allreduce, one large allreduce, allgather and alltoall at this
 model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``, and the
 codec's per-element rates, every rank at once) ("calibrated model"), and a third time with
-horovod_terngrad.timeline, which schedules the step as Horovod runs it (collectives overlap backward,
+horovod_terngrad.operations.timeline, which schedules the step as Horovod runs it (collectives overlap backward,
 concurrent ones fuse into one round, codec stages on the main thread) on the calibrated inputs
 ("scheduled model").  None uses the timed steps; ``--predict-only`` recomputes the predictions of a
 saved run.
@@ -74,7 +74,7 @@ def model_sizes(layers: int, width: int) -> list[int]:
 
 
 def profile(layers: int, width: int, batch: int) -> float:
-    from horovod_terngrad.perfmodel import profile_compute
+    from horovod_terngrad.operations.perfmodel import profile_compute
     torch.manual_seed(0)
     mods = []
     for _ in range(layers):
@@ -101,7 +101,7 @@ def run_case(hosts: int, rate: str, args) -> dict:
         cmd = [NETNS, "exec", names[0], LAUNCH, "-np", str(hosts), "-H", ",".join(f"{h}:1" for h in names),
                "--launcher", "mpirun", "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--no-preflight",
                "--shared-cores",
-               "--", PY, "-m", "horovod_terngrad.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
+               "--", PY, "-m", "horovod_terngrad.operations.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
                "--batch", str(args.batch), "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", "2", "--configs", CONFIGS,
                "--calibrate", "--json", out]
         p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -117,9 +117,9 @@ def run_case(hosts: int, rate: str, args) -> dict:
 
 def predict(res: dict, compute_1: float, rates, cpus: int | None = None) -> tuple[dict, dict, dict]:
     """(link-rate model, calibrated model, scheduled model) step times in ms per configuration."""
-    from horovod_terngrad.launcher import network_env
-    from horovod_terngrad.perfmodel import Network, calibrated_efficiency, predict_step
-    from horovod_terngrad.timeline import CodecRates, timeline_step
+    from horovod_terngrad.operations.launcher import network_env
+    from horovod_terngrad.operations.perfmodel import Network, calibrated_efficiency, predict_step
+    from horovod_terngrad.operations.timeline import CodecRates, timeline_step
     rate_elems = codec_rate(rates)
     cycle_s = float(network_env("ethernet", "eth0", [], True)["HOROVOD_CYCLE_TIME"]) / 1000
     hosts = res["hosts"]
@@ -167,7 +167,7 @@ def main(argv=None):
     p.add_argument("--predict-only", default="", metavar="JSON",
                    help="recompute the predictions (and the table) of a saved emulated_cluster.json; runs nothing")
     args = p.parse_args(argv)
-    from horovod_terngrad.timeline import CodecRates, measure_codec_rates
+    from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates
     torch.set_num_threads(1)
     if args.predict_only:
         with open(args.predict_only) as f:

@@ -58,7 +58,7 @@ def parse_args(argv=None):
 
 
 def evaluate(model, x, y, batch=1000):
-    from horovod_terngrad.metrics import accuracy
+    from horovod_terngrad.operations.metrics import accuracy
     return accuracy(model, x, y, batch)
 
 
@@ -67,8 +67,8 @@ def main(argv=None):
     import horovod.torch as hvd
 
     from horovod_terngrad import TernGrad
-    from horovod_terngrad.datasets import load_mnist
-    from horovod_terngrad.metrics import epoch_report, wire_bytes
+    from horovod_terngrad.operations.datasets import load_mnist
+    from horovod_terngrad.operations.metrics import epoch_report, wire_bytes
 
     hvd.init()
     torch.set_num_threads(args.threads)
@@ -102,7 +102,7 @@ def main(argv=None):
     history = []
     metrics = writer = None
     if args.compression == "terngrad" and (args.progress or args.tensorboard):
-        from horovod_terngrad.metrics import ProgressBar, TernGradMetrics, tensorboard_writer
+        from horovod_terngrad.operations.metrics import ProgressBar, TernGradMetrics, tensorboard_writer
         metrics = TernGradMetrics(compressor, size, log_layers=True,
                                   capture=("conv2.weight", "fc1.weight") if args.tensorboard else ())
         if args.tensorboard and rank == 0:

@@ -1,4 +1,4 @@
-"""Data loaders of horovod_terngrad.data_extra, CifarNet, the synthetic-benchmark models, and one real
+"""Data loaders of horovod_terngrad.operations.datasets, CifarNet, the synthetic-benchmark models, and one real
 2-rank Horovod (Gloo) run of examples/cifarnet.py and examples/synthetic_benchmark.py each."""
 import json
 import os
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from horovod_terngrad import data_extra as D
-from horovod_terngrad.datasets import DatasetError
+from horovod_terngrad.operations import datasets as D
+from horovod_terngrad.operations.datasets import DatasetError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -299,9 +299,9 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     on that result: calibrated efficiencies in (0, 1.5) and predictions for every configuration."""
     import emulated_cluster_benchmark as ecb
 
-    from horovod_terngrad.timeline import CodecRates
+    from horovod_terngrad.operations.timeline import CodecRates
     out = tmp_path / "step.json"
-    p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
+    p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.operations.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
         "--steps", "3", "--rounds", "2", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded", "--calibrate",
         "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT))
@@ -431,7 +431,7 @@ def test_cifarnet_study_main_resumes_curve_files(tmp_path, monkeypatch):
     """study_cifarnet's command line with --checkpoint-dir: extending a run continues its curve file without
     duplicates, lines a killed run wrote after its last checkpoint are dropped, and a checkpoint of another
     run is refused before the curve file is touched."""
-    import horovod_terngrad.data_extra as data_extra
+    import horovod_terngrad.operations.datasets as data_extra
     import study_cifarnet
     monkeypatch.setattr(data_extra, "load_fashion_mnist", lambda: _tiny_image_data(n_train=256, n_test=32))
     out, ckdir = tmp_path / "out", tmp_path / "ck"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from horovod_terngrad import launcher
+from horovod_terngrad.operations import launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -6,7 +6,7 @@ import torch
 
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.exchange import AllgatherExchange, run_ranks
-from horovod_terngrad.metrics import ProgressBar, TernGradMetrics
+from horovod_terngrad.operations.metrics import ProgressBar, TernGradMetrics
 
 
 class Writer:

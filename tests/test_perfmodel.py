@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from horovod_terngrad import perfmodel as pm
+from horovod_terngrad.operations import perfmodel as pm
 
 # A flat network with round numbers: alpha = 1 ms, beta = 1 us/byte (1 MB/s), one rank per NIC.
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.simulate import Simulator, batch_indices, worker_slice
+from horovod_terngrad.operations.simulate import Simulator, batch_indices, worker_slice
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
@@ -126,7 +126,7 @@ def test_reduced_fig3_study_terngrad_within_margin_of_fp32(tmp_path):
     table and plot."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     import study_lenet
-    from horovod_terngrad.datasets import load_mnist
+    from horovod_terngrad.operations.datasets import load_mnist
     torch.set_num_threads(1)
     data = load_mnist()
     data["test"] = (data["test"][0][:3000], data["test"][1][:3000])

@@ -26,7 +26,7 @@ from ..codec import packing
 from ..codec.packing import FORMATS
 
 log = logging.getLogger("horovod_terngrad")
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "terngrad_cpu.c")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
 ABI_VERSION = 6
 

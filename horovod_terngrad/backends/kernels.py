@@ -24,9 +24,7 @@ from ..codec import packing
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
 
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels")
-if not os.path.isdir(KERNEL_DIR):   # installed (not editable): setup.py ships kernels/ as horovod_terngrad/kernels
-    KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
 NVCC_OPTIONS = ("--fmad=false", "-std=c++14")
 THREADS = 256

@@ -1,6 +1,6 @@
 """Preflight: every rank reports where it runs and how TernGrad will run there.
 
-Launched by the launcher (``python -m horovod_terngrad.preflight``) with the same launcher and settings
+Launched by the launcher (``python -m horovod_terngrad.operations.preflight``) with the same launcher and settings
 as the training that follows; rank 0 prints one line per rank.  Exits non-zero when the ranks' Horovod
 builds or TernGrad switches disagree.
 """
@@ -15,7 +15,7 @@ def report() -> dict:
     import horovod.torch as hvd
     import torch
 
-    from .backends import cpu_fused, cuda_kernels
+    from ..backends import cpu_fused, cuda_kernels
     cuda = torch.cuda.is_available()
     if cuda:
         dev = torch.cuda.current_device() if hvd.local_rank() >= torch.cuda.device_count() else hvd.local_rank()

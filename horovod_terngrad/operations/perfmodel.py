@@ -68,7 +68,7 @@ Costs of this module itself: every function is O(number of tensors · number of 
 here touches the network.  torch is imported only by :func:`tensor_sizes_of` and :func:`profile_compute`,
 matplotlib only by :func:`plot_fig5`.
 
-CLI: ``python -m horovod_terngrad.perfmodel [--cluster ethernet|infiniband|both|custom ...] [--model ...]
+CLI: ``python -m horovod_terngrad.operations.perfmodel [--cluster ethernet|infiniband|both|custom ...] [--model ...]
 [--max-workers 512] [--png docs/perfmodel/fig5.png]`` (see ``--help`` and docs/perfmodel.md).
 """
 from __future__ import annotations
@@ -236,7 +236,7 @@ def calibrated_efficiency(network: Network, workers: int, measured: dict, strict
 
     ``measured``: {collective: (bytes, seconds)} where bytes is the argument of that collective's time
     function (allreduce: buffer bytes B; allgather: bytes per rank P; alltoall: bytes to each peer c),
-    e.g. from ``python -m horovod_terngrad.bench step --calibrate`` run on the cluster itself.  The
+    e.g. from ``python -m horovod_terngrad.operations.bench step --calibrate`` run on the cluster itself.  The
     efficiency is the alpha-beta model's bandwidth term over the measured time less the latency term,
     so one large measurement per collective calibrates it (like nccl-tests' bus bandwidth).  Fitted as
     for one rank per NIC on ``network`` itself (not its intra-node link): calibrate with the same
@@ -885,7 +885,7 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.perfmodel",
+    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.perfmodel",
                                 description="Predicted images/s vs workers with and without TernGrad "
                                             "(TernGrad paper §5, Fig. 5), alpha-beta network model.")
     p.add_argument("--cluster", choices=("ethernet", "infiniband", "both", "custom"), default="both")

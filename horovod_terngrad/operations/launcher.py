@@ -1,6 +1,6 @@
 """One entry point to start a TernGrad training job with the right network settings.
 
-    python -m horovod_terngrad.launcher -np 8 -H node1:4,node2:4 --network ethernet -- python train.py
+    python -m horovod_terngrad.operations.launcher -np 8 -H node1:4,node2:4 --network ethernet -- python train.py
     launch/terngrad-launch --hostfile hosts.txt --network auto --launcher mpirun -- python train.py
 
 It runs ``horovodrun``, ``mpirun`` or ``srun`` (inside a Slurm allocation) with what each network needs:
@@ -247,7 +247,7 @@ def plan(argv=None):
         # Open MPI only yields by itself when it knows a node is oversubscribed; emulated hosts hide that,
         # and a rank spinning in MPI then takes the core another rank computes on (2x the step at N = 4)
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    preflight = [sys.executable, "-m", "horovod_terngrad.preflight"]
+    preflight = [sys.executable, "-m", "horovod_terngrad.operations.preflight"]
     commands = []
     if args.preflight:
         commands.append(build_command(args, host_list, env, profile, iface, ib, preflight))

@@ -1,8 +1,8 @@
 """Benchmarks that print figures (run them; the numbers go in docs/, not in assertions).
 
-    python -m horovod_terngrad.bench codec [--numel 25000000] [--threads 1]
+    python -m horovod_terngrad.operations.bench codec [--numel 25000000] [--threads 1]
         GB/s of the codec stages on this machine, beside a preallocated copy of the same tensor.
-    horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.bench step [--layers 32] [--width 256]
+    horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.operations.bench step [--layers 32] [--width 256]
         Step time of an MLP with 2·layers parameter tensors under fp32 / fp16 / TernGrad (shared
         scaler, i.e. with the handshake, and per-rank scaler, without it), and where TernGrad's time goes.
 """
@@ -50,8 +50,8 @@ def _peak_bandwidth_gbs(device) -> float | None:
 
 
 def bench_codec(args):
-    from . import backends, codec
-    from .codec import packing
+    from .. import backends, codec
+    from ..codec import packing
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     n = args.numel
@@ -212,7 +212,7 @@ def bench_step(args):
 
     import horovod.torch as hvd
 
-    from . import TernGradCompressor
+    from .. import TernGradCompressor
     hvd.init()
     torch.set_num_threads(1)
 
@@ -313,7 +313,7 @@ def bench_step(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     c = sub.add_parser("codec")
