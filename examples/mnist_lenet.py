@@ -141,8 +141,8 @@ def main(argv=None):
         rec = {"epoch": epoch, "test_acc": acc, "loss": loss_sum / steps_per_epoch, "images_per_s": ips,
                "step_ms": step_ms, "bytes_sent_per_step": sent, "fp32_allreduce_bytes_per_step": fp32_ring_bytes,
                "bits_per_element": bits, "ranks": size, "compression": args.compression}
-        if metrics and compressor.stats.layers:
-            rec["layers"] = {n: vars(r) for n, r in compressor.stats.layers.items()}
+        if metrics and compressor.inspection.layers:
+            rec["layers"] = {n: vars(r) for n, r in compressor.inspection.layers.items()}
         history.append(rec)
         if rank == 0:
             ratio = fp32_ring_bytes / sent if sent else math.inf

@@ -3,9 +3,12 @@
     from horovod_terngrad import TernGrad
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=TernGrad)
 
-Layers: ``codec`` (math on one tensor), ``exchange`` (how payloads travel), ``frontends`` (Horovod).
+Layers (docs/design.md): ``codec`` (math on one tensor, and every size), ``backends`` (the same bytes,
+fast), ``exchange`` (how payloads travel), ``frontends`` (Horovod), ``operations`` (benchmarks, models,
+launch; never imported from here).
 """
-from .config import (NonFiniteGradientError, RankMismatchError, TernGradConfig, TernGradError)
+from .config import TernGradConfig
+from .errors import NonFiniteGradientError, RankMismatchError, TernGradError
 from .frontends.horovod import TernGradCompressor
 
 __version__ = "0.1.0"
@@ -13,16 +16,15 @@ __version__ = "0.1.0"
 #: Ready compressor with the paper's defaults (c = 2.5, 2-bit packing, layer-wise shared scaler).
 TernGrad = TernGradCompressor()
 
-_functional: dict = {}
+_compressors: dict = {}    # config -> the compressor (its state) behind the functional API
 
 
 def _functional_engine(config: TernGradConfig | None, process_set=None):
-    key = (config or TernGrad.config, id(process_set) if process_set is not None else None)
-    eng = _functional.get(key)
-    if eng is None:
-        comp = TernGrad if config is None else TernGradCompressor(config)
-        eng = _functional[key] = comp.engine(process_set)
-    return eng
+    if config is None or config == TernGrad.config:
+        comp = TernGrad
+    else:
+        comp = _compressors.get(config) or _compressors.setdefault(config, TernGradCompressor(config))
+    return comp.engine(process_set)
 
 
 def allreduce_async(tensor, name: str, config: TernGradConfig | None = None, average: bool = True,
@@ -36,7 +38,7 @@ def allreduce_async(tensor, name: str, config: TernGradConfig | None = None, ave
 
 def synchronize(handle):
     """Wait for an ``allreduce_async`` handle and return the averaged tensor."""
-    return handle.owner.finish(handle)
+    return handle.engine.finish(handle)
 
 
 def allreduce(tensor, name: str, config: TernGradConfig | None = None, average: bool = True,

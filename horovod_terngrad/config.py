@@ -4,22 +4,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .codec.packing import FORMATS
+from .codec.sizes import FORMATS
+from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("raise", "zero")
 EXCHANGES = ("allgather", "sharded", "auto")
-
-
-class TernGradError(RuntimeError):
-    """Base class of the errors TernGrad raises on every rank together."""
-
-
-class NonFiniteGradientError(TernGradError, FloatingPointError):
-    """A gradient held NaN or Inf on at least one rank (raised on all ranks)."""
-
-
-class RankMismatchError(TernGradError):
-    """Ranks handed TernGrad tensors that disagree (shape, size or dtype) under one name."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +30,8 @@ class TernGradConfig:
                    gradient is zero on every rank this step (counted in the stats, warned once).
     exchange:      "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
-                   nearly constant in N; needs shared_scaler) or "auto" (per tensor, whichever the
-                   cost model of exchange/choice.py predicts to be faster).
+                   nearly constant in N; needs shared_scaler) or "auto" (per group, whichever the
+                   cost model of exchange/cost.py predicts to be faster).
     fusion_numel:  tensor fusion in the Horovod frontend: the optimizer's compressed parameters, in
                    reverse registration order (about the order backward produces them), are cut into
                    groups of consecutive tensors of at most this many elements in total; a group shares

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from horovod_terngrad import codec as C
-from horovod_terngrad.backends import REFERENCE, cpu, cpu_fused
+from horovod_terngrad.backends import (REFERENCE, SHARDED_SUMS, Backend, ShardedSumsBackend, cpu, cpu_fused,
+                                       has_capability)
+from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
 SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 1279, 1280, 1281, 2047, 2048, 2049, 4097, 65537, 1 << 20, (1 << 21) + 3]
@@ -68,9 +70,9 @@ def test_nonfinite_detected_from_sums(fused):
         g[4321] = bad
         assert REFERENCE.prepare(g, 0, 2.5).nonfinite.item() is True
         p = fused.prepare(g, 0, 2.5)
-        assert p.nonfinite is True and p.scalers.tolist() == [0.0]
+        assert p.nonfinite.item() is True and p.scalers.tolist() == [0.0]
     big = torch.full((1000,), 3.0e38)   # finite fp32 whose squares overflow fp32 but not fp64
-    assert fused.prepare(big, 0, 2.5).nonfinite is False
+    assert fused.prepare(big, 0, 2.5).nonfinite.item() is False
     assert REFERENCE.prepare(big, 0, 2.5).nonfinite.item() is False
 
 
@@ -83,8 +85,31 @@ def test_threshold_host_and_device_agree():
         assert dev == host
 
 
+@pytest.mark.parametrize("n,bucket", [(0, 0), (1, 0), (5000, 0), (5000, 512)])
+@pytest.mark.parametrize("bad", [False, True])
+def test_prepared_holds_0d_tensors_on_the_gradient_device(fused, n, bucket, bad):
+    g = sample(n, 3)
+    if bad and n:
+        g[n // 2] = float("nan")
+    for be in (REFERENCE, fused):
+        p = be.prepare(g, bucket, 2.5)
+        assert isinstance(p.threshold, torch.Tensor) and p.threshold.shape == () and p.threshold.dtype == torch.float32
+        assert isinstance(p.nonfinite, torch.Tensor) and p.nonfinite.shape == () and p.nonfinite.dtype == torch.bool
+        assert p.scalers.dtype == torch.float32 and p.scalers.shape == (C.num_buckets(n, bucket),)
+        assert p.threshold.device == p.nonfinite.device == p.scalers.device == g.device
+        assert p.nonfinite.item() is (bad and n > 0), be.name
+
+
+def test_backends_declare_their_capabilities(fused):
+    assert isinstance(REFERENCE, Backend) and isinstance(fused, Backend)
+    assert REFERENCE.capabilities == frozenset() and not has_capability(REFERENCE, SHARDED_SUMS)
+    assert fused.capabilities == frozenset({SHARDED_SUMS}) and has_capability(fused, SHARDED_SUMS)
+    assert isinstance(fused, ShardedSumsBackend) and not isinstance(REFERENCE, ShardedSumsBackend)
+
+
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("HOROVOD_TERNGRAD_CACHE", str(tmp_path))
+    assert cache_dir() == str(tmp_path / "cpu")
     so = cpu.build()
     mtime = tmp_path.joinpath("cpu").stat().st_mtime_ns
     assert so.startswith(str(tmp_path)) and so.endswith(".so")
@@ -127,7 +152,7 @@ def test_thread_count_does_not_change_bytes(fused):
             results.append((p.threshold, p.scalers, fused.encode(g, p.threshold, p.scalers, 0, key, "2bit")))
     finally:
         torch.set_num_threads(old)
-    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][2], results[1][2])
 
 

@@ -4,8 +4,8 @@ import torch
 
 from helpers import expected_average
 from horovod_terngrad import NonFiniteGradientError, RankMismatchError, TernGradConfig
-from horovod_terngrad.exchange import AllgatherExchange, ThreadWorld, run_ranks
-from horovod_terngrad.exchange.collectives import ThreadCollectives
+from horovod_terngrad.exchange import Exchange, ThreadWorld, run_ranks
+from horovod_terngrad.exchange import ThreadCollectives
 
 
 def grad(shape, rank, tensor=0, dtype=torch.float32):
@@ -30,7 +30,7 @@ def test_every_rank_gets_the_recomputed_average_bit_for_bit(N, cfg):
     steps = 2
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         outs = []
         for step in range(steps):
             tickets = [ex.start(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(SHAPES)]
@@ -49,7 +49,7 @@ def test_sum_instead_of_average():
     cfg = TernGradConfig()
 
     def body(c):
-        return AllgatherExchange(c, cfg).allreduce(grad((100,), c.rank), "w", average=False)
+        return Exchange(c, cfg).allreduce(grad((100,), c.rank), "w", average=False)
 
     res = run_ranks(3, body)
     want, _ = expected_average([grad((100,), r) for r in range(3)], "w", 0, cfg, average=False)
@@ -61,7 +61,7 @@ def test_low_and_high_precision_grads_keep_their_dtype(dtype):
     cfg = TernGradConfig()
 
     def body(c):
-        return AllgatherExchange(c, cfg).allreduce(grad((300,), c.rank, dtype=dtype), "w")
+        return Exchange(c, cfg).allreduce(grad((300,), c.rank, dtype=dtype), "w")
 
     res = run_ranks(2, body)
     want, _ = expected_average([grad((300,), r, dtype=dtype) for r in range(2)], "w", 0, cfg)
@@ -75,7 +75,7 @@ def test_non_contiguous_gradient():
     def body(c):
         g = base[c.rank].t()
         assert not g.is_contiguous()
-        return AllgatherExchange(c, cfg).allreduce(g, "w")
+        return Exchange(c, cfg).allreduce(g, "w")
 
     res = run_ranks(2, body)
     want, _ = expected_average([b.t().contiguous() for b in base], "w", 0, cfg)
@@ -87,7 +87,7 @@ def test_zero_and_empty_tensors(shared):
     cfg = TernGradConfig(shared_scaler=shared)
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         return ex.allreduce(torch.zeros(5, 5), "zero"), ex.allreduce(torch.zeros(0, 3), "empty")
 
     for zero, empty in run_ranks(2, body):
@@ -97,7 +97,7 @@ def test_zero_and_empty_tensors(shared):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_integer_gradient_is_a_clear_error(dtype):
-    ex = AllgatherExchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig())
     with pytest.raises(TypeError, match=r"'counts' has dtype .*floating-point"):
         ex.start(torch.ones(4, dtype=dtype), "counts")
 
@@ -108,7 +108,7 @@ def test_nonfinite_on_one_rank_raises_on_every_rank(shared, bad):
     cfg = TernGradConfig(shared_scaler=shared)
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         g = grad((64,), c.rank)
         if c.rank == 2:
             g[5] = bad
@@ -131,7 +131,7 @@ def test_nonfinite_zero_policy_is_agreed():
     cfg = TernGradConfig(on_nonfinite="zero")
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         g = grad((64,), c.rank)
         if c.rank == 0:
             g[0] = float("nan")
@@ -146,7 +146,7 @@ def test_nonfinite_zero_policy_is_agreed():
 @pytest.mark.parametrize("shapes", [[(10,), (11,)], [(2, 5), (5, 2)]], ids=["numel", "shape"])
 def test_ranks_with_mismatched_shapes_get_a_clear_error_not_a_hang(cfg, shapes):
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         try:
             ex.allreduce(torch.randn(shapes[c.rank]), "conv.weight")
         except RankMismatchError as e:
@@ -182,16 +182,16 @@ def test_start_never_blocks_and_handshakes_overlap():
     out = [None, None]
 
     def rank1():
-        ex = AllgatherExchange(cs[1], cfg)
+        ex = Exchange(cs[1], cfg)
         tks = [ex.start(grad((32,), 1, i), n) for i, n in enumerate(names)]
-        out[1] = (cs[1].blocking, len(ex._pending))
+        out[1] = (cs[1].blocking, ex.pending()[0])
         ready.set()
         [ex.finish(t) for t in tks]
 
     th = threading.Thread(target=rank1)
     th.start()
     assert ready.wait(30)
-    ex0 = AllgatherExchange(cs[0], cfg)
+    ex0 = Exchange(cs[0], cfg)
     [ex0.finish(t) for t in [ex0.start(grad((32,), 0, i), n) for i, n in enumerate(names)]]
     th.join(30)
     assert out[1] == (0, 60)
@@ -208,7 +208,7 @@ def test_wire_size_per_element_on_a_1M_parameter_model():
         cfg = TernGradConfig(packing=fmt)
 
         def body(c):
-            ex = AllgatherExchange(c, cfg)
+            ex = Exchange(c, cfg)
             tks = [ex.start(grad((n,), c.rank, i), name) for i, (name, n) in enumerate(params)]
             [ex.finish(t) for t in tks]
             return ex.stats
@@ -231,7 +231,7 @@ def test_sharded_exchange_at_64_ranks_receives_at_most_10_bits_per_element(fmt, 
     cfg = TernGradConfig(exchange="sharded", packing=fmt)
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         out = ex.allreduce(grad((n,), c.rank), "big")
         return out, ex.stats.bytes_received, ex.stats.payload_bytes_sent
 
@@ -245,10 +245,11 @@ def test_sharded_exchange_at_64_ranks_receives_at_most_10_bits_per_element(fmt, 
 
 
 def test_auto_exchange_picks_by_cost():
-    from horovod_terngrad.exchange.choice import choose_exchange
-    assert choose_exchange(10_000_000, 2, "2bit") == "allgather"
-    assert choose_exchange(10_000_000, 64, "2bit") == "sharded"
-    assert choose_exchange(100, 64, "2bit") == "allgather"       # latency-bound: one collective wins
+    from horovod_terngrad.exchange.cost import Network, exchange_for
+    net = Network.from_gbps("1GbE", 1.0, 50.0)       # what exchange="auto" assumes by default
+    assert exchange_for([10_000_000], 2, "2bit", network=net) == "allgather"
+    assert exchange_for([10_000_000], 64, "2bit", network=net) == "sharded"
+    assert exchange_for([100], 64, "2bit", network=net) == "allgather"       # latency-bound: one collective wins
     with pytest.raises(ValueError, match="needs shared_scaler"):
         TernGradConfig(exchange="sharded", shared_scaler=False)
 
@@ -258,7 +259,7 @@ def test_sharded_reference_path_gives_the_fused_bytes(monkeypatch):
     cfg = TernGradConfig(exchange="sharded", packing="base3", bucket_size=30)
 
     def body(c):
-        return AllgatherExchange(c, cfg).allreduce(grad((1001,), c.rank), "w")
+        return Exchange(c, cfg).allreduce(grad((1001,), c.rank), "w")
 
     fused = run_ranks(3, body)
     monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
@@ -270,6 +271,34 @@ def test_sharded_reference_path_gives_the_fused_bytes(monkeypatch):
 # -- tensor fusion ----------------------------------------------------------------------------------
 
 FUSED = [(20, 50), (50,), (0,), (7, 3, 3), (1,), (1000,)]
+
+
+class KindCounting:
+    """Collectives that count the collectives this rank launches, by kind ("max", "gather", "a2a")."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size, self.kinds = inner, inner.rank, inner.size, {}
+
+    def _count(self, kind):
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def allreduce_max_async(self, tensor, name):
+        self._count("max")
+        return self.inner.allreduce_max_async(tensor, name)
+
+    def allgather_async(self, tensor, name):
+        self._count("gather")
+        return self.inner.allgather_async(tensor, name)
+
+    def alltoall_async(self, tensor, splits, name):
+        self._count("a2a")
+        return self.inner.alltoall_async(tensor, splits, name)
+
+    def poll(self, handle):
+        return self.inner.poll(handle)
+
+    def synchronize(self, handle):
+        return self.inner.synchronize(handle)
 
 
 @pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
@@ -289,13 +318,14 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
     steps = 2
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        counted = KindCounting(c)
+        ex = Exchange(counted, cfg)
         outs = []
         for step in range(steps):
             items = [(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(FUSED)]
             tickets = ex.start_group(items, "group0")
             outs.append([ex.finish(t) for t in reversed(tickets)][::-1])
-        return outs, c.world
+        return outs, counted.kinds
 
     res = run_ranks(N, body)
     for step in range(steps):
@@ -307,7 +337,7 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
     want = {"max": steps, "gather": steps} if cfg.shared_scaler else {"gather": steps}
     if cfg.exchange == "sharded":
         want["a2a"] = steps
-    assert res[0][1].completed == want
+    assert res[0][1] == want
 
 
 @pytest.mark.parametrize("policy", ["raise", "zero"])
@@ -318,7 +348,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     cfg = TernGradConfig(on_nonfinite=policy)
 
     def body(c):
-        ex = AllgatherExchange(c, cfg)
+        ex = Exchange(c, cfg)
         items = [(grad((30,), c.rank, i), f"w{i}") for i in range(3)]
         if c.rank == 1:
             items[1][0][4] = float("nan")
@@ -343,7 +373,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
 
 def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_rank():
     def body(c):
-        ex = AllgatherExchange(c, TernGradConfig())
+        ex = Exchange(c, TernGradConfig())
         members = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 10), "b")]
         if c.rank == 1:
             members.append((torch.randn(5), "c"))      # a member the other rank does not have
@@ -364,7 +394,7 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
     """A fused group's handshake costs 32 + 16 per member + 8 per scaler bytes (72 per tensor alone);
     members of equal count whose sizes differ between ranks are caught by the layout checksum."""
     def body(c):
-        ex = AllgatherExchange(c, TernGradConfig())
+        ex = Exchange(c, TernGradConfig())
         tks = ex.start_group([(grad((7,), c.rank, i), f"t{i}") for i in range(5)], "g")
         for tk in tks:
             ex.finish(tk)

@@ -1,6 +1,6 @@
-"""kernels/terngrad.cu: compiled by nvcc for the GPUs we support, and checked without a GPU by building
-the same source for the host (kernels/host_shim.h) and comparing its bytes with the reference codec.
-The CuPy tests run where CUDA is available."""
+"""backends/native/terngrad.cu: compiled by nvcc for the GPUs we support, and checked without a GPU by
+building the same source for the host (backends/host_build.py with native/host_shim.h) and comparing its
+bytes with the reference codec.  The CuPy tests run where CUDA is available."""
 import os
 import shutil
 import subprocess
@@ -10,7 +10,8 @@ import torch
 
 from horovod_terngrad import codec as C
 from horovod_terngrad.backends import REFERENCE, cpu_fused
-from horovod_terngrad.backends.kernels import NVCC_OPTIONS, SOURCE, HostKernels, KernelBackend
+from horovod_terngrad.backends.cuda import NVCC_OPTIONS, SOURCE, KernelBackend
+from horovod_terngrad.backends.host_build import HostKernels
 from horovod_terngrad.codec import packing
 
 ARCHS = ["sm_75", "sm_80", "sm_90"]   # CUDA 13 (installed here) no longer builds sm_70
@@ -26,7 +27,7 @@ def _nvcc():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         if os.environ.get("CI"):
-            pytest.fail("nvcc is required in CI to compile kernels/*.cu")
+            pytest.fail("nvcc is required in CI to compile backends/native/*.cu")
         pytest.skip("nvcc not installed")
     return nvcc
 
@@ -72,6 +73,7 @@ def test_host_built_kernels_match_reference_and_fused_cpu(host, n, bucket, fmt):
         ref = REFERENCE.encode(g, a.threshold, a.scalers, bucket, key, fmt)
         assert torch.equal(host.encode(g, k.threshold, k.scalers, bucket, key, fmt), ref)
         assert torch.equal(fused.encode(g, float(a.threshold), a.scalers, bucket, key, fmt), ref)
+        assert torch.equal(fused.encode(g, a.threshold, a.scalers, bucket, key, fmt), ref)
         per_rank.append(ref)
         shared_pay.append(REFERENCE.encode(g, a.threshold, a.scalers * 0 + 2.0, bucket, key, fmt))
     for pays in (per_rank, shared_pay):
@@ -91,7 +93,7 @@ def test_kernel_driver_in_fused_and_single_exchanges(host, monkeypatch, cfg):
     import horovod_terngrad.backends as B
     from helpers import expected_average
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import AllgatherExchange, run_ranks
+    from horovod_terngrad.exchange import Exchange, run_ranks
     monkeypatch.setattr(B, "for_device", lambda device: host)
     config = TernGradConfig(seed=4, **cfg)
     shapes = [(30, 7), (5,), (0,), (300,)]
@@ -100,7 +102,7 @@ def test_kernel_driver_in_fused_and_single_exchanges(host, monkeypatch, cfg):
         return [sample(int(torch.Size(s).numel()), 10 * rank + i).reshape(s) for i, s in enumerate(shapes)]
 
     def body(c):
-        ex = AllgatherExchange(c, config)
+        ex = Exchange(c, config)
         fused = [ex.finish(t) for t in ex.start_group([(g, f"k{i}") for i, g in enumerate(grads(c.rank))], "grp")]
         alone = ex.allreduce(grads(c.rank)[0] * 3, "alone")
         return fused, alone
@@ -119,6 +121,12 @@ def test_host_kernels_flag_nonfinite(host):
     g[17] = float("nan")
     p = host.prepare(g, 0, 2.5)
     assert p.nonfinite.item() and p.scalers.tolist() == [0.0]
+
+
+def test_kernel_backend_declares_no_capabilities(host):
+    from horovod_terngrad.backends import SHARDED_SUMS, Backend, has_capability
+    assert isinstance(host, Backend) and host.name == "host-kernels"
+    assert host.capabilities == frozenset() and not has_capability(host, SHARDED_SUMS)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

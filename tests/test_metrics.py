@@ -5,7 +5,7 @@ import types
 import torch
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.exchange import AllgatherExchange, run_ranks
+from horovod_terngrad.exchange import Exchange, run_ranks
 from horovod_terngrad.operations.metrics import ProgressBar, TernGradMetrics
 
 
@@ -24,8 +24,8 @@ def test_metrics_per_step_and_layer():
     sizes = {"fc.weight": 4000, "fc.bias": 40}
 
     def body(c):
-        eng = AllgatherExchange(c, TernGradConfig())
-        comp = types.SimpleNamespace(stats=eng.stats, _engines={None: eng}, uncompressed_elements=0)
+        eng = Exchange(c, TernGradConfig())
+        comp = types.SimpleNamespace(stats=eng.stats, inspection=eng.inspection, uncompressed_elements=0)
         m = TernGradMetrics(comp, world_size=c.size, log_layers=True, capture=("fc.weight",))
         gen = torch.Generator().manual_seed(c.rank)
         tks = [eng.start(torch.randn(n, generator=gen), name) for name, n in sizes.items()]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from horovod_terngrad.codec import sizes
 from horovod_terngrad.operations import perfmodel as pm
 
 # A flat network with round numbers: alpha = 1 ms, beta = 1 us/byte (1 MB/s), one rank per NIC.
@@ -68,15 +69,14 @@ def test_terngrad_sharded_by_hand():
     # N = 4, n = 1000, 2bit: m = ceil(250/20)·20 = 260 (shards on byte boundaries of both packings);
     # alltoall chunk c = ceil(260/4) = 65 bytes to each of 3 peers (no header); L = ceil(log2 9) = 4,
     # sums P_sum = 260·4/8 = 130 bytes, ring allgather 3·130; handshake 2·3/4·72 = 108.
-    from horovod_terngrad.exchange import sharded
-    assert pm.SHARD_ALIGN == sharded.SHARD_ALIGN
-    assert pm.shard_numel(1000, 4) == max(hi - lo for lo, hi in sharded.shard_bounds(1000, 4)) == 260
+    assert sizes.SHARD_ALIGN == 20                    # the engine shards with codec/sizes.py too
+    assert pm.shard_numel(1000, 4) == max(hi - lo for lo, hi in sizes.shard_bounds(1000, 4)) == 260
     c = pm.terngrad_sharded_cost(1000, 4, FLAT)
     assert c.bytes_received == pytest.approx(3 * 65 + 3 * 130 + 108)      # 693
     assert c.messages == 3 + 3 + 6
     assert c.time_s == pytest.approx((3e-3 + 195e-6) + (3e-3 + 390e-6) + (6e-3 + 108e-6))
     # N = 3, n = 10: the first shard (20 elements, capped at 10) holds everything: c = 3, L = 3 -> P_sum = 4
-    assert pm.shard_numel(10, 3) == max(hi - lo for lo, hi in sharded.shard_bounds(10, 3)) == 10
+    assert pm.shard_numel(10, 3) == max(hi - lo for lo, hi in sizes.shard_bounds(10, 3)) == 10
     u = pm.terngrad_sharded_cost(10, 3, FLAT)
     assert u.bytes_received == pytest.approx(2 * 3 + 2 * 4 + 2 * 2 / 3 * 72)
 
@@ -296,3 +296,132 @@ def test_calibrated_efficiency_reproduces_the_measured_times():
         pm.calibrated_efficiency(net, N, {"allgather": (1e6, 1e-6)})
     loose = pm.calibrated_efficiency(net, N, {"allgather": (1e6, 1e-6), "allreduce": (100e6, 3.0)}, strict=False)
     assert loose.eff("allgather") == 1.0 and loose.eff("allreduce") == cal.eff("allreduce")
+
+
+# ---------------------------------------------------------------- one model of the system (no drift)
+AWKWARD = [1, 7, 19, 21, 59, 97, 1001, 4003]    # shorter than a shard, not multiples of 4, 5 or 20
+LONE = 2021
+
+
+@pytest.mark.parametrize("packing,bucket_size", [("2bit", 0), ("base3", 30)])
+@pytest.mark.parametrize("N", [3, 4])
+@pytest.mark.parametrize("exchange", ["allgather", "sharded"])
+def test_model_charges_exactly_the_bytes_the_engine_sends(exchange, N, packing, bucket_size):
+    """Run the engine on thread ranks (a fused group of awkward sizes, then a lone tensor) and check its
+    counters against codec/sizes.py and exchange/cost.py: the model's P, H, c and P_sum are the engine's."""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import Exchange, cost, run_ranks
+    cfg = TernGradConfig(exchange=exchange, packing=packing, bucket_size=bucket_size)
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        gen = torch.Generator().manual_seed(100 + c.rank)
+        out = []
+        for items, group in (([(torch.randn(n, generator=gen), f"t{i}") for i, n in enumerate(AWKWARD)], "g"),
+                             ([(torch.randn(LONE, generator=gen), "lone")], "lone")):
+            ex.stats.reset()
+            for tk in ex.start_group(items, group):
+                ex.finish(tk)
+            st = ex.stats
+            out.append((st.payload_bytes_sent, st.handshake_bytes_sent, st.bytes_received))
+        return out
+
+    res = run_ranks(N, body, timeout=120)
+    for k, ns in enumerate((AWKWARD, [LONE])):
+        sent = [r[k][0] for r in res]
+        hs = [r[k][1] for r in res]
+        received = [r[k][2] for r in res]
+        H = sizes.handshake_size([sizes.num_buckets(n, bucket_size) for n in ns])
+        assert hs == [H] * N                                   # 8·(8 + B) alone, 8·(4 + 2k + ΣB) fused
+        hs_received = 2 * (N - 1) / N * H                       # the ring allreduce's share of the model
+        if exchange == "allgather":
+            P = sum(sizes.payload_size(n, packing, bucket_size) for n in ns)
+            assert sent == [P] * N and received == [(N - 1) * P] * N
+            model = cost.terngrad_allgather_cost(ns, N, FLAT, packing, bucket_size)
+            assert model.bytes_received == pytest.approx((N - 1) * P + hs_received, rel=1e-12)
+            continue
+        # sharded: each rank sends every member's codes (alltoall) and its own sums (allgather), and
+        # receives its shard of every member from N-1 peers plus the other owners' sums
+        codes_total = sum(sizes.packed_size(n, packing) for n in ns)
+        own_sums = [s - codes_total for s in sent]
+        per_peer = [(received[r] - (sum(own_sums) - own_sums[r])) / (N - 1) for r in range(N)]
+        assert own_sums == [sum(sizes.shard_sum_bytes(n, N)[r] for n in ns) for r in range(N)]
+        assert per_peer == [sum(sizes.shard_code_bytes(n, N, packing)[r] for n in ns) for r in range(N)]
+        c, p_sum = cost.sharded_bytes(ns, N, packing)           # every member sharded on its own
+        assert (c, p_sum) == (max(per_peer), max(own_sums))
+        model = cost.terngrad_sharded_cost(ns, N, FLAT, packing, bucket_size)
+        assert model.bytes_received == pytest.approx((N - 1) * (c + p_sum) + hs_received, rel=1e-12)
+        assert model.bytes_received >= max(received) + hs_received      # the slowest rank sets the time
+        if k == 0 and N == 3:   # a fused group is not one vector: sharding the sum of the sizes differs
+            one_vector = sizes.shard_code_bytes(sum(ns), N, packing)
+            assert max(one_vector) != c
+
+
+def test_exchange_plan_is_the_fusion_cut_with_the_config_policy():
+    """The plan's TernGrad groups are exchange.fusion.cut's (exclude, min_numel, fusion_numel, lone
+    tensors), excluded tensors travel as fp32 allreduce, and "terngrad" picks what the engine picks."""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import cost, fusion
+    names = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
+             "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
+    numels = [450, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]
+    cfg = TernGradConfig(exclude=("fc3",), min_numel=50, fusion_numel=3000)
+    cut = fusion.cut_sizes(numels, cfg, names)
+    assert cut.groups == (("fc2.bias",), ("fc2.weight",), ("fc1.bias",), ("fc1.weight",),
+                          ("conv2.weight", "conv1.weight"))       # lone tensors, one fused group
+    assert cut.uncompressed == ("fc3.bias", "fc3.weight", "conv2.bias", "conv1.bias")
+    plain = [("fp32", [10, 840, 16, 6])]                         # Horovod fuses them: one fp32 buffer
+    for method in ("terngrad_allgather", "terngrad_sharded"):
+        plan = pm.exchange_plan(method, numels, 8, FLAT, config=cfg, names=names)
+        assert plan == [(method, g) for g in cut.group_sizes()] + plain
+    net = pm.ETHERNET_1G
+    plan = pm.exchange_plan("terngrad", numels, 64, net, config=cfg, names=names)
+    engine = [cost.exchange_for(g, 64, cfg.packing, cfg.bucket_size, network=net) for g in cut.group_sizes()]
+    assert [m for m, _ in plan[:-1]] == ["terngrad_" + e for e in engine]
+    assert {"terngrad_allgather", "terngrad_sharded"} <= {m for m, _ in plan}
+    assert [g for _, g in plan] == cut.group_sizes() + [plain[0][1]]
+    # the cost is the sum over exactly these buffers, the fp32 ones included
+    total, used = pm.model_exchange_cost("terngrad", numels, 64, net, config=cfg, names=names)
+    assert used == [m for m, _ in plan]
+    assert total.time_s == pytest.approx(sum(pm.exchange_cost(m, g, 64, net).time_s for m, g in plan))
+    # without a config: TernGradConfig()'s policy, fusion_numel from the argument
+    default = fusion.cut_sizes(numels, TernGradConfig(fusion_numel=3000))
+    assert [g for _, g in pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, fusion_numel=3000)] == \
+        default.group_sizes()
+    with pytest.raises(ValueError, match="contradicts"):
+        pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, "base3", config=cfg, names=names)
+    with pytest.raises(ValueError, match="distinct names"):
+        pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, config=cfg, names=names[:-1])
+
+
+def test_one_place_for_sizes_and_costs_no_drifted_constants():
+    """perfmodel re-exports exchange/cost.py (the same objects) and keeps no wire constants of its own;
+    no module or document mentions the chunk-header constant that once drifted (0 in code, 24 bytes in
+    the docstring)."""
+    import os
+
+    from horovod_terngrad.exchange import cost
+    for name in ("Network", "ExchangeCost", "ring_allreduce_time", "ring_allgather_time", "alltoall_time",
+                 "calibrated_efficiency", "choose_exchange", "exchange_cost", "terngrad_sharded_cost",
+                 "terngrad_allgather_cost", "fp32_allreduce_cost", "sharded_bytes", "METHODS"):
+        assert getattr(pm, name) is getattr(cost, name), name
+    for name in ("PAYLOAD_HEADER_BYTES", "SCALER_BYTES", "HANDSHAKE_BYTES_PER_TENSOR", "FUSED_HANDSHAKE_BYTES",
+                 "SHARD_ALIGN", "CODES_PER_BYTE", "BITS_PER_CODE", "plot_fig5", "plot_exchanges"):
+        assert not hasattr(pm, name), name
+    drifted = "SHARDED_CHUNK_" + "HEADER_BYTES"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hits = []
+    for top in ("horovod_terngrad", "docs", "examples", "tests", "README.md"):
+        path = os.path.join(root, top)
+        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        for f in files:
+            if f.endswith((".py", ".md", ".txt")):
+                with open(f, encoding="utf-8", errors="replace") as fh:
+                    if drifted in fh.read():
+                        hits.append(os.path.relpath(f, root))
+    assert not hits, hits
+    with open(os.path.join(root, "docs", "perfmodel.md"), encoding="utf-8") as fh:
+        guide = fh.read()
+    for doc in (pm.__doc__, cost.__doc__, guide):             # no 24-byte chunk headers, per-member shards
+        assert "c = 24" not in doc and "P_sum = 24" not in doc
+        assert "sharded on its own" in doc

@@ -29,36 +29,48 @@ def test_simulator_matches_two_real_horovod_ranks_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("cfg", [dict(), dict(packing="base3", bucket_size=100), dict(shared_scaler=False),
-                                 dict(clip_factor=0.0)])
-def test_direct_averaging_is_the_exchange_bit_for_bit(cfg):
-    """The default 'direct' averaging replays the allgather exchange's arithmetic without collectives:
-    identical averages over several steps (stream keys advance per step) and identical counters."""
+                                 dict(clip_factor=0.0), dict(exchange="sharded"), dict(exchange="auto")])
+def test_simulator_is_the_exchange_on_threaded_ranks_bit_for_bit(cfg):
+    """The simulator drives N engines from one thread over shared buffers; the same engines on N threads
+    (run_ranks, copied buffers) give identical averages over several steps (stream keys advance per step)
+    and identical counters."""
+    from horovod_terngrad.exchange import Exchange, run_ranks
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
     config = TernGradConfig(seed=7, **cfg)
-    ex = Simulator(model, 5, config, average="exchange")
-    di = Simulator(model, 5, config)
-    assert di.average_mode == "direct"
+    sim = Simulator(model, 5, config)
+    grads = []
     for step in range(3):
         x, y = torch.randn(10, 20), torch.randint(0, 5, (10,))
-        g = ex.worker_gradients(x, y, F.cross_entropy)
-        for a, b in zip(ex.average(g), di.average(g)):
+        grads.append(sim.worker_gradients(x, y, F.cross_entropy))
+
+    def body(c):
+        ex = Exchange(c, config)
+        outs = []
+        for g in grads:
+            tickets = [ex.start(t, name) for t, name in zip(g[c.rank], sim.names)]
+            outs.append([ex.finish(t) for t in tickets])
+        return outs, ex.stats
+
+    threaded = run_ranks(5, body)
+    for step, g in enumerate(grads):
+        for a, b in zip(threaded[0][0][step], sim.average(g)):
             assert torch.equal(a, b), step
     for field in ("tensors", "elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_received", "collectives"):
-        assert getattr(ex.stats, field) == getattr(di.stats, field), field
-    assert di.stats.tensors == 12 and di.stats.bytes_received > di.stats.payload_bytes_sent > 0
-    assert (di.stats.handshake_bytes_sent > 0) == config.shared_scaler
+        assert getattr(threaded[0][1], field) == getattr(sim.stats, field), field
+    assert sim.stats.tensors == 12 and sim.stats.bytes_received > sim.stats.payload_bytes_sent > 0
+    assert (sim.stats.handshake_bytes_sent > 0) == config.shared_scaler
 
 
-@pytest.mark.parametrize("average", ["direct", "exchange"])
-def test_policy_keeps_excluded_and_small_tensors_in_fp32(average):
+@pytest.mark.parametrize("exchange", ["allgather", "sharded"])
+def test_policy_keeps_excluded_and_small_tensors_in_fp32(exchange):
     """exclude= and min_numel= tensors are averaged in fp32 (as the frontend hands them to Horovod's
     allreduce); the others are still ternarized, with the same streams as without the policy."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
     x, y = torch.randn(12, 20), torch.randint(0, 5, (12,))
-    plain = Simulator(model, 3, TernGradConfig(seed=3), average=average)
-    policy = Simulator(model, 3, TernGradConfig(seed=3, exclude=(r"^2\.",), min_numel=301), average=average)
+    plain = Simulator(model, 3, TernGradConfig(seed=3, exchange=exchange))
+    policy = Simulator(model, 3, TernGradConfig(seed=3, exchange=exchange, exclude=(r"^2\.",), min_numel=301))
     g = plain.worker_gradients(x, y, F.cross_entropy)
     mean = Simulator(model, 3, compression="none").average(g)
     a, b = plain.average(g), policy.average(g)
@@ -70,22 +82,22 @@ def test_policy_keeps_excluded_and_small_tensors_in_fp32(average):
     assert policy.stats.tensors == 1 and plain.stats.tensors == 4
 
 
-def test_direct_averaging_nonfinite_and_mismatch():
+def test_simulated_nonfinite_and_mismatch():
     from horovod_terngrad import NonFiniteGradientError, RankMismatchError
     sim = Simulator(torch.nn.Linear(3, 2), 3)
     good = [torch.randn(2, 3) for _ in range(3)]
     bad = list(good)
     bad[1] = good[1].clone()
     bad[1][0, 0] = float("nan")
-    with pytest.raises(NonFiniteGradientError, match=r"'w'.*rank\(s\) \[1\]"):
-        sim._average_direct(bad, "w")
+    with pytest.raises(NonFiniteGradientError, match=r"'w'.*rank 1"):
+        sim.average_tensor(bad, "w")
     zero = Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(on_nonfinite="zero"))
-    assert torch.equal(zero._average_direct(bad, "w"), torch.zeros(2, 3)) and zero.stats.nonfinite_zeroed == 1
+    assert torch.equal(zero.average_tensor(bad, "w"), torch.zeros(2, 3)) and zero.stats.nonfinite_zeroed == 1
     with pytest.raises(RankMismatchError, match="'w'"):
-        sim._average_direct([good[0], good[1], torch.randn(3, 2)], "w")
-    with pytest.raises(ValueError, match="average='exchange'"):
-        Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(exchange="sharded"), average="direct")
-    assert Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(exchange="sharded")).average_mode == "exchange"
+        sim.average_tensor([good[0], good[1], torch.randn(3, 2)], "w")
+    with pytest.raises(RankMismatchError, match="'w'"):      # the engine keeps working after a failed step
+        sim.average_tensor([good[0], good[1], torch.randn(3, 2)], "w")
+    assert torch.equal(sim.average_tensor(good, "v"), zero.average_tensor(good, "v"))
 
 
 def test_vmap_gradients_match_the_loop():

@@ -1,12 +1,16 @@
 """Layer 2: device backends of the codec, all producing the same bytes as ``codec`` (the reference).
 
-``for_device(device)`` picks one by itself:
+Every backend implements ``Backend`` (``base.py``: prepare / encode / decode) and declares its optional
+capabilities, e.g. ``SHARDED_SUMS``; ask with ``has_capability``.  ``for_device(device)`` picks one by itself:
 
-* CPU tensors -> the fused C path (``cpu.py``) when it builds, else the torch reference;
-* CUDA tensors -> the CuPy kernels of ``kernels/terngrad.cu`` (``kernels.py``) when CuPy imports and
-  works, else (with one warning) the torch reference, which runs on the GPU with plain torch ops.
+* CPU tensors -> the fused C path (``cpu.py``, ``native/terngrad_cpu.c``) when it builds, else the torch
+  reference (``reference.py``);
+* CUDA tensors -> the CuPy kernels of ``native/terngrad.cu`` (``cuda.py``) when CuPy imports and works,
+  else (with one warning) the torch reference, which runs on the GPU with plain torch ops.
 
-``HOROVOD_TERNGRAD_BACKEND=torch`` forces the reference everywhere (for comparisons).
+``HOROVOD_TERNGRAD_BACKEND=torch`` forces the reference everywhere (for comparisons).  The fused C codec
+and the host build of the kernels (``host_build.py``, for tests without a GPU) are compiled at run time
+into the cache of ``compile_cache.py``.
 """
 from __future__ import annotations
 
@@ -14,7 +18,11 @@ import logging
 import os
 import threading
 
+from .base import SHARDED_SUMS, Backend, ShardedSumsBackend, has_capability
 from .reference import ReferenceBackend
+
+__all__ = ["Backend", "ShardedSumsBackend", "SHARDED_SUMS", "has_capability", "REFERENCE", "for_device",
+           "cpu_fused", "cuda_kernels"]
 
 log = logging.getLogger("horovod_terngrad")
 _lock = threading.Lock()
@@ -22,7 +30,7 @@ _cache: dict = {}
 REFERENCE = ReferenceBackend()
 
 
-def cpu_fused():
+def cpu_fused() -> Backend | None:
     """The fused CPU backend (built on first use) or None when unavailable."""
     with _lock:
         if "cpu" not in _cache:
@@ -31,12 +39,12 @@ def cpu_fused():
         return _cache["cpu"]
 
 
-def cuda_kernels():
+def cuda_kernels() -> Backend | None:
     """The CuPy kernel backend, or None (warned once) when CuPy or CUDA is unavailable."""
     with _lock:
         if "cuda" not in _cache:
             try:
-                from .kernels import CupyKernels, KernelBackend
+                from .cuda import CupyKernels, KernelBackend
                 _cache["cuda"] = KernelBackend(CupyKernels())
             except Exception as e:  # noqa: BLE001 - ImportError, no driver, NVRTC failure: all mean fallback
                 log.warning("TernGrad: CUDA kernels unavailable (%s: %s); CUDA tensors use the torch "
@@ -46,7 +54,8 @@ def cuda_kernels():
         return _cache["cuda"]
 
 
-def for_device(device) -> object:
+def for_device(device) -> Backend:
+    """The backend for tensors on ``device`` (a ``torch.device`` or its name; see the module docstring)."""
     if os.environ.get("HOROVOD_TERNGRAD_BACKEND", "") == "torch":
         return REFERENCE
     kind = getattr(device, "type", str(device))

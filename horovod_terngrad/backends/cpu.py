@@ -1,16 +1,14 @@
-"""Fused CPU backend: ``terngrad_cpu.c`` compiled once with the system C compiler, called via ctypes.
+"""Fused CPU backend: ``native/terngrad_cpu.c`` compiled once with the system C compiler, called via ctypes.
 
 One pass per stage and no tensor-sized temporaries besides the output; OpenMP threads follow
-``torch.get_num_threads()``.  The shared object is cached under ``$HOROVOD_TERNGRAD_CACHE`` (default
-``~/.cache/horovod-terngrad``) keyed by a hash of the source, the flags, the compiler and the CPU, and is
-written atomically, so ranks starting together on one host compile it at most a few times and never
-load a half-written file.  Without a working compiler ``load()`` returns None and the caller falls back
-to the torch reference (with one warning).
+``torch.get_num_threads()``.  The shared object goes to the compile cache (``compile_cache.py``) keyed by
+a hash of the source, the flags, the compiler and the CPU.  Without a working compiler ``load()`` returns
+None and the caller falls back to the torch reference (with one warning).  The only backend with the
+``SHARDED_SUMS`` capability.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
 import os
@@ -24,6 +22,8 @@ import torch
 from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
+from .base import SHARDED_SUMS
+from .compile_cache import compile_cached
 
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "terngrad_cpu.c")
@@ -32,12 +32,6 @@ ABI_VERSION = 6
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
-
-
-def cache_dir() -> str:
-    return os.path.join(os.environ.get("HOROVOD_TERNGRAD_CACHE",
-                                       os.path.join(os.path.expanduser("~"), ".cache", "horovod-terngrad")),
-                        "cpu")
 
 
 def _cpu_model() -> str:
@@ -49,33 +43,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def compile_cached(compiler: str, flags: list, main_source: str, hashed_sources: list, prefix: str,
-                   extra_tag: str = "") -> str:
-    """Compile ``main_source`` into a shared object in the cache, keyed by a hash of the sources, the
-    flags and ``extra_tag``; returns its path.  The file is written under a temporary name and renamed,
-    so processes compiling at the same time never load a half-written object."""
-    digest = hashlib.sha256(repr((flags, extra_tag)).encode())
-    for path in hashed_sources:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    out_dir = cache_dir()
-    so = os.path.join(out_dir, f"{prefix}-{digest.hexdigest()[:16]}.so")
-    if os.path.exists(so):
-        return so
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        p = subprocess.run([compiler, *flags, main_source, "-o", tmp], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {main_source}:\n{p.stderr[-3000:]}")
-        os.replace(tmp, so)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return so
 
 
 def build(cc: str | None = None) -> str:
@@ -103,9 +70,11 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class FusedCPUBackend:
-    """Host backend: scalars come back as Python floats, payloads are written in place."""
+    """The backend interface on the fused C codec: statistics combined in Python floats on the host,
+    payloads and averages written in place by one C pass each."""
 
     name = "cpu-fused"
+    capabilities = frozenset({SHARDED_SUMS})
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
@@ -140,14 +109,14 @@ class FusedCPUBackend:
         n = g32.numel()
         total, sumsq, maxabs = self.stats(g32, bucket_size)
         nonfinite = not (math.isfinite(total) and math.isfinite(sumsq))
-        thr = codec.ternary.clip_threshold_host(n, total, sumsq, clip_factor)
+        thr = codec.ternary.clip_threshold_host(n, total, sumsq, clip_factor)   # already an fp32 value
         if nonfinite:
             scalers = torch.zeros_like(maxabs)
         elif maxabs.numel() == 1:
             scalers = torch.tensor([min(maxabs.item(), thr)], dtype=torch.float32)
         else:
             scalers = torch.clamp(maxabs, max=thr)
-        return codec.Prepared(n, thr, scalers, nonfinite)
+        return codec.Prepared(n, torch.tensor(thr, dtype=torch.float32), scalers, torch.tensor(nonfinite))
 
     def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
         n = g32.numel()
@@ -181,10 +150,9 @@ class FusedCPUBackend:
                                        _ptr(out), self._threads())
         return out
 
-
-    # -- sharded exchange --------------------------------------------------------------------------
+    # -- SHARDED_SUMS capability --------------------------------------------------------------------------
     def owner_sums(self, received: torch.Tensor, n_ranks: int, m: int, fmt: str, bits: int) -> torch.Tensor:
-        """Sum N equal-size code chunks (one shard) and pack k + N in ``bits`` bits, in one pass."""
+        """``ShardedSumsBackend.owner_sums`` in one pass, chunked over the OpenMP threads."""
         nbytes = received.numel() // n_ranks if n_ranks else 0
         out = torch.empty(-(-m * bits // 8), dtype=torch.uint8)
         if m:
@@ -195,6 +163,7 @@ class FusedCPUBackend:
 
     def decode_sums(self, data: torch.Tensor, m: int, n_ranks: int, bits: int, scalers: torch.Tensor,
                     bucket_size: int, start: int, divisor: float, out: torch.Tensor) -> None:
+        """``ShardedSumsBackend.decode_sums`` in one pass."""
         if m:
             s = scalers.to(torch.float32).contiguous()
             self.lib.tg_unpack_sums(_ptr(data), m, n_ranks, bits, _ptr(s), bucket_size, start, float(divisor),

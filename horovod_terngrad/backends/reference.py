@@ -8,7 +8,10 @@ from ..codec import packing
 
 
 class ReferenceBackend:
+    """The backend interface on ``codec``'s functions; the fallback when no fused backend loads."""
+
     name = "torch"
+    capabilities: frozenset[str] = frozenset()
 
     def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
         return codec.prepare(g32, bucket_size, clip_factor)

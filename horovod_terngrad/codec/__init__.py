@@ -1,4 +1,5 @@
 """Layer 1: TernGrad math on one tensor. No communication, no global state."""
+from . import sizes
 from .packing import (FORMATS, assemble, average_packed, HEADER_BYTES, Header, PayloadError, decode_average, encode, pack,
                       packed_size, parse_header, read_header, payload_size, unpack)
 from .rng import stream_key, tensor_id, uniform24, uniform24_scalar
@@ -6,6 +7,7 @@ from .ternary import (Prepared, TensorStats, prepare, clip_threshold, local_scal
                       ternarize)
 
 __all__ = [
+    "sizes",
     "assemble", "average_packed",
     "FORMATS", "HEADER_BYTES", "Header", "PayloadError", "decode_average", "encode", "pack",
     "packed_size", "parse_header", "read_header", "payload_size", "unpack", "stream_key", "tensor_id", "uniform24",

@@ -34,12 +34,11 @@ import zlib
 
 import torch
 
+from .sizes import CODES_PER_BYTE, FORMATS, HEADER_BYTES, codes_offset, num_buckets, packed_size, payload_size
+
 MAGIC = 0x54
 VERSION = 1
-FORMATS = {"2bit": 1, "base3": 2}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
-CODES_PER_BYTE = {"2bit": 4, "base3": 5}
-HEADER_BYTES = 20
 FLAG_NONFINITE = 1
 
 
@@ -57,7 +56,6 @@ class Header:
 
     @property
     def num_scalers(self) -> int:
-        from .ternary import num_buckets
         return num_buckets(self.numel, self.bucket_size)
 
     @property
@@ -66,17 +64,7 @@ class Header:
 
     @property
     def total_bytes(self) -> int:
-        return HEADER_BYTES + 4 * self.num_scalers + self.packed_bytes
-
-
-def packed_size(numel: int, fmt: str) -> int:
-    per = CODES_PER_BYTE[fmt]
-    return -(-numel // per)
-
-
-def payload_size(numel: int, fmt: str, bucket_size: int) -> int:
-    from .ternary import num_buckets
-    return HEADER_BYTES + 4 * num_buckets(numel, bucket_size) + packed_size(numel, fmt)
+        return payload_size(self.numel, self.fmt, self.bucket_size)
 
 
 def _codes(t: torch.Tensor) -> torch.Tensor:
@@ -152,12 +140,12 @@ def new_payload(n: int, fmt: str, scalers: torch.Tensor, bucket_size: int, flags
                 shape=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A payload with header and scalers written, and the view of its packed-code region to fill."""
     nb = scalers.numel()
-    total = HEADER_BYTES + 4 * nb + packed_size(n, fmt)
+    total = codes_offset(nb) + packed_size(n, fmt)
     payload = torch.empty(total, dtype=torch.uint8, device=scalers.device)
     payload[:HEADER_BYTES] = torch.frombuffer(bytearray(header_bytes(n, fmt, bucket_size, flags, shape)),
                                               dtype=torch.uint8)
-    payload[HEADER_BYTES:HEADER_BYTES + 4 * nb] = scalers.to(torch.float32).contiguous().view(torch.uint8)
-    return payload, payload[HEADER_BYTES + 4 * nb:]
+    payload[HEADER_BYTES:codes_offset(nb)] = scalers.to(torch.float32).contiguous().view(torch.uint8)
+    return payload, payload[codes_offset(nb):]
 
 
 def assemble(packed: torch.Tensor, n: int, fmt: str, scalers: torch.Tensor, bucket_size: int,
@@ -260,8 +248,8 @@ def parse_header(payload: torch.Tensor, what: str = "payload") -> Header:
 def split(payload: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tensor]:
     """(scalers fp32 [B], packed codes uint8) views of a payload whose header is ``h``."""
     nb = h.num_scalers
-    scalers = payload[HEADER_BYTES:HEADER_BYTES + 4 * nb].clone().view(torch.float32)
-    return scalers, payload[HEADER_BYTES + 4 * nb:]
+    scalers = payload[HEADER_BYTES:codes_offset(nb)].clone().view(torch.float32)
+    return scalers, payload[codes_offset(nb):]
 
 
 def average_packed(packed: list, scalers: list, numel: int, fmt: str, bucket_size: int,

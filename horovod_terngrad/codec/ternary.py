@@ -136,13 +136,14 @@ def clip_threshold_host(n: int, total: float, sumsq: float, clip_factor: float) 
 @dataclass
 class Prepared:
     """What ternarizing one tensor needs, from one statistics pass: the clip threshold, the local
-    scalers (zero where the tensor held NaN/Inf) and that flag.  Host backends give Python scalars,
-    device backends 0-d device tensors (so nothing waits for the device)."""
+    scalers (zero where the tensor held NaN/Inf) and that flag.  Every backend gives tensors on the
+    gradient's device, whatever the device (so nothing waits for it, and callers never branch on type):
+    ``float(p.threshold)`` and ``bool(p.nonfinite)`` read them on the host when needed."""
 
     numel: int
-    threshold: object        # float, or fp32 0-d tensor
+    threshold: torch.Tensor  # fp32 0-d: c·σ, or +inf when clipping is off
     scalers: torch.Tensor    # fp32 [num_buckets]
-    nonfinite: object        # bool, or bool 0-d tensor
+    nonfinite: torch.Tensor  # bool 0-d: the tensor held NaN/Inf
 
 
 def prepare(g: torch.Tensor, bucket_size: int, clip_factor: float) -> Prepared:

@@ -1,10 +1,19 @@
-"""Layer 3: how packed payloads travel between ranks, over a small collective interface."""
-from .allgather import AllgatherExchange, ExchangeStats, check_gradient
+"""Layer 3: how packed payloads travel between ranks, over a small collectives interface.
 
-#: The exchange engine (the stable name; ``AllgatherExchange`` is the old one).
-Exchange = AllgatherExchange
-from .collectives import (CollectiveError, Collectives, HorovodCollectives, ThreadCollectives,
-                          ThreadWorld, run_ranks)
+* ``collectives``: the interface; ``hvd_collectives`` (Horovod) and ``thread_collectives`` (ranks in one
+  process, for tests and the simulator) implement it.
+* ``engine``: ``Exchange``, tickets and queues: the one place a gradient's path is driven.
+* ``handshake``: the shared-scaler handshake vector, built and read in one place.
+* ``allgather`` and ``sharded``: the two transports.
+* ``fusion``: the fusion cut (a pure function, shared with the performance model).
+* ``cost``: the runtime cost model (``exchange="auto"``), shared with the performance model.
+* ``stats``: counters and per-tensor inspection.
+"""
+from .collectives import CollectiveError, Collectives
+from .engine import Exchange, Ticket, check_gradient
+from .hvd_collectives import HorovodCollectives
+from .stats import ExchangeStats, Inspection, LayerRecord
+from .thread_collectives import ThreadCollectives, ThreadWorld, run_ranks
 
-__all__ = ["Exchange", "AllgatherExchange", "ExchangeStats", "check_gradient", "CollectiveError",
-           "Collectives", "HorovodCollectives", "ThreadCollectives", "ThreadWorld", "run_ranks"]
+__all__ = ["Exchange", "Ticket", "ExchangeStats", "Inspection", "LayerRecord", "check_gradient",
+           "CollectiveError", "Collectives", "HorovodCollectives", "ThreadCollectives", "ThreadWorld", "run_ranks"]

@@ -1,9 +1,10 @@
 """The few collectives the exchange needs, behind one small interface.
 
-``HorovodCollectives`` runs them on Horovod (``horovod.torch``); ``ThreadCollectives`` runs N ranks
-as threads of one process, so the exchange can be tested (and simulated) without Horovod.  Both give
-the same results: allreduce-max is exact (max is order independent) and allgather concatenates the
-ranks' 1-D tensors in rank order (their lengths may differ, as Horovod's allgather allows).
+Implementations: ``HorovodCollectives`` (hvd_collectives.py) runs them on Horovod (``horovod.torch``);
+``ThreadCollectives`` (thread_collectives.py) runs N ranks in one process, so the exchange can be tested
+and simulated without Horovod.  All give the same results: allreduce-max is exact (max is order
+independent), allgather concatenates the ranks' 1-D tensors in rank order (their lengths may differ, as
+Horovod's allgather allows), alltoall delivers to each rank the chunks addressed to it in sender order.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ class CollectiveError(RuntimeError):
 
 
 class Collectives(Protocol):
+    """One rank's view of the group it exchanges with.  The ``*_async`` calls return a handle at once;
+    ``poll`` says whether it completed; ``synchronize`` waits and returns the result (raising
+    ``CollectiveError`` when the collective failed).  Every rank must issue the same collectives with the
+    same names; the order of completion is free."""
+
     rank: int
     size: int
 
@@ -26,163 +32,3 @@ class Collectives(Protocol):
     def alltoall_async(self, tensor: torch.Tensor, splits: list, name: str) -> Any: ...
     def poll(self, handle: Any) -> bool: ...
     def synchronize(self, handle: Any) -> torch.Tensor: ...
-
-
-class HorovodCollectives:
-    """Horovod's asynchronous torch ops. Rank and size are read per call (elastic-safe)."""
-
-    def __init__(self, process_set=None):
-        import horovod.torch as hvd
-        self._hvd = hvd
-        self._ps = process_set
-
-    @property
-    def rank(self) -> int:
-        return self._hvd.rank() if self._ps is None else self._ps.rank()
-
-    @property
-    def size(self) -> int:
-        return self._hvd.size() if self._ps is None else self._ps.size()
-
-    def _kw(self):
-        return {} if self._ps is None else {"process_set": self._ps}
-
-    def allreduce_max_async(self, tensor, name):
-        return self._hvd.allreduce_async(tensor, name=name, op=self._hvd.Max, **self._kw())
-
-    def allgather_async(self, tensor, name):
-        return self._hvd.allgather_async(tensor, name=name, **self._kw())
-
-    def alltoall_async(self, tensor, splits, name):
-        return self._hvd.alltoall_async(tensor, splits=torch.tensor(splits, dtype=torch.int32), name=name,
-                                        **self._kw())
-
-    def poll(self, handle):
-        return self._hvd.poll(handle)
-
-    def synchronize(self, handle):
-        try:
-            out = self._hvd.synchronize(handle)
-        except Exception as e:  # Horovod reports rank disagreements as HorovodInternalError
-            raise CollectiveError(str(e)) from e
-        return out[0] if isinstance(out, tuple) else out   # alltoall: (output, received splits)
-
-
-class _Slot:
-    def __init__(self, size):
-        self.inputs: list = [None] * size
-        self.arrived = 0
-        self.result = None
-        self.error = None
-        self.done = threading.Event()
-        self.collected = 0
-
-
-class ThreadWorld:
-    """Shared rendezvous for N thread-ranks: a collective completes when all N ranks posted it."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._lock = threading.Lock()
-        self._slots: dict[tuple[str, str], _Slot] = {}
-        self.bytes_in: list[int] = [0] * size   # bytes each rank handed to collectives
-        self.completed: dict[str, int] = {}      # collectives completed, by kind ("max", "gather", "a2a")
-
-    def post(self, kind: str, name: str, rank: int, tensor: torch.Tensor, splits=None) -> _Slot:
-        with self._lock:
-            slot = self._slots.setdefault((kind, name), _Slot(self.size))
-            if slot.inputs[rank] is not None:
-                raise CollectiveError(f"rank {rank} posted {kind} '{name}' twice before it completed")
-            slot.inputs[rank] = tensor.clone() if splits is None else (tensor.clone(), list(splits))
-            slot.arrived += 1
-            self.bytes_in[rank] += tensor.numel() * tensor.element_size()
-            if slot.arrived == self.size:
-                del self._slots[(kind, name)]
-                self.completed[kind] = self.completed.get(kind, 0) + 1
-                try:
-                    slot.result = self._combine(kind, name, slot.inputs)
-                except CollectiveError as e:
-                    slot.error = e
-                slot.done.set()
-        return slot
-
-    @staticmethod
-    def _combine(kind, name, inputs):
-        if kind == "a2a":   # per receiver: the chunks addressed to it, in sender order
-            out = []
-            for dst in range(len(inputs)):
-                parts = []
-                for t, splits in inputs:
-                    if len(splits) != len(inputs) or sum(splits) != t.numel():
-                        raise CollectiveError(f"alltoall '{name}': splits {splits} do not fit {t.numel()} elements")
-                    off = sum(splits[:dst])
-                    parts.append(t[off:off + splits[dst]])
-                out.append(torch.cat(parts))
-            return out
-        if kind == "max":
-            shapes = {tuple(t.shape) for t in inputs}
-            if len(shapes) != 1:
-                raise CollectiveError(f"Mismatched allreduce tensor shapes for '{name}': {sorted(shapes)}")
-            return torch.stack(inputs).amax(dim=0)
-        return torch.cat(inputs)
-
-    def ranks(self) -> list["ThreadCollectives"]:
-        return [ThreadCollectives(self, r) for r in range(self.size)]
-
-
-class ThreadCollectives:
-    """One rank's view of a ``ThreadWorld``."""
-
-    def __init__(self, world: ThreadWorld, rank: int, timeout: float = 60.0):
-        self.world = world
-        self.rank = rank
-        self.size = world.size
-        self.timeout = timeout
-
-    def allreduce_max_async(self, tensor, name):
-        return self.world.post("max", name, self.rank, tensor)
-
-    def allgather_async(self, tensor, name):
-        return self.world.post("gather", name, self.rank, tensor)
-
-    def alltoall_async(self, tensor, splits, name):
-        return self.world.post("a2a", name, self.rank, tensor, splits)
-
-    def poll(self, handle):
-        return handle.done.is_set()
-
-    def synchronize(self, handle):
-        if not handle.done.wait(self.timeout):
-            raise CollectiveError(f"collective timed out after {self.timeout}s: not all ranks posted it")
-        if handle.error is not None:
-            raise handle.error
-        result = handle.result[self.rank] if isinstance(handle.result, list) else handle.result
-        return result.clone()
-
-
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0):
-    """Run ``fn(collectives, *args)`` on ``world_size`` thread-ranks; returns results in rank order.
-
-    An exception on any rank is re-raised (the first by rank) after all threads ended.
-    """
-    world = ThreadWorld(world_size)
-    results: list = [None] * world_size
-    errors: list = [None] * world_size
-
-    def body(c):
-        try:
-            results[c.rank] = fn(c, *args)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[c.rank] = e
-
-    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        if t.is_alive():
-            raise CollectiveError("a thread-rank did not finish in time (hang)")
-    for e in errors:
-        if e is not None:
-            raise e
-    return results

@@ -17,32 +17,17 @@ collective (latency), so small N and small tensors are better served by the allg
 """
 from __future__ import annotations
 
-import math
+import time
 
 import torch
 
-from ..codec.packing import CODES_PER_BYTE, unpack
-
-SHARD_ALIGN = 20  # lcm of 4 (2bit) and 5 (base3): shard boundaries fall on byte boundaries
-
-
-def sum_bits(n_ranks: int) -> int:
-    """L = ceil(log2(2N + 1)): bits of one owner's sum k + N in [0, 2N]."""
-    return max(1, math.ceil(math.log2(2 * n_ranks + 1)))
-
-
-def shard_bounds(n: int, n_ranks: int) -> list[tuple[int, int]]:
-    size = -(-n // n_ranks) if n else 0
-    size = -(-size // SHARD_ALIGN) * SHARD_ALIGN
-    return [(min(r * size, n), min((r + 1) * size, n)) for r in range(n_ranks)]
-
-
-def code_byte_range(lo: int, hi: int, fmt: str) -> tuple[int, int]:
-    """Bytes of the packed codes that hold elements [lo, hi) (lo is a shard start: byte aligned)."""
-    per = CODES_PER_BYTE[fmt]
-    if hi <= lo:
-        return -(-lo // per), -(-lo // per)   # an empty shard (past the end): no bytes
-    return lo // per, -(-hi // per)
+from .. import backends
+from ..codec import sizes
+from ..codec.packing import unpack
+from ..codec.sizes import SHARD_ALIGN, code_byte_range, shard_bounds, sum_bits, sums_size  # noqa: F401
+from ..errors import RankMismatchError
+from .collectives import CollectiveError
+from . import allgather
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -67,11 +52,10 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 
 
 def _fused(device):
-    """The backend's sharded-exchange kernels when it has them (the fused CPU codec), else None: the
-    torch reference below runs (on any device, and when HOROVOD_TERNGRAD_BACKEND=torch)."""
-    from ..backends import for_device
-    be = for_device(device)
-    return be if hasattr(be, "owner_sums") else None
+    """The backend's sharded-exchange kernels when it declares them (the fused CPU codec), else None:
+    the torch reference below runs (on any device, and when HOROVOD_TERNGRAD_BACKEND=torch)."""
+    be = backends.for_device(device)
+    return be if backends.has_capability(be, backends.SHARDED_SUMS) else None
 
 
 def owner_sums(received: torch.Tensor, n_ranks: int, lo: int, hi: int, fmt: str) -> torch.Tensor:
@@ -106,11 +90,11 @@ def decode_gathered(gathered: torch.Tensor, n: int, n_ranks: int, scalers: torch
         return out.copy_((k.to(torch.float32) * s) / float(divisor))
     bits, off = sum_bits(n_ranks), 0
     bounds = shard_bounds(n, n_ranks)
-    expected = sum(-(-(hi - lo) * bits // 8) for lo, hi in bounds)
+    expected = sum(sizes.shard_sum_bytes(n, n_ranks))
     if expected != gathered.numel():      # checked first: the kernels read exactly this many bytes
         raise ValueError(f"gathered sums: {gathered.numel()} bytes, expected {expected}")
     for lo, hi in bounds:
-        nbytes = -(-(hi - lo) * bits // 8)
+        nbytes = sums_size(hi - lo, n_ranks)
         fused.decode_sums(gathered[off:off + nbytes], hi - lo, n_ranks, bits, scalers, bucket_size, lo, divisor,
                           out[lo:hi])
         off += nbytes
@@ -122,7 +106,7 @@ def gathered_sums(gathered: torch.Tensor, n: int, n_ranks: int) -> torch.Tensor:
     bits = sum_bits(n_ranks)
     parts, off = [], 0
     for lo, hi in shard_bounds(n, n_ranks):
-        nbytes = -(-(hi - lo) * bits // 8)
+        nbytes = sums_size(hi - lo, n_ranks)
         parts.append(unpack_bits(gathered[off:off + nbytes], hi - lo, bits))
         off += nbytes
     if off != gathered.numel():
@@ -133,10 +117,94 @@ def gathered_sums(gathered: torch.Tensor, n: int, n_ranks: int) -> torch.Tensor:
 def received_bits_per_element(n: int, n_ranks: int, fmt: str) -> float:
     """Most bits any rank receives per element of an n-element tensor in one exchange: its shard's
     codes from N-1 ranks (alltoall) plus the N-1 other owners' packed sums (allgather)."""
-    bounds = shard_bounds(n, n_ranks)
-    sum_bytes = [-(-(hi - lo) * sum_bits(n_ranks) // 8) for lo, hi in bounds]
+    codes, sums = sizes.shard_code_bytes(n, n_ranks, fmt), sizes.shard_sum_bytes(n, n_ranks)
     worst = 0
-    for r, (lo, hi) in enumerate(bounds):
-        b0, b1 = code_byte_range(lo, hi, fmt)
-        worst = max(worst, (n_ranks - 1) * (b1 - b0) + sum(sum_bytes) - sum_bytes[r])
+    for r in range(n_ranks):
+        worst = max(worst, (n_ranks - 1) * codes[r] + sum(sums) - sums[r])
     return 8.0 * worst / n if n else 0.0
+
+
+# -- the transport: how a group's payloads travel in the sharded exchange ----------------------------
+def send(ex, grp, sends: list) -> None:
+    """Alltoall: to rank r, shard r of every member's packed codes (members in order)."""
+    N, fmt = ex.coll.size, ex.config.packing
+    to_rank = [[] for _ in range(N)]
+    for tk, payload in sends:
+        codes = payload[sizes.codes_offset(tk.nb):]
+        for r, (lo, hi) in enumerate(shard_bounds(tk.g32.numel(), N)):
+            b0, b1 = code_byte_range(lo, hi, fmt)
+            to_rank[r].append(codes[b0:b1])
+    splits = [sum(c.numel() for c in chunks) for chunks in to_rank]
+    data = (sends[0][1][sizes.codes_offset(sends[0][0].nb):] if len(sends) == 1
+            else torch.cat([c for chunks in to_rank for c in chunks]))
+    grp.sent = [tk for tk, _ in sends]
+    grp.a2a_own = splits[ex.coll.rank]
+    ex.stats.payload_bytes_sent += data.numel()
+    grp.a2a = ex.coll.alltoall_async(data, splits, f"terngrad.a2a.{grp.name}")
+    ex.stats.collectives += 1
+    ex.queue_alltoall(grp)
+
+
+def after_alltoall(ex, grp) -> None:
+    """Owner step: per member, add the N chunks of this rank's shard; allgather all members' sums."""
+    t0 = time.perf_counter()
+    try:
+        received = ex.coll.synchronize(grp.a2a)
+    except CollectiveError as e:
+        for tk in grp.sent:
+            tk.error = RankMismatchError(f"TernGrad: sharded exchange of '{tk.name}' failed: {e}")
+        return
+    finally:
+        ex.stats.gather_wait_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    N, me, fmt = ex.coll.size, ex.coll.rank, ex.config.packing
+    ex.stats.bytes_received += received.numel() - grp.a2a_own
+    members = grp.sent
+    bounds = [shard_bounds(tk.g32.numel(), N)[me] for tk in members]
+    nbytes = [sizes.shard_code_bytes(tk.g32.numel(), N, fmt)[me] for tk in members]
+    block = sum(nbytes)
+    if received.numel() != N * block:
+        err = RankMismatchError(f"TernGrad: sharded exchange of group '{grp.name}': received "
+                                f"{received.numel()} bytes, expected {N}x{block}")
+        for tk in members:
+            tk.error = err
+        return
+    sums, pre = [], 0
+    for tk, (lo, hi), size in zip(members, bounds, nbytes):
+        mine = received if len(members) == 1 else \
+            torch.cat([received[s * block + pre:s * block + pre + size] for s in range(N)])
+        sums.append(owner_sums(mine, N, lo, hi, fmt))
+        tk.payload_bytes = sums[-1].numel()
+        pre += size
+    ex.stats.codec_s += time.perf_counter() - t0
+    allgather.launch(ex, grp, members, sums[0] if len(sums) == 1 else torch.cat(sums), f"terngrad.sg.{grp.name}")
+
+
+def _member_sums(ex, grp, tk, gathered: torch.Tensor) -> torch.Tensor:
+    """One member's packed sums, every owner's in rank order, out of a sharded group's allgather
+    (rank r's block holds the sums of shard r of every member, in member order)."""
+    N = ex.coll.size
+    nbytes = [sizes.shard_sum_bytes(m.g32.numel(), N) for m in grp.sent]
+    parts, off = [], 0
+    for r in range(N):
+        for j, m in enumerate(grp.sent):
+            if m is tk:
+                parts.append(gathered[off:off + nbytes[j][r]])
+            off += nbytes[j][r]
+    if off != gathered.numel():
+        raise RankMismatchError(f"TernGrad: sharded exchange of group '{grp.name}': gathered "
+                                f"{gathered.numel()} bytes of sums, expected {off}")
+    return torch.cat(parts)
+
+
+def receive(ex, tk) -> torch.Tensor:
+    """The average of one member: (float(k)·s)/N, the allgather exchange's decode for a shared scaler,
+    so the same bits."""
+    grp = tk.group
+    gathered = allgather.gathered(ex, tk)
+    t0 = time.perf_counter()
+    mine = gathered if len(grp.sent) == 1 else _member_sums(ex, grp, tk, gathered)
+    out = decode_gathered(mine, tk.g32.numel(), ex.coll.size, tk.shared, ex.config.bucket_size,
+                          ex.coll.size if tk.average else 1, out=tk.g32 if tk.in_place else None)
+    ex.stats.codec_s += time.perf_counter() - t0
+    return out

@@ -126,10 +126,12 @@ class Calibration:
     allreduce of all gradients, submitted at once one tensor per parameter as the step does, so Horovod
     fuses them as in the step; allgather of the TernGrad payloads; alltoall of the sharded chunks), and
     the codec's per-element rates (``timeline.measure_codec_rates``, median run, slowest rank).
-    ``perfmodel.calibrated_efficiency`` turns the collective times into per-collective efficiencies."""
+    ``exchange.cost.calibrated_efficiency`` (also ``perfmodel.calibrated_efficiency``) turns the collective
+    times into per-collective efficiencies."""
 
     def __init__(self, hvd, make_model, x, steps: int):
-        from . import perfmodel as pm
+        from ..codec import sizes as wire
+        from ..exchange import cost
         self.hvd, self.x, self.steps = hvd, x, steps
         self.model = make_model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
@@ -137,8 +139,10 @@ class Calibration:
         self.n, N = sum(sizes), hvd.size()
         # the gradients as the step hands them to Horovod: one tensor per parameter, fused by Horovod
         self.grads = [torch.randn(s) for s in sizes]
-        self.payload = torch.zeros(sum(pm.payload_bytes(s) for s in sizes), dtype=torch.uint8)
-        self.chunk = pm.SHARDED_CHUNK_HEADER_BYTES + pm.packed_bytes(pm.shard_numel(self.n, N))
+        # the sizes the model charges (codec/sizes.py, exchange/cost.py): every tensor's 2bit payload; the
+        # sharded alltoall's bytes to each peer with every tensor sharded on its own (the slowest rank's)
+        self.payload = torch.zeros(sum(wire.payload_size(s, "2bit") for s in sizes), dtype=torch.uint8)
+        self.chunk = cost.sharded_bytes(sizes, N, "2bit")[0]
         self.chunks = torch.zeros(self.chunk * N, dtype=torch.uint8)
         self.splits = torch.tensor([self.chunk] * N, dtype=torch.int32)
         self.times = {"compute": [], "small": [], "allreduce": [], "allgather": [], "alltoall": []}

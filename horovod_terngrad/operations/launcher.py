@@ -71,7 +71,7 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
                 name, _, s = name.partition(":")
                 slots = s
             for p in parts[1:]:
-                if p.startswith(("slots=", "max_slots=")) and p.startswith("slots="):
+                if p.startswith("slots="):          # (max_slots= is a limit, not a slot count)
                     slots = p.split("=", 1)[1]
             if not str(slots).isdigit() or int(slots) < 1:
                 raise LaunchError(f"{path}:{lineno}: bad slot count in {line!r}")
@@ -200,7 +200,7 @@ def _bin_path() -> str:
 
 
 def plan(argv=None):
-    """Parse arguments and return (commands, environment) without running anything."""
+    """Parse arguments and return (parsed arguments, commands, environment) without running anything."""
     p = argparse.ArgumentParser(prog="terngrad-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-np", type=int, required=True, help="number of processes")

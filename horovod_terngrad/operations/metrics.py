@@ -37,6 +37,9 @@ def epoch_report(stats, n_ranks: int, steps: int) -> tuple[float, float, str]:
 
 
 class TernGradMetrics:
+    """Per-step figures of a compressor (anything with ``stats``, ``inspection`` and
+    ``uncompressed_elements``, e.g. a ``TernGradCompressor``)."""
+
     def __init__(self, compressor, world_size: int, log_layers: bool = True, capture=()):
         self.comp = compressor
         self.world = world_size
@@ -45,22 +48,17 @@ class TernGradMetrics:
         self._last = self._snapshot()
         self._apply()
 
-    def _engines(self):
-        return list(getattr(self.comp, "_engines", {}).values())
-
     def _apply(self):
-        for eng in self._engines():
-            eng.track_layers = self.log_layers
-            eng.capture = set(self.capture)
+        self.comp.inspection.track_layers = self.log_layers
+        self.comp.inspection.capture = set(self.capture)
 
     def _snapshot(self):
         st = self.comp.stats
         return (st.payload_bytes_sent, st.handshake_bytes_sent, st.bytes_received, st.elements,
-                getattr(self.comp, "uncompressed_elements", 0))
+                self.comp.uncompressed_elements)
 
     def step(self) -> dict:
         """Figures of the exchanges since the previous call."""
-        self._apply()            # engines are created lazily at the first compress()
         now = self._snapshot()
         payload, handshake, received, elements, plain = (a - b for a, b in zip(now, self._last))
         self._last = now
@@ -71,7 +69,7 @@ class TernGradMetrics:
         row = {"bytes_sent": sent, "bytes_received": received, "elements": elements,
                "bits_per_element": 8 * sent / elements if elements else 0.0,
                "compression_vs_fp32": fp32_ring / wire if wire else float("nan"),
-               "layers": {name: vars(rec) for name, rec in self.comp.stats.layers.items()}}
+               "layers": {name: vars(rec) for name, rec in self.comp.inspection.layers.items()}}
         return row
 
     @staticmethod
@@ -87,11 +85,11 @@ class TernGradMetrics:
         for name, rec in row["layers"].items():
             writer.add_scalar(f"terngrad/zero_fraction/{name}", rec["zero_fraction"], global_step)
             writer.add_scalar(f"terngrad/scaler/{name}", rec["scaler"], global_step)
-        for name, tensors in self.comp.stats.captures.items():
+        for name, tensors in self.comp.inspection.captures.items():
             for label, t in zip(("float", "clipped", "ternary", "averaged"), tensors):
                 if t is not None:
                     writer.add_histogram(f"terngrad/{name}/{label}", t.detach().float().cpu(), global_step)
-        self.comp.stats.captures.clear()
+        self.comp.inspection.captures.clear()
 
 
 def accuracy(model, x, y, batch: int = 1000, transform=None) -> float:

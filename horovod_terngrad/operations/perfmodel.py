@@ -5,13 +5,19 @@ single-GPU profile with an analytical model of communication.  Its own model is 
 described in the supplementary material; this module is the same idea for the exchanges this project
 runs (ring collectives, as Horovod does), with an alpha-beta network.
 
+One model of the system: every size on the wire comes from ``codec/sizes.py`` and every collective time,
+exchange cost and exchange choice from ``exchange/cost.py`` (the runtime cost model the engine itself
+uses for ``exchange="auto"``); TernGrad's fusion groups are ``exchange/fusion.py``'s cut, the one the
+Horovod frontend makes.  This module adds the step model, the paper's networks and clusters, and the CLI;
+the names of ``exchange/cost.py`` stay available here (``perfmodel.Network``, ``perfmodel.choose_exchange``...).
+
 Step time (one iteration, every worker, weak scaling: fixed batch per worker)
 -----------------------------------------------------------------------------
     T_step = T_compute + T_comm + T_codec - min(T_comm + T_codec, overlap · T_compute)
 
 * ``T_compute``: forward + backward of one worker's batch (measured with :func:`profile_compute`, or
   taken from published single-GPU timings, see :data:`MODELS`).
-* ``T_comm``: sum over the fused buffers of the chosen exchange's time (below).
+* ``T_comm``: sum over the buffers of :func:`exchange_plan` of each one's exchange time (below).
 * ``T_codec``: optional; ternarize/pack/decode work divided by a rate (elements/s) you give.  Off
   (0) unless ``codec_elements_per_s`` is set.
 * ``overlap``: fraction of the compute time during which communication can run concurrently.  The basic
@@ -21,8 +27,8 @@ Step time (one iteration, every worker, weak scaling: fixed batch per worker)
 Images/s on N workers = N · batch_per_worker / T_step.  Speedup of a method = T_step(fp32) / T_step(method)
 at the same N.
 
-Network: alpha-beta
--------------------
+Network: alpha-beta (exchange/cost.py)
+--------------------------------------
 A message of m bytes over one link costs alpha + m·beta (alpha: latency per message in s, beta =
 1/bandwidth in s/byte).  For N ranks and one buffer (per rank; every rank sends as many bytes as it
 receives, so "bytes" below is what crosses each rank's link in each direction):
@@ -32,24 +38,29 @@ receives, so "bytes" below is what crosses each rank's link in each direction):
 * ring allgather of P bytes/rank:  T = (N-1)·alpha + (N-1) · P · beta
 * pairwise alltoall, c bytes to each peer:  T = (N-1)·alpha + (N-1) · c · beta
 
-TernGrad exchanges, for a buffer holding tensors of n_1..n_k elements (one tensor: k = 1), packing of
-b bits per element (b = 2 for "2bit", 4 codes a byte; b = 1.6 for "base3", 5 codes a byte):
+TernGrad exchanges of a group of tensors of n_1..n_k elements (a lone tensor: k = 1), packing of b bits
+per element (b = 2 for "2bit", 4 codes a byte; b = 1.6 for "base3", 5 codes a byte), B_i scalers per
+member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/sizes.py``'s:
 
-* allgather exchange (what ``exchange/allgather.py`` implements): each rank's payload is
-      P = sum_i (20 + 4 + ceil(n_i·b/8))     (20-byte header, one fp32 scaler, packed codes)
-  sent by ring allgather, plus the shared-scaler handshake, an allreduce of H = 8·(8+1) = 72 bytes for a
-  tensor alone, H = 32 + 24k for k fused tensors (4 fixed fields, 2 NaN flags and a scaler per tensor):
+* handshake (shared scaler): one allreduce of H bytes of fp64 slots, H = handshake_size:
+      H = 8·(8 + B) for a lone tensor (72 bytes layer-wise),
+      H = 8·(4 + 2k + sum_i B_i) for k fused tensors (32 + 24k layer-wise);
+* allgather exchange (``exchange/allgather.py``): each rank's payload is
+      P = sum_i payload_size(n_i) = sum_i (20 + 4·B_i + ceil(n_i·b/8))   (header, fp32 scalers, codes)
+  sent by ring allgather, plus the handshake:
       T = (N-1)·alpha + (N-1)·P·beta  +  2(N-1)·alpha + 2(N-1)/N · H · beta
   Received bits per element ~ (N-1)·b: grows with N.
-* sharded exchange (each rank owns 1/N of every tensor; a fused buffer of n = n_1 + ... + n_k elements is
-  sharded as one vector): ternary chunks of m = ceil(n/N) elements go to their owner by alltoall
-  (c = ceil(m·b/8) bytes to each peer; m = ceil(n/N) rounded up to a multiple of 20, as the
-  implementation shards); the owner sums N chunks (integers in [-N, N]) and packs the sums in
-  L = ceil(log2(2N+1)) bits; the sums return to every rank by ring allgather (P_sum = ceil(m·L/8) bytes
-  per rank); no headers in either stage (the scalers come from the handshake); plus the handshake (H bytes):
+* sharded exchange (``exchange/sharded.py``): every member of the group is sharded on its own: rank r
+  owns elements [r·m_i, (r+1)·m_i) of member i, m_i = ceil(n_i/N) rounded up to a multiple of 20 (so a
+  shard starts on a byte of both packings; trailing shards may be short or empty).  One alltoall sends
+  each owner its slice of every member's packed codes; the owner sums the N slices (integers in [-N, N])
+  and packs the sums in L = ceil(log2(2N+1)) bits; one ring allgather returns every owner's sums of every
+  member.  With the slowest rank setting the time (``exchange.cost.sharded_bytes``):
+      c     = max_r sum_i code bytes of member i's shard r     (bytes to each peer)
+      P_sum = max_r sum_i ceil(|shard r of member i| · L / 8)  (bytes per rank in the allgather)
       T = (N-1)·alpha + (N-1)·c·beta  +  (N-1)·alpha + (N-1)·P_sum·beta  +  handshake
-  Received bits per element ~ (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
-  Chunks are taken as the largest owner's share (the slowest rank sets the time).
+  No headers in either stage (the scalers come from the handshake).  Received bits per element ~
+  (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
 crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link.
@@ -58,6 +69,12 @@ beta·max((N-1)·c, G·(N-G)·c).  When N <= G every hop is inside one node and 
 (PCIe switch, NVLink) is used instead, if given.  Switches are non-blocking; no congestion, no
 stragglers, no contention between concurrent buffers (buffers are sent one after the other).
 
+Buffers (:func:`exchange_plan`): fp32/fp16 tensors are fused by Horovod up to ``fusion_bytes`` on the
+wire.  TernGrad tensors are cut by ``exchange.fusion.cut`` with a ``TernGradConfig`` (fusion_numel, and
+exclude / min_numel: the tensors the policy keeps at full precision travel as fp32 allreduce buffers);
+each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) the one
+``exchange.cost.exchange_for`` picks for it, exactly as the engine decides.
+
 Crossovers these formulas give (one large tensor, 2-bit): allgather is cheaper than fp32 ring allreduce
 iff  n·(8/N - 1/4) > alpha/beta + 24 + 144/N,  so for large n it wins for N <= 31 and loses for N >= 32
 (bandwidth terms equal at N = 32: (N-1)·2 bits vs 2(N-1)/N·32 bits); with base3 up to N = 39.  Sharded
@@ -65,104 +82,30 @@ receives fewer bits than allgather from N = 3 on (b + L < N·b) but pays one mor
 :func:`choose_exchange` picks allgather for small tensors or few workers and sharded for large N.
 
 Costs of this module itself: every function is O(number of tensors · number of worker counts); nothing
-here touches the network.  torch is imported only by :func:`tensor_sizes_of` and :func:`profile_compute`,
-matplotlib only by :func:`plot_fig5`.
+here touches the network.  torch is imported only by :func:`profile_compute` (and a module passed to
+:func:`tensor_sizes_of` brings its own); matplotlib only by ``operations/plots.py``.
 
-CLI: ``python -m horovod_terngrad.operations.perfmodel [--cluster ethernet|infiniband|both|custom ...] [--model ...]
-[--max-workers 512] [--png docs/perfmodel/fig5.png]`` (see ``--help`` and docs/perfmodel.md).
+CLI: ``python -m horovod_terngrad.operations.perfmodel [--cluster ethernet|infiniband|both|custom ...]
+[--model ...] [--max-workers 512] [--png docs/perfmodel/fig5.png]`` (see ``--help`` and docs/perfmodel.md).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-# --------------------------------------------------------------------------------------------------
-# Wire-format constants (the same numbers as codec/packing.py and exchange/allgather.py; repeated here
-# so this module stays importable without torch).
-PAYLOAD_HEADER_BYTES = 20          #: TernGrad payload header
-SCALER_BYTES = 4                   #: one fp32 scaler per tensor (layer-wise, bucket_size = 0)
-HANDSHAKE_BYTES_PER_TENSOR = 8 * (8 + 1)   #: fp64 handshake vector [8 fixed fields + 1 scaler]
-FUSED_HANDSHAKE_BYTES = (8 * 4, 8 * (2 + 1))  #: fused group: 4 fixed fields, then 2 flags + 1 scaler per tensor
-SHARDED_CHUNK_HEADER_BYTES = 0   #: exchange/sharded.py sends chunks and sums without headers
-SHARD_ALIGN = 20                 #: = exchange.sharded.SHARD_ALIGN: shards start on byte boundaries
-CODES_PER_BYTE = {"2bit": 4, "base3": 5}
-BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
-
-FP32 = "fp32"
-FP16 = "fp16"
-TERNGRAD_ALLGATHER = "terngrad_allgather"
-TERNGRAD_SHARDED = "terngrad_sharded"
-TERNGRAD_BEST = "terngrad"        #: per buffer, the cheaper of the two TernGrad exchanges
-METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
-TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
-
-HOROVOD_FUSION_BYTES = 64 * 1024 * 1024   #: Horovod's default HOROVOD_FUSION_THRESHOLD
-TERNGRAD_FUSION_NUMEL = 1 << 22            #: TernGradConfig.fusion_numel's default
-
-
-# --------------------------------------------------------------------------------------------------
-# Network
-@dataclass(frozen=True)
-class Network:
-    """Alpha-beta link: ``latency_s`` = alpha (s per message), ``bandwidth_Bps`` = 1/beta (bytes/s).
-
-    ``ranks_per_node`` ranks share one NIC; ``intra_node`` is the link used when all ranks fit in one
-    node (N <= ranks_per_node), or None to use this link there too.
-    """
-
-    name: str
-    latency_s: float
-    bandwidth_Bps: float
-    ranks_per_node: int = 1
-    intra_node: "Network | None" = None
-    efficiency: tuple = ()   #: ((collective, factor), ...): measured fraction of the link rate it reaches
-
-    def eff(self, collective: str) -> float:
-        """Fraction of ``bandwidth_Bps`` that ``collective`` ("allreduce", "allgather", "alltoall")
-        achieves on this network: 1 unless calibrated (:func:`calibrated_efficiency`).  Covers what
-        alpha-beta leaves out: the implementation's algorithm, reductions and copies, and the host CPU
-        cost of the transport (large on TCP over shared cores)."""
-        for kind, factor in self.efficiency:
-            if kind == collective:
-                return factor
-        return 1.0
-
-    @property
-    def alpha(self) -> float:
-        return self.latency_s
-
-    @property
-    def beta(self) -> float:
-        return 1.0 / self.bandwidth_Bps
-
-    @classmethod
-    def from_gbps(cls, name: str, bandwidth_gbps: float, latency_us: float, ranks_per_node: int = 1,
-                  intra_node: "Network | None" = None) -> "Network":
-        """Build from Gbit/s (10^9 bit/s) and microseconds."""
-        if bandwidth_gbps <= 0 or latency_us < 0:
-            raise ValueError("bandwidth must be > 0 and latency >= 0")
-        return cls(name, latency_us * 1e-6, bandwidth_gbps * 1e9 / 8, ranks_per_node, intra_node)
-
-    def link_for(self, workers: int) -> "Network":
-        """The link a job of ``workers`` ranks runs on: ``intra_node`` when it fits in one node."""
-        if self.intra_node is not None and workers <= self.ranks_per_node:
-            return self.intra_node
-        return self
-
-    def describe(self) -> str:
-        s = f"{self.name}: {self.bandwidth_Bps * 8 / 1e9:g} Gbit/s, alpha {self.latency_s * 1e6:g} us"
-        if self.ranks_per_node > 1:
-            s += f", {self.ranks_per_node} ranks per node"
-        if self.intra_node is not None:
-            s += (f" (inside a node: {self.intra_node.name}, {self.intra_node.bandwidth_Bps / 1e9:g} GB/s, "
-                  f"alpha {self.intra_node.latency_s * 1e6:g} us)")
-        return s
-
+from ..codec import sizes as wire
+from ..config import TernGradConfig
+from ..exchange import fusion
+from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
+    _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, TERNGRAD_ALLGATHER, TERNGRAD_BEST,
+    TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_SHARDED, ExchangeChoice, ExchangeCost, Network,
+    allreduce_cost, alltoall_time, calibrated_efficiency, choose_exchange, configured_network, exchange_cost,
+    exchange_for, fp16_allreduce_cost, fp32_allreduce_cost, ring_allgather_time, ring_allreduce_time,
+    sharded_bytes, terngrad_allgather_cost, terngrad_sharded_cost)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -174,251 +117,42 @@ INFINIBAND_100G = Network.from_gbps("infiniband", 100.0, 5.0, ranks_per_node=4, 
 
 
 # --------------------------------------------------------------------------------------------------
-# Byte formulas (per rank, per buffer; see the module docstring)
+# Sizes on the wire, per rank and buffer: thin names for codec/sizes.py (no formulas here)
 def packed_bytes(numel: int, packing: str = "2bit") -> int:
     """ceil(n·b/8): bytes of n ternary codes, 4 a byte ("2bit") or 5 a byte ("base3")."""
-    return -(-int(numel) // CODES_PER_BYTE[_check_packing(packing)])
+    return wire.packed_size(numel, packing)
 
 
-def payload_bytes(numel: int, packing: str = "2bit") -> int:
-    """P = 20 + 4 + ceil(n·b/8): one tensor's TernGrad payload (header, scaler, codes)."""
-    return PAYLOAD_HEADER_BYTES + SCALER_BYTES + packed_bytes(numel, packing)
+def payload_bytes(numel: int, packing: str = "2bit", bucket_size: int = 0) -> int:
+    """One tensor's TernGrad payload: header, fp32 scalers, packed codes (20 + 4 + ceil(n·b/8) layer-wise)."""
+    return wire.payload_size(numel, packing, bucket_size)
 
 
 def sum_bits(workers: int) -> int:
     """L = ceil(log2(2N+1)): bits to hold a sum of N ternary values (integers in [-N, N])."""
-    if workers < 1:
-        raise ValueError("workers must be >= 1")
-    return math.ceil(math.log2(2 * workers + 1))
+    return wire.sum_bits(workers)
 
 
 def shard_numel(numel: int, workers: int) -> int:
-    """Elements owned by the largest owner in the sharded exchange: ceil(n/N) rounded up to a multiple
-    of 20 (so every shard starts on a byte of both packings), at most n."""
-    m = -(-int(numel) // int(workers))
-    return min(int(numel), -(-m // SHARD_ALIGN) * SHARD_ALIGN)
-
-
-def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
-    """2(N-1)·alpha + 2(N-1)/N·B·beta  (0 for N = 1)."""
-    N = workers
-    if N <= 1:
-        return 0.0
-    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta / link.eff("allreduce")
-
-
-def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> float:
-    """(N-1)·alpha + (N-1)·P·beta  (0 for N = 1)."""
-    N = workers
-    if N <= 1:
-        return 0.0
-    return (N - 1) * link.alpha + (N - 1) * bytes_per_rank * link.beta / link.eff("allgather")
-
-
-def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_node: int = 1) -> float:
-    """(N-1)·alpha + beta·max((N-1)·c, G·(N-G)·c), G = min(ranks_per_node, N) ranks sharing a NIC.
-
-    With G = 1 (one NIC per rank) this is (N-1)·alpha + (N-1)·c·beta.  Within one node (G = N) the second
-    term vanishes and the first, (N-1)·c, applies on the intra-node link.
-    """
-    N = workers
-    if N <= 1:
-        return 0.0
-    G = max(1, min(int(ranks_per_node), N))
-    return (N - 1) * link.alpha + max(N - 1, G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall")
-
-
-_COLLECTIVE_TIME = {"allreduce": ring_allreduce_time, "allgather": ring_allgather_time, "alltoall": alltoall_time}
-
-
-def calibrated_efficiency(network: Network, workers: int, measured: dict, strict: bool = True) -> Network:
-    """``network`` with per-collective efficiencies fitted to measured times.
-
-    ``measured``: {collective: (bytes, seconds)} where bytes is the argument of that collective's time
-    function (allreduce: buffer bytes B; allgather: bytes per rank P; alltoall: bytes to each peer c),
-    e.g. from ``python -m horovod_terngrad.operations.bench step --calibrate`` run on the cluster itself.  The
-    efficiency is the alpha-beta model's bandwidth term over the measured time less the latency term,
-    so one large measurement per collective calibrates it (like nccl-tests' bus bandwidth).  Fitted as
-    for one rank per NIC on ``network`` itself (not its intra-node link): calibrate with the same
-    placement you predict for.
-    """
-    factors = []
-    for kind, (nbytes, seconds) in measured.items():
-        base = replace(network, efficiency=())
-        latency_part = _COLLECTIVE_TIME[kind](0, workers, base)
-        wire = _COLLECTIVE_TIME[kind](nbytes, workers, base) - latency_part
-        if seconds <= latency_part or wire <= 0:
-            if strict:
-                raise ValueError(f"measured {kind} time {seconds:.6f}s is not above its latency term")
-            continue
-        factors.append((kind, wire / (seconds - latency_part)))
-    return replace(network, efficiency=tuple(factors))
-
-
-@dataclass(frozen=True)
-class ExchangeCost:
-    """Cost of one exchange on one rank: time, bytes received (= sent) and messages (latency terms)."""
-
-    method: str
-    time_s: float
-    bytes_received: float
-    messages: int
-    elements: int
-
-    @property
-    def bits_per_element(self) -> float:
-        """Received bits per gradient element (headers and handshake included)."""
-        return 8.0 * self.bytes_received / self.elements if self.elements else 0.0
-
-    def __add__(self, other: "ExchangeCost") -> "ExchangeCost":
-        method = self.method if self.method == other.method else TERNGRAD_BEST
-        return ExchangeCost(method, self.time_s + other.time_s, self.bytes_received + other.bytes_received,
-                            self.messages + other.messages, self.elements + other.elements)
-
-
-def _sizes(sizes: int | Sequence[int]) -> list[int]:
-    out = [int(sizes)] if isinstance(sizes, (int,)) or hasattr(sizes, "__index__") else [int(s) for s in sizes]
-    if any(s < 0 for s in out):
-        raise ValueError("tensor sizes must be >= 0")
-    return out
-
-
-def _check_packing(packing: str) -> str:
-    if packing not in CODES_PER_BYTE:
-        raise ValueError(f"packing must be one of {sorted(CODES_PER_BYTE)}, got {packing!r}")
-    return packing
+    """Elements owned by the largest owner of one tensor in the sharded exchange (``codec.sizes.shard_bounds``:
+    ceil(n/N) rounded up to a multiple of 20, at most n)."""
+    return max((hi - lo for lo, hi in wire.shard_bounds(int(numel), int(workers))), default=0)
 
 
 def handshake_bytes(tensors: int) -> int:
-    """Shared-scaler handshake of a buffer: 72 bytes for a tensor alone, 32 + 24k for k fused tensors."""
-    if tensors <= 1:
-        return HANDSHAKE_BYTES_PER_TENSOR * tensors
-    return FUSED_HANDSHAKE_BYTES[0] + FUSED_HANDSHAKE_BYTES[1] * tensors
+    """Shared-scaler handshake of a group of ``tensors`` layer-wise tensors (``codec.sizes.handshake_size``):
+    72 bytes for a tensor alone, 32 + 24k for k fused tensors, 0 for none."""
+    return wire.handshake_size([1] * int(tensors))
 
 
-def _handshake(tensors: int, workers: int, link: Network) -> tuple[float, float, int]:
-    """Shared-scaler handshake: one allreduce of :func:`handshake_bytes` for the buffer."""
-    nbytes = handshake_bytes(tensors)
-    N = workers
-    return (ring_allreduce_time(nbytes, N, link), 2 * (N - 1) / N * nbytes, 2 * (N - 1))
-
-
-def allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network,
-                   bytes_per_element: int = 4) -> ExchangeCost:
-    """Ring allreduce of one buffer: T = 2(N-1)·alpha + 2(N-1)/N·(bytes_per_element·n)·beta.
-
-    Received (= sent) bytes per rank: 2(N-1)/N·bytes_per_element·n; messages 2(N-1).
-    """
-    ns = _sizes(sizes)
-    n, N = sum(ns), int(workers)
-    method = {4: FP32, 2: FP16}.get(bytes_per_element, f"allreduce{8 * bytes_per_element}")
-    if N <= 1:
-        return ExchangeCost(method, 0.0, 0.0, 0, n)
-    link = network.link_for(N)
-    B = bytes_per_element * n
-    return ExchangeCost(method, ring_allreduce_time(B, N, link), 2 * (N - 1) / N * B, 2 * (N - 1), n)
-
-
-def fp32_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
-    """fp32 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·4n·beta."""
-    return allreduce_cost(sizes, workers, network, 4)
-
-
-def fp16_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
-    """fp16 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·2n·beta."""
-    return allreduce_cost(sizes, workers, network, 2)
-
-
-def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: Network,
-                            packing: str = "2bit") -> ExchangeCost:
-    """TernGrad allgather exchange of one buffer of tensors n_1..n_k.
-
-    P = sum_i (24 + ceil(n_i·b/8));  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·H·beta,
-    H = :func:`handshake_bytes` (k).  Received bytes per rank: (N-1)·P + 2(N-1)/N·H.  Messages: 3(N-1).
-    """
-    ns = _sizes(sizes)
-    n, N = sum(ns), int(workers)
-    if N <= 1:
-        return ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, n)
-    link = network.link_for(N)
-    P = sum(payload_bytes(x, packing) for x in ns)
-    hs_t, hs_b, hs_m = _handshake(len(ns), N, link)
-    return ExchangeCost(TERNGRAD_ALLGATHER, ring_allgather_time(P, N, link) + hs_t, (N - 1) * P + hs_b,
-                        (N - 1) + hs_m, n)
-
-
-def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Network,
-                          packing: str = "2bit") -> ExchangeCost:
-    """TernGrad sharded exchange (reduce-scatter by alltoall, then allgather of L-bit sums).
-
-    The buffer (one tensor, or k fused tensors of n = n_1 + ... + n_k elements, sharded as one vector;
-    the per-tensor shared scalers come from the handshake) is cut in N chunks of at most m = ceil(n/N):
-    L = ceil(log2(2N+1)),  c = 24 + ceil(m·b/8) bytes to each peer,  P_sum = 24 + ceil(m·L/8) per rank,
-    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (2(N-1)·alpha + 2(N-1)/N·H·beta).
-    Received bytes per rank: (N-1)·(c + P_sum) + 2(N-1)/N·H ~ (N-1)/N·n·(b + L)/8.  Messages: 4(N-1).
-    """
-    ns = _sizes(sizes)
-    n, N = sum(ns), int(workers)
-    if N <= 1:
-        return ExchangeCost(TERNGRAD_SHARDED, 0.0, 0.0, 0, n)
-    link = network.link_for(N)
-    L = sum_bits(N)
-    m = shard_numel(n, N)
-    c = SHARDED_CHUNK_HEADER_BYTES + packed_bytes(m, packing)
-    P_sum = SHARDED_CHUNK_HEADER_BYTES + -(-(m * L) // 8)
-    hs_t, hs_b, hs_m = _handshake(len(ns), N, link)
-    G = network.ranks_per_node if link is network else N
-    t = alltoall_time(c, N, link, G) + ring_allgather_time(P_sum, N, link) + hs_t
-    return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * (N - 1) + hs_m, n)
-
-
-_COST_FUNCTIONS = {
-    FP32: lambda s, N, net, packing: fp32_allreduce_cost(s, N, net),
-    FP16: lambda s, N, net, packing: fp16_allreduce_cost(s, N, net),
-    TERNGRAD_ALLGATHER: terngrad_allgather_cost,
-    TERNGRAD_SHARDED: terngrad_sharded_cost,
-}
-
-
-@dataclass(frozen=True)
-class ExchangeChoice:
-    """What :func:`choose_exchange` decided: the method, its cost and every candidate's cost."""
-
-    method: str
-    cost: ExchangeCost
-    costs: dict
-
-
-def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network: Network,
-                  packing: str = "2bit") -> ExchangeCost:
-    """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad)."""
-    if method == TERNGRAD_BEST:
-        return choose_exchange(sizes, workers, network, packing).cost
-    if method not in _COST_FUNCTIONS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return _COST_FUNCTIONS[method](sizes, workers, network, packing)
-
-
-def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
-                    candidates: Sequence[str] = TERNGRAD_EXCHANGES) -> ExchangeChoice:
-    """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
-
-    ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
-    chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
-    pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
-    candidate (allgather first: fewer messages).  Cost: O(k) for k tensors.
-    """
-    costs = {m: exchange_cost(m, sizes, workers, network, packing) for m in candidates}
-    best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
-    return ExchangeChoice(best, costs[best], costs)
-
-
+# --------------------------------------------------------------------------------------------------
+# Buffers: how a model's gradients travel
 def fuse_buffers(tensor_sizes: Sequence[int], fusion_bytes: int,
                  bytes_per_element: float = 4.0) -> list[list[int]]:
     """Group consecutive tensors into buffers of at most ``fusion_bytes`` (as Horovod's tensor fusion).
 
     A tensor larger than the threshold travels alone; ``fusion_bytes`` <= 0 gives one buffer per tensor.
-    ``bytes_per_element`` is what the method puts on the wire (4 fp32, 2 fp16, b/8 TernGrad).
+    ``bytes_per_element`` is what the method puts on the wire (4 fp32, 2 fp16).
     """
     sizes = [int(s) for s in tensor_sizes]
     if fusion_bytes <= 0:
@@ -436,45 +170,111 @@ def fuse_buffers(tensor_sizes: Sequence[int], fusion_bytes: int,
     return buffers
 
 
-def _wire_bytes_per_element(method: str, packing: str) -> float:
-    return {FP32: 4.0, FP16: 2.0}.get(method, BITS_PER_CODE[packing] / 8)
+def _fuse_indices(indices: Sequence[int], sizes: Sequence[int], fusion_bytes: int,
+                  bytes_per_element: float) -> list[list[int]]:
+    """:func:`fuse_buffers` of the tensors ``indices`` (in that order), as lists of indices."""
+    out, pos = [], 0
+    for buf in fuse_buffers([sizes[i] for i in indices], fusion_bytes, bytes_per_element):
+        out.append(list(indices[pos:pos + len(buf)]))
+        pos += len(buf)
+    return out
+
+
+def terngrad_config(config: TernGradConfig | None = None, packing: str | None = None,
+                    fusion_numel: int | None = None) -> TernGradConfig:
+    """The ``TernGradConfig`` a plan is cut and charged with: ``config`` (default ``TernGradConfig()``),
+    with ``fusion_numel`` and ``packing`` put in when given (a packing that contradicts an explicit
+    ``config`` is refused rather than silently ignored)."""
+    if config is None:
+        config = TernGradConfig(packing=packing or "2bit")
+    elif packing is not None and packing != config.packing:
+        raise ValueError(f"packing={packing!r} contradicts config.packing={config.packing!r}")
+    if fusion_numel is not None:
+        config = config.replace(fusion_numel=int(fusion_numel))
+    return config
+
+
+@dataclass(frozen=True)
+class PlannedBuffer:
+    """One buffer of :func:`plan_buffers`: its exchange and the tensors in it (indices into the model's
+    ``tensor_sizes``, in the order they travel, and their sizes)."""
+
+    exchange: str
+    members: tuple
+    sizes: tuple
+
+
+def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
+                 packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                 fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
+                 names: Sequence[str] | None = None) -> list[PlannedBuffer]:
+    """:func:`exchange_plan` with the tensors of each buffer (see there)."""
+    sizes = [int(x) for x in tensor_sizes]
+    if method in (FP32, FP16):
+        width = 4.0 if method == FP32 else 2.0
+        return [PlannedBuffer(method, tuple(b), tuple(sizes[i] for i in b))
+                for b in _fuse_indices(list(range(len(sizes))), sizes, fusion_bytes, width)]
+    if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST):
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    cfg = terngrad_config(config, packing, fusion_numel)
+    names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
+    if len(names) != len(sizes) or len(set(names)) != len(names):
+        raise ValueError(f"names must be {len(sizes)} distinct names, one per tensor")
+    index = {n: i for i, n in enumerate(names)}
+    cut = fusion.cut_sizes(sizes, cfg, names)
+    out = []
+    for group in cut.groups:
+        members = tuple(index[n] for n in group)
+        numels = [sizes[i] for i in members]
+        if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
+            kind = exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network)
+            exchange = TERNGRAD_SHARDED if kind == "sharded" else TERNGRAD_ALLGATHER
+        else:
+            exchange = method
+        out.append(PlannedBuffer(exchange, members, tuple(numels)))
+    # tensors the policy keeps at full precision: Horovod's own fp32 allreduce, fused by its threshold
+    plain = [index[n] for n in cut.uncompressed]
+    out += [PlannedBuffer(FP32, tuple(b), tuple(sizes[i] for i in b))
+            for b in _fuse_indices(plain, sizes, fusion_bytes, 4.0)]
+    return out
 
 
 def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
-                  packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
-                  fusion_numel: int = None) -> list[tuple[str, list[int]]]:
+                  packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                  fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
+                  names: Sequence[str] | None = None) -> list[tuple[str, list[int]]]:
     """How a model's gradients travel under ``method``: [(exchange, tensor sizes of the buffer), ...].
 
+    ``tensor_sizes`` (and ``names``, default "0", "1", ...) in registration (forward) order.
     fp32/fp16: Horovod fuses consecutive tensors up to ``fusion_bytes`` on the wire (0 = none).
-    TernGrad, as the Horovod frontend does: tensors are fused greedily in reverse order into groups of
-    at most ``fusion_numel`` elements (default :data:`TERNGRAD_FUSION_NUMEL`; 0 = none; a larger tensor
-    travels alone); each group uses the method's exchange, or for "terngrad" (= exchange="auto") the
-    one :func:`choose_exchange` picks for the group.
+    TernGrad, as the Horovod frontend does: ``exchange.fusion.cut`` of the tensors in backward order with
+    ``config`` (:func:`terngrad_config`: fusion_numel, default :data:`TERNGRAD_FUSION_NUMEL`, 0 = none; a
+    larger tensor travels alone; the policy's ``exclude`` patterns, matched against ``names``, and
+    ``min_numel``); each group uses the method's exchange, or for "terngrad" (= exchange="auto") the one
+    ``exchange.cost.exchange_for`` picks for it, as the engine does.  Tensors the policy keeps at full
+    precision come last, as fp32 allreduce buffers fused up to ``fusion_bytes``.  ``config.exchange`` is
+    not read: ``method`` says which exchange.
     """
-    sizes = [int(x) for x in tensor_sizes]
-    if method in (FP32, FP16):
-        return [(method, b) for b in fuse_buffers(sizes, fusion_bytes, _wire_bytes_per_element(method, packing))]
-    if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST):
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    limit = TERNGRAD_FUSION_NUMEL if fusion_numel is None else int(fusion_numel)
-    groups = fuse_buffers(sizes[::-1], limit, 1.0)     # the frontend's greedy cut, in elements
-    if method != TERNGRAD_BEST:
-        return [(method, g) for g in groups]
-    return [(choose_exchange(g, workers, network, packing).method, g) for g in groups]
+    return [(b.exchange, list(b.sizes)) for b in plan_buffers(method, tensor_sizes, workers, network, packing,
+                                                               fusion_bytes, fusion_numel, config=config, names=names)]
 
 
 def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
-                        packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
-                        fusion_numel: int = None) -> tuple[ExchangeCost, list[str]]:
-    """Cost of exchanging all of a model's gradients: the sum over its buffers (:func:`exchange_plan`).
+                        packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                        fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
+                        names: Sequence[str] | None = None) -> tuple[ExchangeCost, list[str]]:
+    """Cost of exchanging all of a model's gradients: the sum over its buffers (:func:`exchange_plan`),
+    each charged by ``exchange.cost.exchange_cost`` with the config's packing and bucket size.
 
     Returns (total cost, exchange used per buffer).
     """
+    cfg = terngrad_config(config, packing)
     total, used = None, []
-    for name, buf in exchange_plan(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel):
-        cost = exchange_cost(name, buf, workers, network, packing)
+    for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
+                          config=config, names=names):
+        cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size)
         total = cost if total is None else total + cost
-        used.append(name)
+        used.append(b.exchange)
     if total is None:
         total = ExchangeCost(method, 0.0, 0.0, 0, 0)
     return replace(total, method=method), used
@@ -532,24 +332,28 @@ class StepPrediction:
 
 
 def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: Network,
-                 method: str = FP32, *, packing: str = "2bit", fusion_bytes: int = HOROVOD_FUSION_BYTES,
-                 fusion_numel: int = None, overlap: float = 0.0, codec_elements_per_s: float | None = None,
-                 batch_per_worker: int | None = None) -> StepPrediction:
+                 method: str = FP32, *, packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                 fusion_numel: int | None = None, overlap: float = 0.0, codec_elements_per_s: float | None = None,
+                 batch_per_worker: int | None = None, config: TernGradConfig | None = None,
+                 names: Sequence[str] | None = None) -> StepPrediction:
     """T_step = T_compute + T_comm + T_codec - min(T_comm + T_codec, overlap·T_compute).
 
-    ``tensor_sizes``: gradient element counts; consecutive ones are fused (:func:`fuse_buffers`), so the
-    order only changes how many buffers, hence latency terms, there are (the :data:`MODELS` lists are in
-    layer order).  ``overlap`` in [0, 1]; 0 (default) = no overlap of communication with compute.
-    ``codec_elements_per_s``: None = the codec is free; else T_codec = :func:`codec_work_elements` / rate.
+    ``tensor_sizes``: gradient element counts in layer (registration) order, travelling in the buffers of
+    :func:`exchange_plan` (``packing``, ``fusion_bytes``, ``fusion_numel``, ``config`` and ``names`` go
+    there); the order only changes how many buffers, hence latency terms, there are (the :data:`MODELS`
+    lists are in layer order).  ``overlap`` in [0, 1]; 0 (default) = no overlap of communication with
+    compute.  ``codec_elements_per_s``: None = the codec is free; else T_codec = :func:`codec_work_elements` / rate.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError("overlap must be in [0, 1]")
     if compute_s < 0 or workers < 1:
         raise ValueError("compute_s must be >= 0 and workers >= 1")
-    cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel)
+    plan_kw = dict(config=config, names=names)
+    cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
+                                     **plan_kw)
     codec = 0.0
     if codec_elements_per_s:
-        plan = exchange_plan(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel)
+        plan = exchange_plan(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel, **plan_kw)
         work = sum(codec_work_elements(m, sum(b), workers) for m, b in plan)
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
@@ -564,10 +368,13 @@ def compare_exchanges(model_or_sizes, compute_s: float, workers: int, network: N
 
     ``model_or_sizes``: a ``torch.nn.Module`` (its trainable parameters) or a list of tensor sizes.
     ``compute_s``: measured forward+backward time per iteration on one worker (see :func:`profile_compute`).
-    ``kwargs`` go to :func:`predict_step` (packing, fusion_bytes, overlap, codec_elements_per_s,
-    batch_per_worker).  Returns {method: StepPrediction}.
+    ``kwargs`` go to :func:`predict_step` (packing, fusion_bytes, fusion_numel, overlap,
+    codec_elements_per_s, batch_per_worker, config, names); a module's or ModelSpec's parameter names are
+    the default ``names`` (what a config's ``exclude`` patterns match).  Returns {method: StepPrediction}.
     """
     sizes = tensor_sizes_of(model_or_sizes)
+    if kwargs.get("names") is None:
+        kwargs["names"] = tensor_names_of(model_or_sizes)
     base = predict_step(sizes, compute_s, workers, network, FP32, **kwargs)
     out = {}
     for m in methods:
@@ -589,12 +396,23 @@ def compute_time_for_speedup(target_speedup: float, tensor_sizes: Sequence[int],
 
 
 def tensor_sizes_of(model_or_sizes) -> list[int]:
-    """Element counts of a module's trainable parameters (or a list of sizes passed through)."""
+    """Element counts of a module's trainable parameters, a :class:`ModelSpec`'s tensors, or a list of
+    sizes passed through."""
+    if isinstance(model_or_sizes, ModelSpec):
+        return list(model_or_sizes.sizes)
     if hasattr(model_or_sizes, "parameters"):
         return [int(p.numel()) for p in model_or_sizes.parameters() if p.requires_grad]
-    if hasattr(model_or_sizes, "tensors"):        # a ModelSpec
-        return list(model_or_sizes.sizes)
     return [int(s) for s in model_or_sizes]
+
+
+def tensor_names_of(model_or_sizes) -> list[str] | None:
+    """Names of a module's trainable parameters or a ModelSpec's tensors, in :func:`tensor_sizes_of`'s
+    order; None for a plain list of sizes."""
+    if isinstance(model_or_sizes, ModelSpec):
+        return [n for n, _ in model_or_sizes.tensors]
+    if hasattr(model_or_sizes, "named_parameters"):
+        return [n for n, p in model_or_sizes.named_parameters() if p.requires_grad]
+    return None
 
 
 def profile_compute(model, batch: int, input_shape: Sequence[int], steps: int = 10, warmup: int = 2,
@@ -779,12 +597,12 @@ def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] =
     workers = list(workers) if workers is not None else worker_counts()
     c = model.compute_s[cluster.gpu] if compute_s is None else compute_s
     b = model.batch_per_gpu if batch_per_worker is None else batch_per_worker
-    return [compare_exchanges(model.sizes, c, N, cluster.network, methods, batch_per_worker=b, **kwargs)
+    return [compare_exchanges(model, c, N, cluster.network, methods, batch_per_worker=b, **kwargs)
             for N in workers]
 
 
 # --------------------------------------------------------------------------------------------------
-# Output: table and figure
+# Output: table (figures: operations/plots.py)
 def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPrediction]]) -> str:
     """Workers x images/s for fp32, fp16 and TernGrad (both exchanges and the chosen one), speedup."""
     first = rows[0][FP32]
@@ -803,71 +621,6 @@ def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPr
                 f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.bits_per_element:.2f}", chosen)
         lines.append("  ".join(f"{v:>12}" for v in vals))
     return "\n".join(lines)
-
-
-def plot_fig5(results: dict, path: str, title: str | None = None) -> str:
-    """Fig.-5-like PNG: one subplot per model, images/s vs workers, fp32 and TernGrad per cluster.
-
-    ``results``: {model_key: {cluster_key: rows from predict_scaling}}.  matplotlib (Agg) is imported here.
-    """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"ethernet": "tab:red", "infiniband": "tab:blue"}
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.4), squeeze=False)
-    for ax, (mkey, per_cluster) in zip(axes[0], results.items()):
-        model = MODELS.get(mkey)
-        for ckey, rows in per_cluster.items():
-            cluster = CLUSTERS.get(ckey)
-            cname = cluster.name if cluster else ckey
-            color = colors.get(ckey, "tab:green")
-            N = [r[FP32].workers for r in rows]
-            ax.plot(N, [r[FP32].images_per_s for r in rows], "--o", color=color, ms=3,
-                    label=f"{cname} fp32")
-            ax.plot(N, [r[TERNGRAD_BEST].images_per_s for r in rows], "-s", color=color, ms=3,
-                    label=f"{cname} TernGrad")
-            ideal = [n * rows[0][FP32].images_per_s for n in N]
-            ax.plot(N, ideal, ":", color=color, lw=0.8, alpha=0.6)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("GPUs (workers)")
-        ax.set_ylabel("images/s")
-        ax.set_title(model.name if model else mkey)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title or "Predicted training throughput (dotted: linear scaling of one GPU)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_exchanges(numel: int, network: Network, path: str, max_workers: int = 512, packing: str = "2bit") -> str:
-    """PNG of each exchange's modelled time for one tensor of ``numel`` elements vs N."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    N = list(range(2, max_workers + 1))
-    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
-    for m in (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED):
-        costs = [exchange_cost(m, numel, k, network, packing) for k in N]
-        axes[0].plot(N, [c.time_s for c in costs], label=m)
-        axes[1].plot(N, [c.bits_per_element for c in costs], label=m)
-    axes[0].set_ylabel("s per exchange")
-    axes[1].set_ylabel("received bits per element")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("workers N")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"one tensor of {numel:,} elements, {network.describe()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def max_workers_where_allgather_wins(numel: int, network: Network, packing: str = "2bit",
@@ -938,13 +691,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[mkey][ckey] = rows
             print(format_table(MODELS[mkey], cluster, rows))
             print()
+    if a.png or a.exchanges_png:
+        from . import plots          # matplotlib: only when a figure is asked for
     if a.png:
-        plot_fig5(results, a.png)
+        plots.plot_fig5(results, a.png)
         print(f"wrote {a.png}")
     if a.exchanges_png:
         net = next(iter(clusters.values())).network
         flat_link = replace(net, intra_node=None, ranks_per_node=1)
-        plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, a.packing)
+        plots.plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, a.packing)
         print(f"wrote {a.exchanges_png}")
     return 0
 

@@ -1,21 +1,16 @@
-"""N data-parallel workers simulated in one process, with exactly the codec and averaging of a real run.
+"""N data-parallel workers simulated in one process, with exactly the codec and exchange of a real run.
 
     sim = Simulator(model, n_workers=16, config=TernGradConfig())
     for step in range(steps):
         sim.step(x, y, loss_fn, optimizer)      # x, y: the global batch, split evenly over the workers
 
-Averaging (``average=``):
-* ``"exchange"``: all workers' gradients go through N ``AllgatherExchange`` instances (one per simulated
-  rank) over an in-process ``ThreadWorld``, driven from this one thread: every rank starts, every rank
-  flushes its payloads, and rank 0's result (identical on all ranks by construction) becomes the
-  gradient.  Any TernGradConfig (sharded exchange, per-layer metrics) works.
-* ``"direct"`` (default): the same backend calls in the same order without the collectives: each
-  rank's statistics, the shared scaler as the max over ranks (what the handshake's allreduce-max
-  gives), each rank's encode with its own stream key, then one decode of the N payloads, concatenated
-  as an allgather would.  Bit-identical to ``"exchange"`` (tests/test_simulate.py checks it, and checks
-  the default against 2 real Horovod ranks), without N copies of the gathered buffer and N·tensors
-  Python-level collectives: the averaging of LeNet's gradients at N = 64 takes 48 ms instead of 83 ms
-  (one CPU thread).
+Averaging runs the real engine: N ``exchange.Exchange`` instances (one per simulated rank) over one
+in-process ``ThreadWorld`` that shares buffers instead of copying them, driven from this one thread: every
+rank starts its tensors, every rank advances what every rank has posted until nothing moves (handshakes
+into payloads, alltoalls into owners' sums), then rank 0 finishes; its result (identical on all ranks by
+construction) becomes the gradient.  So every TernGradConfig works (sharded exchange, per-layer metrics)
+and nothing here re-implements the exchange.  Only rank 0 decodes: a step costs N statistics passes, N
+encodes and one decode, plus the engine's bookkeeping per rank and tensor.
 
 Gradients per worker (``grad_mode=``):
 * ``"loop"`` (default): one ordinary backward pass per worker on its slice: bit-identical to what each
@@ -33,10 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import backends, codec
-from ..config import NonFiniteGradientError, RankMismatchError, TernGradConfig
-from ..exchange import AllgatherExchange, ThreadWorld
-from ..exchange.allgather import ExchangeStats, check_gradient
+from ..config import TernGradConfig
+from ..errors import RankMismatchError
+from ..exchange import Exchange, ExchangeStats, ThreadWorld
 
 
 def batch_indices(seed: int, step: int, n_examples: int, batch: int) -> torch.Tensor:
@@ -55,7 +49,7 @@ def worker_slice(global_idx: torch.Tensor, rank: int, n_workers: int) -> torch.T
 
 class Simulator:
     def __init__(self, model: torch.nn.Module, n_workers: int, config: TernGradConfig | None = None,
-                 compression: str = "terngrad", grad_mode: str = "loop", average: str | None = None):
+                 compression: str = "terngrad", grad_mode: str = "loop"):
         if compression not in ("terngrad", "none"):
             raise ValueError(f"compression must be 'terngrad' or 'none', got {compression!r}")
         if grad_mode not in ("loop", "vmap"):
@@ -63,21 +57,11 @@ class Simulator:
         self.model = model
         self.n = n_workers
         self.config = config or TernGradConfig()
-        if average is None:
-            average = "direct" if self.config.exchange == "allgather" else "exchange"
-        if average not in ("direct", "exchange"):
-            raise ValueError(f"average must be 'direct' or 'exchange', got {average!r}")
-        if average == "direct" and self.config.exchange != "allgather":
-            raise ValueError(f"average='direct' replays the allgather exchange; exchange="
-                             f"{self.config.exchange!r} needs average='exchange'")
         self.compression = compression
         self.grad_mode = grad_mode
-        self.average_mode = average
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.world = ThreadWorld(n_workers)
-        self.engines = [AllgatherExchange(c, self.config) for c in self.world.ranks()]
-        self._direct_stats = ExchangeStats()
-        self._steps: dict[str, int] = {}
+        self.world = ThreadWorld(n_workers, copy=False)
+        self.engines = [Exchange(c, self.config) for c in self.world.ranks()]
 
     # -- gradients per worker ---------------------------------------------------------------------
     def worker_gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[list[torch.Tensor]]:
@@ -111,63 +95,29 @@ class Simulator:
         if self.compression == "none":
             return [mean(i) for i in range(len(self.names))]
         # The policy (min_numel, exclude) keeps some tensors in fp32, as the Horovod frontend does.
-        ternary = {i for i, name in enumerate(self.names) if self.config.compresses(name, grads[0][i].numel())}
+        ternary = [i for i, name in enumerate(self.names) if self.config.compresses(name, grads[0][i].numel())]
         out = [None if i in ternary else mean(i) for i in range(len(self.names))]
-        if self.average_mode == "direct":
-            for i in sorted(ternary):
-                out[i] = self._average_direct([grads[r][i] for r in range(self.n)], self.names[i])
-            return out
-        order = sorted(ternary)
-        tickets = [[eng.start(grads[r][i], self.names[i]) for i in order] for r, eng in enumerate(self.engines)]
-        for eng in self.engines:
-            eng.flush()
-        for i, t in zip(order, tickets[0]):
-            out[i] = self.engines[0].finish(t)
+        for i, avg in zip(ternary, self._exchange([[grads[r][i] for i in ternary] for r in range(self.n)],
+                                                  [self.names[i] for i in ternary])):
+            out[i] = avg
         return out
 
-    def _average_direct(self, per_rank: list[torch.Tensor], name: str) -> torch.Tensor:
-        """AllgatherExchange's arithmetic for one tensor, all ranks at once (see module docstring)."""
-        cfg, st = self.config, self._direct_stats
-        for t in per_rank:
-            check_gradient(t, name)
-        shape, dtype = per_rank[0].shape, per_rank[0].dtype
-        if any(t.shape != shape or t.dtype != dtype for t in per_rank):
-            raise RankMismatchError(f"TernGrad: simulated ranks disagree on gradient '{name}'")
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        g32s = [t.detach().reshape(-1).to(torch.float32).contiguous() for t in per_rank]
-        backend = backends.for_device(g32s[0].device)
-        preps = [backend.prepare(g, cfg.bucket_size, cfg.clip_factor) for g in g32s]
-        n = g32s[0].numel()
-        st.tensors += 1
-        st.elements += n
-        st.collectives += 1                       # the payload allgather
-        if cfg.shared_scaler:
-            st.handshake_bytes_sent += 8 * (8 + preps[0].scalers.numel())
-            st.collectives += 1                   # the handshake
-        bad = [r for r, p in enumerate(preps) if bool(p.nonfinite)]
-        if bad:
-            msg = f"TernGrad: gradient '{name}' (shape {tuple(shape)}) contains NaN or Inf on rank(s) {bad}"
-            if cfg.on_nonfinite == "raise":
-                raise NonFiniteGradientError(msg)
-            st.nonfinite_zeroed += 1
-            return torch.zeros(shape, dtype=dtype, device=g32s[0].device)
-        if n == 0:
-            return torch.zeros(shape, dtype=dtype, device=g32s[0].device)
-        if cfg.shared_scaler:
-            shared = torch.stack([p.scalers for p in preps]).amax(dim=0)
-            scalers = [shared] * self.n
-        else:
-            scalers = [p.scalers for p in preps]
-        tid = codec.tensor_id(name)
-        payloads = [backend.encode(g, p.threshold, s, cfg.bucket_size, codec.stream_key(cfg.seed, step, tid, r),
-                                   cfg.packing, shape=shape)
-                    for r, (g, p, s) in enumerate(zip(g32s, preps, scalers))]
-        gathered = torch.cat(payloads)
-        st.payload_bytes_sent += payloads[0].numel()
-        st.bytes_received += gathered.numel() - payloads[0].numel()
-        headers, offsets = codec.packing.walk(gathered, self.n, f"gathered payloads of '{name}'")
-        return backend.decode(gathered, headers, offsets, self.n).view(shape).to(dtype)
+    def average_tensor(self, per_rank: list[torch.Tensor], name: str) -> torch.Tensor:
+        """One tensor's exchange: ``per_rank[r]`` is rank r's gradient; returns rank 0's result."""
+        return self._exchange([[t] for t in per_rank], [name])[0]
+
+    def _exchange(self, per_rank: list, names: list) -> list:
+        if len(per_rank) != self.n:
+            raise RankMismatchError(f"TernGrad: {len(per_rank)} simulated ranks' gradients for {self.n} workers")
+        tickets = [[eng.start(t, name) for t, name in zip(tensors, names)]
+                   for eng, tensors in zip(self.engines, per_rank)]
+        moved = True
+        while moved:            # each stage completes once every rank has posted it
+            before = [eng.pending() for eng in self.engines]
+            for eng in self.engines:
+                eng.progress(block=False)
+            moved = [eng.pending() for eng in self.engines] != before
+        return [self.engines[0].finish(t) for t in tickets[0]]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn, optimizer: torch.optim.Optimizer) -> None:
         avg = self.average(self.worker_gradients(x, y, loss_fn))
@@ -177,18 +127,21 @@ class Simulator:
         optimizer.step()
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to draw the same random streams: the per-tensor step counters (the
-        stream key's ``step``), of the direct path and of each simulated rank's exchange."""
-        return {"steps": dict(self._steps), "engine_steps": [dict(e._steps) for e in self.engines]}
+        """What a resumed run needs to draw the same random streams: each simulated rank's per-tensor
+        step counters (the stream key's ``step``)."""
+        return {"engine_steps": [dict(e.steps) for e in self.engines]}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["engine_steps"]) != self.n:
-            raise ValueError(f"simulator state is of {len(state['engine_steps'])} workers, this one has {self.n}")
-        self._steps = dict(state["steps"])
-        for e, steps in zip(self.engines, state["engine_steps"]):
-            e._steps = dict(steps)
+        steps = state["engine_steps"]
+        if state.get("steps") and not any(steps):       # a checkpoint of the former replay: one counter set
+            steps = [state["steps"]] * self.n
+        if len(steps) != self.n:
+            raise ValueError(f"simulator state is of {len(steps)} workers, this one has {self.n}")
+        for e, s in zip(self.engines, steps):
+            e.steps.clear()
+            e.steps.update(s)
 
     @property
     def stats(self) -> ExchangeStats:
         """Rank 0's counters (what it handed to and got from the collectives)."""
-        return self._direct_stats if self.average_mode == "direct" else self.engines[0].stats
+        return self.engines[0].stats

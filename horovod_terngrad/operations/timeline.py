@@ -16,12 +16,17 @@ not per buffer.  This module simulates one step on one worker instead, with two 
   joins it (Horovod's tensor fusion): one latency term for the round, the bandwidth terms added.  (Only
   the last queued round is joined, and alltoalls never fuse, as in Horovod.)
 
-Collective times are perfmodel's alpha-beta formulas (ring allreduce, ring allgather, pairwise
-alltoall; with the network's calibrated efficiencies).  Step time = when the main thread has decoded
-the last gradient (TernGrad) or the last allreduce is back and cast (fp32/fp16).
+Collective times are exchange/cost.py's alpha-beta formulas (ring allreduce, ring allgather, pairwise
+alltoall; with the network's calibrated efficiencies), on the bytes codec/sizes.py gives: a group's
+handshake (``handshake_size``), its payloads (``payload_size``), and for the sharded exchange every
+member's shard on its own (``exchange.cost.sharded_bytes``: the slowest rank's bytes to each peer and
+sums).  Step time = when the main thread has decoded the last gradient (TernGrad) or the last allreduce
+is back and cast (fp32/fp16).
 
-Gradient buffers follow perfmodel.exchange_plan: Horovod's fusion threshold for fp32/fp16 (buffers
-formed from the tensors ready when the channel frees up), TernGrad's fixed groups (fusion_numel).
+Gradient buffers: Horovod's fusion threshold for fp32/fp16 (buffers formed from the tensors ready when
+the channel frees up); for TernGrad the groups and exchanges of ``perfmodel.plan_buffers`` (the
+frontend's ``exchange.fusion`` cut with a TernGradConfig, each group's exchange as the engine picks it);
+tensors the config keeps at full precision go through Horovod's fp32 allreduce as they become ready.
 
 Codec work is charged from :class:`CodecRates` (seconds per element of each stage, measured on the
 machine with :func:`measure_codec_rates`); None = free.  Cost: O(tensors) per prediction.
@@ -32,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..codec import sizes as wire
 from . import perfmodel as pm
 
 
@@ -165,9 +171,12 @@ class Timeline:
 
 def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: pm.Network,
                   method: str = pm.FP32, *, codec: CodecRates | None = None, backward_fraction: float = 2 / 3,
-                  packing: str = "2bit", fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
-                  fusion_numel: int | None = None, cycle_s: float = 0.0) -> Timeline:
-    """Simulate one step (see the module docstring).  ``tensor_sizes`` in layer (forward) order."""
+                  packing: str | None = None, fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
+                  fusion_numel: int | None = None, cycle_s: float = 0.0, config: pm.TernGradConfig | None = None,
+                  names: Sequence[str] | None = None) -> Timeline:
+    """Simulate one step (see the module docstring).  ``tensor_sizes`` (and ``names``) in layer (forward)
+    order; ``packing``, ``fusion_numel``, ``config`` and ``names`` cut TernGrad's groups as
+    ``perfmodel.exchange_plan`` does."""
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError("backward_fraction must be in [0, 1]")
     sizes = [int(s) for s in tensor_sizes]
@@ -218,20 +227,23 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
 
     if method not in (pm.TERNGRAD_ALLGATHER, pm.TERNGRAD_SHARDED, pm.TERNGRAD_BEST):
         raise ValueError(f"method must be one of {pm.METHODS}, got {method!r}")
-    plan = pm.exchange_plan(method, sizes, N, network, packing, fusion_bytes, fusion_numel)
-    # group g's members, in backward order, as the frontend cuts them
-    members, pos = [], 0
-    for _, group in plan:
-        members.append(order[pos:pos + len(group)])
-        pos += len(group)
+    # the groups as the frontend cuts them (exchange.fusion), each with the engine's exchange; members in
+    # backward order; every size from codec/sizes.py and exchange/cost.py
+    cfg = pm.terngrad_config(config, packing)
+    plan = pm.plan_buffers(method, sizes, N, network, cfg.packing, fusion_bytes, fusion_numel, config=cfg, names=names)
+    groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES]
+    plain = {i for b in plan if b.exchange not in pm.TERNGRAD_EXCHANGES for i in b.members}   # kept at fp32
+    members = [list(b.members) for b in groups]
     group_of_last = {m[-1]: g for g, m in enumerate(members)}
-    kinds = [kind for kind, _ in plan]
-    numel = [sum(sizes[i] for i in m) for m in members]
-    encoded = [False] * len(plan)
+    kinds = [b.exchange for b in groups]
+    numel = [sum(b.sizes) for b in groups]
+    encoded = [False] * len(groups)
     summed = [kind != pm.TERNGRAD_SHARDED for kind in kinds]
-    L = pm.sum_bits(N)
-    # the library shards every member of a group on its own (20-element aligned) and sends them together
-    shard = [[pm.shard_numel(sizes[i], N) for i in m] for m in members]
+    handshake = [wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in b.sizes]) for b in groups]
+    payload = [sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in b.sizes) for b in groups]
+    # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
+    shard = [pm.sharded_bytes(b.sizes, N, cfg.packing) if k == pm.TERNGRAD_SHARDED else (0, 0)
+             for b, k in zip(groups, kinds)]
 
     def work(seconds: float) -> None:
         nonlocal main, codec_s
@@ -244,13 +256,11 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         work(c.encode * numel[g])
         encoded[g] = True
         if kinds[g] == pm.TERNGRAD_SHARDED:
-            per_peer = pm.SHARDED_CHUNK_HEADER_BYTES + sum(pm.packed_bytes(m, packing) for m in shard[g])
             G = network.ranks_per_node if link is network else N
-            lat, bw = _split(pm.alltoall_time, per_peer, N, link, G)
+            lat, bw = _split(pm.alltoall_time, shard[g][0], N, link, G)
             chan.submit(main, "alltoall", ("a2a", g), lat, bw)
         else:
-            P = sum(pm.payload_bytes(sizes[i], packing) for i in members[g])
-            lat, bw = _split(pm.ring_allgather_time, P, N, link)
+            lat, bw = _split(pm.ring_allgather_time, payload[g], N, link)
             chan.submit(main, "allgather", ("ag", g), lat, bw)
 
     def sum_and_send(g: int) -> None:             # sharded owner step: add the N chunks, allgather the sums
@@ -258,31 +268,35 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         main = max(main, chan.finish_time(("a2a", g)))
         work(c.owner_sum * numel[g])
         summed[g] = True
-        P_sum = pm.SHARDED_CHUNK_HEADER_BYTES + sum(-(-(m * L) // 8) for m in shard[g])
-        lat, bw = _split(pm.ring_allgather_time, P_sum, N, link)
+        lat, bw = _split(pm.ring_allgather_time, shard[g][1], N, link)
         chan.submit(main, "allgather", ("ag", g), lat, bw)
 
     def progress(block: bool) -> None:
         """The library's _progress: finished (all, if block) handshakes -> payloads, in start order; then
         finished (all) alltoalls -> owners' sums."""
-        for g in range(len(plan)):
+        for g in range(len(groups)):
             if not encoded[g] and ("hs", g) in chan.done and (block or chan.finish_time(("hs", g)) <= main):
                 encode_and_send(g)
-        for g in range(len(plan)):
+        for g in range(len(groups)):
             if not summed[g] and ("a2a", g) in chan.done and (block or chan.finish_time(("a2a", g)) <= main):
                 sum_and_send(g)
 
     for i in order:
         main += bwd * sizes[i] / total
+        if i in plain:                   # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
+            lat, bw = _split(pm.ring_allreduce_time, 4 * sizes[i], N, link)
+            chan.submit(main, "allreduce_fp32", ("ar", i), lat, bw)
         g = group_of_last.get(i)
         if g is not None:                # the group is complete: statistics, handshake, then progress
             work(c.prepare * numel[g])
-            lat, bw = _split(pm.ring_allreduce_time, pm.handshake_bytes(len(members[g])), N, link)
+            lat, bw = _split(pm.ring_allreduce_time, handshake[g], N, link)
             chan.submit(main, "allreduce", ("hs", g), lat, bw)
             progress(block=False)
     backward_end = main
     progress(block=True)                 # synchronize: every outstanding handshake, then every alltoall
-    for g in range(len(plan)):
+    for i in plain:
+        main = max(main, chan.finish_time(("ar", i)))
+    for g in range(len(groups)):
         main = max(main, chan.finish_time(("ag", g)))
         if kinds[g] == pm.TERNGRAD_SHARDED:
             work(c.decode_sums * numel[g])

@@ -1,6 +1,6 @@
-// Lets kernels/terngrad.cu compile as ordinary C++ for the host: the CUDA built-ins become globals that
-// host_launch.cpp sets while it runs every (block, thread) of a launch in turn.  Used only by tests
-// (and by the host kernel backend) to check the kernel source without a GPU.
+// Lets terngrad.cu (beside this file) compile as ordinary C++ for the host: the CUDA built-ins become
+// globals that host_launch.cpp sets while it runs every (block, thread) of a launch in turn.  Used only
+// by tests (and by the host kernel build, backends/host_build.py) to check the kernel source without a GPU.
 #pragma once
 #include <cmath>
 #include <cstdint>

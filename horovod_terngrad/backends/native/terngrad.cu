@@ -1,5 +1,5 @@
-// TernGrad CUDA kernels (loaded with cupy.RawModule; also compiled for the host by tests through
-// kernels/host_launch.cpp, which emulates the launch with loops).
+// TernGrad CUDA kernels (loaded with cupy.RawModule by backends/cuda.py; also compiled for the host
+// through host_launch.cpp beside this file, which emulates the launch with loops: backends/host_build.py).
 //
 // They evaluate exactly the operations the reference codec (horovod_terngrad/codec) specifies, so the
 // bytes are identical to the CPU paths:

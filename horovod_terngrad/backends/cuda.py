@@ -1,21 +1,19 @@
-"""Kernel backend: drives the kernels of ``kernels/terngrad.cu`` through a small launch interface.
+"""CUDA backend: the kernels of ``native/terngrad.cu`` compiled by CuPy and driven by ``KernelBackend``.
 
-Two kernel sets implement that interface with the same source:
+* ``KernelBackend`` implements the backend interface on any kernel set, i.e. any object with a
+  ``device`` and a ``launch(name, work, args)`` (``KernelLauncher``).  It never synchronizes with the
+  device: thresholds and scalers stay device tensors, and the "all payloads share their scalers"
+  decision of the decode is made on the device.
+* ``CupyKernels`` is the CUDA kernel set: ``cupy.RawModule`` (NVRTC) compiled once per process (CuPy
+  also caches the binary on disk), launched on torch's current CUDA stream, tensors passed zero-copy by
+  DLPack.  CuPy is imported only when one is made.
 
-* ``CupyKernels``: the CUDA build, ``cupy.RawModule`` compiled once per process (CuPy also caches
-  the binary on disk), launched on torch's current CUDA stream, tensors passed zero-copy by DLPack.
-* ``HostKernels``: the same source compiled for the host by g++ with ``kernels/host_shim.h``, each
-  launch run as loops over blocks and threads.  It lets the CUDA code, and this driver, be tested on a
-  machine without a GPU, byte for byte against the reference codec.
-
-The driver never synchronizes with the device: thresholds and scalers stay device tensors, and the
-"all payloads share their scalers" decision of the decode is made on the device.
+The same source built for the host (``host_build.HostKernels``) runs this driver without a GPU.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import shutil
+from typing import Protocol
 
 import torch
 
@@ -39,26 +37,14 @@ SIGNATURES = {
 }
 
 
-class HostKernels:
-    """The kernel source built for the host (tests and CPU-only verification)."""
+class KernelLauncher(Protocol):
+    """A build of ``native/terngrad.cu`` whose kernels (``SIGNATURES``) can be launched."""
 
-    device = "cpu"
-
-    def __init__(self, grid_limit: int = 3, block: int = 32):
-        # A tiny grid makes every grid-stride loop go round many times, which is what we want to test.
-        self.grid_limit, self.block = grid_limit, block
-        self.lib = ctypes.CDLL(build_host())
-        kinds = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "i32": ctypes.c_int,
-                 "f32": ctypes.c_float}
-        for name, sig in SIGNATURES.items():
-            fn = getattr(self.lib, "host_" + name)
-            fn.argtypes = [ctypes.c_uint, ctypes.c_uint] + [kinds[k] for k in sig]
-            fn.restype = None
+    device: str   # "cuda" or "cpu": where the tensors passed to ``launch`` live
 
     def launch(self, name: str, work: int, args: list) -> None:
-        grid = max(1, min(self.grid_limit, -(-work // self.block)))
-        conv = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-        getattr(self.lib, "host_" + name)(grid, self.block, *conv)
+        """Run kernel ``name`` over ``work`` items (a grid-stride loop) with ``args`` (tensors or scalars)."""
+        ...
 
 
 class CupyKernels:
@@ -90,7 +76,9 @@ class CupyKernels:
 class KernelBackend:
     """prepare / encode / decode (the backend interface) on a kernel set."""
 
-    def __init__(self, kernels):
+    capabilities: frozenset[str] = frozenset()
+
+    def __init__(self, kernels: KernelLauncher):
         self.k = kernels
         self.name = "cuda-kernels" if kernels.device == "cuda" else "host-kernels"
 
@@ -132,8 +120,7 @@ class KernelBackend:
         n = g32.numel()
         payload, region = packing.new_payload(n, fmt, scalers, bucket_size, flags, shape)
         if n:
-            thr = threshold if isinstance(threshold, torch.Tensor) else torch.tensor(threshold)
-            thr = thr.to(device=g32.device, dtype=torch.float32).reshape(1)
+            thr = torch.as_tensor(threshold).to(device=g32.device, dtype=torch.float32).reshape(1)
             s = scalers.to(device=g32.device, dtype=torch.float32).contiguous()
             self.k.launch("tg_ternarize_pack", region.numel(),
                           [g32, n, thr, s, bucket_size, key[0], key[1], FORMATS[fmt], region])
@@ -157,14 +144,3 @@ class KernelBackend:
                       [gathered, packed_off, len(offsets), n, FORMATS[h0.fmt], scalers, nb, h0.bucket_size,
                        shared, float(divisor), out])
         return out
-
-
-def build_host(cxx: str | None = None) -> str:
-    """Compile kernels/host_launch.cpp into a cached shared object; returns its path."""
-    from .cpu import compile_cached
-    cxx = cxx or os.environ.get("CXX") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    srcs = [os.path.join(KERNEL_DIR, f) for f in ("host_launch.cpp", "host_shim.h", "terngrad.cu")]
-    return compile_cached(cxx, ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"], srcs[0], srcs,
-                          "terngrad_hostkernels")

@@ -1,0 +1,68 @@
+"""The backend interface: what every layer-2 backend offers, and the optional capabilities it declares.
+
+A backend turns one flat fp32 gradient into the codec's bytes and back, bit for bit like the reference
+codec: ``prepare`` (statistics -> ``codec.Prepared``), ``encode`` (one payload) and ``decode`` (the
+average of gathered payloads).  Anything beyond that is an optional capability, named in the backend's
+``capabilities`` set and checked with ``has_capability``; callers never probe for methods.
+
+Capabilities:
+
+* ``SHARDED_SUMS``: the sharded exchange's two kernels, ``owner_sums`` and ``decode_sums``
+  (``ShardedSumsBackend``).  Only the fused CPU backend has them today.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .. import codec
+
+SHARDED_SUMS = "sharded_sums"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """prepare / encode / decode of the codec on one kind of device."""
+
+    name: str                     # shown in logs, benchmarks and preflight output
+    capabilities: frozenset[str]  # optional capabilities it implements, e.g. {SHARDED_SUMS}
+
+    def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
+        """Statistics of a flat fp32 tensor: clip threshold, local scalers and the NaN/Inf flag, as
+        0-d / [num_buckets] tensors on ``g32``'s device."""
+        ...
+
+    def encode(self, g32: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, bucket_size: int,
+               key: tuple[int, int], fmt: str, flags: int = 0, shape=None) -> torch.Tensor:
+        """One payload (uint8, on ``g32``'s device): header, ``scalers`` and the packed ternary codes
+        drawn with the random stream ``key``.  ``threshold`` is the fp32 0-d tensor of ``prepare``."""
+        ...
+
+    def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ over the payloads at ``offsets`` in ``gathered`` of scaler·code, divided by ``divisor``:
+        fp32 [numel], written into ``out`` when given."""
+        ...
+
+
+@runtime_checkable
+class ShardedSumsBackend(Backend, Protocol):
+    """A backend with the ``SHARDED_SUMS`` capability."""
+
+    def owner_sums(self, received: torch.Tensor, n_ranks: int, m: int, fmt: str, bits: int) -> torch.Tensor:
+        """Add the ``n_ranks`` equal-size chunks of packed codes received for one shard (``m`` codes each,
+        rank order) and pack every sum k in [-n_ranks, n_ranks] as k + n_ranks in ``bits`` bits: uint8
+        [ceil(m·bits / 8)]."""
+        ...
+
+    def decode_sums(self, data: torch.Tensor, m: int, n_ranks: int, bits: int, scalers: torch.Tensor,
+                    bucket_size: int, start: int, divisor: float, out: torch.Tensor) -> None:
+        """Unpack the ``m`` sums of ``bits`` bits of a shard that starts at element ``start`` and write
+        out[i] = (float(k_i)·s) / divisor, s the scaler of element start + i's bucket (fp32 [m])."""
+        ...
+
+
+def has_capability(backend: Backend, capability: str) -> bool:
+    """Whether ``backend`` declares ``capability`` (one of the constants of this module)."""
+    return capability in backend.capabilities

@@ -1,0 +1,109 @@
+"""Every size on the wire, computed in one place (no torch: the performance model imports it too).
+
+Payload of one tensor (codec/packing.py): a 20-byte header, one fp32 scaler per bucket, packed codes.
+Handshake of one group (exchange/handshake.py): fp64 slots, allreduced with max.  Sharded exchange
+(exchange/sharded.py): each rank owns a 20-aligned slice of every tensor; owners pack sums of N ternary
+values in L bits.  The packing, the exchange, the simulator, the metrics, the performance model and the
+timeline all read their sizes from here, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+import math
+
+FORMATS = {"2bit": 1, "base3": 2}          #: packing name -> format byte of the header
+CODES_PER_BYTE = {"2bit": 4, "base3": 5}
+BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
+HEADER_BYTES = 20                          #: payload header (magic, version, format, flags, k, n, shape)
+SCALER_BYTES = 4                           #: one fp32 scaler
+SHARD_ALIGN = 20                           #: lcm of 4 and 5: shards start on a byte in both packings
+SLOT_BYTES = 8                             #: one fp64 handshake slot
+SINGLE_HANDSHAKE_FIXED = 8                 #: a lone tensor: bad rank, -bad, n, -n, shape, -shape, dtype, -dtype
+FUSED_HANDSHAKE_FIXED = 4                  #: a fused group: layout code, -code, members, -members
+FUSED_HANDSHAKE_PER_MEMBER = 2             #: ... then bad rank and -bad per member
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in CODES_PER_BYTE:
+        raise ValueError(f"packing must be one of {sorted(CODES_PER_BYTE)}, got {fmt!r}")
+    return fmt
+
+
+def num_buckets(numel: int, bucket_size: int) -> int:
+    """Scalers per tensor: 1 for layer-wise ternarizing (bucket_size 0), else ceil(n / k)."""
+    if bucket_size <= 0 or numel == 0:
+        return 1
+    return -(-numel // bucket_size)
+
+
+def packed_size(numel: int, fmt: str) -> int:
+    """ceil(n / codes per byte): bytes of n packed ternary codes."""
+    return -(-int(numel) // CODES_PER_BYTE[check_format(fmt)])
+
+
+def payload_size(numel: int, fmt: str, bucket_size: int = 0) -> int:
+    """One tensor's payload: header + fp32 scalers + packed codes."""
+    return codes_offset(num_buckets(numel, bucket_size)) + packed_size(numel, fmt)
+
+
+def codes_offset(num_scalers: int) -> int:
+    """Byte offset of the packed codes in a payload with ``num_scalers`` scalers."""
+    return HEADER_BYTES + SCALER_BYTES * num_scalers
+
+
+def handshake_slots(scalers_per_member) -> int:
+    """fp64 slots of a group's handshake, from each member's number of scalers: 8 + B for a lone
+    tensor; 4 + 2 per member + every member's scalers for a fused group."""
+    counts = list(scalers_per_member)
+    if len(counts) == 1:
+        return SINGLE_HANDSHAKE_FIXED + counts[0]
+    return FUSED_HANDSHAKE_FIXED + FUSED_HANDSHAKE_PER_MEMBER * len(counts) + sum(counts)
+
+
+def handshake_size(scalers_per_member) -> int:
+    """Bytes of a group's handshake vector (0 for an empty group)."""
+    counts = list(scalers_per_member)
+    return SLOT_BYTES * handshake_slots(counts) if counts else 0
+
+
+def sum_bits(n_ranks: int) -> int:
+    """L = ceil(log2(2N + 1)): bits of one owner's sum k + N in [0, 2N]."""
+    if n_ranks < 1:
+        raise ValueError("n_ranks must be >= 1")
+    return max(1, math.ceil(math.log2(2 * n_ranks + 1)))
+
+
+def shard_bounds(numel: int, n_ranks: int) -> list[tuple[int, int]]:
+    """[lo, hi) of the elements each rank owns: ceil(n/N) rounded up to a multiple of SHARD_ALIGN;
+    trailing shards may be short or empty."""
+    size = -(-numel // n_ranks) if numel else 0
+    size = -(-size // SHARD_ALIGN) * SHARD_ALIGN
+    return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(n_ranks)]
+
+
+def code_byte_range(lo: int, hi: int, fmt: str) -> tuple[int, int]:
+    """Bytes of the packed codes that hold elements [lo, hi) (lo is a shard start: byte aligned)."""
+    per = CODES_PER_BYTE[check_format(fmt)]
+    if hi <= lo:
+        return -(-lo // per), -(-lo // per)   # an empty shard (past the end): no bytes
+    return lo // per, -(-hi // per)
+
+
+def shard_code_bytes(numel: int, n_ranks: int, fmt: str) -> list[int]:
+    """Bytes of each rank's shard of one tensor's packed codes (what the alltoall sends it)."""
+    return [b1 - b0 for b0, b1 in (code_byte_range(lo, hi, fmt) for lo, hi in shard_bounds(numel, n_ranks))]
+
+
+def sums_size(count: int, n_ranks: int) -> int:
+    """Bytes of ``count`` owners' sums packed in L bits."""
+    return -(-count * sum_bits(n_ranks) // 8)
+
+
+def shard_sum_bytes(numel: int, n_ranks: int) -> list[int]:
+    """Bytes of each owner's packed sums of one tensor (what it adds to the allgather)."""
+    return [sums_size(hi - lo, n_ranks) for lo, hi in shard_bounds(numel, n_ranks)]
+
+
+__all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SHARD_ALIGN",
+           "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
+           "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
+           "shard_sum_bytes"]

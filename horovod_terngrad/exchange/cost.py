@@ -1,0 +1,333 @@
+"""The runtime cost model: how long an exchange takes on an alpha-beta network, and which exchange a
+group should use (``exchange="auto"``).  No torch, no plotting: the engine imports it on the training path,
+and the performance model (operations/perfmodel.py) and the timeline build on it.
+
+A message of m bytes over one link costs alpha + m·beta (alpha: latency per message, beta = 1/bandwidth).
+For N ranks and one buffer ("bytes" is what crosses each rank's link in each direction):
+
+* ring allreduce of B bytes:            T = 2(N-1)·alpha + 2(N-1)/N · B · beta
+* ring allgather of P bytes per rank:   T = (N-1)·alpha + (N-1) · P · beta
+* pairwise alltoall, c bytes per peer:  T = (N-1)·alpha + max(N-1, G·(N-G)) · c · beta  (G ranks share a NIC)
+
+TernGrad exchanges of a group of tensors n_1..n_k, with every size from ``codec.sizes`` (the one place
+they are computed, so this model charges exactly the bytes the engine sends):
+
+* allgather: P = sum_i payload_size(n_i) per rank, plus the shared-scaler handshake, an allreduce of
+  H = handshake_size(scalers of each member) bytes;
+* sharded: each member is sharded on its own (20-aligned slices); rank r receives its slice of every member
+  from N-1 peers (alltoall, c = the largest rank's sum over members of its code bytes) and the owners' packed
+  sums of every member (allgather, P_sum = the largest owner's sum over members), plus the handshake.
+  No chunk headers: the scalers come from the handshake.
+
+Network for ``exchange="auto"`` at run time: HOROVOD_TERNGRAD_GBPS (default 1) and HOROVOD_TERNGRAD_ALPHA_US
+(default 50), which the launcher's profiles set.  Cost of this module: O(tensors) per decision.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..codec import sizes as wire
+
+FP32 = "fp32"
+FP16 = "fp16"
+TERNGRAD_ALLGATHER = "terngrad_allgather"
+TERNGRAD_SHARDED = "terngrad_sharded"
+TERNGRAD_BEST = "terngrad"        #: per buffer, the cheaper of the two TernGrad exchanges
+METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
+TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
+
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024   #: Horovod's default HOROVOD_FUSION_THRESHOLD
+TERNGRAD_FUSION_NUMEL = 1 << 22            #: TernGradConfig.fusion_numel's default
+
+
+@dataclass(frozen=True)
+class Network:
+    """Alpha-beta link: ``latency_s`` = alpha (s per message), ``bandwidth_Bps`` = 1/beta (bytes/s).
+
+    ``ranks_per_node`` ranks share one NIC; ``intra_node`` is the link used when all ranks fit in one
+    node (N <= ranks_per_node), or None to use this link there too.
+    """
+
+    name: str
+    latency_s: float
+    bandwidth_Bps: float
+    ranks_per_node: int = 1
+    intra_node: "Network | None" = None
+    efficiency: tuple = ()   #: ((collective, factor), ...): measured fraction of the link rate it reaches
+
+    def eff(self, collective: str) -> float:
+        """Fraction of ``bandwidth_Bps`` that ``collective`` ("allreduce", "allgather", "alltoall")
+        achieves on this network: 1 unless calibrated (:func:`calibrated_efficiency`).  Covers what
+        alpha-beta leaves out: the implementation's algorithm, reductions and copies, and the host CPU
+        cost of the transport (large on TCP over shared cores)."""
+        for kind, factor in self.efficiency:
+            if kind == collective:
+                return factor
+        return 1.0
+
+    @property
+    def alpha(self) -> float:
+        return self.latency_s
+
+    @property
+    def beta(self) -> float:
+        return 1.0 / self.bandwidth_Bps
+
+    @classmethod
+    def from_gbps(cls, name: str, bandwidth_gbps: float, latency_us: float, ranks_per_node: int = 1,
+                  intra_node: "Network | None" = None) -> "Network":
+        """Build from Gbit/s (10^9 bit/s) and microseconds."""
+        if bandwidth_gbps <= 0 or latency_us < 0:
+            raise ValueError("bandwidth must be > 0 and latency >= 0")
+        return cls(name, latency_us * 1e-6, bandwidth_gbps * 1e9 / 8, ranks_per_node, intra_node)
+
+    def link_for(self, workers: int) -> "Network":
+        """The link a job of ``workers`` ranks runs on: ``intra_node`` when it fits in one node."""
+        if self.intra_node is not None and workers <= self.ranks_per_node:
+            return self.intra_node
+        return self
+
+    def describe(self) -> str:
+        s = f"{self.name}: {self.bandwidth_Bps * 8 / 1e9:g} Gbit/s, alpha {self.latency_s * 1e6:g} us"
+        if self.ranks_per_node > 1:
+            s += f", {self.ranks_per_node} ranks per node"
+        if self.intra_node is not None:
+            s += (f" (inside a node: {self.intra_node.name}, {self.intra_node.bandwidth_Bps / 1e9:g} GB/s, "
+                  f"alpha {self.intra_node.latency_s * 1e6:g} us)")
+        return s
+
+
+# (The paper's clusters, PCIE_SWITCH, NVLINK, ETHERNET_1G and INFINIBAND_100G, are in operations/perfmodel.py.)
+
+
+def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
+    """2(N-1)·alpha + 2(N-1)/N·B·beta  (0 for N = 1)."""
+    N = workers
+    if N <= 1:
+        return 0.0
+    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta / link.eff("allreduce")
+
+
+def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> float:
+    """(N-1)·alpha + (N-1)·P·beta  (0 for N = 1)."""
+    N = workers
+    if N <= 1:
+        return 0.0
+    return (N - 1) * link.alpha + (N - 1) * bytes_per_rank * link.beta / link.eff("allgather")
+
+
+def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_node: int = 1) -> float:
+    """(N-1)·alpha + beta·max((N-1)·c, G·(N-G)·c), G = min(ranks_per_node, N) ranks sharing a NIC.
+
+    With G = 1 (one NIC per rank) this is (N-1)·alpha + (N-1)·c·beta.  Within one node (G = N) the second
+    term vanishes and the first, (N-1)·c, applies on the intra-node link.
+    """
+    N = workers
+    if N <= 1:
+        return 0.0
+    G = max(1, min(int(ranks_per_node), N))
+    return (N - 1) * link.alpha + max(N - 1, G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall")
+
+
+_COLLECTIVE_TIME = {"allreduce": ring_allreduce_time, "allgather": ring_allgather_time, "alltoall": alltoall_time}
+
+
+def calibrated_efficiency(network: Network, workers: int, measured: dict, strict: bool = True) -> Network:
+    """``network`` with per-collective efficiencies fitted to measured times.
+
+    ``measured``: {collective: (bytes, seconds)} where bytes is the argument of that collective's time
+    function (allreduce: buffer bytes B; allgather: bytes per rank P; alltoall: bytes to each peer c),
+    e.g. from ``python -m horovod_terngrad.operations.bench step --calibrate`` run on the cluster itself.  The
+    efficiency is the alpha-beta model's bandwidth term over the measured time less the latency term,
+    so one large measurement per collective calibrates it (like nccl-tests' bus bandwidth).  Fitted as
+    for one rank per NIC on ``network`` itself (not its intra-node link): calibrate with the same
+    placement you predict for.
+    """
+    factors = []
+    for kind, (nbytes, seconds) in measured.items():
+        base = replace(network, efficiency=())
+        latency_part = _COLLECTIVE_TIME[kind](0, workers, base)
+        wire = _COLLECTIVE_TIME[kind](nbytes, workers, base) - latency_part
+        if seconds <= latency_part or wire <= 0:
+            if strict:
+                raise ValueError(f"measured {kind} time {seconds:.6f}s is not above its latency term")
+            continue
+        factors.append((kind, wire / (seconds - latency_part)))
+    return replace(network, efficiency=tuple(factors))
+
+
+@dataclass(frozen=True)
+class ExchangeCost:
+    """Cost of one exchange on one rank: time, bytes received (= sent) and messages (latency terms)."""
+
+    method: str
+    time_s: float
+    bytes_received: float
+    messages: int
+    elements: int
+
+    @property
+    def bits_per_element(self) -> float:
+        """Received bits per gradient element (headers and handshake included)."""
+        return 8.0 * self.bytes_received / self.elements if self.elements else 0.0
+
+    def __add__(self, other: "ExchangeCost") -> "ExchangeCost":
+        method = self.method if self.method == other.method else TERNGRAD_BEST
+        return ExchangeCost(method, self.time_s + other.time_s, self.bytes_received + other.bytes_received,
+                            self.messages + other.messages, self.elements + other.elements)
+
+
+def _sizes(sizes: int | Sequence[int]) -> list[int]:
+    out = [int(sizes)] if isinstance(sizes, (int,)) or hasattr(sizes, "__index__") else [int(s) for s in sizes]
+    if any(s < 0 for s in out):
+        raise ValueError("tensor sizes must be >= 0")
+    return out
+
+
+def _handshake(ns: list, bucket_size: int, workers: int, link: Network) -> tuple[float, float, int]:
+    """Shared-scaler handshake: one allreduce of the group's handshake vector."""
+    nbytes = wire.handshake_size([wire.num_buckets(n, bucket_size) for n in ns])
+    N = workers
+    return (ring_allreduce_time(nbytes, N, link), 2 * (N - 1) / N * nbytes, 2 * (N - 1))
+
+
+def allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                   bytes_per_element: int = 4) -> ExchangeCost:
+    """Ring allreduce of one buffer: T = 2(N-1)·alpha + 2(N-1)/N·(bytes_per_element·n)·beta.
+
+    Received (= sent) bytes per rank: 2(N-1)/N·bytes_per_element·n; messages 2(N-1).
+    """
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    method = {4: FP32, 2: FP16}.get(bytes_per_element, f"allreduce{8 * bytes_per_element}")
+    if N <= 1:
+        return ExchangeCost(method, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    B = bytes_per_element * n
+    return ExchangeCost(method, ring_allreduce_time(B, N, link), 2 * (N - 1) / N * B, 2 * (N - 1), n)
+
+
+def fp32_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
+    """fp32 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·4n·beta."""
+    return allreduce_cost(sizes, workers, network, 4)
+
+
+def fp16_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
+    """fp16 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·2n·beta."""
+    return allreduce_cost(sizes, workers, network, 2)
+
+
+def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                            packing: str = "2bit", bucket_size: int = 0) -> ExchangeCost:
+    """TernGrad allgather exchange of one group of tensors n_1..n_k.
+
+    P = sum_i payload_size(n_i);  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·H·beta,
+    H = the group's handshake bytes.  Received bytes per rank: (N-1)·P + 2(N-1)/N·H.  Messages: 3(N-1).
+    """
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    P = sum(wire.payload_size(x, packing, bucket_size) for x in ns)
+    hs_t, hs_b, hs_m = _handshake(ns, bucket_size, N, link)
+    return ExchangeCost(TERNGRAD_ALLGATHER, ring_allgather_time(P, N, link) + hs_t, (N - 1) * P + hs_b,
+                        (N - 1) + hs_m, n)
+
+
+def sharded_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit") -> tuple[int, int]:
+    """(c, P_sum) of a sharded group: the most code bytes any rank receives from one peer (its slice of
+    every member) and the most packed-sum bytes any owner contributes to the allgather."""
+    N = int(workers)
+    codes = [wire.shard_code_bytes(x, N, packing) for x in sizes]
+    sums = [wire.shard_sum_bytes(x, N) for x in sizes]
+    c = max((sum(m[r] for m in codes) for r in range(N)), default=0)
+    p_sum = max((sum(m[r] for m in sums) for r in range(N)), default=0)
+    return c, p_sum
+
+
+def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                          packing: str = "2bit", bucket_size: int = 0) -> ExchangeCost:
+    """TernGrad sharded exchange (reduce-scatter by alltoall, then allgather of L-bit sums).
+
+    Every member of the group is sharded on its own, as the engine does (:func:`sharded_bytes`);
+    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (2(N-1)·alpha + 2(N-1)/N·H·beta).
+    Received bytes per rank: (N-1)·(c + P_sum) + 2(N-1)/N·H ~ (N-1)/N·n·(b + L)/8.  Messages: 4(N-1).
+    """
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_SHARDED, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    c, P_sum = sharded_bytes(ns, N, packing)
+    hs_t, hs_b, hs_m = _handshake(ns, bucket_size, N, link)
+    G = network.ranks_per_node if link is network else N
+    t = alltoall_time(c, N, link, G) + ring_allgather_time(P_sum, N, link) + hs_t
+    return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * (N - 1) + hs_m, n)
+
+
+_COST_FUNCTIONS = {
+    FP32: lambda s, N, net, packing, bucket_size=0: fp32_allreduce_cost(s, N, net),
+    FP16: lambda s, N, net, packing, bucket_size=0: fp16_allreduce_cost(s, N, net),
+    TERNGRAD_ALLGATHER: terngrad_allgather_cost,
+    TERNGRAD_SHARDED: terngrad_sharded_cost,
+}
+
+
+@dataclass(frozen=True)
+class ExchangeChoice:
+    """What :func:`choose_exchange` decided: the method, its cost and every candidate's cost."""
+
+    method: str
+    cost: ExchangeCost
+    costs: dict
+
+
+def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network: Network,
+                  packing: str = "2bit", bucket_size: int = 0) -> ExchangeCost:
+    """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad)."""
+    if method == TERNGRAD_BEST:
+        return choose_exchange(sizes, workers, network, packing, bucket_size=bucket_size).cost
+    if method not in _COST_FUNCTIONS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size)
+
+
+def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
+                    candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0) -> ExchangeChoice:
+    """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
+
+    ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
+    chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
+    pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
+    candidate (allgather first: fewer messages).  Cost: O(k) for k tensors.
+    """
+    costs = {m: exchange_cost(m, sizes, workers, network, packing, bucket_size) for m in candidates}
+    best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
+    return ExchangeChoice(best, costs[best], costs)
+
+
+@functools.lru_cache(maxsize=8)
+def _network(gbps: float, alpha_us: float) -> Network:
+    return Network.from_gbps("configured", gbps, alpha_us)
+
+
+def configured_network() -> Network:
+    """The network ``exchange="auto"`` assumes: HOROVOD_TERNGRAD_GBPS / HOROVOD_TERNGRAD_ALPHA_US."""
+    return _network(float(os.environ.get("HOROVOD_TERNGRAD_GBPS", "1")),
+                    float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")))
+
+
+def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
+                 network: Network | None = None) -> str:
+    """``exchange="auto"``: 'allgather' or 'sharded', whichever this model predicts to be faster for a
+    group of tensors of these sizes.  With two ranks or fewer sharding cannot receive less and costs one
+    more collective, so it is never chosen."""
+    if n_ranks <= 2:
+        return "allgather"
+    choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
+                             bucket_size=bucket_size)
+    return "sharded" if choice.method == TERNGRAD_SHARDED else "allgather"

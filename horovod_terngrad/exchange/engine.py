@@ -1,0 +1,291 @@
+"""The exchange engine: ternarize, exchange and average tensors over a ``Collectives`` (see collectives.py).
+
+One gradient's path, for a group of one tensor or several fused ones (shared scaler, the default):
+
+1. ``start_group`` (from the backward hook; never waits for the network): per member one pass of
+   statistics (``backends``) gives the clip threshold c·σ and the local scalers; the group's handshake
+   vector (handshake.py) goes out as one asynchronous allreduce-max.  Groups whose handshakes are back
+   are advanced right away (step 2).
+2. When a handshake is back (``progress``): every member is ternarized with the agreed scalers and
+   packed; the payloads travel by the group's transport: ``allgather.py`` (every rank gets every
+   payload) or ``sharded.py`` (alltoall to shard owners, owners' sums by allgather).
+3. ``finish`` (from the optimizer's synchronize): first every outstanding handshake, then every
+   outstanding alltoall, is advanced (so no group waits behind another), then this member's result is
+   waited for and decoded.
+
+With ``shared_scaler=False`` there is no handshake: payloads leave from ``start_group`` and their headers
+carry each rank's scalers and NaN flag.  Fusing changes how many collectives run, never a bit of any
+result: each member keeps its statistics, scaler, random stream and payload.  Collectives are named
+``terngrad.{hs,ag,a2a,sg}.<group>`` after the group name the caller gives (every rank gives the same).
+
+Errors (NaN/Inf, ranks that disagree) are decided from data every rank has, so every rank raises (or
+zeroes) together and no collective is left waiting on a rank that gave up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import backends, codec
+from ..config import TernGradConfig
+from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
+from . import allgather, cost, handshake, sharded
+from .collectives import CollectiveError, Collectives
+from .stats import ExchangeStats, Inspection
+
+log = logging.getLogger("horovod_terngrad")
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRANSPORTS = {"allgather": allgather, "sharded": sharded}
+
+
+def check_gradient(tensor: torch.Tensor, name: str) -> None:
+    """Reject what cannot be ternarized, naming the tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"TernGrad: '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.is_sparse:
+        raise TypeError(f"TernGrad: gradient '{name}' is sparse; use sparse_as_dense=True")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"TernGrad: gradient '{name}' has dtype {tensor.dtype}; ternary compression "
+                        "needs a floating-point tensor (float16, bfloat16, float32 or float64)")
+
+
+class Ticket:
+    """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
+
+    __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
+                 "in_place", "shared", "slot", "payload_bytes", "error", "zero")
+
+    def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place):
+        self.engine, self.group = engine, None
+        self.name, self.shape, self.dtype, self.g32 = name, shape, dtype, g32
+        self.threshold, self.key, self.nb = threshold, key, nb
+        self.average = average
+        self.in_place = in_place   # the average may be written into the input's memory (fp32 contiguous)
+        self.shared = None         # the agreed scalers (shared scaler only)
+        self.slot = None           # position among the group's sent members; None: nothing sent
+        self.payload_bytes = 0
+        self.error = None          # raised by finish
+        self.zero = False          # the result is zero (agreed empty, or zeroed NaN/Inf)
+
+
+class Group:
+    """The tensors that share one handshake and one exchange (one tensor, or several fused), and the
+    state of their collectives."""
+
+    __slots__ = ("name", "members", "mode", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent", "gathered",
+                 "walked", "gather_error")
+
+    def __init__(self, name: str, members: list, mode: str):
+        self.name, self.members, self.mode = name, members, mode
+        self.hs = self.a2a = self.ag = None
+        self.a2a_own = 0                 # sharded: bytes of the alltoall addressed to this rank itself
+        self.sent: list = []             # members whose payloads travel, in payload order
+        self.bytes_sent = 0
+        self.gathered = None
+        self.walked = None               # (headers, offsets) of the gathered payloads
+        self.gather_error = None
+
+    @property
+    def fused(self) -> bool:
+        return len(self.members) > 1
+
+
+class Exchange:
+    """Ternarize, exchange and average tensors over ``collectives`` (see the module docstring).
+
+    ``steps`` counts, per tensor name, the exchanges started: the ``step`` word of each tensor's random
+    stream key.  Pass a shared dict (and ``stats`` / ``inspection``) to keep them in a state object."""
+
+    def __init__(self, collectives: Collectives, config: TernGradConfig | None = None,
+                 stats: ExchangeStats | None = None, inspection: Inspection | None = None,
+                 steps: dict | None = None):
+        self.coll = collectives
+        self.config = config or TernGradConfig()
+        self.stats = stats if stats is not None else ExchangeStats()
+        self.inspection = inspection if inspection is not None else Inspection()
+        self.steps: dict[str, int] = steps if steps is not None else {}
+        self._awaiting_handshake: list[Group] = []
+        self._awaiting_alltoall: list[Group] = []
+        self._warned_nonfinite: set = set()
+
+    # -- public -------------------------------------------------------------------------------
+    def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False) -> Ticket:
+        """Begin averaging ``tensor``.  With ``in_place`` the result may be written into ``tensor``
+        itself (the Horovod frontend allows it: the gradient is replaced by the result anyway), which
+        saves allocating and page-faulting a new buffer per step."""
+        return self.start_group([(tensor, name)], name, average, in_place)[0]
+
+    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
+        """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one exchange
+        named after ``group`` (tensor fusion; every rank must form the same groups, in the same member
+        order).  Results are bit-identical to starting each tensor alone.  The exchange is the config's;
+        with ``exchange="auto"`` the cost model picks one for the whole group.  Returns one ticket per
+        item, each finished with ``finish``."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        tickets, preps = [], []
+        device = items[0][0].device if items else None
+        backend = backends.for_device(device) if items else None
+        for tensor, name in items:
+            check_gradient(tensor, name)
+            step = self.steps.get(name, 0)
+            self.steps[name] = step + 1
+            g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+            if g32.device != device:
+                raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
+            prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
+            tickets.append(Ticket(
+                self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
+                codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), prep.scalers.numel(),
+                average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32))
+            preps.append(prep)
+        grp = Group(group, tickets, self._mode([tk.g32.numel() for tk in tickets]))
+        for tk in tickets:
+            tk.group = grp
+        if not tickets:
+            return tickets
+        if cfg.shared_scaler:
+            hs = handshake.build(preps, [t for t, _ in items], self.coll.rank, self.coll.size)
+            self.stats.codec_s += time.perf_counter() - t0
+            grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{group}")
+            self.stats.collectives += 1
+            self.stats.handshake_bytes_sent += hs.numel() * hs.element_size()
+            self.progress(block=False)   # earlier groups whose handshake is back go out now
+            self._awaiting_handshake.append(grp)
+        else:
+            sends = []
+            for tk, prep in zip(tickets, preps):
+                on_host = prep.nonfinite.device.type == "cpu"
+                payload = backend.encode(tk.g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
+                                         flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
+                if not on_host:          # the flag byte, written on the device (no host synchronization)
+                    payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
+                self._record(tk, payload, prep.scalers)
+                sends.append((tk, payload))
+            self.stats.codec_s += time.perf_counter() - t0
+            allgather.send(self, grp, sends)
+        return tickets
+
+    def finish(self, tk: Ticket) -> torch.Tensor:
+        """Wait for a ticket's exchange and return the average (or sum) in the tensor's shape and dtype."""
+        self.progress(block=True)
+        if tk.error is not None:
+            raise tk.error
+        out = TRANSPORTS[tk.group.mode].receive(self, tk) if (tk.slot is not None and not tk.zero) else None
+        if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
+            out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
+        self.inspection.record_average(tk.name, out)
+        return out.view(tk.shape).to(tk.dtype)
+
+    def allreduce(self, tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
+        return self.finish(self.start(tensor, name, average))
+
+    def progress(self, block: bool) -> None:
+        """Advance the groups whose handshake is back (all, if ``block``: waiting for them) into their
+        exchange, then likewise the sharded groups whose alltoall is back, in start order.  ``finish``
+        calls it; a driver that plays several ranks from one thread calls ``progress(block=False)`` on
+        every rank until nothing moves, then finishes (see operations/simulate.py)."""
+        self._awaiting_handshake = self._advance(self._awaiting_handshake, "hs", self._after_handshake, block)
+        # (the first stage may have queued new alltoalls; they are advanced here too)
+        self._awaiting_alltoall = self._advance(self._awaiting_alltoall, "a2a",
+                                                lambda g: sharded.after_alltoall(self, g), block)
+
+    def pending(self) -> tuple:
+        """(groups waiting for their handshake, sharded groups waiting for their alltoall)."""
+        return len(self._awaiting_handshake), len(self._awaiting_alltoall)
+
+    def reset(self) -> None:
+        """Forget every group in flight (after a failed step, or when the world changes); keeps
+        ``steps``, ``stats`` and ``inspection``, which belong to whoever passed them in."""
+        self._awaiting_handshake, self._awaiting_alltoall = [], []
+
+    # -- used by the transports -------------------------------------------------------------------
+    def queue_alltoall(self, grp: Group) -> None:
+        self._awaiting_alltoall.append(grp)
+
+    def nonfinite(self, tk: Ticket, msg: str) -> None:
+        """A member held NaN/Inf on some rank: raise on every rank, or zero it (config.on_nonfinite)."""
+        if self.config.on_nonfinite == "raise":
+            tk.error = NonFiniteGradientError(msg)
+        else:
+            tk.zero = True
+            self.stats.nonfinite_zeroed += 1
+            if tk.name not in self._warned_nonfinite:
+                self._warned_nonfinite.add(tk.name)
+                log.warning("%s; its averaged gradient is set to zero on every rank this step "
+                            "(on_nonfinite='zero'; warned once per tensor)", msg)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _mode(self, numels: list) -> str:
+        if self.config.exchange == "auto":
+            return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size)
+        return self.config.exchange
+
+    def _advance(self, queue: list, stage: str, step, block: bool) -> list:
+        """Run ``step`` on the groups whose ``stage`` collective completed (all, if block); return the rest."""
+        waiting = []
+        for grp in queue:
+            if block or self.coll.poll(getattr(grp, stage)):
+                step(grp)
+            else:
+                waiting.append(grp)
+        return waiting
+
+    def _after_handshake(self, grp: Group) -> None:
+        t0 = time.perf_counter()
+        try:
+            values = self.coll.synchronize(grp.hs)
+        except CollectiveError as e:
+            for tk in grp.members:
+                tk.error = RankMismatchError(
+                    f"TernGrad: ranks disagree on gradient '{tk.name}' (shape {tuple(tk.shape)}, "
+                    f"{tk.g32.numel()} elements on rank {self.coll.rank}"
+                    + (f", fused in group '{grp.name}'" if grp.fused else "") + f"): {e}")
+            return
+        finally:
+            self.stats.handshake_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        verdict = handshake.read(values.tolist(), [tk.nb for tk in grp.members])
+        if verdict.mismatch is not None:
+            for tk in grp.members:
+                where = (f"the gradients fused in group '{grp.name}' ({verdict.mismatch}), among them '{tk.name}'"
+                         if grp.fused else f"gradient '{tk.name}': {verdict.mismatch}")
+                tk.error = RankMismatchError(f"TernGrad: ranks disagree on {where} (this rank {self.coll.rank}: "
+                                             f"shape {tuple(tk.shape)}, dtype {tk.dtype})")
+            return
+        sends = []
+        for tk, member in zip(grp.members, verdict.members):
+            payload = self._encode_agreed(tk, member)
+            if payload is not None:
+                sends.append((tk, payload))
+        self.stats.codec_s += time.perf_counter() - t0
+        if sends:
+            TRANSPORTS[grp.mode].send(self, grp, sends)
+
+    def _encode_agreed(self, tk: Ticket, member: handshake.MemberVerdict) -> torch.Tensor | None:
+        """One member's payload, ternarized with the agreed scalers, or None if it sends nothing."""
+        if member.first_bad >= 0:
+            msg = (f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on "
+                   f"rank {member.first_bad}"
+                   + (f" (and up to rank {member.last_bad})" if member.last_bad != member.first_bad else ""))
+            self.nonfinite(tk, msg)
+            return None
+        if tk.g32.numel() == 0:
+            tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor
+            return None
+        cfg = self.config
+        tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.g32.device)
+        payload = backends.for_device(tk.g32.device).encode(
+            tk.g32, tk.threshold, tk.shared, cfg.bucket_size, tk.key, cfg.packing, shape=tk.shape)
+        self._record(tk, payload, tk.shared)
+        return payload
+
+    def _record(self, tk: Ticket, payload: torch.Tensor, scalers: torch.Tensor) -> None:
+        self.stats.tensors += 1
+        self.stats.elements += tk.g32.numel()
+        if self.inspection.wants(tk.name):
+            self.inspection.record(tk.name, tk.g32, tk.threshold, payload, scalers, self.config.packing,
+                                   self.config.bucket_size)

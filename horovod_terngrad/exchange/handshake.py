@@ -1,0 +1,104 @@
+"""The shared-scaler handshake: one allreduce-max of a small fp64 vector per group, built and read here.
+
+Max of x and of -x gives both the max and the min over ranks, so one reduction tells every rank whether
+all ranks agree on the group, which ranks saw NaN/Inf, and the shared scaler s = max_r s_r (Eq. 4).
+
+A lone tensor (``codec.sizes.SINGLE_HANDSHAKE_FIXED`` = 8 fixed slots, then its B scalers):
+
+    [bad, -bad', n, -n, shape, -shape, dtype, -dtype, s_1 .. s_B]
+
+A fused group of M members (4 fixed slots, 2 per member, then every member's scalers in member order):
+
+    [c, -c, M, -M, bad_1, -bad_1', .., bad_M, -bad_M', scalers of member 1, .., scalers of member M]
+
+with bad = rank + 1 on a rank whose tensor holds NaN/Inf, else 0; bad' = bad there, else N + 1 (so the
+max of -bad' is minus the lowest bad rank + 1); c = CRC-32 of the members' (numel, shape code, dtype
+code) list.  Sizes: ``codec.sizes.handshake_slots``.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..codec import packing, sizes
+
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+@dataclass(frozen=True)
+class MemberVerdict:
+    """One member's part of the reduced handshake (meaningful when the group agrees)."""
+
+    first_bad: int        # lowest rank whose tensor held NaN/Inf, -1 if none
+    last_bad: int         # highest such rank, -1 if none
+    scalers: list         # the shared scalers (max over ranks)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The reduced handshake of a group: ``mismatch`` says how the ranks disagree (None: they agree)."""
+
+    mismatch: str | None
+    members: tuple
+
+
+def build(preps: list, tensors: list, rank: int, size: int) -> torch.Tensor:
+    """This rank's handshake vector for a group (``preps``: each member's ``codec.Prepared``; ``tensors``:
+    the members as handed in, for their shape and dtype).  Host tensors are built in one go; device
+    tensors without a host synchronization."""
+    fused = len(preps) > 1
+    if fused:
+        layout = [(p.numel, packing.shape_code(t.shape), DTYPE_CODES[t.dtype]) for p, t in zip(preps, tensors)]
+        c, m = float(zlib.crc32(repr(layout).encode())), float(len(preps))
+        fixed = [c, -c, m, -m]
+    else:
+        p, t = preps[0], tensors[0]
+        n, sc, dc = float(p.numel), float(packing.shape_code(t.shape)), float(DTYPE_CODES[t.dtype])
+    on_host = preps[0].scalers.device.type == "cpu"
+    if on_host:
+        flags = []
+        for p in preps:
+            bad = float(rank + 1) if bool(p.nonfinite) else 0.0
+            flags += [bad, -bad if bad else -float(size + 1)]
+        head = fixed + flags if fused else flags + [n, -n, sc, -sc, dc, -dc]
+        if sum(p.scalers.numel() for p in preps) <= 256:       # few scalers: one tensor from one list
+            return torch.tensor(head + [v for p in preps for v in p.scalers.tolist()], dtype=torch.float64)
+        return torch.cat([torch.tensor(head, dtype=torch.float64)] + [p.scalers.to(torch.float64) for p in preps])
+    dev = preps[0].scalers.device
+    bad = torch.stack([p.nonfinite.reshape(()) for p in preps]).to(torch.float64) * (rank + 1)
+    flags = torch.stack([bad, torch.where(bad > 0, -bad, torch.full_like(bad, -float(size + 1)))], 1).reshape(-1)
+    if fused:
+        head = [torch.tensor(fixed, dtype=torch.float64, device=dev), flags]
+    else:
+        head = [flags, torch.tensor([n, -n, sc, -sc, dc, -dc], dtype=torch.float64, device=dev)]
+    return torch.cat(head + [p.scalers.to(torch.float64) for p in preps])
+
+
+def read(values: list, scalers_per_member: list) -> Verdict:
+    """The verdict of a reduced handshake (``values``: the allreduce-max result as a list)."""
+    expected = sizes.handshake_slots(scalers_per_member)
+    if len(values) != expected:
+        return Verdict(f"the handshake has {len(values)} slots, this rank expects {expected}", ())
+    if len(scalers_per_member) == 1:
+        if values[2] != -values[3]:
+            return Verdict("element counts range over [%d, %d]" % (-values[3], values[2]), ())
+        if values[4] != -values[5]:
+            return Verdict("shapes differ", ())
+        if values[6] != -values[7]:
+            return Verdict("dtypes differ", ())
+        flags, pos = [(values[0], values[1])], sizes.SINGLE_HANDSHAKE_FIXED
+    else:
+        if values[0] != -values[1]:
+            return Verdict("sizes, shapes or dtypes differ", ())
+        k = sizes.FUSED_HANDSHAKE_FIXED
+        flags = [(values[k + 2 * j], values[k + 2 * j + 1]) for j in range(len(scalers_per_member))]
+        pos = k + sizes.FUSED_HANDSHAKE_PER_MEMBER * len(scalers_per_member)
+    members = []
+    for (hi, lo), nb in zip(flags, scalers_per_member):
+        bad_hi, bad_lo = int(hi), int(-lo)
+        first, last = (bad_lo - 1, bad_hi - 1) if bad_hi > 0 else (-1, -1)
+        members.append(MemberVerdict(first, last, values[pos:pos + nb]))
+        pos += nb
+    return Verdict(None, tuple(members))

@@ -1,0 +1,133 @@
+"""The exchange's collectives for N ranks inside one process (tests and the simulator; no Horovod)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .collectives import CollectiveError
+
+
+class _Slot:
+    def __init__(self, size):
+        self.inputs: list = [None] * size
+        self.arrived = 0
+        self.result = None
+        self.error = None
+        self.done = threading.Event()
+
+
+class ThreadWorld:
+    """Shared rendezvous for N ranks of one process: a collective completes when all N ranks posted it.
+
+    The ranks may be threads (``run_ranks``) or be driven one after the other from a single thread, as
+    the simulator does: then a rank may only ``synchronize`` collectives every rank has posted.  With
+    ``copy=False`` inputs and results are shared, not cloned (the caller promises not to modify them),
+    which saves N copies of every gathered buffer when one process plays many ranks.
+    """
+
+    def __init__(self, size: int, copy: bool = True):
+        self.size = size
+        self.copy = copy
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self.bytes_in: list[int] = [0] * size   # bytes each rank handed to collectives
+
+    def post(self, kind: str, name: str, rank: int, tensor: torch.Tensor, splits=None) -> _Slot:
+        with self._lock:
+            slot = self._slots.setdefault((kind, name), _Slot(self.size))
+            if slot.inputs[rank] is not None:
+                raise CollectiveError(f"rank {rank} posted {kind} '{name}' twice before it completed")
+            kept = tensor.clone() if self.copy else tensor
+            slot.inputs[rank] = kept if splits is None else (kept, list(splits))
+            slot.arrived += 1
+            self.bytes_in[rank] += tensor.numel() * tensor.element_size()
+            if slot.arrived == self.size:
+                del self._slots[(kind, name)]
+                try:
+                    slot.result = self._combine(kind, name, slot.inputs)
+                except CollectiveError as e:
+                    slot.error = e
+                slot.done.set()
+        return slot
+
+    @staticmethod
+    def _combine(kind, name, inputs):
+        if kind == "a2a":   # per receiver: the chunks addressed to it, in sender order
+            out = []
+            for dst in range(len(inputs)):
+                parts = []
+                for t, splits in inputs:
+                    if len(splits) != len(inputs) or sum(splits) != t.numel():
+                        raise CollectiveError(f"alltoall '{name}': splits {splits} do not fit {t.numel()} elements")
+                    off = sum(splits[:dst])
+                    parts.append(t[off:off + splits[dst]])
+                out.append(torch.cat(parts))
+            return out
+        if kind == "max":
+            shapes = {tuple(t.shape) for t in inputs}
+            if len(shapes) != 1:
+                raise CollectiveError(f"Mismatched allreduce tensor shapes for '{name}': {sorted(shapes)}")
+            return torch.stack(inputs).amax(dim=0)
+        return torch.cat(inputs)
+
+    def ranks(self) -> list["ThreadCollectives"]:
+        return [ThreadCollectives(self, r) for r in range(self.size)]
+
+
+class ThreadCollectives:
+    """One rank's view of a ``ThreadWorld``."""
+
+    def __init__(self, world: ThreadWorld, rank: int, timeout: float = 60.0):
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self.timeout = timeout
+
+    def allreduce_max_async(self, tensor, name):
+        return self.world.post("max", name, self.rank, tensor)
+
+    def allgather_async(self, tensor, name):
+        return self.world.post("gather", name, self.rank, tensor)
+
+    def alltoall_async(self, tensor, splits, name):
+        return self.world.post("a2a", name, self.rank, tensor, splits)
+
+    def poll(self, handle):
+        return handle.done.is_set()
+
+    def synchronize(self, handle):
+        if not handle.done.wait(self.timeout):
+            raise CollectiveError(f"collective timed out after {self.timeout}s: not all ranks posted it")
+        if handle.error is not None:
+            raise handle.error
+        result = handle.result[self.rank] if isinstance(handle.result, list) else handle.result
+        return result.clone() if self.world.copy else result
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0):
+    """Run ``fn(collectives, *args)`` on ``world_size`` thread-ranks; returns results in rank order.
+
+    An exception on any rank is re-raised (the first by rank) after all threads ended.
+    """
+    world = ThreadWorld(world_size)
+    results: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def body(c):
+        try:
+            results[c.rank] = fn(c, *args)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[c.rank] = e
+
+    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise CollectiveError("a thread-rank did not finish in time (hang)")
+    for e in errors:
+        if e is not None:
+            raise e
+    return results

@@ -1,0 +1,81 @@
+"""All the mutable state of one compressor, in one object that can be saved, restored and reset.
+
+* ``steps``: per process set, per tensor name, the exchanges started so far: the ``step`` word of every
+  random stream key.  Saving and restoring it makes a resumed run draw exactly the streams an
+  uninterrupted run draws.
+* ``engines``: one ``exchange.Exchange`` per process set (created on first use), sharing ``steps``,
+  ``stats`` and ``inspection``.
+* ``fusions``: per optimizer, its tensor-fusion state (fusion_state.py).
+* ``stats``: what was sent, received and waited for; ``inspection``: per-tensor figures for metrics.
+* counters of the frontend: uncompressed elements, unnamed tensors, decompress calls (step boundaries).
+
+``state_dict()`` holds plain Python values (JSON-able); in-flight exchanges and fusion plans are not
+saved: they are rebuilt from the next step on.  ``reset()`` forgets everything but the configuration.
+"""
+from __future__ import annotations
+
+from ..exchange import Exchange, ExchangeStats, Inspection
+
+STATE_VERSION = 1
+
+
+def process_set_key(process_set) -> str:
+    """A key every rank computes alike: 'global', or 'process_set.<id>' (Horovod's process-set id)."""
+    if process_set is None:
+        return "global"
+    return f"process_set.{getattr(process_set, 'process_set_id', None)}"
+
+
+class CompressorState:
+    __slots__ = ("stats", "inspection", "steps", "engines", "fusions", "uncompressed_elements", "unnamed",
+                 "decompress_count")
+
+    def __init__(self):
+        self.stats = ExchangeStats()
+        self.inspection = Inspection()
+        self.steps: dict[str, dict[str, int]] = {}
+        self.engines: dict[str, Exchange] = {}
+        self.fusions: dict = {}            # id(optimizer) -> OptimizerFusion
+        self.uncompressed_elements = 0
+        self.unnamed = 0                   # tensors named by call order so far
+        self.decompress_count = 0
+
+    def engine(self, process_set, config, make_collectives) -> Exchange:
+        """The engine of a process set, created with ``make_collectives(process_set)`` on first use."""
+        key = process_set_key(process_set)
+        eng = self.engines.get(key)
+        if eng is None:
+            eng = self.engines[key] = Exchange(make_collectives(process_set), config, self.stats, self.inspection,
+                                               self.steps.setdefault(key, {}))
+        return eng
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "steps": {k: dict(v) for k, v in self.steps.items()},
+                "stats": self.stats.state_dict(), "uncompressed_elements": self.uncompressed_elements,
+                "unnamed": self.unnamed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"TernGrad compressor state of version {state.get('version')!r}; this is "
+                             f"version {STATE_VERSION}")
+        for key, steps in state["steps"].items():      # in place: the engines share these dicts
+            mine = self.steps.setdefault(key, {})
+            mine.clear()
+            mine.update({str(n): int(s) for n, s in steps.items()})
+        for key in set(self.steps) - set(state["steps"]):
+            self.steps[key].clear()
+        self.stats.load_state_dict(state["stats"])
+        self.uncompressed_elements = int(state["uncompressed_elements"])
+        self.unnamed = int(state["unnamed"])
+
+    def reset(self) -> None:
+        """Forget engines (and their exchanges in flight), fusion plans, step counters and counters."""
+        for eng in self.engines.values():
+            eng.reset()
+        self.engines.clear()
+        self.fusions.clear()
+        for steps in self.steps.values():
+            steps.clear()
+        self.stats.reset()
+        self.inspection.clear()
+        self.uncompressed_elements = self.unnamed = self.decompress_count = 0

@@ -1,0 +1,118 @@
+"""The layers of docs/design.md, enforced: lower layers never import higher ones, and the training path
+never loads the operations subpackage (benchmarks, performance model, plots) or matplotlib."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "horovod_terngrad")
+
+# part of the package -> layer; a module may import its own part or parts of strictly lower layers
+LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "frontends": 4,
+          "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
+          "operations": 5}
+TORCH_FREE = ("codec/sizes.py", "exchange/cost.py")
+
+
+def _part(relpath: str) -> str:
+    head = relpath.split(os.sep)[0]
+    return head[:-3] if head.endswith(".py") else head
+
+
+def _modules():
+    for root, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                yield os.path.relpath(path, PKG), path
+
+
+def _imports(relpath: str, path: str):
+    """(imported part of horovod_terngrad or None, top-level module name, line) of every import in a file,
+    module-level and inside functions alike."""
+    pkg_parts = relpath.split(os.sep)[:-1]
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                name = a.name.split(".")
+                yield (name[1] if name[0] == "horovod_terngrad" and len(name) > 1 else None), name[0], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[:len(pkg_parts) - (node.level - 1)] if node.level > 1 else pkg_parts
+                if node.level - 1 > len(pkg_parts):
+                    continue
+                target = base + (node.module.split(".") if node.module else [])
+                names = target[:1] if target else [a.name for a in node.names]
+                for n in names:       # ``from .. import TernGrad``: a public name of the package root
+                    yield (n if n in LAYERS or target else "__init__"), "horovod_terngrad", node.lineno
+            else:
+                name = (node.module or "").split(".")
+                if name[0] == "horovod_terngrad":
+                    parts = name[1:2] or [a.name for a in node.names]
+                    for n in parts:
+                        yield n, "horovod_terngrad", node.lineno
+                else:
+                    yield None, name[0], node.lineno
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {_part(rel) for rel, _ in _modules()} <= set(LAYERS)
+
+
+def test_lower_layers_never_import_higher_ones():
+    bad = []
+    for rel, path in _modules():
+        mine = _part(rel)
+        for part, _, line in _imports(rel, path):
+            if part is None or part == mine:
+                continue
+            if part not in LAYERS:
+                bad.append(f"{rel}:{line} imports unknown part {part!r}")
+            elif LAYERS[part] >= LAYERS[mine]:
+                bad.append(f"{rel}:{line} ({mine}, layer {LAYERS[mine]}) imports {part} (layer {LAYERS[part]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_import_checker_sees_violations(tmp_path):
+    """The checker itself: a relative import upwards is found, inside a function too."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from ..operations import perfmodel\nfrom .. import exchange\n")
+    found = {(p, line) for p, _, line in _imports(os.path.join("codec", "x.py"), str(f))}
+    assert ("operations", 2) in found and ("exchange", 3) in found
+
+
+@pytest.mark.parametrize("rel", TORCH_FREE)
+def test_size_and_cost_modules_need_no_torch(rel):
+    """codec/sizes.py and exchange/cost.py import nothing but the standard library and each other."""
+    path = os.path.join(PKG, rel)
+    tops = {top for part, top, _ in _imports(rel, path) if part is None}
+    assert tops <= {"__future__", "math", "functools", "os", "dataclasses", "typing"}, tops
+    parts = {part for part, _, _ in _imports(rel, path) if part is not None}
+    assert parts <= {"codec"}, parts
+
+
+def test_training_path_loads_neither_operations_nor_matplotlib():
+    """A Horovod training step with TernGrad (exchange='auto', so the cost model runs) in a fresh process:
+    no horovod_terngrad.operations module and no matplotlib get imported."""
+    code = (
+        "import sys, torch, horovod.torch as hvd\n"
+        "import horovod_terngrad as tg\n"
+        "hvd.init()\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),\n"
+        "                               compression=tg.TernGrad.configure(exchange='auto'))\n"
+        "for _ in range(3):\n"
+        "    opt.zero_grad(); m(torch.randn(4, 8)).sum().backward(); opt.step()\n"
+        "comp = tg.TernGrad.configure(exchange='auto')\n"
+        "out = hvd.allreduce(torch.randn(100), name='direct', compression=comp)\n"
+        "assert comp.stats.tensors == 1 and out.shape == (100,)\n"
+        "print(sorted(k for k in sys.modules if k.startswith(('horovod_terngrad.operations', 'matplotlib'))))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
