@@ -431,9 +431,9 @@ def test_cifarnet_study_main_resumes_curve_files(tmp_path, monkeypatch):
     """study_cifarnet's command line with --checkpoint-dir: extending a run continues its curve file without
     duplicates, lines a killed run wrote after its last checkpoint are dropped, and a checkpoint of another
     run is refused before the curve file is touched."""
-    import horovod_terngrad.operations.datasets as data_extra
+    import horovod_terngrad.operations.datasets as datasets
     import study_cifarnet
-    monkeypatch.setattr(data_extra, "load_fashion_mnist", lambda: _tiny_image_data(n_train=256, n_test=32))
+    monkeypatch.setattr(datasets, "load_fashion_mnist", lambda: _tiny_image_data(n_train=256, n_test=32))
     out, ckdir = tmp_path / "out", tmp_path / "ck"
     argv = ["--workers", "2", "--eval-every", "0.5", "--compressions", "terngrad", "--out", str(out),
             "--checkpoint-dir", str(ckdir)]

@@ -1,4 +1,4 @@
-"""Scheduled step model (horovod_terngrad/timeline.py): hand-checked schedules on a flat network."""
+"""Scheduled step model (horovod_terngrad/operations/timeline.py): hand-checked schedules on a flat network."""
 import pytest
 
 from horovod_terngrad.operations import perfmodel as pm
@@ -122,3 +122,26 @@ def test_sharded_owner_sums_run_in_the_backward_hooks_when_their_alltoall_is_bac
     # 1 owner step and 3 decodes (1 ms each), plus microseconds of network
     assert t.backward_end_s == pytest.approx(3.0 + 3e-3 + 2e-3 + 2 * owner, abs=2e-4)
     assert t.step_s == pytest.approx(t.backward_end_s + 1e-3 + owner + 3e-3, abs=1e-3)
+
+
+def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_fp32():
+    # one fused group of awkward sizes: the alltoall and the sums are exchange.cost.sharded_bytes' (every
+    # member sharded on its own, as the engine does), the handshake codec.sizes.handshake_size's
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.codec import sizes
+    from horovod_terngrad.exchange import cost
+    numels, N = [21, 59, 1001], 3
+    t = timeline_step(numels, 0.01, N, FLAT, "terngrad_sharded")
+    c, p_sum = cost.sharded_bytes(numels, N, "2bit")
+    assert t.rounds == 3
+    assert t.channel_busy_s == pytest.approx(pm.ring_allreduce_time(sizes.handshake_size([1, 1, 1]), N, FLAT)
+                                             + pm.alltoall_time(c, N, FLAT) + pm.ring_allgather_time(p_sum, N, FLAT))
+    # a config's exclude: that tensor goes through Horovod's fp32 allreduce, the rest as a group of two
+    cfg = TernGradConfig(exclude=("fc3",))
+    t = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg,
+                      names=["a.weight", "a.bias", "fc3.weight"])
+    fp32 = pm.ring_allreduce_time(4 * 1000, 4, FLAT)
+    hs = pm.ring_allreduce_time(sizes.handshake_size([1, 1]), 4, FLAT)
+    ag = pm.ring_allgather_time(sizes.payload_size(10, "2bit") + sizes.payload_size(1000, "2bit"), 4, FLAT)
+    assert t.rounds == 3
+    assert t.channel_busy_s == pytest.approx(fp32 + hs + ag)

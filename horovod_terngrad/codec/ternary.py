@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .rng import UNIFORM_BITS, uniform24
+from .sizes import num_buckets
 
 _TWO_POW_24 = float(1 << UNIFORM_BITS)
 STATS_BLOCK = 2048
@@ -69,13 +70,6 @@ class TensorStats:
     sumsq: torch.Tensor      # fp64 scalar
     maxabs: torch.Tensor     # fp32 [num_buckets]: max |g| per bucket (one bucket = whole tensor)
     nonfinite: torch.Tensor  # bool scalar: any NaN/Inf
-
-
-def num_buckets(numel: int, bucket_size: int) -> int:
-    """Scalers per tensor: 1 for layer-wise ternarizing (bucket_size 0), else ceil(n / k)."""
-    if bucket_size <= 0 or numel == 0:
-        return 1
-    return -(-numel // bucket_size)
 
 
 def tensor_stats(g: torch.Tensor, bucket_size: int = 0) -> TensorStats:

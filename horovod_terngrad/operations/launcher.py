@@ -134,7 +134,7 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
         "HOROVOD_CYCLE_TIME": "1" if profile == "infiniband" else "5",
         "HOROVOD_TERNGRAD": "1" if terngrad else "0",
         "HOROVOD_TERNGRAD_NETWORK": profile,
-        # what exchange='auto' assumes about the network (horovod_terngrad/exchange/choice.py)
+        # what exchange='auto' assumes about the network (horovod_terngrad/exchange/cost.py)
         "HOROVOD_TERNGRAD_GBPS": "100" if profile == "infiniband" else "1",
         "HOROVOD_TERNGRAD_ALPHA_US": "5" if profile == "infiniband" else "50",
     }
