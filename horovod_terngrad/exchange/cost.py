@@ -103,6 +103,16 @@ class Network:
 # (The paper's clusters, PCIE_SWITCH, NVLINK, ETHERNET_1G and INFINIBAND_100G, are in operations/perfmodel.py.)
 
 
+def ring_allreduce_bytes(nbytes: float, workers: int) -> float:
+    """Bytes one rank sends (= receives) in a ring allreduce of ``nbytes``: 2(N-1)/N·B."""
+    return 2 * (workers - 1) / workers * nbytes if workers > 1 else 0.0
+
+
+def ring_allgather_bytes(bytes_per_rank: float, workers: int) -> float:
+    """Bytes one rank sends (= receives) in a ring allgather of ``bytes_per_rank`` each: (N-1)·P."""
+    return (workers - 1) * bytes_per_rank if workers > 1 else 0.0
+
+
 def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
     """2(N-1)·alpha + 2(N-1)/N·B·beta  (0 for N = 1)."""
     N = workers

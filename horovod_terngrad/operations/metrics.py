@@ -18,13 +18,15 @@ from __future__ import annotations
 import sys
 import time
 
+from ..exchange import cost
+
 
 def wire_bytes(n_ranks: int, payload_bytes: float, handshake_bytes: float = 0.0,
                uncompressed_elements: float = 0.0) -> float:
     """Bytes one rank puts on the wire with ring collectives: a ring allgather forwards N-1 payloads;
     the scaler handshake and uncompressed fp32 tensors are ring allreduces (2(N-1)/N of their size)."""
-    N = n_ranks
-    return (N - 1) * payload_bytes + 2 * (N - 1) / N * (handshake_bytes + 4 * uncompressed_elements)
+    return (cost.ring_allgather_bytes(payload_bytes, n_ranks)
+            + cost.ring_allreduce_bytes(handshake_bytes + 4 * uncompressed_elements, n_ranks))
 
 
 def epoch_report(stats, n_ranks: int, steps: int) -> tuple[float, float, str]:
