@@ -1,6 +1,8 @@
 """Benchmarks that print figures (run them; the numbers go in docs/, not in assertions).
 
     python -m horovod_terngrad.operations.bench codec [--numel 25000000] [--threads 1]
+    python -m horovod_terngrad.operations.bench engine [--tensors 64] [--numel 65536]
+        The exchange engine's own cost per step on one rank (no network), fused and unfused.
         GB/s of the codec stages on this machine, beside a preallocated copy of the same tensor.
     horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.operations.bench step [--layers 32] [--width 256]
         Step time of an MLP with 2·layers parameter tensors under fp32 / fp16 / TernGrad (shared
@@ -316,6 +318,26 @@ def bench_step(args):
     hvd.shutdown()
 
 
+def bench_engine(args):
+    """The engine's own cost per step on one rank (no network): ``--tensors`` gradients, every other one
+    ``--numel`` elements and the rest 256 (weights and biases), exchanged as one fused group and each alone."""
+    from ..config import TernGradConfig
+    from ..exchange import Exchange, ThreadWorld
+    torch.set_num_threads(1)
+    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    grads = [(torch.randn(args.numel if i % 2 == 0 else 256), f"t{i}") for i in range(args.tensors)]
+
+    def step(fused):
+        tickets = ex.start_group(grads, "g") if fused else [ex.start(g, n) for g, n in grads]
+        for t in tickets:
+            ex.finish(t)
+
+    for fused in (True, False):
+        best = _timeit(lambda: step(fused), args.repeat)
+        print(f"engine, {args.tensors} tensors {'fused in one group' if fused else 'each alone'}: {1e3 * best:.2f} ms/step "
+              f"(best of {args.repeat})")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,6 +348,10 @@ def main(argv=None):
     c.add_argument("--repeat", type=int, default=3)
     c.add_argument("--reference", action="store_true", help="also time the torch reference path")
     c.add_argument("--device", default="cpu", help="cpu or cuda")
+    e = sub.add_parser("engine")
+    e.add_argument("--tensors", type=int, default=64)
+    e.add_argument("--numel", type=int, default=65536)
+    e.add_argument("--repeat", type=int, default=15)
     s = sub.add_parser("step")
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--width", type=int, default=256)
@@ -340,7 +366,7 @@ def main(argv=None):
     s.add_argument("--calibrate", action="store_true",
                    help="first measure compute alone and one large allreduce/allgather/alltoall (for the perf model)")
     args = p.parse_args(argv)
-    {"codec": bench_codec, "step": bench_step}[args.what](args)
+    {"codec": bench_codec, "engine": bench_engine, "step": bench_step}[args.what](args)
 
 
 if __name__ == "__main__":
