@@ -1,9 +1,9 @@
 """Benchmarks that print figures (run them; the numbers go in docs/, not in assertions).
 
     python -m horovod_terngrad.operations.bench codec [--numel 25000000] [--threads 1]
+        GB/s of the codec stages on this machine, beside a preallocated copy of the same tensor.
     python -m horovod_terngrad.operations.bench engine [--tensors 64] [--numel 65536]
         The exchange engine's own cost per step on one rank (no network), fused and unfused.
-        GB/s of the codec stages on this machine, beside a preallocated copy of the same tensor.
     horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.operations.bench step [--layers 32] [--width 256]
         Step time of an MLP with 2·layers parameter tensors under fp32 / fp16 / TernGrad (shared
         scaler, i.e. with the handshake, and per-rank scaler, without it), and where TernGrad's time goes.
