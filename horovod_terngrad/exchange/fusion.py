@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from ..config import TernGradConfig
@@ -41,9 +42,10 @@ class FusionPlan:
     uncompressed: tuple
     numel: dict
 
-    @property
+    @cached_property
     def fused(self) -> list:
-        """The groups of more than one tensor, in order: the ones that travel as ``terngrad.fused<i>``."""
+        """The groups of more than one tensor, in order: the ones that travel as ``terngrad.fused<i>``
+        (derived once: the frontend reads it for every tensor it compresses)."""
         return [g for g in self.groups if len(g) > 1]
 
     def group_sizes(self) -> list:

@@ -89,12 +89,10 @@ def decode_gathered(gathered: torch.Tensor, n: int, n_ranks: int, scalers: torch
         s = scalers if scalers.numel() == 1 else scalers.repeat_interleave(bucket_size)[:n]
         return out.copy_((k.to(torch.float32) * s) / float(divisor))
     bits, off = sum_bits(n_ranks), 0
-    bounds = shard_bounds(n, n_ranks)
-    expected = sum(sizes.shard_sum_bytes(n, n_ranks))
-    if expected != gathered.numel():      # checked first: the kernels read exactly this many bytes
-        raise ValueError(f"gathered sums: {gathered.numel()} bytes, expected {expected}")
-    for lo, hi in bounds:
-        nbytes = sums_size(hi - lo, n_ranks)
+    per_owner = sizes.shard_sum_bytes(n, n_ranks)
+    if sum(per_owner) != gathered.numel():      # checked first: the kernels read exactly this many bytes
+        raise ValueError(f"gathered sums: {gathered.numel()} bytes, expected {sum(per_owner)}")
+    for (lo, hi), nbytes in zip(shard_bounds(n, n_ranks), per_owner):
         fused.decode_sums(gathered[off:off + nbytes], hi - lo, n_ranks, bits, scalers, bucket_size, lo, divisor,
                           out[lo:hi])
         off += nbytes

@@ -36,12 +36,15 @@ class FusedBatch:
         return self.fusion.plan.fused[self.group]
 
     def start(self, partial: bool = False) -> None:
+        """Start the group's exchange with the members that arrived, and give the group a fresh batch for
+        the next step (the members' ctx keep this one, whose tickets decompress reads)."""
         order = [n for n in self.members if n in self.arrived]
         name = f"terngrad.fused{self.group}" + (f".partial{len(order)}" if partial else "")
         tickets = self.engine.start_group([(self.arrived[n], n) for n in order], name, average=self.average,
                                           in_place=True)
         self.tickets = dict(zip(order, tickets))
         self.arrived = {}
+        self.fusion.batches[self.group] = FusedBatch(self.fusion, self.group)
 
 
 class FusedMember:
@@ -76,7 +79,7 @@ class OptimizerFusion:
             self.last = frozenset(self.current)
         self.current = []
         if self.plan is not None:          # a step abandoned before its groups went out
-            self.batches = [FusedBatch(self, g) for g in range(len(self.plan.fused))]
+            self._fresh_batches()
 
     def replan(self, optimizer, config: TernGradConfig) -> float:
         """Cut the parameters compressed last step; returns the cut's checksum (for the ranks to agree)."""
@@ -86,9 +89,12 @@ class OptimizerFusion:
         self.plan = fusion.cut(specs, config)
         self.planned_from = self.last
         self.group_of = {n: g for g, members in enumerate(self.plan.fused) for n in members}
-        self.batches = [FusedBatch(self, g) for g in range(len(self.plan.fused))]
+        self._fresh_batches()
         self.generation += 1
         return self.plan.checksum()
+
+    def _fresh_batches(self) -> None:
+        self.batches = [FusedBatch(self, g) for g in range(len(self.plan.fused))]
 
     def planned_with(self, seen: frozenset) -> bool:
         return self.plan is not None and self.planned_from == seen
@@ -103,9 +109,8 @@ class OptimizerFusion:
         """Start, in group order, every group of this step with members missing (called at the first
         decompress, when all of this step's compress calls have been made); returns the missing names."""
         missing = []
-        for g, batch in enumerate(self.batches):
+        for batch in list(self.batches):
             if batch.arrived and batch.tickets is None:
                 missing += [n for n in batch.members if n not in batch.arrived]
                 batch.start(partial=True)
-                self.batches[g] = FusedBatch(self, g)
         return missing

@@ -155,7 +155,6 @@ class TernGradCompressor:
                 batch.engine, batch.average = self.engine(process_set), average
                 if len(batch.arrived) == len(batch.members):
                     batch.start()
-                    batch.fusion.batches[batch.group] = type(batch)(batch.fusion, batch.group)
                 return empty, FusedMember(batch, name)
             # Only the optimizer replaces the gradient with the result, so only then may the result be
             # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
