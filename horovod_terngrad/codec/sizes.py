@@ -107,3 +107,18 @@ __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER
            "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes"]
+
+
+JOINED_WORD_BITS = 31                      #: usable bits of one int32 word of the join exchange (sign bit left clear)
+
+
+def joined_fields_per_word(n_ranks: int) -> int:
+    """Elements per int32 word when ranks have joined (exchange/joined.py): fields of L = sum_bits(N)
+    bits hold t + 1 in [0, 2] per rank, so their sum over at most N ranks never carries into the next."""
+    return max(1, JOINED_WORD_BITS // sum_bits(n_ranks))
+
+
+def joined_words(numel: int, n_ranks: int) -> int:
+    """int32 words of one tensor's ternary values in the join exchange."""
+    per = joined_fields_per_word(n_ranks)
+    return -(-numel // per)

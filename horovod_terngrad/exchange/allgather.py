@@ -50,9 +50,8 @@ def gathered(ex, tk) -> torch.Tensor:
         finally:
             ex.stats.gather_wait_s += time.perf_counter() - t0
     if grp.gather_error is not None:
-        raise RankMismatchError(f"TernGrad: exchange of gradient '{tk.name}'"
-                                + (f" (fused in group '{grp.name}')" if grp.fused else "")
-                                + f" failed: {grp.gather_error}") from grp.gather_error
+        raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}'"
+                                        + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed")
     return grp.gathered
 
 

@@ -4,7 +4,12 @@ Implementations: ``HorovodCollectives`` (hvd_collectives.py) runs them on Horovo
 ``ThreadCollectives`` (thread_collectives.py) runs N ranks in one process, so the exchange can be tested
 and simulated without Horovod.  All give the same results: allreduce-max is exact (max is order
 independent), allgather concatenates the ranks' 1-D tensors in rank order (their lengths may differ, as
-Horovod's allgather allows), alltoall delivers to each rank the chunks addressed to it in sender order.
+Horovod's allgather allows), alltoall delivers to each rank the chunks addressed to it in sender order,
+allreduce-sum adds int32 vectors exactly.
+
+Ranks that called ``join`` (Horovod's ``hvd.join()``: a rank out of data waits for the others) take part
+in every allreduce with zeros and in no allgather or alltoall; the engine reads the handshake to notice
+them and moves the payloads by allreduce-sum instead (see joined.py).
 """
 from __future__ import annotations
 
@@ -13,9 +18,34 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import TernGradError
 
-class CollectiveError(RuntimeError):
-    """A collective failed (mismatched shapes across ranks, a rank that left, ...)."""
+
+class CollectiveError(TernGradError):
+    """A collective failed (mismatched shapes across ranks, a rank that left, a shutdown, ...).
+
+    Implementations may raise a subclass that is also their framework's own error: on Horovod it is also a
+    ``horovod.common.exceptions.HorovodInternalError``, which elastic training catches to recover.
+    ``detailed`` keeps that class when the engine adds which tensor failed."""
+
+    def detailed(self, message: str, also: type | None = None) -> "CollectiveError":
+        """This error with ``message`` in front, of the same class (and also of class ``also``, e.g.
+        ``RankMismatchError`` when the collective failed because ranks handed different shapes)."""
+        cls = type(self)
+        if also is not None and not issubclass(cls, also):
+            cls = _combined(cls, also)
+        err = cls(f"{message}: {self}")
+        err.__cause__ = self
+        return err
+
+
+_COMBINED: dict = {}
+
+
+def _combined(cls: type, also: type) -> type:
+    if (cls, also) not in _COMBINED:
+        _COMBINED[(cls, also)] = type(cls.__name__, (cls, also), {"__module__": cls.__module__})
+    return _COMBINED[(cls, also)]
 
 
 class Collectives(Protocol):
@@ -30,5 +60,6 @@ class Collectives(Protocol):
     def allreduce_max_async(self, tensor: torch.Tensor, name: str) -> Any: ...
     def allgather_async(self, tensor: torch.Tensor, name: str) -> Any: ...
     def alltoall_async(self, tensor: torch.Tensor, splits: list, name: str) -> Any: ...
+    def allreduce_sum_async(self, tensor: torch.Tensor, name: str) -> Any: ...
     def poll(self, handle: Any) -> bool: ...
     def synchronize(self, handle: Any) -> torch.Tensor: ...

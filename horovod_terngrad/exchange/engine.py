@@ -16,7 +16,12 @@ One gradient's path, for a group of one tensor or several fused ones (shared sca
 With ``shared_scaler=False`` there is no handshake: payloads leave from ``start_group`` and their headers
 carry each rank's scalers and NaN flag.  Fusing changes how many collectives run, never a bit of any
 result: each member keeps its statistics, scaler, random stream and payload.  Collectives are named
-``terngrad.{hs,ag,a2a,sg}.<group>`` after the group name the caller gives (every rank gives the same).
+``terngrad.{hs,ag,a2a,sg,join}.<group>`` after the group name the caller gives (every rank gives the same).
+
+While some rank is in ``hvd.join()`` (seen in the handshake), the group travels by allreduce-sum instead
+(joined.py): joined ranks count as zero gradients, as in Horovod's own average.  A failed collective
+raises the collectives' own error class (on Horovod, a ``HorovodInternalError``, which elastic training
+catches), with TernGrad's detail in the message.
 
 Errors (NaN/Inf, ranks that disagree) are decided from data every rank has, so every rank raises (or
 zeroes) together and no collective is left waiting on a rank that gave up.
@@ -31,14 +36,14 @@ import torch
 from .. import backends, codec
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, handshake, sharded
+from . import allgather, cost, handshake, joined, sharded
 from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
 log = logging.getLogger("horovod_terngrad")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TRANSPORTS = {"allgather": allgather, "sharded": sharded}
+TRANSPORTS = {"allgather": allgather, "sharded": sharded, "joined": joined}
 
 
 def check_gradient(tensor: torch.Tensor, name: str) -> None:
@@ -238,12 +243,16 @@ class Exchange:
         t0 = time.perf_counter()
         try:
             values = self.coll.synchronize(grp.hs)
-        except CollectiveError as e:
+        except CollectiveError as e:    # keeps the collectives' error class (Horovod's, for elastic)
+            # Horovod (and ThreadWorld) say "Mismatched ..." when ranks handed different shapes
+            mismatch = "Mismatched" in str(e)
             for tk in grp.members:
-                tk.error = RankMismatchError(
-                    f"TernGrad: ranks disagree on gradient '{tk.name}' (shape {tuple(tk.shape)}, "
-                    f"{tk.g32.numel()} elements on rank {self.coll.rank}"
-                    + (f", fused in group '{grp.name}'" if grp.fused else "") + f"): {e}")
+                tk.error = e.detailed(
+                    (f"TernGrad: ranks disagree on gradient '{tk.name}'" if mismatch else
+                     f"TernGrad: the handshake of gradient '{tk.name}' failed")
+                    + f" (shape {tuple(tk.shape)}, {tk.g32.numel()} elements on rank {self.coll.rank}"
+                    + (f", fused in group '{grp.name}'" if grp.fused else "") + ")",
+                    RankMismatchError if mismatch else None)
             return
         finally:
             self.stats.handshake_wait_s += time.perf_counter() - t0
@@ -256,6 +265,8 @@ class Exchange:
                 tk.error = RankMismatchError(f"TernGrad: ranks disagree on {where} (this rank {self.coll.rank}: "
                                              f"shape {tuple(tk.shape)}, dtype {tk.dtype})")
             return
+        if verdict.joined:     # some rank is in hvd.join(): only allreduces work until all have joined
+            grp.mode = "joined"
         sends = []
         for tk, member in zip(grp.members, verdict.members):
             payload = self._encode_agreed(tk, member)

@@ -44,7 +44,7 @@ class FusionPlan:
 
     @cached_property
     def fused(self) -> list:
-        """The groups of more than one tensor, in order: the ones that travel as ``terngrad.fused<i>``
+        """The groups of more than one tensor, in order: the ones that travel as fused group ``i``
         (derived once: the frontend reads it for every tensor it compresses)."""
         return [g for g in self.groups if len(g) > 1]
 

@@ -14,6 +14,11 @@ A fused group of M members (4 fixed slots, 2 per member, then every member's sca
 with bad = rank + 1 on a rank whose tensor holds NaN/Inf, else 0; bad' = bad there, else N + 1 (so the
 max of -bad' is minus the lowest bad rank + 1); c = CRC-32 of the members' (numel, shape code, dtype
 code) list.  Sizes: ``codec.sizes.handshake_slots``.
+
+Joined ranks (``hvd.join()``) take part in the allreduce with zeros.  Every active rank puts a negative
+number in the -dtype slot of a lone tensor and in the -M slot of a fused group, so a 0 there after the max
+means some rank has joined: the verdict says so (``joined``), and the minimum side of every pair, which the
+zeros hide, is not checked.  The engine then moves the group by the join transport (joined.py).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class Verdict:
 
     mismatch: str | None
     members: tuple
+    joined: bool = False  # some rank has called hvd.join(): it contributes zeros
 
 
 def build(preps: list, tensors: list, rank: int, size: int) -> torch.Tensor:
@@ -81,7 +87,14 @@ def read(values: list, scalers_per_member: list) -> Verdict:
     expected = sizes.handshake_slots(scalers_per_member)
     if len(values) != expected:
         return Verdict(f"the handshake has {len(values)} slots, this rank expects {expected}", ())
-    if len(scalers_per_member) == 1:
+    single = len(scalers_per_member) == 1
+    joined = values[7] == 0 if single else values[3] == 0
+    if joined:
+        flags = ([(values[0], 0.0)] if single else
+                 [(values[sizes.FUSED_HANDSHAKE_FIXED + 2 * j], 0.0) for j in range(len(scalers_per_member))])
+        pos = (sizes.SINGLE_HANDSHAKE_FIXED if single
+               else sizes.FUSED_HANDSHAKE_FIXED + sizes.FUSED_HANDSHAKE_PER_MEMBER * len(scalers_per_member))
+    elif single:
         if values[2] != -values[3]:
             return Verdict("element counts range over [%d, %d]" % (-values[3], values[2]), ())
         if values[4] != -values[5]:
@@ -98,7 +111,9 @@ def read(values: list, scalers_per_member: list) -> Verdict:
     members = []
     for (hi, lo), nb in zip(flags, scalers_per_member):
         bad_hi, bad_lo = int(hi), int(-lo)
+        if joined:           # the lowest bad rank is hidden by the zeros: report the highest
+            bad_lo = bad_hi
         first, last = (bad_lo - 1, bad_hi - 1) if bad_hi > 0 else (-1, -1)
         members.append(MemberVerdict(first, last, values[pos:pos + nb]))
         pos += nb
-    return Verdict(None, tuple(members))
+    return Verdict(None, tuple(members), joined)

@@ -1,9 +1,37 @@
-"""The exchange's collectives on Horovod (``horovod.torch``): asynchronous ops, an optional process set."""
+"""The exchange's collectives on Horovod (``horovod.torch``): asynchronous ops, an optional process set.
+
+A failed Horovod op surfaces as ``HorovodCollectiveError``: a ``CollectiveError`` (so TernGrad can say which
+tensor failed) that is also Horovod's own ``HorovodInternalError``, the exception elastic training
+(``hvd.elastic.run``) catches to restore its state and re-form the world.
+"""
 from __future__ import annotations
 
 import torch
 
 from .collectives import CollectiveError
+
+_error_class = None
+
+
+def horovod_error_class():
+    """``HorovodCollectiveError``, made on first use (horovod is imported only when it runs)."""
+    global _error_class
+    if _error_class is None:
+        from horovod.common.exceptions import HorovodInternalError
+
+        class HorovodCollectiveError(CollectiveError, HorovodInternalError):
+            """A Horovod collective issued by TernGrad failed (Horovod's message follows TernGrad's)."""
+
+        _error_class = HorovodCollectiveError
+    return _error_class
+
+
+def horovod_world():
+    """An object that changes whenever Horovod is (re)initialized: ``horovod.torch.mpi_ops.init`` makes a
+    new handle table each time, as elastic training does after every reset.  Handles of the old world
+    are dead then, so TernGrad drops its exchanges in flight and its fusion state (frontends/horovod.py)."""
+    from horovod.torch import mpi_ops
+    return mpi_ops._handle_map
 
 
 class HorovodCollectives:
@@ -28,6 +56,9 @@ class HorovodCollectives:
     def allreduce_max_async(self, tensor, name):
         return self._hvd.allreduce_async(tensor, name=name, op=self._hvd.Max, **self._kw())
 
+    def allreduce_sum_async(self, tensor, name):
+        return self._hvd.allreduce_async(tensor, name=name, op=self._hvd.Sum, **self._kw())
+
     def allgather_async(self, tensor, name):
         return self._hvd.allgather_async(tensor, name=name, **self._kw())
 
@@ -36,11 +67,14 @@ class HorovodCollectives:
                                         **self._kw())
 
     def poll(self, handle):
-        return self._hvd.poll(handle)
+        try:
+            return self._hvd.poll(handle)
+        except Exception:     # a handle Horovod no longer knows (shut down): synchronize reports it
+            return True
 
     def synchronize(self, handle):
         try:
             out = self._hvd.synchronize(handle)
-        except Exception as e:  # Horovod reports rank disagreements as HorovodInternalError
-            raise CollectiveError(str(e)) from e
+        except Exception as e:  # Horovod raises HorovodInternalError (ranks disagree, a peer is gone, ...)
+            raise horovod_error_class()(str(e)) from e
         return out[0] if isinstance(out, tuple) else out   # alltoall: (output, received splits)

@@ -150,7 +150,7 @@ def after_alltoall(ex, grp) -> None:
         received = ex.coll.synchronize(grp.a2a)
     except CollectiveError as e:
         for tk in grp.sent:
-            tk.error = RankMismatchError(f"TernGrad: sharded exchange of '{tk.name}' failed: {e}")
+            tk.error = e.detailed(f"TernGrad: sharded exchange of '{tk.name}' failed")
         return
     finally:
         ex.stats.gather_wait_s += time.perf_counter() - t0

@@ -32,6 +32,9 @@ class ThreadWorld:
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, str], _Slot] = {}
         self.bytes_in: list[int] = [0] * size   # bytes each rank handed to collectives
+        self._joined: list[int] = []            # ranks in join() (allreduces count them as zeros)
+        self._all_joined = threading.Event()
+        self._last_joined = -1
 
     def post(self, kind: str, name: str, rank: int, tensor: torch.Tensor, splits=None) -> _Slot:
         with self._lock:
@@ -42,14 +45,42 @@ class ThreadWorld:
             slot.inputs[rank] = kept if splits is None else (kept, list(splits))
             slot.arrived += 1
             self.bytes_in[rank] += tensor.numel() * tensor.element_size()
-            if slot.arrived == self.size:
-                del self._slots[(kind, name)]
-                try:
-                    slot.result = self._combine(kind, name, slot.inputs)
-                except CollectiveError as e:
-                    slot.error = e
-                slot.done.set()
+            self._complete_if_ready(kind, name, slot)
         return slot
+
+    def join(self, rank: int, timeout: float) -> int:
+        """Horovod's ``join``: ``rank`` has no more data; until every rank joined, it takes part in every
+        allreduce with zeros (and allgather/alltoall fail, as in Horovod).  Returns the last rank to join."""
+        with self._lock:
+            self._joined.append(rank)
+            if len(self._joined) == self.size:
+                self._last_joined = rank
+                self._joined = []
+                self._all_joined.set()
+                self._all_joined = threading.Event()
+                done = None
+            else:
+                done = self._all_joined
+                for (kind, name), slot in list(self._slots.items()):
+                    self._complete_if_ready(kind, name, slot)
+        if done is not None and not done.wait(timeout):
+            raise CollectiveError(f"join timed out after {timeout}s: not all ranks joined")
+        return self._last_joined
+
+    def _complete_if_ready(self, kind, name, slot) -> None:
+        absent = [r for r in self._joined if slot.inputs[r] is None]
+        if slot.arrived + len(absent) < self.size:
+            return
+        del self._slots[(kind, name)]
+        try:
+            if absent and kind not in ("max", "sum"):
+                raise CollectiveError(f"{kind} '{name}' is not supported with join (ranks {absent} joined)")
+            present = next(t for t in slot.inputs if t is not None)
+            inputs = [torch.zeros_like(present) if t is None else t for t in slot.inputs]
+            slot.result = self._combine(kind, name, inputs)
+        except CollectiveError as e:
+            slot.error = e
+        slot.done.set()
 
     @staticmethod
     def _combine(kind, name, inputs):
@@ -64,11 +95,12 @@ class ThreadWorld:
                     parts.append(t[off:off + splits[dst]])
                 out.append(torch.cat(parts))
             return out
-        if kind == "max":
+        if kind in ("max", "sum"):
             shapes = {tuple(t.shape) for t in inputs}
             if len(shapes) != 1:
                 raise CollectiveError(f"Mismatched allreduce tensor shapes for '{name}': {sorted(shapes)}")
-            return torch.stack(inputs).amax(dim=0)
+            stacked = torch.stack(inputs)
+            return stacked.amax(dim=0) if kind == "max" else stacked.sum(dim=0, dtype=inputs[0].dtype)
         return torch.cat(inputs)
 
     def ranks(self) -> list["ThreadCollectives"]:
@@ -86,6 +118,13 @@ class ThreadCollectives:
 
     def allreduce_max_async(self, tensor, name):
         return self.world.post("max", name, self.rank, tensor)
+
+    def allreduce_sum_async(self, tensor, name):
+        return self.world.post("sum", name, self.rank, tensor)
+
+    def join(self) -> int:
+        """Horovod's ``hvd.join()`` for this thread-rank (blocks until every rank joined)."""
+        return self.world.join(self.rank, self.timeout)
 
     def allgather_async(self, tensor, name):
         return self.world.post("gather", name, self.rank, tensor)

@@ -1,14 +1,20 @@
 """Tensor fusion state of one optimizer in the Horovod frontend.
 
-The first step runs unfused and records which parameters were compressed; from the second step the
-optimizer's parameters that were compressed in the previous step (so parameters Horovod never hands over,
-sparse or frozen ones, stay out) are cut by ``exchange.fusion.cut`` in reverse registration order, the cut
-is checked once across ranks (one small blocking allreduce: ranks that cut different groups turn fusion
-off together instead of waiting on each other's collectives), and it is redone whenever the set changes.
+The plan is cut once, at the optimizer's first compressed gradient, from what every rank knows alike: the
+optimizer's parameters that Horovod reduces (``_requires_update``: those that required a gradient when it
+was built), their names and sizes, in reverse registration order (the order backward produces them), by
+``exchange.fusion.cut``.  No step's local history enters it, so a worker that joins an elastic job later,
+or a rank that ran fewer steps, forms exactly the same groups and names.
+
 ``compress`` of a group member only records the tensor; the member that completes the group starts one
-handshake and one exchange for all of them (``Exchange.start_group``).  Horovod calls every compress of a
-step before the first decompress, so a group is normally complete by then; groups with members missing
-are all started at the first decompress, in group order, as smaller groups.
+handshake and one exchange for all of them (``Exchange.start_group``), named ``terngrad.fused<g>.<first member>`` (the
+member's name keeps two optimizers' groups apart when both are in flight on one process set).
+Horovod calls every compress of a step before the first decompress, so a group is normally complete by
+then.  Members Horovod never hands over (sparse gradients without ``sparse_as_dense``; parameters removed
+from the update set) leave their group incomplete: at the first decompress every incomplete group starts
+with the members that arrived, under the group's name + ``.partial`` (every rank names it alike; if ranks' members
+differ, the handshake's layout checksum says so on every rank).  Ranks whose models differ cut different
+plans; the handshake of the first group that differs raises ``RankMismatchError`` on every rank.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ class FusedBatch:
         """Start the group's exchange with the members that arrived, and give the group a fresh batch for
         the next step (the members' ctx keep this one, whose tickets decompress reads)."""
         order = [n for n in self.members if n in self.arrived]
-        name = f"terngrad.fused{self.group}" + (f".partial{len(order)}" if partial else "")
+        name = f"terngrad.fused{self.group}.{self.members[0]}" + (".partial" if partial else "")
         tickets = self.engine.start_group([(self.arrived[n], n) for n in order], name, average=self.average,
                                           in_place=True)
         self.tickets = dict(zip(order, tickets))
@@ -58,46 +64,23 @@ class FusedMember:
 
 
 class OptimizerFusion:
-    """The names compressed this step and last step, the cut built from them, and this step's batches."""
+    """The optimizer's fusion plan and this step's batch of every fused group."""
 
-    __slots__ = ("current", "last", "seen_decompress", "plan", "planned_from", "group_of", "batches", "generation",
-                 "disabled")
+    __slots__ = ("plan", "group_of", "batches")
 
-    def __init__(self, decompress_count: int):
-        self.current: list[str] = []
-        self.last: frozenset | None = None
-        self.seen_decompress = decompress_count
-        self.plan: fusion.FusionPlan | None = None
-        self.planned_from: frozenset | None = None
-        self.group_of: dict[str, int] = {}
-        self.batches: list[FusedBatch] = []
-        self.generation = 0
-        self.disabled = False
-
-    def new_step(self) -> None:
-        if self.current:
-            self.last = frozenset(self.current)
-        self.current = []
-        if self.plan is not None:          # a step abandoned before its groups went out
-            self._fresh_batches()
-
-    def replan(self, optimizer, config: TernGradConfig) -> float:
-        """Cut the parameters compressed last step; returns the cut's checksum (for the ranks to agree)."""
+    def __init__(self, optimizer, config: TernGradConfig):
         names = optimizer._parameter_names
-        params = [p for g in optimizer.param_groups for p in g["params"] if p in names and names[p] in self.last]
+        update = getattr(optimizer, "_requires_update", None) or {
+            p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        params = [p for g in optimizer.param_groups for p in g["params"] if p in update and p in names]
         specs = [fusion.TensorSpec(names[p], p.numel(), str(p.device)) for p in reversed(params)]
         self.plan = fusion.cut(specs, config)
-        self.planned_from = self.last
         self.group_of = {n: g for g, members in enumerate(self.plan.fused) for n in members}
-        self._fresh_batches()
-        self.generation += 1
-        return self.plan.checksum()
+        self.fresh_batches()
 
-    def _fresh_batches(self) -> None:
+    def fresh_batches(self) -> None:
+        """Empty batches for every group (also drops what an abandoned step left in them)."""
         self.batches = [FusedBatch(self, g) for g in range(len(self.plan.fused))]
-
-    def planned_with(self, seen: frozenset) -> bool:
-        return self.plan is not None and self.planned_from == seen
 
     def batch_for(self, name: str, numel: int) -> FusedBatch | None:
         g = self.group_of.get(name)

@@ -38,6 +38,7 @@ import torch
 from ..config import TernGradConfig
 from ..errors import TernGradError
 from ..exchange import Exchange, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient
+from ..exchange.hvd_collectives import horovod_world
 from . import naming
 from .fusion_state import FusedMember, OptimizerFusion
 from .state import CompressorState
@@ -53,6 +54,16 @@ class Passthrough:
     def __init__(self, dtype, name):
         self.dtype = dtype
         self.name = name
+
+
+class Scaled:
+    """ctx of a direct hvd.allreduce with prescale/postscale factors: the average times their product."""
+
+    __slots__ = ("ticket", "scale")
+
+    def __init__(self, ticket, scale):
+        self.ticket = ticket
+        self.scale = scale
 
 
 class TernGradCompressor:
@@ -120,9 +131,13 @@ class TernGradCompressor:
 
     # -- Horovod Compressor interface -----------------------------------------------------------
     def compress(self, tensor: torch.Tensor):
-        name, opt = naming.horovod_caller(tensor)
+        caller = naming.horovod_caller(tensor)
         st = self.state
         with self._lock:
+            self._check_world()
+            name = caller.name
+            if caller.group is not None and name is not None:
+                name = f"{name}.{self._member_index(caller.group, tensor)}"
             if name is None:
                 name = f"terngrad.noname.{st.unnamed}"
                 st.unnamed += 1
@@ -132,14 +147,16 @@ class TernGradCompressor:
                                 "which requires every rank to submit them in the same order. Pass "
                                 "named_parameters to hvd.DistributedOptimizer.")
             check_gradient(tensor, name)
-            average, process_set, optimizer = True, None, None
-            if isinstance(opt, dict):      # called by hvd.allreduce: its op/average arguments decide
-                average = naming.averages(naming.op_of_call(opt), name)
-                process_set = opt.get("process_set")
-            elif opt is not None:          # called by the DistributedOptimizer
-                optimizer = opt
-                average = self._optimizer_averages(opt, name)
-                process_set = getattr(opt, "process_set", None)
+            average, process_set, optimizer, scale = True, None, None, 1.0
+            if caller.call is not None:    # hvd.allreduce / grouped_allreduce: its arguments decide
+                average = naming.averages(naming.op_of_call(caller.call), name)
+                process_set = caller.call.get("process_set")
+                scale = naming.scale_of_call(caller.call)
+            elif caller.optimizer is not None:
+                optimizer = caller.optimizer
+                # (gradient_predivide_factor: Horovod's pre- and postscale multiply to 1 for Average)
+                average = naming.averages(naming.optimizer_op(optimizer, name), name)
+                process_set = getattr(optimizer, "process_set", None)
             if not self.enabled or not self.config.compresses(name, tensor.numel()):
                 st.uncompressed_elements += tensor.numel()
                 if tensor.dtype in (torch.float16, torch.bfloat16):
@@ -148,9 +165,6 @@ class TernGradCompressor:
             empty = torch.empty(0, dtype=torch.float32, device=tensor.device)
             batch = self._fused_batch(optimizer, name, tensor)
             if batch is not None:
-                if name in batch.arrived:
-                    raise TernGradError(f"TernGrad: gradient '{name}' was submitted twice in one step before "
-                                        f"its fused group was exchanged")
                 batch.arrived[name] = tensor
                 batch.engine, batch.average = self.engine(process_set), average
                 if len(batch.arrived) == len(batch.members):
@@ -159,62 +173,75 @@ class TernGradCompressor:
             # Only the optimizer replaces the gradient with the result, so only then may the result be
             # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
             ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None)
-        return empty, ticket
+        return empty, (ticket if scale == 1.0 else Scaled(ticket, scale))
+
+    def _check_world(self) -> None:
+        """Drop exchanges in flight and fusion state when Horovod was re-initialized (elastic reset): the
+        old world's handles are dead, and a new worker starts without history, so every rank starts the
+        new world alike."""
+        try:
+            world = horovod_world()
+        except ImportError:
+            return
+        st = self.state
+        if world is not st.world:
+            if st.world is not None:
+                log.info("TernGrad: Horovod was re-initialized (size %d now); exchanges in flight and tensor "
+                         "fusion plans are dropped, random-stream step counters kept", self.engine(None).coll.size)
+                st.reset_world()
+            st.world = world
+
+    def _member_index(self, tensors, tensor) -> int:
+        """Position of ``tensor`` in a direct hvd.grouped_allreduce call (members are named <name>.<i>)."""
+        used = self.state.grouped_calls.setdefault(id(tensors), set())
+        i = next((i for i, t in enumerate(tensors) if t is tensor and i not in used), None)
+        if i is None:
+            i = next(i for i in range(len(tensors)) if i not in used)
+        used.add(i)
+        if len(used) == len(tensors):
+            del self.state.grouped_calls[id(tensors)]
+        return i
 
     def _fused_batch(self, optimizer, name: str, tensor: torch.Tensor):
-        """The fused group this optimizer's tensor joins this step, or None if it travels alone.
-
-        The first step runs unfused and records which names were compressed; the cut is (re)made from the
-        previous step's names whenever they change, and checked across ranks once (one small blocking
-        allreduce): if ranks cut different groups (e.g. they disagree on a size), fusion is turned off on
-        every rank and the per-tensor handshake reports the disagreement."""
+        """The fused group this optimizer's tensor joins this step, or None if it travels alone (see
+        fusion_state.py for the plan)."""
         if optimizer is None or not self.config.fusion_numel:
             return None
-        st = self.state
-        fus = st.fusions.get(id(optimizer))
+        fus = self.state.fusions.get(optimizer)
         if fus is None:
-            fus = st.fusions[id(optimizer)] = OptimizerFusion(st.decompress_count)
-        if fus.seen_decompress != st.decompress_count:    # decompress ran since: a new step
-            fus.seen_decompress = st.decompress_count
-            fus.new_step()
-        fus.current.append(name)
-        if fus.last is None or fus.disabled:
-            return None
-        if not fus.planned_with(fus.last):
-            engine = self.engine(getattr(optimizer, "process_set", None))
-            c = fus.replan(optimizer, self.config)
-            v = engine.coll.synchronize(engine.coll.allreduce_max_async(
-                torch.tensor([c, -c], dtype=torch.float64), f"terngrad.fusionplan.{fus.generation}"))
-            engine.stats.collectives += 1
-            if v[0].item() != -v[1].item():
-                fus.disabled = True
-                log.error("TernGrad: ranks formed different tensor-fusion groups (their parameters differ in "
-                          "number or size); tensor fusion is off for this optimizer on every rank")
-                return None
-        return fus.batch_for(name, tensor.numel())
+            fus = self.state.fusions[optimizer] = OptimizerFusion(optimizer, self.config)
+        batch = fus.batch_for(name, tensor.numel())
+        if batch is not None and name in batch.arrived:
+            # The previous step ended between compress and decompress (an exception in between): its
+            # groups never went out.  Every rank that abandoned it starts this step afresh.
+            log.warning("TernGrad: gradient '%s' submitted again before its fused group was exchanged (an "
+                        "abandoned step?); starting the step's groups afresh", name)
+            fus.fresh_batches()
+            batch = fus.batch_for(name, tensor.numel())
+        return batch
 
     def decompress(self, tensor: torch.Tensor, ctx):
+        if ctx is None:      # Horovod's sparse allreduce (sparse_as_dense=False) passes no ctx: not compressed
+            return tensor
         if isinstance(ctx, Passthrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+        scale = 1.0
+        if isinstance(ctx, Scaled):
+            scale, ctx = ctx.scale, ctx.ticket
         with self._lock:
-            self.state.decompress_count += 1
             if isinstance(ctx, FusedMember):
                 batch = ctx.batch
                 if batch.tickets is None:      # members never arrived this step: start every such group
                     missing = batch.fusion.start_incomplete()
                     if not self._warned_partial:
                         self._warned_partial = True
-                        log.warning("TernGrad: fused groups miss %s this step (parameters frozen or without "
-                                    "a gradient?); their other members go as smaller groups, and the "
-                                    "fusion plan follows from the next step", missing)
+                        log.warning("TernGrad: fused groups miss %s this step (sparse gradients without "
+                                    "sparse_as_dense, or parameters dropped from the update?); their other "
+                                    "members go as smaller groups", missing)
                 ctx = batch.tickets[ctx.name]
         if not isinstance(ctx, Ticket):
             raise TernGradError(f"TernGrad.decompress got a ctx of type {type(ctx).__name__}; it must be "
                                 "the ctx returned by the same compressor's compress()")
         with self._lock:
-            return ctx.engine.finish(ctx)
-
-    @staticmethod
-    def _optimizer_averages(opt, name: str) -> bool:
-        import horovod.torch as hvd
-        return naming.averages(getattr(opt, "op", hvd.Average), name)
+            out = ctx.engine.finish(ctx)
+        return out if scale == 1.0 else out * scale

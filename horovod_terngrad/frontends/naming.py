@@ -1,18 +1,30 @@
 """How the Horovod frontend learns a tensor's name and reduction op: Horovod does not pass them to a
 compressor, so they are read from the calling ``DistributedOptimizer`` (its ``_parameter_names``, ``op``
-and ``process_set``) or from the arguments of a direct ``hvd.allreduce(..., compression=...)`` call."""
+and ``process_set``) or from the arguments of a direct ``hvd.allreduce(..., compression=...)`` or
+``hvd.grouped_allreduce(..., compression=...)`` call."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import TernGradError
 
 
-def horovod_caller(tensor: torch.Tensor, depth: int = 2):
-    """(name, optimizer or hvd.allreduce's arguments or None) of the Horovod code that called compress().
-    ``depth``: frames between this function and compress()'s caller."""
+@dataclass
+class Caller:
+    """What compress() learned about the Horovod code that called it."""
+
+    name: str | None = None
+    optimizer: object = None          # the DistributedOptimizer, if it called
+    call: dict | None = None          # the arguments of a direct hvd.allreduce / hvd.grouped_allreduce
+    group: list | None = None         # hvd.grouped_allreduce's tensors (its members are named <name>.<i>)
+
+
+def horovod_caller(tensor: torch.Tensor, depth: int = 2) -> Caller:
+    """The Horovod code that called compress().  ``depth``: frames between this function and
+    compress()'s caller."""
     f = sys._getframe(depth)
     param = None
     for _ in range(4):
@@ -25,11 +37,13 @@ def horovod_caller(tensor: torch.Tensor, depth: int = 2):
         owner = loc.get("self")
         names = getattr(owner, "_parameter_names", None)
         if isinstance(names, dict) and param is not None:
-            return names.get(param), owner
-        if "compression" in loc and "op" in loc:                         # hvd.allreduce(...)
-            return (loc["name"] if isinstance(loc.get("name"), str) else None), dict(loc)
+            return Caller(names.get(param), optimizer=owner)
+        if "compression" in loc and "op" in loc:       # hvd.allreduce(...) or hvd.grouped_allreduce(...)
+            name = loc["name"] if isinstance(loc.get("name"), str) else None
+            tensors = loc.get("tensors")
+            return Caller(name, call=dict(loc), group=tensors if isinstance(tensors, (list, tuple)) else None)
         f = f.f_back
-    return None, None
+    return Caller()
 
 
 def op_of_call(args: dict):
@@ -40,6 +54,23 @@ def op_of_call(args: dict):
     return hvd.Sum if args.get("average") is False else hvd.Average
 
 
+def scale_of_call(args: dict) -> float:
+    """prescale_factor * postscale_factor of a direct call (TernGrad's average is linear in them)."""
+    return float(args.get("prescale_factor", 1.0) or 1.0) * float(args.get("postscale_factor", 1.0) or 1.0)
+
+
+def optimizer_op(optimizer, name: str):
+    """The op of a DistributedOptimizer; Horovod's Adasum optimizer (no ``op``; it reduces parameter deltas
+    with Adasum's nonlinear rule) is refused."""
+    import horovod.torch as hvd
+    if hasattr(optimizer, "_starting_models") and not hasattr(optimizer, "op"):
+        raise TernGradError(f"TernGrad: gradient '{name}': DistributedOptimizer(op=hvd.Adasum) is not supported "
+                            "with TernGrad compression (Adasum combines full-precision deltas by a nonlinear "
+                            "rule; ternary values cannot be combined that way). Use op=hvd.Average or "
+                            "compression=hvd.Compression.none")
+    return getattr(optimizer, "op", hvd.Average)
+
+
 def averages(op, name: str) -> bool:
     """True for Average, False for Sum; other ops are refused, naming the tensor."""
     import horovod.torch as hvd
@@ -47,5 +78,6 @@ def averages(op, name: str) -> bool:
         return True
     if op == hvd.Sum:
         return False
-    raise TernGradError(f"TernGrad: gradient '{name}': op={op} is not supported (use Average or Sum; "
-                        "Adasum needs full-precision deltas)")
+    what = {hvd.Adasum: "Adasum", hvd.Min: "Min", hvd.Max: "Max", hvd.Product: "Product"}.get(op, op)
+    raise TernGradError(f"TernGrad: gradient '{name}': op={what} is not supported (TernGrad averages or sums; "
+                        "use op=hvd.Average or hvd.Sum, or compression=hvd.Compression.none for this op)")

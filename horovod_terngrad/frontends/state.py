@@ -5,14 +5,19 @@
   uninterrupted run draws.
 * ``engines``: one ``exchange.Exchange`` per process set (created on first use), sharing ``steps``,
   ``stats`` and ``inspection``.
-* ``fusions``: per optimizer, its tensor-fusion state (fusion_state.py).
+* ``fusions``: per optimizer (weakly held), its tensor-fusion state (fusion_state.py).
+* ``world``: Horovod's handle table when the engines were made; a new one means Horovod was
+  re-initialized (elastic reset), and ``reset_world()`` drops what belonged to the old world.
 * ``stats``: what was sent, received and waited for; ``inspection``: per-tensor figures for metrics.
-* counters of the frontend: uncompressed elements, unnamed tensors, decompress calls (step boundaries).
+* counters of the frontend: uncompressed elements, unnamed tensors; members of direct grouped calls.
 
 ``state_dict()`` holds plain Python values (JSON-able); in-flight exchanges and fusion plans are not
-saved: they are rebuilt from the next step on.  ``reset()`` forgets everything but the configuration.
+saved: they are rebuilt from the next step on.  ``reset()`` forgets everything but the configuration;
+``reset_world()`` only what belongs to one Horovod world (exchanges in flight, fusion plans).
 """
 from __future__ import annotations
+
+import weakref
 
 from ..exchange import Exchange, ExchangeStats, Inspection
 
@@ -21,24 +26,25 @@ STATE_VERSION = 1
 
 def process_set_key(process_set) -> str:
     """A key every rank computes alike: 'global', or 'process_set.<id>' (Horovod's process-set id)."""
-    if process_set is None:
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:   # 0: hvd.global_process_set
         return "global"
     return f"process_set.{getattr(process_set, 'process_set_id', None)}"
 
 
 class CompressorState:
     __slots__ = ("stats", "inspection", "steps", "engines", "fusions", "uncompressed_elements", "unnamed",
-                 "decompress_count")
+                 "world", "grouped_calls")
 
     def __init__(self):
         self.stats = ExchangeStats()
         self.inspection = Inspection()
         self.steps: dict[str, dict[str, int]] = {}
         self.engines: dict[str, Exchange] = {}
-        self.fusions: dict = {}            # id(optimizer) -> OptimizerFusion
+        self.fusions = weakref.WeakKeyDictionary()     # optimizer -> OptimizerFusion
         self.uncompressed_elements = 0
         self.unnamed = 0                   # tensors named by call order so far
-        self.decompress_count = 0
+        self.world = None
+        self.grouped_calls: dict = {}      # id(tensor list of a grouped call) -> member indices named so far
 
     def engine(self, process_set, config, make_collectives) -> Exchange:
         """The engine of a process set, created with ``make_collectives(process_set)`` on first use."""
@@ -68,14 +74,20 @@ class CompressorState:
         self.uncompressed_elements = int(state["uncompressed_elements"])
         self.unnamed = int(state["unnamed"])
 
-    def reset(self) -> None:
-        """Forget engines (and their exchanges in flight), fusion plans, step counters and counters."""
+    def reset_world(self) -> None:
+        """Forget what belongs to one Horovod world: engines (and their exchanges in flight), fusion plans,
+        half-named grouped calls.  Step counters and counters stay."""
         for eng in self.engines.values():
             eng.reset()
         self.engines.clear()
         self.fusions.clear()
+        self.grouped_calls.clear()
+
+    def reset(self) -> None:
+        """Forget engines (and their exchanges in flight), fusion plans, step counters and counters."""
+        self.reset_world()
         for steps in self.steps.values():
             steps.clear()
         self.stats.reset()
         self.inspection.clear()
-        self.uncompressed_elements = self.unnamed = self.decompress_count = 0
+        self.uncompressed_elements = self.unnamed = 0
