@@ -10,9 +10,12 @@ from horovod_terngrad import codec as C
 from horovod_terngrad.config import TernGradConfig
 
 
-def expected_average(grads, name, step, cfg: TernGradConfig, average=True):
-    """The average every rank must get, and each rank's ternary vector."""
+def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks=None, world=None):
+    """The average every rank must get, and each rank's ternary vector.  ``ranks``: the rank of each of
+    ``grads`` (default 0..N-1); ``world``: ranks averaged over (default N; more when some joined: they count
+    as zeros)."""
     N = len(grads)
+    ranks = list(range(N)) if ranks is None else list(ranks)
     flat = [g.detach().reshape(-1).to(torch.float32) for g in grads]
     stats = [C.tensor_stats(g, cfg.bucket_size) for g in flat]
     thrs = [C.clip_threshold(st, cfg.clip_factor) for st in stats]
@@ -20,13 +23,13 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True):
     scalers = [torch.stack(local).amax(dim=0)] * N if cfg.shared_scaler else local
     tid = C.tensor_id(name)
     n = flat[0].numel()
-    ternary = [C.ternarize(flat[r], thrs[r], scalers[r], cfg.bucket_size, C.stream_key(cfg.seed, step, tid, r))
+    ternary = [C.ternarize(flat[r], thrs[r], scalers[r], cfg.bucket_size, C.stream_key(cfg.seed, step, tid, ranks[r]))
                for r in range(N)]
 
     def full(s):
         return s if s.numel() == 1 else s.repeat_interleave(cfg.bucket_size)[:n]
 
-    divisor = float(N if average else 1)
+    divisor = float((world or N) if average else 1)
     if all(torch.equal(s, scalers[0]) for s in scalers):
         k = torch.stack([t.to(torch.int64) for t in ternary]).sum(0) if n else torch.zeros(0)
         out = (k.to(torch.float32) * full(scalers[0])) / divisor   # one rounding, then the division

@@ -412,3 +412,54 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
     for hs, msgs in run_ranks(2, body, timeout=30):
         assert hs == 32 + 16 * 5 + 8 * 5
         assert all(m and "disagree" in m and "group 'g2'" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(bucket_size=7, packing="base3"),
+                                 TernGradConfig(exchange="sharded")], ids=["default", "base3-buckets", "sharded"])
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
+    """hvd.join() semantics on thread-ranks: the last rank joins at once; the others average lone and fused
+    tensors for two steps (allgather and alltoall are refused while a rank has joined, so the exchange
+    goes by allreduce-sum); the joined rank counts as a zero gradient, and every active rank gets exactly
+    the reference average over all N ranks."""
+    shapes = [(33,), (4, 5), (1,), (0,)]
+
+    def body(c):
+        if c.rank == world - 1:
+            return c.join(), None
+        ex = Exchange(c, cfg)
+        outs = []
+        for step in range(2):
+            outs.append(ex.allreduce(grad((57,), c.rank, 9 + step), "lone"))
+            tks = ex.start_group([(grad(s, c.rank, i + 3 * step), f"m{i}") for i, s in enumerate(shapes)], "g")
+            outs += [ex.finish(tk) for tk in tks]
+        return c.join(), (outs, ex.stats.collectives)
+
+    results = run_ranks(world, body, timeout=60)
+    assert len({last for last, _ in results}) == 1            # join returns the same rank everywhere
+    active = list(range(world - 1))
+    k = 0
+    for step in range(2):
+        items = [((57,), "lone", 9 + step)] + [(s, f"m{i}", i + 3 * step) for i, s in enumerate(shapes)]
+        for shape, name, seed in items:
+            want, _ = expected_average([grad(shape, r, seed) for r in active], name, step, cfg,
+                                       ranks=active, world=world)
+            for r in active:
+                assert torch.equal(results[r][1][0][k], want), (name, step, r)
+            k += 1
+    assert results[0][1][1] == 2 * 2 * 2        # a handshake and one allreduce-sum per group and step
+
+
+def test_join_with_per_rank_scalers_fails_on_every_active_rank_without_a_hang():
+    def body(c):
+        if c.rank == 1:
+            return c.join()
+        ex = Exchange(c, TernGradConfig(shared_scaler=False))
+        try:
+            ex.allreduce(grad((10,), c.rank), "w")
+        except Exception as e:          # noqa: BLE001
+            c.join()
+            return str(e)
+
+    msg = run_ranks(2, body, timeout=30)[0]
+    assert "'w'" in msg and "join" in msg

@@ -50,8 +50,10 @@ def gathered(ex, tk) -> torch.Tensor:
         finally:
             ex.stats.gather_wait_s += time.perf_counter() - t0
     if grp.gather_error is not None:
+        hint = (" (while a rank is in hvd.join(), TernGrad needs shared_scaler=True, the default: its handshake "
+                "notices joined ranks)" if "join" in str(grp.gather_error).lower() else "")
         raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}'"
-                                        + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed")
+                                        + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed" + hint)
     return grp.gathered
 
 

@@ -66,7 +66,7 @@ class FusedMember:
 class OptimizerFusion:
     """The optimizer's fusion plan and this step's batch of every fused group."""
 
-    __slots__ = ("plan", "group_of", "batches")
+    __slots__ = ("plan", "group_of", "batches", "params")
 
     def __init__(self, optimizer, config: TernGradConfig):
         names = optimizer._parameter_names
@@ -75,6 +75,7 @@ class OptimizerFusion:
         params = [p for g in optimizer.param_groups for p in g["params"] if p in update and p in names]
         specs = [fusion.TensorSpec(names[p], p.numel(), str(p.device)) for p in reversed(params)]
         self.plan = fusion.cut(specs, config)
+        self.params = {names[p]: p for p in params}
         self.group_of = {n: g for g, members in enumerate(self.plan.fused) for n in members}
         self.fresh_batches()
 
@@ -90,10 +91,15 @@ class OptimizerFusion:
 
     def start_incomplete(self) -> list:
         """Start, in group order, every group of this step with members missing (called at the first
-        decompress, when all of this step's compress calls have been made); returns the missing names."""
+        decompress, when all of this step's compress calls have been made); returns the missing names,
+        but for sparse gradients (Horovod's sparse allreduce takes those: expected, not worth a warning)."""
         missing = []
         for batch in list(self.batches):
             if batch.arrived and batch.tickets is None:
-                missing += [n for n in batch.members if n not in batch.arrived]
+                missing += [n for n in batch.members if n not in batch.arrived and not self._sparse(n)]
                 batch.start(partial=True)
         return missing
+
+    def _sparse(self, name: str) -> bool:
+        grad = self.params[name].grad
+        return grad is not None and grad.is_sparse

@@ -145,7 +145,7 @@ class TernGradCompressor:
                     self._warned_noname = True
                     log.warning("TernGrad: no parameter name available; naming tensors by call order, "
                                 "which requires every rank to submit them in the same order. Pass "
-                                "named_parameters to hvd.DistributedOptimizer.")
+                                "named_parameters to hvd.DistributedOptimizer, or name= to hvd.allreduce.")
             check_gradient(tensor, name)
             average, process_set, optimizer, scale = True, None, None, 1.0
             if caller.call is not None:    # hvd.allreduce / grouped_allreduce: its arguments decide
@@ -233,7 +233,7 @@ class TernGradCompressor:
                 batch = ctx.batch
                 if batch.tickets is None:      # members never arrived this step: start every such group
                     missing = batch.fusion.start_incomplete()
-                    if not self._warned_partial:
+                    if missing and not self._warned_partial:
                         self._warned_partial = True
                         log.warning("TernGrad: fused groups miss %s this step (sparse gradients without "
                                     "sparse_as_dense, or parameters dropped from the update?); their other "

@@ -28,13 +28,18 @@ class Recording(TernGradCompressor):
 
     def compress(self, tensor):
         out, ctx = super().compress(tensor)
-        self.inputs.append((ctx.name, tensor.detach().clone()))
+        self.inputs.append((self.name_of(ctx), tensor.detach().clone()))
         return out, ctx
 
     def decompress(self, tensor, ctx):
         out = super().decompress(tensor, ctx)
-        self.outputs.append((ctx.name, out.detach().clone()))
+        if ctx is not None:           # None: Horovod's sparse allreduce, nothing compressed
+            self.outputs.append((self.name_of(ctx), out.detach().clone()))
         return out
+
+    @staticmethod
+    def name_of(ctx):
+        return ctx.ticket.name if hasattr(ctx, "ticket") else ctx.name
 
 
 def mlp(width=32, depth=4, seed=0):
