@@ -297,7 +297,28 @@ def p_process_sets(comp):
     return record(comp, model, set_ranks=list(mine.ranks), set_rank=mine.rank())
 
 
+def p_peer_loss(comp):
+    """Rank 1 dies in the middle of a step (after its gradients went out, before it waits for them)."""
+    model = mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    data = batches()
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            model(next(data)).pow(2).mean().backward()
+            if step == 2 and hvd.rank() == 1:
+                os._exit(3)
+            opt.step()
+    except Exception as e:          # noqa: BLE001 - what the survivor sees is the result
+        res = {"error_type": [c.__name__ for c in type(e).__mro__], "error": str(e), "size": hvd.size()}
+        torch.save(res, os.path.join(OUTDIR, f"peer_loss.{COMPRESSION}.rank{hvd.rank()}.pt"))
+        os._exit(4)
+    return {"error_type": None}
+
+
 PATTERNS = {
+    "peer_loss": p_peer_loss,
     "join": p_join,
     "sparse_as_dense": lambda c: p_sparse(c, True),
     "sparse": lambda c: p_sparse(c, False),
