@@ -106,16 +106,16 @@ def test_gloo2_exact(gloo2, sc):
 
 def test_gloo2_tensor_fusion_cuts_collectives_not_bits(gloo2):
     """The 4-layer MLP has 8 tensors: unfused, each costs a handshake and an allgather per step.  With
-    fusion the first step runs unfused (it records which tensors the optimizer compresses), the plan is
-    checked across ranks once (1 allreduce), then all 8 share one handshake and one allgather; with
-    groups of <= 1000 elements (the 1024-element weights travel alone) there are 5 exchanges per step.
-    Same seed, same inputs: identical results."""
+    fusion the plan is cut from the optimizer's parameters at the first gradient (no extra round, no
+    unfused first step), so all 8 share one handshake and one allgather from step 1; with groups of <= 1000
+    elements (the 1024-element weights travel alone) there are 5 exchanges per step.  Same seed, same
+    inputs: identical results."""
     stats = {sc: gloo2[sc][0]["stats"] for sc in ("exact", "exact_unfused", "exact_small_groups")}
     assert stats["exact_unfused"]["collectives"] == 3 * 2 * 8
-    assert stats["exact"]["collectives"] == 2 * 8 + 1 + 2 * 2 * 1
-    assert stats["exact_small_groups"]["collectives"] == 2 * 8 + 1 + 2 * 2 * 5
-    # sharded: handshake + alltoall + allgather, per tensor in step 1, then per group of 8
-    assert gloo2["exact_sharded"][0]["stats"]["collectives"] == 3 * 8 + 1 + 2 * 3
+    assert stats["exact"]["collectives"] == 3 * 2 * 1
+    assert stats["exact_small_groups"]["collectives"] == 3 * 2 * 5
+    # sharded: handshake + alltoall + allgather per group
+    assert gloo2["exact_sharded"][0]["stats"]["collectives"] == 3 * 3 * 1
     assert gloo2["exact_sharded_unfused"][0]["stats"]["collectives"] == 3 * 3 * 8
     for sc in ("exact", "exact_small_groups"):
         assert stats[sc]["elements"] == stats["exact_unfused"]["elements"]
@@ -128,9 +128,9 @@ def test_gloo2_fused_group_with_a_member_gone_still_completes(gloo2):
     a, b = gloo2["fusion_partial"]
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)
-    # step 0 unfused (16 collectives); step 1 planned (+1 check), one group (2); step 2: the bias is
-    # gone, the rest goes as a smaller group (2); step 3: re-planned without it (+1), one group (2)
-    assert a["collectives"] == b["collectives"] == 16 + 1 + 2 + 2 + 1 + 2
+    # one group of 8 from step 0 (2 collectives per step); from step 2 the bias is gone and the other 7
+    # go as the group's '.partial' exchange, still 2 collectives
+    assert a["collectives"] == b["collectives"] == 4 * 2
 
 
 def test_gloo2_excluded_tensors_travel_uncompressed(gloo2):

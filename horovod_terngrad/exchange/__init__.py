@@ -4,7 +4,7 @@
   process, for tests and the simulator) implement it.
 * ``engine``: ``Exchange``, tickets and queues: the one place a gradient's path is driven.
 * ``handshake``: the shared-scaler handshake vector, built and read in one place.
-* ``allgather`` and ``sharded``: the two transports.
+* ``allgather`` and ``sharded``: the two transports; ``joined``: the one used while a rank is in hvd.join().
 * ``fusion``: the fusion cut (a pure function, shared with the performance model).
 * ``cost``: the runtime cost model (``exchange="auto"``), shared with the performance model.
 * ``stats``: counters and per-tensor inspection.
