@@ -47,10 +47,11 @@ def batches(seed_offset=0, n=8, dim=16):
         yield torch.randn(n, dim, generator=gen)
 
 
-def plain_training(comp, steps=3, model=None, **opt_kwargs):
+def plain_training(comp, steps=3, model=None, prefix="", **opt_kwargs):
     model = model or mlp()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), compression=comp, **opt_kwargs)
+                                   named_parameters=[(prefix + n, p) for n, p in model.named_parameters()],
+                                   compression=comp, **opt_kwargs)
     data = batches()
     for _ in range(steps):
         opt.zero_grad()
@@ -233,7 +234,9 @@ def p_predivide(comp):
 
 def p_adasum(comp):
     try:
-        model, _ = plain_training(comp, op=hvd.Adasum)
+        # own names: when Horovod refuses Adasum mid-step (Gloo), its other ops of that step stay in flight
+        # under these names for the rest of the run, and later patterns must not reuse them
+        model, _ = plain_training(comp, op=hvd.Adasum, prefix="adasum.")
         return record(comp, model, error=None)
     except (tg.TernGradError, HorovodInternalError) as e:   # Horovod refuses Adasum itself under Gloo
         return {"error": f"{type(e).__name__}: {e}"}
