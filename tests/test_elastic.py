@@ -14,19 +14,11 @@ import sys
 import pytest
 import torch
 
-from test_horovod import BIN, HERE, launcher
+from test_horovod import BIN, HERE, launcher, rank_env
 
 ELASTIC_WORKER = os.path.join(HERE, "workers", "hvd_elastic.py")
 USAGE_WORKER = os.path.join(HERE, "workers", "hvd_usage.py")
 TIMEOUT = 150
-
-
-def env():
-    e = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1")
-    e["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), e.get("PYTHONPATH", "")])
-    e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
-    e.setdefault("OMPI_MCA_plm_rsh_agent", "false")
-    return e
 
 
 def run_elastic(tmp_path, scenario, compression):
@@ -45,7 +37,7 @@ def run_elastic(tmp_path, scenario, compression):
                "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
                sys.executable, ELASTIC_WORKER, str(tmp_path), str(hosts), scenario, compression]
         try:
-            p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+            p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT)
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"elastic {scenario} {compression} hung for {TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
         # Horovod's elastic driver sometimes records the dead worker's exit after the survivor already
@@ -85,7 +77,7 @@ def test_elastic_shrink_when_a_worker_dies(tmp_path, compression):
 def test_peer_loss_ends_the_job_with_an_error_not_a_hang(tmp_path, kind):
     cmd = launcher(kind, 2) + [sys.executable, USAGE_WORKER, str(tmp_path), "terngrad", "peer_loss"]
     try:
-        p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{kind}: the survivor hung after its peer died:\n{e.stdout}\n{e.stderr}")
     assert p.returncode != 0

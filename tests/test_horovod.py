@@ -30,11 +30,18 @@ def launcher(kind, np_):
             "--mca", "btl_vader_single_copy_mechanism", "none", "-x", "PATH", "-x", "PYTHONPATH"]
 
 
-def launch(tmp_path, kind, np_, scenarios):
-    env = dict(os.environ)
+def rank_env():
+    """Environment of launched ranks: this package importable, this venv's launchers first, one thread per
+    rank and yielding MPI waits (ranks share the machine's cores), never ssh (one host)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
-    env.setdefault("OMPI_MCA_plm_rsh_agent", "false")   # single host: never try ssh
+    env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
+    return env
+
+
+def launch(tmp_path, kind, np_, scenarios):
+    env = rank_env()
     cmd = launcher(kind, np_) + [sys.executable, WORKER, str(tmp_path)] + scenarios
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import expected_average
-from test_horovod import BIN, HERE, by_name_and_step, check_exact, launcher
+from test_horovod import HERE, by_name_and_step, check_exact, launcher, rank_env
 
 WORKER = os.path.join(HERE, "workers", "hvd_usage.py")
 LAUNCH_TIMEOUT = 180        # a launch takes ~10 s; a hang must fail, not stall CI
@@ -25,10 +25,7 @@ TWO_RANK = ["sparse_as_dense", "sparse", "grouped_allreduce", "optimizer_groups_
 
 
 def run_usage(folder, kind, np_, compression, patterns):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
-    env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
+    env = rank_env()
     cmd = launcher(kind, np_) + [sys.executable, WORKER, str(folder), compression] + patterns
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)

@@ -34,6 +34,7 @@ import zlib
 
 import torch
 
+from .ternary import expand_scalers
 from .sizes import CODES_PER_BYTE, FORMATS, HEADER_BYTES, codes_offset, num_buckets, packed_size, payload_size
 
 MAGIC = 0x54
@@ -252,21 +253,24 @@ def split(payload: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tensor]
     return scalers, payload[codes_offset(nb):]
 
 
+def decode_sums(k: torch.Tensor, scalers: torch.Tensor, bucket_size: int, divisor: float) -> torch.Tensor:
+    """(float(k)·s) / divisor: the average from per-element sums k of ternary values under one shared
+    scaler (one rounding, then the division); every exchange decodes a shared scaler this way."""
+    return (k.to(torch.float32) * expand_scalers(scalers, bucket_size, k.numel())) / float(divisor)
+
+
 def average_packed(packed: list, scalers: list, numel: int, fmt: str, bucket_size: int,
                    divisor: float) -> torch.Tensor:
     """Reference decode of N packed code arrays with their fp32 scalers (see module docstring)."""
-    def expand(s):
-        return s if s.numel() == 1 else s.repeat_interleave(bucket_size)[:numel]
-
     dev = packed[0].device
     if all(torch.equal(s, scalers[0]) for s in scalers[1:]):
         k = torch.zeros(numel, dtype=torch.int32, device=dev)
         for p in packed:
             k += unpack(p, numel, fmt).to(torch.int32)
-        return (k.to(torch.float32) * expand(scalers[0])) / float(divisor)
+        return decode_sums(k, scalers[0], bucket_size, divisor)
     acc = torch.zeros(numel, dtype=torch.float32, device=dev)
     for p, s in zip(packed, scalers):
-        acc += unpack(p, numel, fmt) * expand(s)
+        acc += unpack(p, numel, fmt) * expand_scalers(s, bucket_size, numel)
     return acc / float(divisor)
 
 

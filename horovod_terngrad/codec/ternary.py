@@ -153,6 +153,11 @@ def local_scalers(stats: TensorStats, threshold: torch.Tensor) -> torch.Tensor:
     return torch.minimum(stats.maxabs, threshold)
 
 
+def expand_scalers(scalers: torch.Tensor, bucket_size: int, n: int) -> torch.Tensor:
+    """Each of n elements' scaler: the one layer-wise scaler, or bucket i // bucket_size's."""
+    return scalers if scalers.numel() == 1 else scalers.repeat_interleave(bucket_size)[:n]
+
+
 def ternarize(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, bucket_size: int,
               key: tuple[int, int]) -> torch.Tensor:
     """Stochastic ternary vector t in {-1, 0, 1} (int8), with E[scaler·t] = clip(g).
@@ -166,11 +171,7 @@ def ternarize(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, b
     if not isinstance(threshold, torch.Tensor):
         threshold = torch.tensor(threshold, dtype=torch.float32, device=g.device)
     c = torch.clamp(g, -threshold, threshold)
-    if scalers.numel() == 1:
-        s = scalers
-    else:
-        s = scalers.repeat_interleave(bucket_size)[:n]
-    p = c.abs() / s                           # NaN where s == 0 (then c == 0 too): compares False
+    p = c.abs() / expand_scalers(scalers, bucket_size, n)                           # NaN where s == 0 (then c == 0 too): compares False
     r = uniform24(key, 0, n, device=g.device).to(torch.float32)
     keep = r < p * _TWO_POW_24
     return (torch.sign(c) * keep).to(torch.int8)

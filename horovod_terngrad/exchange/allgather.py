@@ -37,24 +37,34 @@ def launch(ex, grp, members: list, data: torch.Tensor, name: str) -> None:
     ex.stats.collectives += 1
 
 
-def gathered(ex, tk) -> torch.Tensor:
-    """The group's allgather result (waited for once, by whichever member finishes first)."""
+JOIN_HINT = (" (while a rank is in hvd.join(), TernGrad needs shared_scaler=True, the default: its handshake "
+             "notices joined ranks)")
+
+
+def collected(ex, tk, own_bytes: int, context: str = "") -> torch.Tensor:
+    """The result of the group's payload collective (``grp.ag``: this allgather, or the join transport's
+    allreduce), waited for once by whichever member finishes first.  ``own_bytes`` of it are not counted as
+    received.  A failure raises the collective's own error class, naming the gradient (``context`` after it)."""
     grp = tk.group
     if grp.gathered is None and grp.gather_error is None:
         t0 = time.perf_counter()
         try:
             grp.gathered = ex.coll.synchronize(grp.ag)
-            ex.stats.bytes_received += grp.gathered.numel() - grp.bytes_sent
+            ex.stats.bytes_received += grp.gathered.numel() * grp.gathered.element_size() - own_bytes
         except CollectiveError as e:
             grp.gather_error = e
         finally:
             ex.stats.gather_wait_s += time.perf_counter() - t0
     if grp.gather_error is not None:
-        hint = (" (while a rank is in hvd.join(), TernGrad needs shared_scaler=True, the default: its handshake "
-                "notices joined ranks)" if "join" in str(grp.gather_error).lower() else "")
-        raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}'"
+        hint = JOIN_HINT if grp.mode != "joined" and "join" in str(grp.gather_error).lower() else ""
+        raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}'{context}"
                                         + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed" + hint)
     return grp.gathered
+
+
+def gathered(ex, tk) -> torch.Tensor:
+    """The group's allgather result."""
+    return collected(ex, tk, tk.group.bytes_sent)
 
 
 def receive(ex, tk) -> torch.Tensor | None:

@@ -11,12 +11,11 @@ order backward produces them (the reverse of registration order):
 * a group of one (a lone tensor) travels under its own name, not as a fused group;
 * ``fusion_numel = 0`` disables fusion: every compressed tensor travels alone.
 
-Every rank holds the same parameters in the same order, so every rank cuts the same groups; the frontend
-checks that once with :meth:`FusionPlan.checksum` before it relies on it.
+Every rank holds the same parameters in the same order, so every rank cuts the same groups; if ranks' models
+differ, the handshake of the first group that differs says so on every rank (its layout checksum).
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -52,9 +51,6 @@ class FusionPlan:
         """Element counts of every group's members."""
         return [[self.numel[n] for n in g] for g in self.groups]
 
-    def checksum(self) -> float:
-        """A number every rank with the same fused groups computes alike (agreed by an allreduce-max)."""
-        return float(zlib.crc32(repr([(list(m), [self.numel[n] for n in m]) for m in self.fused]).encode()))
 
 
 def cut(tensors: Sequence[TensorSpec], config: TernGradConfig) -> FusionPlan:

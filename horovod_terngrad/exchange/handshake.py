@@ -89,11 +89,8 @@ def read(values: list, scalers_per_member: list) -> Verdict:
         return Verdict(f"the handshake has {len(values)} slots, this rank expects {expected}", ())
     single = len(scalers_per_member) == 1
     joined = values[7] == 0 if single else values[3] == 0
-    if joined:
-        flags = ([(values[0], 0.0)] if single else
-                 [(values[sizes.FUSED_HANDSHAKE_FIXED + 2 * j], 0.0) for j in range(len(scalers_per_member))])
-        pos = (sizes.SINGLE_HANDSHAKE_FIXED if single
-               else sizes.FUSED_HANDSHAKE_FIXED + sizes.FUSED_HANDSHAKE_PER_MEMBER * len(scalers_per_member))
+    if joined:          # the minimum side of each pair is hidden by the zeros: nothing to compare
+        pass
     elif single:
         if values[2] != -values[3]:
             return Verdict("element counts range over [%d, %d]" % (-values[3], values[2]), ())
@@ -101,18 +98,19 @@ def read(values: list, scalers_per_member: list) -> Verdict:
             return Verdict("shapes differ", ())
         if values[6] != -values[7]:
             return Verdict("dtypes differ", ())
-        flags, pos = [(values[0], values[1])], sizes.SINGLE_HANDSHAKE_FIXED
+    elif values[0] != -values[1]:
+        return Verdict("sizes, shapes or dtypes differ", ())
+    if single:
+        flag_slots, pos = [0], sizes.SINGLE_HANDSHAKE_FIXED
     else:
-        if values[0] != -values[1]:
-            return Verdict("sizes, shapes or dtypes differ", ())
         k = sizes.FUSED_HANDSHAKE_FIXED
-        flags = [(values[k + 2 * j], values[k + 2 * j + 1]) for j in range(len(scalers_per_member))]
+        flag_slots = [k + 2 * j for j in range(len(scalers_per_member))]
         pos = k + sizes.FUSED_HANDSHAKE_PER_MEMBER * len(scalers_per_member)
+    # (hi, lo): max bad rank + 1, minus the lowest; with joined ranks the lowest is hidden: report the highest
+    flags = [(values[i], -values[i] if joined else values[i + 1]) for i in flag_slots]
     members = []
     for (hi, lo), nb in zip(flags, scalers_per_member):
         bad_hi, bad_lo = int(hi), int(-lo)
-        if joined:           # the lowest bad rank is hidden by the zeros: report the highest
-            bad_lo = bad_hi
         first, last = (bad_lo - 1, bad_hi - 1) if bad_hi > 0 else (-1, -1)
         members.append(MemberVerdict(first, last, values[pos:pos + nb]))
         pos += nb

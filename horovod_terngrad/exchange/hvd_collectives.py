@@ -11,6 +11,7 @@ import torch
 from .collectives import CollectiveError
 
 _error_class = None
+_mpi_ops = None
 
 
 def horovod_error_class():
@@ -30,8 +31,10 @@ def horovod_world():
     """An object that changes whenever Horovod is (re)initialized: ``horovod.torch.mpi_ops.init`` makes a
     new handle table each time, as elastic training does after every reset.  Handles of the old world
     are dead then, so TernGrad drops its exchanges in flight and its fusion state (frontends/horovod.py)."""
-    from horovod.torch import mpi_ops
-    return mpi_ops._handle_map
+    global _mpi_ops
+    if _mpi_ops is None:          # (compress calls this per tensor: import once)
+        from horovod.torch import mpi_ops as _mpi_ops
+    return _mpi_ops._handle_map
 
 
 class HorovodCollectives:

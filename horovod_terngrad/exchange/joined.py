@@ -20,12 +20,10 @@ once, which Horovod refuses while a rank has joined.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..codec import packing, sizes
-from .collectives import CollectiveError
+from . import allgather
 
 
 def _fields(t: torch.Tensor, n_ranks: int) -> torch.Tensor:
@@ -66,22 +64,9 @@ def send(ex, grp, sends: list) -> None:
 def receive(ex, tk) -> torch.Tensor:
     """The average (or sum) of one member: joined ranks count as zero gradients, as in Horovod."""
     grp, N = tk.group, ex.coll.size
-    if grp.gathered is None and grp.gather_error is None:
-        t0 = time.perf_counter()
-        try:
-            grp.gathered = ex.coll.synchronize(grp.ag)
-            ex.stats.bytes_received += grp.gathered.numel() * grp.gathered.element_size()
-        except CollectiveError as e:
-            grp.gather_error = e
-        finally:
-            ex.stats.gather_wait_s += time.perf_counter() - t0
-    if grp.gather_error is not None:
-        raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}' while ranks have joined"
-                                        + (f" (fused in group '{grp.name}')" if grp.fused else ""))
-    sums = grp.gathered
+    sums = allgather.collected(ex, tk, 0, " while ranks have joined")
     active = int(sums[-1])
     offset = sum(sizes.joined_words(m.g32.numel(), N) for m in grp.sent[:tk.slot])
     n = tk.g32.numel()
     k = _unfields(sums[offset:offset + sizes.joined_words(n, N)], n, N) - active
-    s = tk.shared if tk.shared.numel() == 1 else tk.shared.repeat_interleave(ex.config.bucket_size)[:n]
-    return (k.to(torch.float32) * s) / float(N if tk.average else 1)
+    return packing.decode_sums(k, tk.shared, ex.config.bucket_size, N if tk.average else 1)

@@ -23,7 +23,7 @@ import torch
 
 from .. import backends
 from ..codec import sizes
-from ..codec.packing import unpack
+from ..codec.packing import decode_sums, unpack
 from ..codec.sizes import SHARD_ALIGN, code_byte_range, shard_bounds, sum_bits, sums_size  # noqa: F401
 from ..errors import RankMismatchError
 from .collectives import CollectiveError
@@ -85,9 +85,7 @@ def decode_gathered(gathered: torch.Tensor, n: int, n_ranks: int, scalers: torch
     out = torch.empty(n, dtype=torch.float32, device=gathered.device) if out is None else out
     fused = _fused(gathered.device)
     if fused is None:
-        k = gathered_sums(gathered, n, n_ranks)
-        s = scalers if scalers.numel() == 1 else scalers.repeat_interleave(bucket_size)[:n]
-        return out.copy_((k.to(torch.float32) * s) / float(divisor))
+        return out.copy_(decode_sums(gathered_sums(gathered, n, n_ranks), scalers, bucket_size, divisor))
     bits, off = sum_bits(n_ranks), 0
     per_owner = sizes.shard_sum_bytes(n, n_ranks)
     if sum(per_owner) != gathered.numel():      # checked first: the kernels read exactly this many bytes

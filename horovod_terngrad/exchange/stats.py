@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from ..codec import packing, sizes
+from ..codec.ternary import expand_scalers
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Inspection:
         zeros = float((ternary == 0).sum()) / n if n else 0.0
         self.layers[name] = LayerRecord(n, zeros, float(scalers.reshape(-1)[0]), payload.numel())
         if name in self.capture:
-            s = scalers if scalers.numel() == 1 else scalers.repeat_interleave(bucket_size)[:n]
+            s = expand_scalers(scalers, bucket_size, n)
             self.captures[name] = [g32.clone(), torch.clamp(g32, -threshold, threshold), ternary * s, None]
 
     def record_average(self, name: str, out: torch.Tensor) -> None:

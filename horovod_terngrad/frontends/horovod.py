@@ -186,8 +186,8 @@ class TernGradCompressor:
         st = self.state
         if world is not st.world:
             if st.world is not None:
-                log.info("TernGrad: Horovod was re-initialized (size %d now); exchanges in flight and tensor "
-                         "fusion plans are dropped, random-stream step counters kept", self.engine(None).coll.size)
+                log.info("TernGrad: Horovod was re-initialized; exchanges in flight and tensor fusion plans are "
+                         "dropped, random-stream step counters kept")
                 st.reset_world()
             st.world = world
 

@@ -202,18 +202,24 @@ def run(name):
     raise SystemExit(f"unknown scenario {name}")
 
 
-def main():
-    outdir, names = sys.argv[1], sys.argv[2:]
-    hvd.init()
+def run_all(outdir, names, run_one, tag=""):
+    """Run every scenario and save each rank's result (a crash is a result too) as
+    OUTDIR/<name><tag>.rank<R>.pt; then shut Horovod down."""
     torch.set_num_threads(1)
     for name in names:
         try:
-            res = run(name)
+            res = run_one(name)
         except Exception:
             res = {"crash": traceback.format_exc()}
         res["size"] = hvd.size()
-        torch.save(res, os.path.join(outdir, f"{name}.rank{hvd.rank()}.pt"))
+        torch.save(res, os.path.join(outdir, f"{name}{tag}.rank{hvd.rank()}.pt"))
     hvd.shutdown()
+
+
+def main():
+    outdir, names = sys.argv[1], sys.argv[2:]
+    hvd.init()
+    run_all(outdir, names, run)
 
 
 if __name__ == "__main__":

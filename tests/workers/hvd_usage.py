@@ -9,7 +9,6 @@ OUTDIR/<pattern>.<compression>.rank<R>.pt and the test process checks it.
 """
 import os
 import sys
-import traceback
 
 import torch
 import torch.nn as nn
@@ -21,7 +20,7 @@ from horovod.common.exceptions import HorovodInternalError
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod_terngrad as tg  # noqa: E402
-from hvd_scenarios import Recording, mlp  # noqa: E402
+from hvd_scenarios import Recording, mlp, run_all  # noqa: E402
 
 COMPRESSION = "terngrad"
 
@@ -351,15 +350,7 @@ def main():
         hvd.barrier()
     else:
         hvd.init()
-    torch.set_num_threads(1)
-    for name in names:
-        try:
-            res = PATTERNS[name](compressor())
-        except Exception:
-            res = {"crash": traceback.format_exc()}
-        res["size"] = hvd.size()
-        torch.save(res, os.path.join(OUTDIR, f"{name}.{COMPRESSION}.rank{hvd.rank()}.pt"))
-    hvd.shutdown()
+    run_all(OUTDIR, names, lambda name: PATTERNS[name](compressor()), tag=f".{COMPRESSION}")
 
 
 if __name__ == "__main__":
