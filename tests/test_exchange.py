@@ -170,31 +170,37 @@ class CountingCollectives(ThreadCollectives):
         return super().synchronize(handle)
 
 
-def test_start_never_blocks_and_handshakes_overlap():
-    """Rank 1 starts all tensors before rank 0 starts any: rank 1's start() calls must all return
-    without waiting (its handshakes cannot complete yet), and all 60 handshakes are then in flight."""
+@pytest.mark.parametrize("ordered", [False, True])
+def test_start_waits_only_for_groups_before_the_previous_one(ordered):
+    """Rank 1 starts tensors before rank 0 starts any.  Polling (ordered=False): all 60 starts return
+    without waiting and the 60 handshakes are in flight.  Ordered (the default): the first two starts
+    return without waiting (a start advances only groups before the previous one), the third waits for
+    the first's handshake, which rank 0 then completes."""
     import threading
     world = ThreadWorld(2)
     cs = [CountingCollectives(world, r) for r in range(2)]
     cfg = TernGradConfig()
     names = [f"t{i}" for i in range(60)]
+    free = 60 if not ordered else 2
     ready = threading.Event()
     out = [None, None]
 
     def rank1():
-        ex = Exchange(cs[1], cfg)
-        tks = [ex.start(grad((32,), 1, i), n) for i, n in enumerate(names)]
+        ex = Exchange(cs[1], cfg, ordered=ordered)
+        tks = [ex.start(grad((32,), 1, i), n) for i, n in enumerate(names[:free])]
         out[1] = (cs[1].blocking, ex.pending()[0])
         ready.set()
+        tks += [ex.start(grad((32,), 1, i), n) for i, n in enumerate(names) if i >= free]
         [ex.finish(t) for t in tks]
 
     th = threading.Thread(target=rank1)
     th.start()
     assert ready.wait(30)
-    ex0 = Exchange(cs[0], cfg)
+    ex0 = Exchange(cs[0], cfg, ordered=ordered)
     [ex0.finish(t) for t in [ex0.start(grad((32,), 0, i), n) for i, n in enumerate(names)]]
     th.join(30)
-    assert out[1] == (0, 60)
+    assert not th.is_alive()
+    assert out[1] == (0, free)
 
 
 def test_wire_size_per_element_on_a_1M_parameter_model():
@@ -463,3 +469,55 @@ def test_join_with_per_rank_scalers_fails_on_every_active_rank_without_a_hang():
 
     msg = run_ranks(2, body, timeout=30)[0]
     assert "'w'" in msg and "join" in msg
+
+
+# -- the order of collectives --------------------------------------------------------------------------
+
+class Recording(KindCounting):
+    """Collectives that also record the name of every collective this rank issues, in order."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.issued = []
+
+    def allreduce_max_async(self, tensor, name):
+        self.issued.append(name)
+        return super().allreduce_max_async(tensor, name)
+
+    def allgather_async(self, tensor, name):
+        self.issued.append(name)
+        return super().allgather_async(tensor, name)
+
+    def alltoall_async(self, tensor, splits, name):
+        self.issued.append(name)
+        return super().alltoall_async(tensor, splits, name)
+
+
+def issue_orders(cfg, ordered):
+    """Each rank's collectives, in issue order, when rank 1 is slower between its starts than rank 0."""
+    import time
+
+    def body(c):
+        rec = Recording(c)
+        ex = Exchange(rec, cfg, ordered=ordered)
+        tickets = []
+        for i in range(5):
+            if c.rank == 1:
+                time.sleep(0.05)
+            tickets.append(ex.start(grad((64,), c.rank, i), f"t{i}"))
+        [ex.finish(t) for t in tickets]
+        return rec.issued
+    return run_ranks(2, body)
+
+
+@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(exchange="sharded")], ids=["allgather", "sharded"])
+def test_ranks_issue_the_same_collectives_in_the_same_order_whatever_their_timing(cfg):
+    """Horovod names unnamed ops after a rank-local handle counter, so a user's unnamed hvd.allreduce issued
+    while TernGrad's groups are in flight gets the same name on every rank only if every rank issued the
+    same number of ops before it.  Polling (ordered=False, the simulator's mode) issues payloads when a
+    handshake happens to be back: the control shows the orders then differ with one slow rank."""
+    orders = issue_orders(cfg, ordered=True)
+    assert orders[0] == orders[1]
+    assert len(orders[0]) == (10 if cfg.exchange == "allgather" else 15)
+    control = issue_orders(cfg, ordered=False)
+    assert control[0] != control[1]

@@ -19,7 +19,7 @@ LAUNCH_TIMEOUT = 180        # a launch takes ~10 s; a hang must fail, not stall 
 # join runs after the others: in Horovod 0.28.1 a direct hvd.grouped_allreduce after hvd.join() hangs, with
 # Compression.none too (not TernGrad's doing; seen while writing these tests).  adasum runs last: under Gloo
 # Horovod refuses Adasum mid-step and leaves that step's other ops in flight.
-TWO_RANK = ["sparse_as_dense", "sparse", "grouped_allreduce", "optimizer_groups_n", "optimizer_groups_list",
+TWO_RANK = ["unnamed_ops_mid_step", "sparse_as_dense", "sparse", "grouped_allreduce", "optimizer_groups_n", "optimizer_groups_list",
             "backward_passes_per_step", "synchronize_clip", "gan_two_optimizers", "params_without_grad",
             "optimizer_state_scheduler", "gradient_predivide_factor", "resume", "join", "adasum"]
 
@@ -114,6 +114,12 @@ def check_resume(ranks):
             "without TernGrad's state the resumed run should draw other streams (the test would be vacuous)"
 
 
+def check_unnamed_mid_step(ranks):
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"][1::2] == [2.0] * 4
+    exact(ranks)
+
+
 def check_adasum(ranks):
     for r in ranks:
         assert r["error"].startswith("TernGradError") and "Adasum" in r["error"] and "'" in r["error"]
@@ -128,7 +134,7 @@ TERNGRAD_CHECKS = {
     "optimizer_groups_n": exact, "optimizer_groups_list": exact, "backward_passes_per_step": exact,
     "synchronize_clip": exact, "gan_two_optimizers": exact, "params_without_grad": exact,
     "optimizer_state_scheduler": exact, "gradient_predivide_factor": exact, "adasum": check_adasum,
-    "resume": check_resume,
+    "resume": check_resume, "unnamed_ops_mid_step": check_unnamed_mid_step,
 }
 
 

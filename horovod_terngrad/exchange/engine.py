@@ -102,11 +102,21 @@ class Exchange:
     """Ternarize, exchange and average tensors over ``collectives`` (see the module docstring).
 
     ``steps`` counts, per tensor name, the exchanges started: the ``step`` word of each tensor's random
-    stream key.  Pass a shared dict (and ``stats`` / ``inspection``) to keep them in a state object."""
+    stream key.  Pass a shared dict (and ``stats`` / ``inspection``) to keep them in a state object.
+
+    ``ordered`` (the default): the collectives this engine issues, and their order, are a pure function
+    of the calls made to it.  Starting a group first issues its own first collective, then waits for and
+    advances every group started before the previous one (one group of slack: their handshakes are
+    long back).  Why: Horovod names an unnamed op after a rank-local handle counter
+    (``allreduce.noname.<handle>``), so if one rank issued a payload allgather between two calls that
+    another rank issued later (as polling for finished handshakes does), a user's unnamed
+    ``hvd.allreduce`` (or TernGrad's own placeholder of an unnamed ``hvd.grouped_allreduce``) got
+    different names on the ranks and hung.  ``ordered=False`` polls instead (advance whatever is back):
+    for a driver that plays every rank from one thread (the simulator), where waiting would deadlock."""
 
     def __init__(self, collectives: Collectives, config: TernGradConfig | None = None,
                  stats: ExchangeStats | None = None, inspection: Inspection | None = None,
-                 steps: dict | None = None):
+                 steps: dict | None = None, ordered: bool = True):
         self.coll = collectives
         self.config = config or TernGradConfig()
         self.stats = stats if stats is not None else ExchangeStats()
@@ -115,6 +125,8 @@ class Exchange:
         self._awaiting_handshake: list[Group] = []
         self._awaiting_alltoall: list[Group] = []
         self._warned_nonfinite: set = set()
+        self.ordered = ordered
+        self._previous: Group | None = None     # the group started last (ordered: left in flight)
 
     # -- public -------------------------------------------------------------------------------
     def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False) -> Ticket:
@@ -158,8 +170,9 @@ class Exchange:
             grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{group}")
             self.stats.collectives += 1
             self.stats.handshake_bytes_sent += hs.numel() * hs.element_size()
-            self.progress(block=False)   # earlier groups whose handshake is back go out now
+            self._advance_earlier()      # earlier groups' payloads go out now, during backward
             self._awaiting_handshake.append(grp)
+            self._previous = grp
         else:
             sends = []
             for tk, prep in zip(tickets, preps):
@@ -198,6 +211,23 @@ class Exchange:
         self._awaiting_alltoall = self._advance(self._awaiting_alltoall, "a2a",
                                                 lambda g: sharded.after_alltoall(self, g), block)
 
+    def _advance_earlier(self) -> None:
+        """Advance groups started earlier, while a new one starts (see ``ordered`` in the class docstring)."""
+        if not self.ordered:
+            self.progress(block=False)
+            return
+        prev = self._previous
+        older = [g for g in self._awaiting_handshake if g is not prev]
+        if older:
+            self._awaiting_handshake = [g for g in self._awaiting_handshake if g is prev]
+            for grp in older:
+                self._after_handshake(grp)
+        older = [g for g in self._awaiting_alltoall if g is not prev]
+        if older:
+            self._awaiting_alltoall = [g for g in self._awaiting_alltoall if g is prev]
+            for grp in older:
+                sharded.after_alltoall(self, grp)
+
     def pending(self) -> tuple:
         """(groups waiting for their handshake, sharded groups waiting for their alltoall)."""
         return len(self._awaiting_handshake), len(self._awaiting_alltoall)
@@ -206,6 +236,7 @@ class Exchange:
         """Forget every group in flight (after a failed step, or when the world changes); keeps
         ``steps``, ``stats`` and ``inspection``, which belong to whoever passed them in."""
         self._awaiting_handshake, self._awaiting_alltoall = [], []
+        self._previous = None
 
     # -- used by the transports -------------------------------------------------------------------
     def queue_alltoall(self, grp: Group) -> None:

@@ -61,7 +61,8 @@ class Simulator:
         self.grad_mode = grad_mode
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.world = ThreadWorld(n_workers, copy=False)
-        self.engines = [Exchange(c, self.config) for c in self.world.ranks()]
+        self.engines = [Exchange(c, self.config, ordered=False)   # one thread plays every rank: poll
+                        for c in self.world.ranks()]
 
     # -- gradients per worker ---------------------------------------------------------------------
     def worker_gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[list[torch.Tensor]]:

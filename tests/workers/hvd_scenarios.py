@@ -7,6 +7,7 @@ process checks them against an independent recomputation.
 """
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -207,12 +208,15 @@ def run_all(outdir, names, run_one, tag=""):
     OUTDIR/<name><tag>.rank<R>.pt; then shut Horovod down."""
     torch.set_num_threads(1)
     for name in names:
+        started = time.perf_counter()
         try:
             res = run_one(name)
         except Exception:
             res = {"crash": traceback.format_exc()}
         res["size"] = hvd.size()
         torch.save(res, os.path.join(outdir, f"{name}{tag}.rank{hvd.rank()}.pt"))
+        # progress on stdout, so that a launch killed for hanging shows which scenario it was in
+        print(f"rank {hvd.rank()}: {name} done in {time.perf_counter() - started:.1f} s", flush=True)
     hvd.shutdown()
 
 

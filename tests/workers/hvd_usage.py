@@ -78,6 +78,31 @@ def p_join(comp):
     return record(comp, model, join=int(last), steps=steps)
 
 
+def p_unnamed_ops_mid_step(comp):
+    """Unnamed Horovod ops between backward and step (averaging the loss for logging), while TernGrad's
+    exchanges are in flight, with rank 1 slower in backward.  Horovod names an unnamed op after a
+    rank-local handle counter, so this hangs unless every rank issued the same ops before it."""
+    import time
+    model = mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compressor(fusion_numel=0) if COMPRESSION != "none" else comp)
+    data = batches()
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        h = model[0](next(data))
+        if hvd.rank() == 1:           # rank 1 produces its later gradients later
+            h.register_hook(lambda g: time.sleep(0.05))
+        loss = model[1:](h).pow(2).mean()
+        loss.backward()
+        losses.append(float(hvd.allreduce(loss.detach())))
+        losses.append(float(hvd.allreduce(torch.ones(1), op=hvd.Sum)))
+        opt.step()
+    comp = opt._compression
+    return record(comp, model, losses=losses)
+
+
 def p_sparse(comp, as_dense):
     torch.manual_seed(0)
     emb = nn.Embedding(50, 8, sparse=True)
@@ -322,6 +347,7 @@ def p_peer_loss(comp):
 PATTERNS = {
     "peer_loss": p_peer_loss,
     "join": p_join,
+    "unnamed_ops_mid_step": p_unnamed_ops_mid_step,
     "sparse_as_dense": lambda c: p_sparse(c, True),
     "sparse": lambda c: p_sparse(c, False),
     "grouped_allreduce": p_grouped_allreduce,
