@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -61,7 +62,7 @@ class Ticket:
     """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
-                 "in_place", "shared", "slot", "payload_bytes", "error", "zero")
+                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "prep")
 
     def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place):
         self.engine, self.group = engine, None
@@ -74,6 +75,7 @@ class Ticket:
         self.payload_bytes = 0
         self.error = None          # raised by finish
         self.zero = False          # the result is zero (agreed empty, or zeroed NaN/Inf)
+        self.prep = None           # per-rank scalers: the statistics, kept for a handshake after a join
 
 
 class Group:
@@ -182,6 +184,7 @@ class Exchange:
                 if not on_host:          # the flag byte, written on the device (no host synchronization)
                     payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
                 self._record(tk, payload, prep.scalers)
+                tk.prep = prep
                 sends.append((tk, payload))
             self.stats.codec_s += time.perf_counter() - t0
             allgather.send(self, grp, sends)
@@ -192,7 +195,7 @@ class Exchange:
         self.progress(block=True)
         if tk.error is not None:
             raise tk.error
-        out = TRANSPORTS[tk.group.mode].receive(self, tk) if (tk.slot is not None and not tk.zero) else None
+        out = self._receive(tk) if (tk.slot is not None and not tk.zero) else None
         if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
             out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
         self.inspection.record_average(tk.name, out)
@@ -237,6 +240,43 @@ class Exchange:
         ``steps``, ``stats`` and ``inspection``, which belong to whoever passed them in."""
         self._awaiting_handshake, self._awaiting_alltoall = [], []
         self._previous = None
+
+    def _receive(self, tk: Ticket):
+        grp = tk.group
+        try:
+            return TRANSPORTS[grp.mode].receive(self, tk)
+        except CollectiveError:
+            if not self._refused_for_join(grp):
+                raise
+        self._handshake_after_join(grp)
+        if tk.error is not None:
+            raise tk.error
+        return TRANSPORTS[grp.mode].receive(self, tk) if (tk.slot is not None and not tk.zero) else None
+
+    @staticmethod
+    def _refused_for_join(grp: Group) -> bool:
+        """Horovod refused the group's allgather because a rank is in hvd.join() (per-rank scalers: no
+        handshake told us before the payloads left)."""
+        err = grp.gather_error
+        return grp.mode == "allgather" and grp.hs is None and err is not None and \
+            "not supported with join" in str(err).lower()
+
+    def _handshake_after_join(self, grp: Group) -> None:
+        """Per-rank scalers while a rank is in hvd.join(): Horovod refused the group's allgather on every
+        active rank alike, so every active rank now runs the shared-scaler handshake for the group (the
+        joined ranks take part with zeros, which the verdict notices) and sends it by the join transport.
+        The scaler becomes the max over the active ranks; the random streams are the same ones."""
+        members = grp.members
+        described = [SimpleNamespace(shape=tk.shape, dtype=tk.dtype) for tk in members]   # what build reads
+        hs = handshake.build([tk.prep for tk in members], described, self.coll.rank, self.coll.size)
+        grp.gather_error = grp.gathered = grp.walked = None
+        grp.sent = []
+        for tk in members:
+            tk.slot = None
+        grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{grp.name}")
+        self.stats.collectives += 1
+        self.stats.handshake_bytes_sent += hs.numel() * hs.element_size()
+        self._after_handshake(grp)
 
     # -- used by the transports -------------------------------------------------------------------
     def queue_alltoall(self, grp: Group) -> None:

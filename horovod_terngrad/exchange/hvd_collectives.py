@@ -38,20 +38,23 @@ def horovod_world():
 
 
 class HorovodCollectives:
-    """Horovod's asynchronous torch ops. Rank and size are read per call (elastic-safe)."""
+    """Horovod's asynchronous torch ops.  The global set's rank and size are read per call (elastic
+    changes them); a process set's are read once (its members are fixed; and Horovod 0.28.1 sometimes
+    answered "Process set does not exist" to ps.rank() of a registered dynamic set late in a run)."""
 
     def __init__(self, process_set=None):
         import horovod.torch as hvd
         self._hvd = hvd
         self._ps = process_set
+        self._ps_rank_size = None if process_set is None else (process_set.rank(), process_set.size())
 
     @property
     def rank(self) -> int:
-        return self._hvd.rank() if self._ps is None else self._ps.rank()
+        return self._hvd.rank() if self._ps is None else self._ps_rank_size[0]
 
     @property
     def size(self) -> int:
-        return self._hvd.size() if self._ps is None else self._ps.size()
+        return self._hvd.size() if self._ps is None else self._ps_rank_size[1]
 
     def _kw(self):
         return {} if self._ps is None else {"process_set": self._ps}

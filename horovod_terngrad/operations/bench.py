@@ -4,9 +4,9 @@
         GB/s of the codec stages on this machine, beside a preallocated copy of the same tensor.
     python -m horovod_terngrad.operations.bench engine [--tensors 64] [--numel 65536]
         The exchange engine's own cost per step on one rank (no network), fused and unfused.
-    horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.operations.bench step [--layers 32] [--width 256]
-        Step time of an MLP with 2·layers parameter tensors under fp32 / fp16 / TernGrad (shared
-        scaler, i.e. with the handshake, and per-rank scaler, without it), and where TernGrad's time goes.
+    horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.operations.bench step [--model resnet50]
+        Step time of a model (an MLP with 2·layers tensors, ResNet-50, a transformer, 300 tiny tensors:
+        operations/models.py) under fp32 / fp16 / TernGrad settings, and where TernGrad's time goes.
 """
 from __future__ import annotations
 
@@ -222,18 +222,16 @@ def bench_step(args):
     hvd.init()
     torch.set_num_threads(1)
 
-    def make_model():   # a fresh model per configuration: Horovod's hooks stay on the parameters
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(args.layers):
-            layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-        return torch.nn.Sequential(*layers)
+    from . import models
 
-    model = make_model()
+    def make_model():   # a fresh model per configuration: Horovod's hooks stay on the parameters
+        return models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)[0]
+
+    model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)
     ntensors = sum(1 for _ in model.parameters())
     nparams = sum(p.numel() for p in model.parameters())
+    described = f"{args.model} ({models.describe(model)})"
     del model
-    x = torch.randn(args.batch, args.width)
     rounds = max(1, getattr(args, "rounds", 1))
     cal = Calibration(hvd, make_model, x, args.steps) if args.calibrate else None
     setups = []
@@ -294,7 +292,7 @@ def bench_step(args):
                        received_bits_per_element=8 * c["bytes_received"] / max(1, c["elements"]))
         rows.append(row)
     if hvd.rank() == 0:
-        print(f"step benchmark: MLP with {ntensors} parameter tensors ({nparams} parameters), batch {args.batch}, "
+        print(f"step benchmark: {described}, batch {args.batch}, "
               f"{hvd.size()} ranks, median of {args.steps} steps" + (f" x {rounds} interleaved rounds" if rounds > 1 else ""))
         base = rows[0]["step_ms"]
         for r in rows:
@@ -313,7 +311,8 @@ def bench_step(args):
                   f"for {ntensors} tensors")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"ranks": hvd.size(), "params": nparams, "tensors": ntensors, "batch": args.batch,
+                json.dump({"ranks": hvd.size(), "model": args.model, "params": nparams, "tensors": ntensors,
+                           "sizes": [p.numel() for p in make_model().parameters()], "batch": args.batch,
                            "rounds": rounds, "rows": rows, "calibration": calibration}, f, indent=1)
     hvd.shutdown()
 
@@ -353,6 +352,8 @@ def main(argv=None):
     e.add_argument("--numel", type=int, default=65536)
     e.add_argument("--repeat", type=int, default=15)
     s = sub.add_parser("step")
+    s.add_argument("--model", default="mlp", help="mlp, resnet50, transformer or tiny (operations/models.py)")
+    s.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--width", type=int, default=256)
     s.add_argument("--batch", type=int, default=32)

@@ -311,6 +311,7 @@ def _roundtrip(obj):
 def p_process_sets(comp):
     """Two optimizers on disjoint process sets at once (-np 4: ranks 0,1 train model A; 2,3 model B)."""
     mine = SETS[0] if hvd.rank() in SETS[0].ranks else SETS[1]
+    set_rank = mine.rank()     # (read early: once, late in a run, Horovod answered "does not exist")
     model = mlp(seed=1 if mine is SETS[0] else 2)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), compression=comp,
@@ -321,7 +322,7 @@ def p_process_sets(comp):
         model(next(data)).pow(2).mean().backward()
         opt.step()
     hvd.barrier()          # the other set may still train: nobody shuts Horovod down before all are done
-    return record(comp, model, set_ranks=list(mine.ranks), set_rank=mine.rank())
+    return record(comp, model, set_ranks=list(mine.ranks), set_rank=set_rank)
 
 
 def p_peer_loss(comp):
