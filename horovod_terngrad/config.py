@@ -24,14 +24,8 @@ class TernGradConfig:
                    paper does for ImageNet models.
     seed:          key of the random stream; with the step, tensor name and rank it fixes every draw.
     shared_scaler: True = all ranks ternarize with s = max over ranks (Eq. 4, one small allreduce-max
-                   per group that also checks the ranks agree, a round trip before the payloads may
-                   leave); False = each rank its own scaler (no handshake: payloads leave as soon as a
-                   group is complete; the payload headers carry scalers and the checks; the decode
-                   (Σ_r s_r·t_r)/N is exact, and s_r <= max_r s_r gives each rank's ternary gradient a
-                   variance no larger than with the shared scaler).  Default (None): False for the
-                   allgather exchange (measured faster on ResNet-50 at 1 Gbit/s, docs/cluster.md; same
-                   accuracy, docs/study/), True for "sharded" and "auto", whose owners add ternary values.
-                   While a rank is in hvd.join(), a per-rank group falls back to the handshake.
+                   per tensor that also checks the ranks agree); False = each rank its own scaler
+                   (no handshake; the payload headers carry scalers and the checks).
     on_nonfinite:  "raise" = NonFiniteGradientError on every rank; "zero" = the tensor's averaged
                    gradient is zero on every rank this step (counted in the stats, warned once).
     exchange:      "allgather" (every rank receives every payload: one collective, traffic grows
@@ -52,15 +46,12 @@ class TernGradConfig:
     min_numel: int = 0
     exclude: tuple = field(default_factory=tuple)
     seed: int = 0
-    shared_scaler: bool | None = None
+    shared_scaler: bool = True
     on_nonfinite: str = "raise"
     exchange: str = "allgather"
     fusion_numel: int = 1 << 22
 
     def __post_init__(self):
-        if self.shared_scaler is None:      # the default follows the exchange (see above), also in replace()
-            object.__setattr__(self, "shared_scaler", self.exchange != "allgather")
-            object.__setattr__(self, "_scaler_by_exchange", True)
         if isinstance(self.exclude, str):
             object.__setattr__(self, "exclude", (self.exclude,))
         else:
@@ -97,6 +88,4 @@ class TernGradConfig:
         return not any(re.search(p, name) for p in self.exclude)
 
     def replace(self, **changes) -> "TernGradConfig":
-        if getattr(self, "_scaler_by_exchange", False) and "shared_scaler" not in changes:
-            changes["shared_scaler"] = None
         return replace(self, **changes)

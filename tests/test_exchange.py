@@ -179,7 +179,7 @@ def test_start_waits_only_for_groups_before_the_previous_one(ordered):
     import threading
     world = ThreadWorld(2)
     cs = [CountingCollectives(world, r) for r in range(2)]
-    cfg = TernGradConfig(shared_scaler=True)
+    cfg = TernGradConfig()
     names = [f"t{i}" for i in range(60)]
     free = 60 if not ordered else 2
     ready = threading.Event()
@@ -351,7 +351,7 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
 def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     if backend == "torch":
         monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
-    cfg = TernGradConfig(on_nonfinite=policy, shared_scaler=True)
+    cfg = TernGradConfig(on_nonfinite=policy)
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -379,7 +379,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
 
 def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_rank():
     def body(c):
-        ex = Exchange(c, TernGradConfig(shared_scaler=True))
+        ex = Exchange(c, TernGradConfig())
         members = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 10), "b")]
         if c.rank == 1:
             members.append((torch.randn(5), "c"))      # a member the other rank does not have
@@ -400,7 +400,7 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
     """A fused group's handshake costs 32 + 16 per member + 8 per scaler bytes (72 per tensor alone);
     members of equal count whose sizes differ between ranks are caught by the layout checksum."""
     def body(c):
-        ex = Exchange(c, TernGradConfig(shared_scaler=True))
+        ex = Exchange(c, TernGradConfig())
         tks = ex.start_group([(grad((7,), c.rank, i), f"t{i}") for i in range(5)], "g")
         for tk in tks:
             ex.finish(tk)
@@ -500,8 +500,7 @@ def issue_orders(cfg, ordered):
     return run_ranks(2, body)
 
 
-@pytest.mark.parametrize("cfg", [TernGradConfig(shared_scaler=True), TernGradConfig(exchange="sharded")],
-                         ids=["allgather", "sharded"])
+@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(exchange="sharded")], ids=["allgather", "sharded"])
 def test_ranks_issue_the_same_collectives_in_the_same_order_whatever_their_timing(cfg):
     """Horovod names unnamed ops after a rank-local handle counter, so a user's unnamed hvd.allreduce issued
     while TernGrad's groups are in flight gets the same name on every rank only if every rank issued the

@@ -74,7 +74,7 @@ class _Recording:
 
 
 def _run(case: str, n_ranks: int, fused: str) -> dict:
-    cfg = TernGradConfig(**{"shared_scaler": True, **CASES[case]})   # pins predate the per-rank default
+    cfg = TernGradConfig(**CASES[case])
 
     def body(c):
         rec = _Recording(c)
