@@ -74,13 +74,10 @@ def model_sizes(layers: int, width: int) -> list[int]:
 
 
 def profile(layers: int, width: int, batch: int) -> float:
+    from horovod_terngrad.operations import models
     from horovod_terngrad.operations.perfmodel import profile_compute
     torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*mods)
-    return profile_compute(model, batch, (width,), steps=5)
+    return profile_compute(models.mlp(layers, width), batch, (width,), steps=5)
 
 
 def codec_rate(rates) -> float:

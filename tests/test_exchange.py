@@ -280,24 +280,26 @@ FUSED = [(20, 50), (50,), (0,), (7, 3, 3), (1,), (1000,)]
 
 
 class KindCounting:
-    """Collectives that count the collectives this rank launches, by kind ("max", "gather", "a2a")."""
+    """Collectives that count the collectives this rank launches, by kind ("max", "gather", "a2a"), and
+    record their names in issue order (``issued``)."""
 
     def __init__(self, inner):
-        self.inner, self.rank, self.size, self.kinds = inner, inner.rank, inner.size, {}
+        self.inner, self.rank, self.size, self.kinds, self.issued = inner, inner.rank, inner.size, {}, []
 
-    def _count(self, kind):
+    def _count(self, kind, name):
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        self.issued.append(name)
 
     def allreduce_max_async(self, tensor, name):
-        self._count("max")
+        self._count("max", name)
         return self.inner.allreduce_max_async(tensor, name)
 
     def allgather_async(self, tensor, name):
-        self._count("gather")
+        self._count("gather", name)
         return self.inner.allgather_async(tensor, name)
 
     def alltoall_async(self, tensor, splits, name):
-        self._count("a2a")
+        self._count("a2a", name)
         return self.inner.alltoall_async(tensor, splits, name)
 
     def poll(self, handle):
@@ -463,32 +465,12 @@ def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
 
 # -- the order of collectives --------------------------------------------------------------------------
 
-class Recording(KindCounting):
-    """Collectives that also record the name of every collective this rank issues, in order."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.issued = []
-
-    def allreduce_max_async(self, tensor, name):
-        self.issued.append(name)
-        return super().allreduce_max_async(tensor, name)
-
-    def allgather_async(self, tensor, name):
-        self.issued.append(name)
-        return super().allgather_async(tensor, name)
-
-    def alltoall_async(self, tensor, splits, name):
-        self.issued.append(name)
-        return super().alltoall_async(tensor, splits, name)
-
-
 def issue_orders(cfg, ordered):
     """Each rank's collectives, in issue order, when rank 1 is slower between its starts than rank 0."""
     import time
 
     def body(c):
-        rec = Recording(c)
+        rec = KindCounting(c)
         ex = Exchange(rec, cfg, ordered=ordered)
         tickets = []
         for i in range(5):

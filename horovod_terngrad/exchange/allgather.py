@@ -41,6 +41,11 @@ JOIN_HINT = (" (while a rank is in hvd.join(), TernGrad needs shared_scaler=True
              "notices joined ranks)")
 
 
+def refused_for_join(err: Exception) -> bool:
+    """Horovod (and ThreadWorld) refused an allgather or alltoall because a rank is in hvd.join()."""
+    return "not supported with join" in str(err).lower()
+
+
 def collected(ex, tk, own_bytes: int, context: str = "") -> torch.Tensor:
     """The result of the group's payload collective (``grp.ag``: this allgather, or the join transport's
     allreduce), waited for once by whichever member finishes first.  ``own_bytes`` of it are not counted as
@@ -56,7 +61,7 @@ def collected(ex, tk, own_bytes: int, context: str = "") -> torch.Tensor:
         finally:
             ex.stats.gather_wait_s += time.perf_counter() - t0
     if grp.gather_error is not None:
-        hint = JOIN_HINT if grp.mode != "joined" and "join" in str(grp.gather_error).lower() else ""
+        hint = JOIN_HINT if grp.mode != "joined" and refused_for_join(grp.gather_error) else ""
         raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}'{context}"
                                         + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed" + hint)
     return grp.gathered

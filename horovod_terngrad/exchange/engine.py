@@ -169,10 +169,9 @@ class Exchange:
         if cfg.shared_scaler:
             hs = handshake.build(preps, [t for t, _ in items], self.coll.rank, self.coll.size)
             self.stats.codec_s += time.perf_counter() - t0
-            grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{group}")
-            self.stats.collectives += 1
-            self.stats.handshake_bytes_sent += hs.numel() * hs.element_size()
-            self._advance_earlier()      # earlier groups' payloads go out now, during backward
+            self._send_handshake(grp, hs)
+            # earlier groups' payloads go out now, during backward (ordered: all but the previous group's)
+            self.progress(block=self.ordered, keep=self._previous if self.ordered else None)
             self._awaiting_handshake.append(grp)
             self._previous = grp
         else:
@@ -195,7 +194,7 @@ class Exchange:
         self.progress(block=True)
         if tk.error is not None:
             raise tk.error
-        out = self._receive(tk) if (tk.slot is not None and not tk.zero) else None
+        out = self._receive(tk)
         if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
             out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
         self.inspection.record_average(tk.name, out)
@@ -204,32 +203,16 @@ class Exchange:
     def allreduce(self, tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
         return self.finish(self.start(tensor, name, average))
 
-    def progress(self, block: bool) -> None:
+    def progress(self, block: bool, keep: "Group | None" = None) -> None:
         """Advance the groups whose handshake is back (all, if ``block``: waiting for them) into their
-        exchange, then likewise the sharded groups whose alltoall is back, in start order.  ``finish``
-        calls it; a driver that plays several ranks from one thread calls ``progress(block=False)`` on
-        every rank until nothing moves, then finishes (see operations/simulate.py)."""
-        self._awaiting_handshake = self._advance(self._awaiting_handshake, "hs", self._after_handshake, block)
+        exchange, then likewise the sharded groups whose alltoall is back, in start order; ``keep`` stays
+        in flight.  ``finish`` calls it; a driver that plays several ranks from one thread calls
+        ``progress(block=False)`` on every rank until nothing moves, then finishes (see
+        operations/simulate.py)."""
+        self._awaiting_handshake = self._advance(self._awaiting_handshake, "hs", self._after_handshake, block, keep)
         # (the first stage may have queued new alltoalls; they are advanced here too)
         self._awaiting_alltoall = self._advance(self._awaiting_alltoall, "a2a",
-                                                lambda g: sharded.after_alltoall(self, g), block)
-
-    def _advance_earlier(self) -> None:
-        """Advance groups started earlier, while a new one starts (see ``ordered`` in the class docstring)."""
-        if not self.ordered:
-            self.progress(block=False)
-            return
-        prev = self._previous
-        older = [g for g in self._awaiting_handshake if g is not prev]
-        if older:
-            self._awaiting_handshake = [g for g in self._awaiting_handshake if g is prev]
-            for grp in older:
-                self._after_handshake(grp)
-        older = [g for g in self._awaiting_alltoall if g is not prev]
-        if older:
-            self._awaiting_alltoall = [g for g in self._awaiting_alltoall if g is prev]
-            for grp in older:
-                sharded.after_alltoall(self, grp)
+                                                lambda g: sharded.after_alltoall(self, g), block, keep)
 
     def pending(self) -> tuple:
         """(groups waiting for their handshake, sharded groups waiting for their alltoall)."""
@@ -242,24 +225,26 @@ class Exchange:
         self._previous = None
 
     def _receive(self, tk: Ticket):
-        grp = tk.group
+        """The member's result from its transport, or None when it sent nothing or is zeroed.  A group
+        whose per-rank allgather Horovod refused for a joined rank goes again by the handshake."""
+        if tk.slot is None or tk.zero:
+            return None
         try:
-            return TRANSPORTS[grp.mode].receive(self, tk)
+            return TRANSPORTS[tk.group.mode].receive(self, tk)
         except CollectiveError:
-            if not self._refused_for_join(grp):
+            if not self._refused_for_join(tk.group):
                 raise
-        self._handshake_after_join(grp)
+        self._handshake_after_join(tk.group)      # (the group's mode is then "joined": no second retry)
         if tk.error is not None:
             raise tk.error
-        return TRANSPORTS[grp.mode].receive(self, tk) if (tk.slot is not None and not tk.zero) else None
+        return self._receive(tk)
 
     @staticmethod
     def _refused_for_join(grp: Group) -> bool:
         """Horovod refused the group's allgather because a rank is in hvd.join() (per-rank scalers: no
         handshake told us before the payloads left)."""
         err = grp.gather_error
-        return grp.mode == "allgather" and grp.hs is None and err is not None and \
-            "not supported with join" in str(err).lower()
+        return grp.mode == "allgather" and grp.hs is None and err is not None and allgather.refused_for_join(err)
 
     def _handshake_after_join(self, grp: Group) -> None:
         """Per-rank scalers while a rank is in hvd.join(): Horovod refused the group's allgather on every
@@ -273,10 +258,13 @@ class Exchange:
         grp.sent = []
         for tk in members:
             tk.slot = None
+        self._send_handshake(grp, hs)
+        self._after_handshake(grp)
+
+    def _send_handshake(self, grp: Group, hs: torch.Tensor) -> None:
         grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{grp.name}")
         self.stats.collectives += 1
         self.stats.handshake_bytes_sent += hs.numel() * hs.element_size()
-        self._after_handshake(grp)
 
     # -- used by the transports -------------------------------------------------------------------
     def queue_alltoall(self, grp: Group) -> None:
@@ -300,11 +288,12 @@ class Exchange:
             return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size)
         return self.config.exchange
 
-    def _advance(self, queue: list, stage: str, step, block: bool) -> list:
-        """Run ``step`` on the groups whose ``stage`` collective completed (all, if block); return the rest."""
+    def _advance(self, queue: list, stage: str, step, block: bool, keep: "Group | None" = None) -> list:
+        """Run ``step`` on the groups but ``keep`` whose ``stage`` collective completed (all, if block);
+        return the rest."""
         waiting = []
         for grp in queue:
-            if block or self.coll.poll(getattr(grp, stage)):
+            if grp is not keep and (block or self.coll.poll(getattr(grp, stage))):
                 step(grp)
             else:
                 waiting.append(grp)

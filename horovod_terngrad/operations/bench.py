@@ -228,8 +228,8 @@ def bench_step(args):
         return models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)[0]
 
     model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)
-    ntensors = sum(1 for _ in model.parameters())
-    nparams = sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() for p in model.parameters()]
+    ntensors, nparams = len(sizes), sum(sizes)
     described = f"{args.model} ({models.describe(model)})"
     del model
     rounds = max(1, getattr(args, "rounds", 1))
@@ -312,7 +312,7 @@ def bench_step(args):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": hvd.size(), "model": args.model, "params": nparams, "tensors": ntensors,
-                           "sizes": [p.numel() for p in make_model().parameters()], "batch": args.batch,
+                           "sizes": sizes, "batch": args.batch,
                            "rounds": rounds, "rows": rows, "calibration": calibration}, f, indent=1)
     hvd.shutdown()
 
