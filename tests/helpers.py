@@ -20,7 +20,7 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks
     stats = [C.tensor_stats(g, cfg.bucket_size) for g in flat]
     thrs = [C.clip_threshold(st, cfg.clip_factor) for st in stats]
     local = [C.local_scalers(st, thr) for st, thr in zip(stats, thrs)]
-    scalers = [torch.stack(local).amax(dim=0)] * N if cfg.shared_scaler else local
+    scalers = [torch.stack(local).amax(dim=0)] * N if cfg.shares_scaler else local
     tid = C.tensor_id(name)
     n = flat[0].numel()
     ternary = [C.ternarize(flat[r], thrs[r], scalers[r], cfg.bucket_size, C.stream_key(cfg.seed, step, tid, ranks[r]))

@@ -179,7 +179,7 @@ def test_start_waits_only_for_groups_before_the_previous_one(ordered):
     import threading
     world = ThreadWorld(2)
     cs = [CountingCollectives(world, r) for r in range(2)]
-    cfg = TernGradConfig()
+    cfg = TernGradConfig(shared_scaler=True)
     names = [f"t{i}" for i in range(60)]
     free = 60 if not ordered else 2
     ready = threading.Event()
@@ -280,7 +280,7 @@ FUSED = [(20, 50), (50,), (0,), (7, 3, 3), (1,), (1000,)]
 
 
 class KindCounting:
-    """Collectives that count the collectives this rank launches, by kind ("max", "gather", "a2a"), and
+    """Collectives that count the collectives this rank launches, by kind ("max", "gather", "a2a", "sum"), and
     record their names in issue order (``issued``)."""
 
     def __init__(self, inner):
@@ -301,6 +301,10 @@ class KindCounting:
     def alltoall_async(self, tensor, splits, name):
         self._count("a2a", name)
         return self.inner.alltoall_async(tensor, splits, name)
+
+    def allreduce_sum_async(self, tensor, name):
+        self._count("sum", name)
+        return self.inner.allreduce_sum_async(tensor, name)
 
     def poll(self, handle):
         return self.inner.poll(handle)
@@ -342,7 +346,8 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
             for r in range(N):
                 assert torch.equal(res[r][0][step][i], want), (step, i, r)
     # one handshake (shared scaler only) and one allgather (+ one alltoall if sharded) per step, six tensors
-    want = {"max": steps, "gather": steps} if cfg.shared_scaler else {"gather": steps}
+    # shared: a handshake per group; per-rank: a presence check per step (a finish ends the step)
+    want = {"max": steps, "gather": steps} if cfg.shares_scaler else {"sum": steps, "gather": steps}
     if cfg.exchange == "sharded":
         want["a2a"] = steps
     assert res[0][1] == want
@@ -353,7 +358,7 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
 def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     if backend == "torch":
         monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
-    cfg = TernGradConfig(on_nonfinite=policy)
+    cfg = TernGradConfig(on_nonfinite=policy, shared_scaler=True)
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -381,7 +386,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
 
 def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_rank():
     def body(c):
-        ex = Exchange(c, TernGradConfig())
+        ex = Exchange(c, TernGradConfig(shared_scaler=True))
         members = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 10), "b")]
         if c.rank == 1:
             members.append((torch.randn(5), "c"))      # a member the other rank does not have
@@ -402,7 +407,7 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
     """A fused group's handshake costs 32 + 16 per member + 8 per scaler bytes (72 per tensor alone);
     members of equal count whose sizes differ between ranks are caught by the layout checksum."""
     def body(c):
-        ex = Exchange(c, TernGradConfig())
+        ex = Exchange(c, TernGradConfig(shared_scaler=True))
         tks = ex.start_group([(grad((7,), c.rank, i), f"t{i}") for i in range(5)], "g")
         for tk in tks:
             ex.finish(tk)
@@ -431,9 +436,9 @@ def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
     """hvd.join() semantics on thread-ranks: the last rank joins at once; the others average lone and fused
     tensors for two steps (allgather and alltoall are refused while a rank has joined, so the exchange
     goes by allreduce-sum); the joined rank counts as a zero gradient, and every active rank gets exactly
-    the reference average over all N ranks.  With per-rank scalers the payloads have left by allgather
-    before anyone knew; Horovod refuses it on every active rank, which then run the shared-scaler
-    handshake over the active ranks and the join transport: the reference is the shared-scaler one."""
+    the reference average over all N ranks.  With per-rank scalers the step's presence check (the joined
+    rank adds 0) sends the groups by the shared-scaler handshake over the active ranks and the join
+    transport instead of an allgather (which Horovod would refuse): the reference is the shared-scaler one."""
     shapes = [(33,), (4, 5), (1,), (0,)]
 
     def body(c):
@@ -459,8 +464,9 @@ def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
             for r in active:
                 assert torch.equal(results[r][1][0][k], want), (name, step, r)
             k += 1
-    # a handshake and one allreduce-sum per group and step (per-rank: first the refused allgather)
-    assert results[0][1][1] == 2 * 2 * (2 if cfg.shared_scaler else 3)
+    # a handshake and one allreduce-sum per group and step (per-rank: and a presence check before each group,
+    # as a finish comes between them)
+    assert results[0][1][1] == 2 * 2 * 2 + (0 if cfg.shares_scaler else 2 * 2)
 
 
 # -- the order of collectives --------------------------------------------------------------------------
@@ -482,7 +488,8 @@ def issue_orders(cfg, ordered):
     return run_ranks(2, body)
 
 
-@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(exchange="sharded")], ids=["allgather", "sharded"])
+@pytest.mark.parametrize("cfg", [TernGradConfig(shared_scaler=True), TernGradConfig(exchange="sharded")],
+                         ids=["allgather", "sharded"])
 def test_ranks_issue_the_same_collectives_in_the_same_order_whatever_their_timing(cfg):
     """Horovod names unnamed ops after a rank-local handle counter, so a user's unnamed hvd.allreduce issued
     while TernGrad's groups are in flight gets the same name on every rank only if every rank issued the

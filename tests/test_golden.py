@@ -49,10 +49,17 @@ def _grad(shape, rank, tensor, step, nan=False):
 
 
 class _Recording:
-    """Collectives that log (kind, name, digest of the input) of every call, then delegate."""
+    """Collectives that log (kind, name, digest of the input) of every call, then delegate.  Per-rank
+    scalers' presence checks (a 1 per rank and step, added after the pins were written) are kept apart in
+    ``presence`` and checked on their own, so the pins stay the ones the old code wrote."""
 
     def __init__(self, inner):
-        self.inner, self.rank, self.size, self.log = inner, inner.rank, inner.size, []
+        self.inner, self.rank, self.size, self.log, self.presence = inner, inner.rank, inner.size, [], []
+
+    def allreduce_sum_async(self, tensor, name):
+        entry = ["sum", name, _digest(tensor)]
+        (self.presence if name.startswith("terngrad.presence.") else self.log).append(entry)
+        return self.inner.allreduce_sum_async(tensor, name)
 
     def allreduce_max_async(self, tensor, name):
         self.log.append(["max", name, _digest(tensor)])
@@ -74,7 +81,7 @@ class _Recording:
 
 
 def _run(case: str, n_ranks: int, fused: str) -> dict:
-    cfg = TernGradConfig(**CASES[case])
+    cfg = TernGradConfig(**{"shared_scaler": True, **CASES[case]})   # pins predate the per-rank default
 
     def body(c):
         rec = _Recording(c)
@@ -88,11 +95,15 @@ def _run(case: str, n_ranks: int, fused: str) -> dict:
             else:
                 tickets = [ex.start(g, name) for g, name in grads]
             outs.append([_digest(ex.finish(t)) for t in tickets])
-        return {"log": rec.log, "outs": outs}
+        return {"log": rec.log, "outs": outs, "presence": rec.presence}
 
     per_rank = run_ranks(n_ranks, body)
     for r in range(1, n_ranks):
         assert per_rank[r]["outs"] == per_rank[0]["outs"], f"rank {r} decoded other bits than rank 0"
+    one = ["sum", None, _digest(torch.ones(1, dtype=torch.int32))]
+    want_presence = [] if cfg.shares_scaler else [one] * 2        # one per step (a finish ends a step)
+    for r in per_rank:
+        assert [[k, None, d] for k, _, d in r["presence"]] == want_presence
     # a rank posts a payload as soon as its handshake is back: the order across names depends on thread
     # timing, so the log is compared as a sorted list (every collective, with its bytes, exactly once)
     return {"outs": per_rank[0]["outs"], "logs": [sorted(r["log"]) for r in per_rank]}

@@ -311,7 +311,7 @@ def test_model_charges_exactly_the_bytes_the_engine_sends(exchange, N, packing, 
     counters against codec/sizes.py and exchange/cost.py: the model's P, H, c and P_sum are the engine's."""
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Exchange, cost, run_ranks
-    cfg = TernGradConfig(exchange=exchange, packing=packing, bucket_size=bucket_size)
+    cfg = TernGradConfig(exchange=exchange, packing=packing, bucket_size=bucket_size, shared_scaler=True)
 
     def body(c):
         ex = Exchange(c, cfg)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from .. import backends, codec
-from ..errors import RankMismatchError, TernGradError
+from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
 from .collectives import CollectiveError
 
 
@@ -37,15 +37,6 @@ def launch(ex, grp, members: list, data: torch.Tensor, name: str) -> None:
     ex.stats.collectives += 1
 
 
-JOIN_HINT = (" (while a rank is in hvd.join(), TernGrad needs shared_scaler=True, the default: its handshake "
-             "notices joined ranks)")
-
-
-def refused_for_join(err: Exception) -> bool:
-    """Horovod (and ThreadWorld) refused an allgather or alltoall because a rank is in hvd.join()."""
-    return "not supported with join" in str(err).lower()
-
-
 def collected(ex, tk, own_bytes: int, context: str = "") -> torch.Tensor:
     """The result of the group's payload collective (``grp.ag``: this allgather, or the join transport's
     allreduce), waited for once by whichever member finishes first.  ``own_bytes`` of it are not counted as
@@ -61,9 +52,8 @@ def collected(ex, tk, own_bytes: int, context: str = "") -> torch.Tensor:
         finally:
             ex.stats.gather_wait_s += time.perf_counter() - t0
     if grp.gather_error is not None:
-        hint = JOIN_HINT if grp.mode != "joined" and refused_for_join(grp.gather_error) else ""
         raise grp.gather_error.detailed(f"TernGrad: exchange of gradient '{tk.name}'{context}"
-                                        + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed" + hint)
+                                        + (f" (fused in group '{grp.name}')" if grp.fused else "") + " failed")
     return grp.gathered
 
 
@@ -98,8 +88,7 @@ def receive(ex, tk) -> torch.Tensor | None:
                                 f"{[(h.fmt, h.bucket_size) for h in headers]}")
     bad = [r for r, h in enumerate(headers) if h.flags & codec.packing.FLAG_NONFINITE]
     if bad:
-        ex.nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains "
-                         f"NaN or Inf on rank(s) {bad}")
+        ex.nonfinite(tk, NonFiniteGradientError.describe(tk.name, tk.shape, bad[0], bad[-1]))
         if tk.error is not None:
             raise tk.error
         return None

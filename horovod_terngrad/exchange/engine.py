@@ -13,8 +13,12 @@ One gradient's path, for a group of one tensor or several fused ones (shared sca
    outstanding alltoall, is advanced (so no group waits behind another), then this member's result is
    waited for and decoded.
 
-With ``shared_scaler=False`` there is no handshake: payloads leave from ``start_group`` and their headers
-carry each rank's scalers and NaN flag.  Fusing changes how many collectives run, never a bit of any
+With per-rank scalers (``shared_scaler=False``, the default of the allgather exchange) there is no
+handshake per group: payloads leave from ``start_group`` and their headers carry each rank's scalers and
+NaN flag.  Only the first group of a step asks, by one allreduce-sum of a 1 per rank, whether every rank
+takes part (``Presence``): a rank in ``hvd.join()`` adds 0, and Horovod refuses allgathers while a rank has
+joined (and its joined rank's background loop dies of the refusal, so trying first is not an option).
+In such a step the groups take the shared-scaler handshake and the join transport instead.  Fusing changes how many collectives run, never a bit of any
 result: each member keeps its statistics, scaler, random stream and payload.  Collectives are named
 ``terngrad.{hs,ag,a2a,sg,join}.<group>`` after the group name the caller gives (every rank gives the same).
 
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -75,19 +78,29 @@ class Ticket:
         self.payload_bytes = 0
         self.error = None          # raised by finish
         self.zero = False          # the result is zero (agreed empty, or zeroed NaN/Inf)
-        self.prep = None           # per-rank scalers: the statistics, kept for a handshake after a join
+        self.prep = None           # the statistics (codec.Prepared): scalers, NaN flag, for the handshake
+
+
+class Presence:
+    """Per-rank scalers: whether every rank takes part in this step, asked once per step (the first group
+    started after a ``finish``) by an allreduce-sum of a 1 from each rank; ranks in ``hvd.join()`` add 0."""
+
+    __slots__ = ("handle", "active", "error")
+
+    def __init__(self, handle):
+        self.handle, self.active, self.error = handle, None, None
 
 
 class Group:
     """The tensors that share one handshake and one exchange (one tensor, or several fused), and the
     state of their collectives."""
 
-    __slots__ = ("name", "members", "mode", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent", "gathered",
-                 "walked", "gather_error")
+    __slots__ = ("name", "members", "mode", "presence", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent",
+                 "gathered", "walked", "gather_error")
 
     def __init__(self, name: str, members: list, mode: str):
         self.name, self.members, self.mode = name, members, mode
-        self.hs = self.a2a = self.ag = None
+        self.presence = self.hs = self.a2a = self.ag = None
         self.a2a_own = 0                 # sharded: bytes of the alltoall addressed to this rank itself
         self.sent: list = []             # members whose payloads travel, in payload order
         self.bytes_sent = 0
@@ -124,8 +137,10 @@ class Exchange:
         self.stats = stats if stats is not None else ExchangeStats()
         self.inspection = inspection if inspection is not None else Inspection()
         self.steps: dict[str, int] = steps if steps is not None else {}
+        self._awaiting_presence: list[Group] = []     # per-rank groups (ordered=False only)
         self._awaiting_handshake: list[Group] = []
         self._awaiting_alltoall: list[Group] = []
+        self._presence: Presence | None = None        # this step's; a finish ends the step
         self._warned_nonfinite: set = set()
         self.ordered = ordered
         self._previous: Group | None = None     # the group started last (ordered: left in flight)
@@ -145,7 +160,7 @@ class Exchange:
         item, each finished with ``finish``."""
         cfg = self.config
         t0 = time.perf_counter()
-        tickets, preps = [], []
+        tickets = []
         device = items[0][0].device if items else None
         backend = backends.for_device(device) if items else None
         for tensor, name in items:
@@ -156,41 +171,35 @@ class Exchange:
             if g32.device != device:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
             prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
-            tickets.append(Ticket(
-                self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
-                codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), prep.scalers.numel(),
-                average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32))
-            preps.append(prep)
+            tk = Ticket(self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
+                        codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), prep.scalers.numel(),
+                        average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32)
+            tk.prep = prep
+            tickets.append(tk)
         grp = Group(group, tickets, self._mode([tk.g32.numel() for tk in tickets]))
         for tk in tickets:
             tk.group = grp
         if not tickets:
             return tickets
-        if cfg.shared_scaler:
-            hs = handshake.build(preps, [t for t, _ in items], self.coll.rank, self.coll.size)
-            self.stats.codec_s += time.perf_counter() - t0
-            self._send_handshake(grp, hs)
-            # earlier groups' payloads go out now, during backward (ordered: all but the previous group's)
-            self.progress(block=self.ordered, keep=self._previous if self.ordered else None)
-            self._awaiting_handshake.append(grp)
-            self._previous = grp
+        self.stats.codec_s += time.perf_counter() - t0
+        if cfg.shares_scaler:
+            self._start_with_handshake(grp)
+            return tickets
+        if self._presence is None:
+            self._presence = Presence(self.coll.allreduce_sum_async(
+                torch.ones(1, dtype=torch.int32, device=device), f"terngrad.presence.{grp.name}"))
+            self.stats.collectives += 1
+            self.stats.handshake_bytes_sent += 4
+        grp.presence = self._presence
+        if self.ordered:
+            self._after_presence(grp)     # waits only in the step's first group
         else:
-            sends = []
-            for tk, prep in zip(tickets, preps):
-                on_host = prep.nonfinite.device.type == "cpu"
-                payload = backend.encode(tk.g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
-                                         flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
-                if not on_host:          # the flag byte, written on the device (no host synchronization)
-                    payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
-                self._record(tk, payload, prep.scalers)
-                tk.prep = prep
-                sends.append((tk, payload))
-            self.stats.codec_s += time.perf_counter() - t0
-            allgather.send(self, grp, sends)
+            self._awaiting_presence.append(grp)
         return tickets
 
     def finish(self, tk: Ticket) -> torch.Tensor:
         """Wait for a ticket's exchange and return the average (or sum) in the tensor's shape and dtype."""
+        self._presence = None     # the next group starts another step, which a rank may have left by join
         self.progress(block=True)
         if tk.error is not None:
             raise tk.error
@@ -209,57 +218,77 @@ class Exchange:
         in flight.  ``finish`` calls it; a driver that plays several ranks from one thread calls
         ``progress(block=False)`` on every rank until nothing moves, then finishes (see
         operations/simulate.py)."""
-        self._awaiting_handshake = self._advance(self._awaiting_handshake, "hs", self._after_handshake, block, keep)
+        self._awaiting_presence = self._advance(self._awaiting_presence, lambda g: g.presence.handle,
+                                                self._after_presence, block, keep)
+        self._awaiting_handshake = self._advance(self._awaiting_handshake, lambda g: g.hs, self._after_handshake,
+                                                 block, keep)
         # (the first stage may have queued new alltoalls; they are advanced here too)
-        self._awaiting_alltoall = self._advance(self._awaiting_alltoall, "a2a",
+        self._awaiting_alltoall = self._advance(self._awaiting_alltoall, lambda g: g.a2a,
                                                 lambda g: sharded.after_alltoall(self, g), block, keep)
 
     def pending(self) -> tuple:
-        """(groups waiting for their handshake, sharded groups waiting for their alltoall)."""
-        return len(self._awaiting_handshake), len(self._awaiting_alltoall)
+        """(groups waiting for their presence check or handshake, sharded groups waiting for their alltoall)."""
+        return len(self._awaiting_presence) + len(self._awaiting_handshake), len(self._awaiting_alltoall)
 
     def reset(self) -> None:
         """Forget every group in flight (after a failed step, or when the world changes); keeps
         ``steps``, ``stats`` and ``inspection``, which belong to whoever passed them in."""
-        self._awaiting_handshake, self._awaiting_alltoall = [], []
-        self._previous = None
+        self._awaiting_presence, self._awaiting_handshake, self._awaiting_alltoall = [], [], []
+        self._previous = self._presence = None
 
     def _receive(self, tk: Ticket):
-        """The member's result from its transport, or None when it sent nothing or is zeroed.  A group
-        whose per-rank allgather Horovod refused for a joined rank goes again by the handshake."""
+        """The member's result from its transport, or None when it sent nothing or is zeroed."""
         if tk.slot is None or tk.zero:
             return None
-        try:
-            return TRANSPORTS[tk.group.mode].receive(self, tk)
-        except CollectiveError:
-            if not self._refused_for_join(tk.group):
-                raise
-        self._handshake_after_join(tk.group)      # (the group's mode is then "joined": no second retry)
-        if tk.error is not None:
-            raise tk.error
-        return self._receive(tk)
+        return TRANSPORTS[tk.group.mode].receive(self, tk)
 
-    @staticmethod
-    def _refused_for_join(grp: Group) -> bool:
-        """Horovod refused the group's allgather because a rank is in hvd.join() (per-rank scalers: no
-        handshake told us before the payloads left)."""
-        err = grp.gather_error
-        return grp.mode == "allgather" and grp.hs is None and err is not None and allgather.refused_for_join(err)
-
-    def _handshake_after_join(self, grp: Group) -> None:
-        """Per-rank scalers while a rank is in hvd.join(): Horovod refused the group's allgather on every
-        active rank alike, so every active rank now runs the shared-scaler handshake for the group (the
-        joined ranks take part with zeros, which the verdict notices) and sends it by the join transport.
-        The scaler becomes the max over the active ranks; the random streams are the same ones."""
-        members = grp.members
-        described = [SimpleNamespace(shape=tk.shape, dtype=tk.dtype) for tk in members]   # what build reads
-        hs = handshake.build([tk.prep for tk in members], described, self.coll.rank, self.coll.size)
-        grp.gather_error = grp.gathered = grp.walked = None
-        grp.sent = []
-        for tk in members:
-            tk.slot = None
+    def _start_with_handshake(self, grp: Group, advance: bool = True) -> None:
+        """Send the group's handshake (the agreed scalers, checks, joined ranks), then (``advance``) move
+        earlier groups on: ordered, every one started before the previous one, waiting (their handshakes
+        are long back); polling, those whose handshakes are back."""
+        t0 = time.perf_counter()
+        hs = handshake.build([tk.prep for tk in grp.members], grp.members, self.coll.rank, self.coll.size)
+        self.stats.codec_s += time.perf_counter() - t0
         self._send_handshake(grp, hs)
-        self._after_handshake(grp)
+        if advance:
+            self.progress(block=self.ordered, keep=self._previous if self.ordered else None)
+        self._awaiting_handshake.append(grp)
+        self._previous = grp
+
+    def _after_presence(self, grp: Group) -> None:
+        """Per-rank scalers: once the step's presence is known, encode and send the group's payloads; in a
+        step where a rank is in hvd.join(), go by the shared-scaler handshake and the join transport
+        instead (the scaler is then the max over the active ranks; the random streams are the same)."""
+        p = grp.presence
+        if p.active is None and p.error is None:
+            t0 = time.perf_counter()
+            try:
+                p.active = int(self.coll.synchronize(p.handle)[0])
+            except CollectiveError as e:    # keeps the collectives' error class (Horovod's, for elastic)
+                p.error = e
+            finally:
+                self.stats.handshake_wait_s += time.perf_counter() - t0
+        if p.error is not None:
+            for tk in grp.members:
+                tk.error = p.error.detailed(f"TernGrad: the presence check before gradient '{tk.name}' failed")
+            return
+        if p.active != self.coll.size:      # (polling: this runs inside progress, which must not recurse)
+            self._start_with_handshake(grp, advance=self.ordered)
+            return
+        t0 = time.perf_counter()
+        cfg, sends = self.config, []
+        backend = backends.for_device(grp.members[0].g32.device)
+        for tk in grp.members:
+            prep = tk.prep
+            on_host = prep.nonfinite.device.type == "cpu"
+            payload = backend.encode(tk.g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
+                                     flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
+            if not on_host:          # the flag byte, written on the device (no host synchronization)
+                payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
+            self._record(tk, payload, prep.scalers)
+            sends.append((tk, payload))
+        self.stats.codec_s += time.perf_counter() - t0
+        allgather.send(self, grp, sends)
 
     def _send_handshake(self, grp: Group, hs: torch.Tensor) -> None:
         grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{grp.name}")
@@ -288,12 +317,12 @@ class Exchange:
             return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size)
         return self.config.exchange
 
-    def _advance(self, queue: list, stage: str, step, block: bool, keep: "Group | None" = None) -> list:
-        """Run ``step`` on the groups but ``keep`` whose ``stage`` collective completed (all, if block);
-        return the rest."""
+    def _advance(self, queue: list, handle, step, block: bool, keep: "Group | None" = None) -> list:
+        """Run ``step`` on the groups but ``keep`` whose collective ``handle(group)`` completed (all, if
+        block); return the rest."""
         waiting = []
         for grp in queue:
-            if grp is not keep and (block or self.coll.poll(getattr(grp, stage))):
+            if grp is not keep and (block or self.coll.poll(handle(grp))):
                 step(grp)
             else:
                 waiting.append(grp)
@@ -339,10 +368,7 @@ class Exchange:
     def _encode_agreed(self, tk: Ticket, member: handshake.MemberVerdict) -> torch.Tensor | None:
         """One member's payload, ternarized with the agreed scalers, or None if it sends nothing."""
         if member.first_bad >= 0:
-            msg = (f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on "
-                   f"rank {member.first_bad}"
-                   + (f" (and up to rank {member.last_bad})" if member.last_bad != member.first_bad else ""))
-            self.nonfinite(tk, msg)
+            self.nonfinite(tk, NonFiniteGradientError.describe(tk.name, tk.shape, member.first_bad, member.last_bad))
             return None
         if tk.g32.numel() == 0:
             tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor

@@ -52,7 +52,7 @@ class Verdict:
 
 def build(preps: list, tensors: list, rank: int, size: int) -> torch.Tensor:
     """This rank's handshake vector for a group (``preps``: each member's ``codec.Prepared``; ``tensors``:
-    the members as handed in, for their shape and dtype).  Host tensors are built in one go; device
+    the members, anything with their ``shape`` and ``dtype`` as handed in).  Host tensors are built in one go; device
     tensors without a host synchronization."""
     fused = len(preps) > 1
     if fused:

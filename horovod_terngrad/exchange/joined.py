@@ -15,8 +15,8 @@ that group by one allreduce-sum of int32 words instead of the usual transport:
   allgather exchange's formula, with the joined ranks' t_r = 0.
 
 Cost: 32/floor(31/L) bits per element (3.2 at N = 2) instead of 2, only in the steps where a rank has joined.
-Needs the shared-scaler handshake (the default): with ``shared_scaler=False`` payloads leave by allgather at
-once, which Horovod refuses while a rank has joined.
+It rides on the shared-scaler handshake: with per-rank scalers, the step's presence check (engine.py)
+tells every active rank that a rank has joined, and the step's groups then take the handshake.
 """
 from __future__ import annotations
 

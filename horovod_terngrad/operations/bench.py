@@ -100,9 +100,9 @@ def bench_codec(args):
 STEP_CONFIGS = {
     "fp32": ("fp32 (Compression.none)", lambda hvd, T: hvd.Compression.none),
     "fp16": ("fp16 (Compression.fp16)", lambda hvd, T: hvd.Compression.fp16),
-    "terngrad": ("TernGrad shared scaler", lambda hvd, T: T()),
+    "terngrad": ("TernGrad (defaults: per-rank scalers)", lambda hvd, T: T()),
     "terngrad-unfused": ("TernGrad, no fusion", lambda hvd, T: T(fusion_numel=0)),
-    "terngrad-per-rank": ("TernGrad per-rank scaler", lambda hvd, T: T(shared_scaler=False)),
+    "terngrad-shared": ("TernGrad shared scaler (paper)", lambda hvd, T: T(shared_scaler=True)),
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
 }
 
@@ -306,8 +306,8 @@ def bench_step(args):
         if "terngrad" in by and "terngrad-unfused" in by:
             print(f"  tensor fusion saves {by['terngrad-unfused'] - by['terngrad']:+.2f} ms/step "
                   f"({by['terngrad-unfused'] / by['terngrad']:.2f}x) for {ntensors} tensors")
-        if "terngrad" in by and "terngrad-per-rank" in by:
-            print(f"  handshake cost (shared - per-rank scaler): {by['terngrad'] - by['terngrad-per-rank']:+.2f} ms/step "
+        if "terngrad" in by and "terngrad-shared" in by:
+            print(f"  handshake cost (shared - per-rank scaler): {by['terngrad-shared'] - by['terngrad']:+.2f} ms/step "
                   f"for {ntensors} tensors")
         if args.json:
             with open(args.json, "w") as f:
@@ -361,7 +361,7 @@ def main(argv=None):
     s.add_argument("--warmup", type=int, default=5)
     s.add_argument("--rounds", type=int, default=1,
                    help="interleave: every round runs each configuration (and the calibration) for --steps steps")
-    s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-unfused,terngrad-per-rank",
+    s.add_argument("--configs", default="fp32,fp16,terngrad,terngrad-unfused,terngrad-shared",
                    help="comma list of " + ",".join(STEP_CONFIGS))
     s.add_argument("--json", default="", help="rank 0 writes the figures here")
     s.add_argument("--calibrate", action="store_true",

@@ -118,7 +118,11 @@ class Simulator:
             for eng in self.engines:
                 eng.progress(block=False)
             moved = [eng.pending() for eng in self.engines] != before
-        return [self.engines[0].finish(t) for t in tickets[0]]
+        try:
+            return [self.engines[0].finish(t) for t in tickets[0]]
+        finally:
+            for eng in self.engines[1:]:   # their results are rank 0's; end their step as a finish would
+                eng.reset()
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn, optimizer: torch.optim.Optimizer) -> None:
         avg = self.average(self.worker_gradients(x, y, loss_fn))
