@@ -52,7 +52,8 @@ def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.T
     is 0 are left out (the ratio is undefined there)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1 to measure anything, got {steps}")
-    config = config or TernGradConfig(seed=seed)
+    # the paper's settings, with which docs/study was measured: every tensor ternarized, one shared scaler
+    config = config or TernGradConfig(seed=seed, min_numel=0, shared_scaler=True)
     fp32 = Simulator(model, n_workers, config, compression="none")
     tern = Simulator(model, n_workers, config, compression="terngrad")
     opt = model.adam(lr)

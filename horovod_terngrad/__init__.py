@@ -13,7 +13,8 @@ from .frontends.horovod import TernGradCompressor
 
 __version__ = "0.1.0"
 
-#: Ready compressor with the paper's defaults (c = 2.5, 2-bit packing, layer-wise shared scaler).
+#: Ready compressor with the defaults (c = 2.5, 2-bit packing, layer-wise scalers: per rank with the allgather
+#: exchange, shared with the sharded one; tensors under 4096 elements at full precision).
 TernGrad = TernGradCompressor()
 
 _compressors: dict = {}    # config -> the compressor (its state) behind the functional API

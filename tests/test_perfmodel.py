@@ -272,10 +272,13 @@ def test_terngrad_buffers_follow_the_frontends_fusion():
     from horovod_terngrad import TernGradConfig
     assert pm.TERNGRAD_FUSION_NUMEL == TernGradConfig().fusion_numel
     sizes = [10, 20, 3_000_000, 5, 6]
-    _, used = pm.model_exchange_cost("terngrad_allgather", sizes, 4, FLAT, fusion_numel=100)
+    every = TernGradConfig(min_numel=0)                # every tensor ternarized
+    _, used = pm.model_exchange_cost("terngrad_allgather", sizes, 4, FLAT, fusion_numel=100, config=every)
     assert len(used) == 3                              # [10, 20], [3M], [5, 6]
-    _, used = pm.model_exchange_cost("terngrad_allgather", sizes, 4, FLAT, fusion_numel=0)
+    _, used = pm.model_exchange_cost("terngrad_allgather", sizes, 4, FLAT, fusion_numel=0, config=every)
     assert len(used) == 5
+    _, used = pm.model_exchange_cost("terngrad_allgather", sizes, 4, FLAT, fusion_numel=100)
+    assert used == ["terngrad_allgather", "fp32"]      # the default min_numel: the small ones go fp32, fused
     _, used = pm.model_exchange_cost("fp32", sizes, 4, FLAT)
     assert len(used) == 1                              # Horovod fuses all 12 MB into one 64 MB buffer
 
@@ -386,8 +389,8 @@ def test_exchange_plan_is_the_fusion_cut_with_the_config_policy():
     assert total.time_s == pytest.approx(sum(pm.exchange_cost(m, g, 64, net).time_s for m, g in plan))
     # without a config: TernGradConfig()'s policy, fusion_numel from the argument
     default = fusion.cut_sizes(numels, TernGradConfig(fusion_numel=3000))
-    assert [g for _, g in pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, fusion_numel=3000)] == \
-        default.group_sizes()
+    assert [g for m, g in pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, fusion_numel=3000)
+            if m != "fp32"] == default.group_sizes()
     with pytest.raises(ValueError, match="contradicts"):
         pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, "base3", config=cfg, names=names)
     with pytest.raises(ValueError, match="distinct names"):

@@ -19,7 +19,7 @@ def test_simulator_matches_two_real_horovod_ranks_bit_for_bit(tmp_path):
     real = launch(tmp_path, "gloo", 2, ["lenet_sim"])["lenet_sim"]
     torch.set_num_threads(1)
     model, x, y, opt = W.sim_setup()
-    sim = Simulator(model, 2, TernGradConfig(seed=W.SIM_SEED, exclude=W.SIM_EXCLUDE), grad_mode="loop")
+    sim = Simulator(model, 2, TernGradConfig(seed=W.SIM_SEED, exclude=W.SIM_EXCLUDE, min_numel=0), grad_mode="loop")
     for step in range(W.SIM_STEPS):
         idx = batch_indices(W.SIM_SEED, step, len(x), W.SIM_BATCH)
         sim.step(x[idx], y[idx], F.cross_entropy, opt)
@@ -37,7 +37,7 @@ def test_simulator_is_the_exchange_on_threaded_ranks_bit_for_bit(cfg):
     from horovod_terngrad.exchange import Exchange, run_ranks
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
-    config = TernGradConfig(seed=7, **cfg)
+    config = TernGradConfig(seed=7, min_numel=0, **cfg)   # every tensor through the engine, as below
     sim = Simulator(model, 5, config)
     grads = []
     for step in range(3):
@@ -70,7 +70,7 @@ def test_policy_keeps_excluded_and_small_tensors_in_fp32(exchange):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
     x, y = torch.randn(12, 20), torch.randint(0, 5, (12,))
-    plain = Simulator(model, 3, TernGradConfig(seed=3, exchange=exchange))
+    plain = Simulator(model, 3, TernGradConfig(seed=3, exchange=exchange, min_numel=0))
     policy = Simulator(model, 3, TernGradConfig(seed=3, exchange=exchange, exclude=(r"^2\.",), min_numel=301))
     g = plain.worker_gradients(x, y, F.cross_entropy)
     mean = Simulator(model, 3, compression="none").average(g)

@@ -1,6 +1,7 @@
 """Scheduled step model (horovod_terngrad/operations/timeline.py): hand-checked schedules on a flat network."""
 import pytest
 
+from horovod_terngrad import TernGradConfig
 from horovod_terngrad.operations import perfmodel as pm
 from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates, timeline_step
 
@@ -56,9 +57,10 @@ def test_terngrad_handshakes_submitted_together_share_one_round():
     # many small tensors, no TernGrad fusion: every handshake is issued during backward; those issued
     # while one runs fuse, so there are far fewer rounds than 2 per tensor
     sizes = [100] * 50
-    t = timeline_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0)
+    every = TernGradConfig(min_numel=0)
+    t = timeline_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0, config=every)
     assert t.rounds < 2 * len(sizes) / 4
-    additive = pm.predict_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0)
+    additive = pm.predict_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0, config=every)
     assert t.step_s < additive.step_s
 
 
@@ -131,13 +133,13 @@ def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_f
     from horovod_terngrad.codec import sizes
     from horovod_terngrad.exchange import cost
     numels, N = [21, 59, 1001], 3
-    t = timeline_step(numels, 0.01, N, FLAT, "terngrad_sharded")
+    t = timeline_step(numels, 0.01, N, FLAT, "terngrad_sharded", config=TernGradConfig(min_numel=0))
     c, p_sum = cost.sharded_bytes(numels, N, "2bit")
     assert t.rounds == 3
     assert t.channel_busy_s == pytest.approx(pm.ring_allreduce_time(sizes.handshake_size([1, 1, 1]), N, FLAT)
                                              + pm.alltoall_time(c, N, FLAT) + pm.ring_allgather_time(p_sum, N, FLAT))
     # a config's exclude: that tensor goes through Horovod's fp32 allreduce, the rest as a group of two
-    cfg = TernGradConfig(exclude=("fc3",))
+    cfg = TernGradConfig(exclude=("fc3",), min_numel=0)
     t = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg,
                       names=["a.weight", "a.bias", "fc3.weight"])
     fp32 = pm.ring_allreduce_time(4 * 1000, 4, FLAT)

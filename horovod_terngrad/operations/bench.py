@@ -103,6 +103,7 @@ STEP_CONFIGS = {
     "terngrad": ("TernGrad (defaults: per-rank scalers)", lambda hvd, T: T()),
     "terngrad-unfused": ("TernGrad, no fusion", lambda hvd, T: T(fusion_numel=0)),
     "terngrad-shared": ("TernGrad shared scaler (paper)", lambda hvd, T: T(shared_scaler=True)),
+    "terngrad-all": ("TernGrad, every tensor (min_numel=0)", lambda hvd, T: T(min_numel=0)),
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
 }
 
@@ -288,7 +289,7 @@ def bench_step(args):
             row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
                        payload_wait_ms=1000 * c["gather_wait_s"] / k,
                        bits_per_element=8.0 * (c["payload_bytes_sent"] + c["handshake_bytes_sent"]) / max(1, c["elements"]),
-                       collectives_per_step=c["collectives"] / k,
+                       collectives_per_step=c["collectives"] / k, bytes_received_per_step=c["bytes_received"] / k,
                        received_bits_per_element=8 * c["bytes_received"] / max(1, c["elements"]))
         rows.append(row)
     if hvd.rank() == 0:
