@@ -13,7 +13,9 @@ gloo and NCCL pick their own, the byte counts are what each rank hands over and 
 * ``allreduce_max_async`` / ``allreduce_sum_async``: elementwise max (exact in any order) / sum (int32, exact):
   ``all_reduce`` of a copy (the input is left as it was); about 2·(N-1)/N·b sent and received.
 * ``allgather_async``: the ranks' 1-D tensors concatenated in rank order.  torch.distributed gathers equal
-  sizes only, so by default the lengths travel first (a blocking ``all_gather`` of one int64 per rank, one
+  sizes only.  When the caller passes every rank's length (``sizes=``: the sharded exchange knows its
+  owners' sums, whose last one may be short) each tensor is padded to the longest and the padding cut out
+  again: one collective.  Otherwise, by default, the lengths travel first (a blocking ``all_gather`` of one int64 per rank, one
   round trip), then every rank's tensor padded to the longest (``all_gather_single``, asynchronous), and
   ``synchronize`` cuts the padding out: (N-1)·max_r b_r received.  With ``equal_sizes=True`` the caller
   promises that every rank hands the same number of elements in every allgather and alltoall chunk (the
@@ -22,7 +24,8 @@ gloo and NCCL pick their own, the byte counts are what each rank hands over and 
   collective, no padding, no extra round trip.  A broken promise is not caught here: gloo aborts the
   process on a size mismatch ("Received data size doesn't match expected size"), NCCL may hang.
 * ``alltoall_async(tensor, splits)``: chunk j of ``splits`` goes to rank j; each rank receives the chunks
-  addressed to it in sender order (``all_to_all_single``).  Receivers must know the sizes: by default the
+  addressed to it in sender order (``all_to_all_single``).  Receivers must know the sizes: given as
+  ``received=`` (the sharded exchange's shards depend on the receiver only), else by default the
   split vectors travel first (a blocking ``all_gather`` of N int64 per rank); with ``equal_sizes=True``
   every sender is taken to send rank j ``splits[j]`` elements (true of the sharded exchange, whose shard
   sizes depend on the receiver only).
@@ -64,6 +67,8 @@ class DistCollectives:
     """The ``Collectives`` of collectives.py on a ``torch.distributed`` process group (see module docstring).
     Rank and size are the group's, read once (a process group's members are fixed)."""
 
+    takes_sizes = True      # allgather_async(..., sizes=) and alltoall_async(..., received=): see collectives.py
+
     def __init__(self, group=None, equal_sizes: bool = False):
         dist = _dist()
         if not dist.is_available() or not dist.is_initialized():
@@ -88,13 +93,18 @@ class DistCollectives:
     def allreduce_sum_async(self, tensor, name):
         return self._allreduce(tensor, self._dist.ReduceOp.SUM, name)
 
-    def allgather_async(self, tensor, name):
+    def allgather_async(self, tensor, name, sizes=None):
         t = tensor.reshape(-1).contiguous()
         n = t.numel()
-        if self.equal_sizes or self.size == 1:
-            out = t.new_empty(self.size * n)
-            return self._start(name, "allgather", lambda: self._gather(out, t, group=self.group, async_op=True), out)
-        lengths = self._exchange_sizes(torch.tensor([n], dtype=torch.int64), name)[:, 0].tolist()
+        if sizes is not None:
+            lengths = [int(x) for x in sizes]
+            if len(lengths) != self.size or lengths[self.rank] != n:
+                return self._refused(f"allgather '{name}': sizes {lengths} do not fit {n} elements on rank "
+                                     f"{self.rank} of {self.size}")
+        elif self.equal_sizes or self.size == 1:
+            lengths = [n] * self.size
+        else:
+            lengths = self._exchange_sizes(torch.tensor([n], dtype=torch.int64), name)[:, 0].tolist()
         longest = max(lengths)
         if longest == min(lengths):      # the usual case: no padding to cut
             out = t.new_empty(self.size * n)
@@ -108,13 +118,18 @@ class DistCollectives:
         return self._start(name, "allgather", lambda: self._gather(out, padded, group=self.group, async_op=True),
                            out, cut)
 
-    def alltoall_async(self, tensor, splits, name):
+    def alltoall_async(self, tensor, splits, name, received=None):
         t = tensor.reshape(-1).contiguous()
         splits = [int(s) for s in splits]
         if len(splits) != self.size or sum(splits) != t.numel():
-            raise CollectiveError(f"alltoall '{name}': splits {splits} do not fit {t.numel()} elements "
-                                  f"on {self.size} ranks")
-        if self.equal_sizes:
+            return self._refused(f"alltoall '{name}': splits {splits} do not fit {t.numel()} elements "
+                                 f"on {self.size} ranks")
+        if received is not None:
+            received = [int(x) for x in received]
+            if len(received) != self.size or received[self.rank] != splits[self.rank]:
+                return self._refused(f"alltoall '{name}': received sizes {received} do not fit splits {splits} "
+                                     f"on rank {self.rank}")
+        elif self.equal_sizes:
             received = [splits[self.rank]] * self.size
         else:       # column ``rank`` of the senders' split vectors: what each sends this rank
             received = self._exchange_sizes(torch.tensor(splits, dtype=torch.int64), name)[:, self.rank].tolist()
@@ -155,6 +170,11 @@ class DistCollectives:
             err = self._error(e, f"{kind} '{name}' could not start")
             err.__cause__ = e
             return _Pending(None, out, finish, err)
+
+    @staticmethod
+    def _refused(message: str) -> _Pending:
+        """A collective refused before it started (its error is raised by ``synchronize``)."""
+        return _Pending(None, None, None, DistCollectiveError(message))
 
     def _exchange_sizes(self, sizes: torch.Tensor, name: str) -> torch.Tensor:
         """Every rank's ``sizes`` vector (rows in rank order), by one blocking all_gather."""
