@@ -25,11 +25,12 @@ LAUNCH_TIMEOUT = 300
 NP = 2
 
 EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "shared_sharded_base3", "shared_sharded_2bit_buckets",
-         "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "small_fusion_groups", "exclude_min_numel",
+         "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "small_fusion_groups", "auto_exchange",
+         "exclude_min_numel",
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16"]
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
-OTHER = ["collectives", "nan_raise", "nan_zero", "nan_then_continue", "resume", "register", "mismatch"]
+OTHER = ["collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register", "mismatch"]
 
 
 def rank_env():
@@ -165,6 +166,16 @@ def test_ddp_averages_are_bit_identical_to_the_horovod_frontends(ddp2, hvd2):
                 assert torch.equal(a, b), twin
 
 
+def test_the_asynchronous_hook_returns_before_the_exchange_is_done(ddp2):
+    """asynchronous=True: a bucket's future completes only after the hook was handed the next bucket (the
+    worker finishes bucket i after starting i+1), so the hook returns while the exchange is under way and
+    backward goes on; asynchronous=False: the hook returns a completed future."""
+    for done in (r["done_at_return"] for r in ddp2["shared_allgather_2bit"]):
+        assert len(done) >= 7 and not any(d for last, d in done if not last)
+    for done in (r["done_at_return"] for r in ddp2["shared_allgather_2bit_sync"]):
+        assert all(d for _, d in done)
+
+
 def test_sync_and_async_hooks_give_the_same_bits(ddp2):
     a, s = ddp2["shared_allgather_2bit"], ddp2["shared_allgather_2bit_sync"]
     for r in range(NP):
@@ -209,21 +220,31 @@ def test_fp16_and_bf16_gradients(ddp2):
         assert outs and all(t.dtype == dtype for _, t in outs), sc
 
 
-def test_nan_on_one_rank_is_seen_by_every_rank(ddp2):
-    raised = ddp2["nan_raise"]
+@pytest.mark.parametrize("sc", ["nan_raise", "nan_raise_per_rank"])
+def test_nan_on_one_rank_raises_on_every_rank(ddp2, sc):
+    """Shared scaler (the handshake tells every rank) and per-rank scalers (the payload headers do): backward
+    of step 1 raises on both ranks with the same message; DDP rethrows the hook's error as a RuntimeError
+    naming NonFiniteGradientError, which the state keeps as last_error."""
+    raised = ddp2[sc]
     for res in raised:
-        assert res["error"] is not None
+        assert res["error"] is not None and res["steps_done"] == 1
         kind, mro, msg = res["error"]
-        assert "NaN or Inf on rank 1" in msg, msg
-    assert raised[0]["error"][2] == raised[1]["error"][2]
+        assert "NaN or Inf on rank" in msg and "NonFiniteGradientError" in msg, msg
+        assert res["last_error"] == "NonFiniteGradientError"
+    first_line = [r["error"][2].splitlines()[0] for r in raised]
+    assert first_line[0] == first_line[1]
+
+
+def test_nan_zero_policy_and_training_on_after_an_error(ddp2):
     zeroed = ddp2["nan_zero"]
     assert all(r["error"] is None and r["zeroed"] > 0 for r in zeroed)
     assert zeroed[0]["zeroed"] == zeroed[1]["zeroed"]
     for a, b in zip(zeroed[0]["params"], zeroed[1]["params"]):
         assert torch.equal(a, b)
     cont = ddp2["nan_then_continue"]
-    assert cont[0]["seen"] == cont[1]["seen"]
-    assert cont[0]["seen"][0] is None and cont[0]["seen"][1] is not None
+    assert cont[0]["seen"] == cont[1]["seen"] == [None, "RuntimeError", None]    # the step after trains
+    for a, b in zip(cont[0]["params"], cont[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_state_dict_resumes_the_same_random_streams(ddp2):

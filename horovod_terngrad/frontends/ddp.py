@@ -46,7 +46,7 @@ state's constructor), so they never interleave with DDP's own collectives on the
 
 Errors (NaN/Inf with ``on_nonfinite="raise"``, bad gradients) are set on the bucket's future, so every
 bucket is still exchanged on every rank and backward raises on every rank alike (DDP rethrows the hook's
-exception).  ``on_nonfinite="zero"`` zeroes the parameter's average on every rank for that step instead.
+exception as a ``RuntimeError`` that names the original; ``state.last_error`` is the original).  ``on_nonfinite="zero"`` zeroes the parameter's average on every rank for that step instead.
 """
 import logging
 import os
@@ -111,13 +111,16 @@ class TernGradState:
 
     The constructor is collective: every rank of ``process_group`` must call it (it makes the dedicated
     group, and it checks that every rank has the same settings and parameters, raising
-    ``RankMismatchError`` on every rank when not).  ``state_dict()`` / ``load_state_dict()`` save and restore
+    ``RankMismatchError`` on every rank when not).  A bucket whose exchange failed fails DDP's backward on
+    every rank; DDP rethrows a hook's error as a ``RuntimeError`` whose message holds the original's class
+    and message, and the original exception (e.g. ``NonFiniteGradientError``) is kept in ``last_error``.
+    DDP itself stays usable: the next iteration exchanges as usual.  ``state_dict()`` / ``load_state_dict()`` save and restore
     the step counters of the random streams (and counters), so a resumed run draws the streams an
     uninterrupted run draws; ``reset()`` forgets them and any exchange in flight.
     """
 
     __slots__ = ("config", "names", "process_group", "collectives", "state", "enabled", "asynchronous",
-                 "_lock", "_queue", "_worker", "_inflight", "__weakref__")
+                 "last_error", "_lock", "_queue", "_worker", "_inflight", "__weakref__")
 
     def __init__(self, named_parameters, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
@@ -144,6 +147,7 @@ class TernGradState:
         self.collectives = DistCollectives(group, equal_sizes=True)
         self.asynchronous = bool(asynchronous)
         self.state = CompressorState()
+        self.last_error = None              # the exception behind the last failed bucket (see the docstring)
         self._lock = threading.Lock()
         self._queue = None
         self._worker = None
@@ -285,6 +289,7 @@ class TernGradState:
                 job.error = job.error or e
         job.tickets = job.plain = []
         if job.error is not None:
+            self.last_error = job.error
             job.future.set_exception(job.error)
         else:
             job.future.set_result(job.buffer)

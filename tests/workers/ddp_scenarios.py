@@ -28,6 +28,7 @@ from horovod_terngrad.exchange.dist_collectives import DistCollectiveError, Dist
 from horovod_terngrad.frontends import ddp as tg_ddp  # noqa: E402
 
 RANK = SIZE = None
+LAST_STATE = []       # the TernGradState made last (for a scenario that ends in an exception)
 
 
 # -- models ----------------------------------------------------------------------------------------------
@@ -79,6 +80,7 @@ class Recorder:
         self.state = state
         self.inputs = []          # (name, gradient as handed to the hook)
         self.buckets = []         # per hook call: (iteration, bucket index, names)
+        self.done_at_return = []  # per hook call: (is last bucket, was its future complete when the hook returned)
         self.iteration = 0
 
 
@@ -86,7 +88,9 @@ def recording_hook(rec, bucket: dist.GradBucket) -> torch.futures.Future[torch.T
     names = [rec.state._name(p, bucket.index()) for p in bucket.parameters()]
     rec.inputs += [(n, g.detach().clone()) for n, g in zip(names, bucket.gradients())]
     rec.buckets.append((rec.iteration, bucket.index(), names))
-    return tg_ddp.terngrad_hook(rec.state, bucket)
+    fut = tg_ddp.terngrad_hook(rec.state, bucket)
+    rec.done_at_return.append((bucket.is_last(), fut.done()))
+    return fut
 
 
 def wrap(model, settings, hook=True, asynchronous=True, **ddp_kwargs):
@@ -94,6 +98,7 @@ def wrap(model, settings, hook=True, asynchronous=True, **ddp_kwargs):
     state = tg_ddp.TernGradState(model.named_parameters(), config=tg.TernGradConfig(**settings),
                                  asynchronous=asynchronous)
     rec = Recorder(state)
+    LAST_STATE[:] = [state]
     if hook:
         ddp.register_comm_hook(rec, recording_hook)
     return ddp, rec
@@ -136,6 +141,7 @@ def exact(model, settings, **kw):
     ddp, rec, outputs = train(model, settings, **kw)
     st = rec.state
     return {"config": st.config, "inputs": rec.inputs, "outputs": outputs, "buckets": rec.buckets,
+            "done_at_return": rec.done_at_return,
             "names": [n for n, _ in ddp.module.named_parameters()], "params": params(ddp.module),
             "stats": vars(st.stats).copy(), "steps": dict(st.steps), "state": st.state_dict()}
 
@@ -178,6 +184,7 @@ CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "per_rank_allgather_base3_buckets": ({"seed": 8, "shared_scaler": False, "packing": "base3",
                                           "bucket_size": 64}, {}),
     "small_fusion_groups": ({"seed": 9, "fusion_numel": 300}, {}),
+    "auto_exchange": ({"seed": 17, "exchange": "auto"}, {}),
     "exclude_min_numel": ({"seed": 10, "exclude": ("^head",), "min_numel": 40}, {}),
     "no_sync_accumulate": ({"seed": 11}, {"accumulate": 3}),
     "static_graph": ({"seed": 12}, {"static_graph": True}),
@@ -226,18 +233,21 @@ def sc_twin(name):
             "names": [n for n, _ in model.named_parameters()]}
 
 
-def sc_nan(policy):
+def sc_nan(policy, **settings):
     """NaN on rank 1 at step 1: every rank sees it (raise: the same error from backward on every rank;
     zero: that step's averages are zero on every rank), and nothing hangs."""
     res = {}
+    rec_out = []
     try:
-        ddp, rec, _ = train(Scrambled(), {"seed": 2, "on_nonfinite": policy}, steps=3, inject=(1, 1),
-                            bucket_cap_mb=0.002)
+        ddp, rec, _ = train(Scrambled(), {"seed": 2, "on_nonfinite": policy, **settings}, steps=3, inject=(1, 1),
+                            bucket_cap_mb=0.002, rec_out=rec_out)
         res["error"] = None
         res["zeroed"] = rec.state.stats.nonfinite_zeroed
         res["params"] = params(ddp.module)
     except Exception as e:  # noqa: BLE001 - what each rank sees is the result
         res["error"] = (type(e).__name__, [c.__name__ for c in type(e).__mro__], str(e))
+        res["last_error"] = type(LAST_STATE[0].last_error).__name__
+    res["steps_done"] = len(rec_out) // len(list(Scrambled().parameters()))   # steps whose backward completed
     return res
 
 
@@ -333,6 +343,8 @@ def run(name):
         return sc_nan("raise")
     if name == "nan_zero":
         return sc_nan("zero")
+    if name == "nan_raise_per_rank":
+        return sc_nan("raise", shared_scaler=False)
     if name == "nan_then_continue":
         return sc_nan_then_continue()
     if name == "resume":
