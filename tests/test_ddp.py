@@ -26,7 +26,7 @@ NP = 2
 
 EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "shared_sharded_base3", "shared_sharded_2bit_buckets",
          "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "small_fusion_groups", "auto_exchange",
-         "exclude_min_numel",
+         "exclude_min_numel", "worker_restarts",
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16"]
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
@@ -174,6 +174,15 @@ def test_the_asynchronous_hook_returns_before_the_exchange_is_done(ddp2):
         assert len(done) >= 7 and not any(d for last, d in done if not last)
     for done in (r["done_at_return"] for r in ddp2["shared_allgather_2bit_sync"]):
         assert all(d for _, d in done)
+
+
+def test_the_worker_thread_ends_when_idle_and_a_new_one_finishes_the_bucket_in_flight(ddp2):
+    """worker_restarts: backward pauses 0.2 s between two buckets while the worker ends after 0.02 s idle, with
+    the earlier bucket still in flight; the next bucket starts a new worker, which finishes it (averages
+    exact, checked above).  Iteration 0 has one bucket (no pause between buckets); iterations 1 and 2 each
+    end a worker in the pause: at least 3 workers."""
+    for res in ddp2["worker_restarts"]:
+        assert res["workers"] >= 3
 
 
 def test_sync_and_async_hooks_give_the_same_bits(ddp2):

@@ -48,7 +48,6 @@ Errors (NaN/Inf with ``on_nonfinite="raise"``, bad gradients) are set on the buc
 bucket is still exchanged on every rank and backward raises on every rank alike (DDP rethrows the hook's
 exception as a ``RuntimeError`` that names the original; ``state.last_error`` is the original).  ``on_nonfinite="zero"`` zeroes the parameter's average on every rank for that step instead.
 """
-import logging
 import os
 import queue
 import threading
@@ -64,9 +63,8 @@ from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .state import CompressorState
 
-log = logging.getLogger("horovod_terngrad")
-
 STEPS_KEY = "global"       # the key of the step counters in CompressorState (as the Horovod frontend's)
+IDLE_EXIT_S = 5.0          # the worker thread ends after this long without a bucket
 
 
 class _Job:
@@ -114,13 +112,14 @@ class TernGradState:
     ``RankMismatchError`` on every rank when not).  A bucket whose exchange failed fails DDP's backward on
     every rank; DDP rethrows a hook's error as a ``RuntimeError`` whose message holds the original's class
     and message, and the original exception (e.g. ``NonFiniteGradientError``) is kept in ``last_error``.
-    DDP itself stays usable: the next iteration exchanges as usual.  ``state_dict()`` / ``load_state_dict()`` save and restore
-    the step counters of the random streams (and counters), so a resumed run draws the streams an
-    uninterrupted run draws; ``reset()`` forgets them and any exchange in flight.
+    DDP itself stays usable: the next iteration exchanges as usual.  ``state_dict()`` / ``load_state_dict()``
+    save and restore the step counters of the random streams (and counters; the Horovod compressor's format),
+    so a resumed run draws the streams an uninterrupted run draws; ``reset()`` forgets them and any exchange
+    in flight.
     """
 
     __slots__ = ("config", "names", "process_group", "collectives", "state", "enabled", "asynchronous",
-                 "last_error", "_lock", "_queue", "_worker", "_inflight", "__weakref__")
+                 "last_error", "_lock", "_handoff", "_queue", "_worker", "_inflight", "__weakref__")
 
     def __init__(self, named_parameters, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
@@ -148,8 +147,9 @@ class TernGradState:
         self.asynchronous = bool(asynchronous)
         self.state = CompressorState()
         self.last_error = None              # the exception behind the last failed bucket (see the docstring)
-        self._lock = threading.Lock()
-        self._queue = None
+        self._lock = threading.Lock()       # the engine and the state: the worker, state_dict, reset
+        self._handoff = threading.Lock()    # the queue and whether a worker runs
+        self._queue = queue.Queue()
         self._worker = None
         self._inflight = None
         self._check_agreement()
@@ -198,11 +198,14 @@ class TernGradState:
             self.state.reset()
 
     def close(self) -> None:
-        """Stop the worker thread (started again by the next bucket)."""
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
-            self._worker = self._queue = None
+        """Stop the worker thread now (it also ends by itself after IDLE_EXIT_S without buckets; the next
+        bucket starts another)."""
+        with self._handoff:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._queue.put(None)
+        if worker is not None:
+            worker.join()
 
     # -- the hook's work ---------------------------------------------------------------------------
     def submit(self, bucket) -> torch.futures.Future:
@@ -210,33 +213,44 @@ class TernGradState:
         job = _Job(bucket)
         if not self.asynchronous:
             with self._lock:
-                self._start(job)
-                self._finish(job)
+                self._step(job)
             return job.result
-        if self._worker is None or not self._worker.is_alive():
-            self._queue = queue.SimpleQueue()
-            self._worker = threading.Thread(target=self._work, args=(self._queue,), daemon=True,
-                                            name="terngrad-ddp")
-            self._worker.start()
-        self._queue.put(job)
+        with self._handoff:
+            self._queue.put(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, daemon=True, name="terngrad-ddp")
+                self._worker.start()
         return job.result
 
-    def _work(self, jobs) -> None:
-        """The worker: per bucket, start it, finish the previous one, and finish it too if it is the last
-        of the iteration.  A pure function of the buckets DDP hands in, so every rank issues the same
-        collectives in the same order."""
+    def _work(self) -> None:
+        """The worker thread: the buckets in the order DDP hands them in.  It ends after IDLE_EXIT_S without
+        a bucket (so a state that is dropped does not keep a thread), under the hand-off lock, so a bucket
+        handed in meanwhile starts a new worker; a bucket in flight stays in ``_inflight`` for it."""
         while True:
-            job = jobs.get()
+            try:
+                job = self._queue.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._handoff:
+                    if self._queue.empty():
+                        self._worker = None
+                        return
+                continue
             if job is None:
                 return
             with self._lock:
-                self._start(job)
-                previous, self._inflight = self._inflight, job
-                if previous is not None:
-                    self._finish(previous)
-                if job.last:
-                    self._inflight = None
-                    self._finish(job)
+                self._step(job)
+
+    def _step(self, job: _Job) -> None:
+        """Start the bucket, finish the previous one, and finish this one too if it is the last of the
+        iteration (``bucket.is_last()``; and always when synchronous).  A pure function of the buckets DDP
+        hands in, so every rank issues the same collectives in the same order."""
+        self._start(job)
+        previous, self._inflight = self._inflight, job
+        if previous is not None:
+            self._finish(previous)
+        if job.last or not self.asynchronous:
+            self._inflight = None
+            self._finish(job)
 
     def _start(self, job: _Job) -> None:
         """Start the bucket's exchanges: the uncompressed allreduce, then the compressed groups."""

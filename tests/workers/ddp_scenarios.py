@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -58,9 +59,13 @@ class Scrambled(nn.Module):
         if dead:
             self.dead = nn.Linear(5, 3)
         self.skip = skip
+        self.pause = 0.0
 
     def forward(self, x):
-        h = F.relu(self.body(self.norm(self.stem(x))))
+        h = self.norm(self.stem(x))
+        if self.pause:        # backward waits here, between the gradients of 'body' and those of 'norm'
+            h.register_hook(lambda g: time.sleep(self.pause))
+        h = F.relu(self.body(h))
         if not self.skip:
             h = h + torch.tanh(self.extra(h))
         return self.head(h)
@@ -186,6 +191,7 @@ CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "small_fusion_groups": ({"seed": 9, "fusion_numel": 300}, {}),
     "auto_exchange": ({"seed": 17, "exchange": "auto"}, {}),
     "exclude_min_numel": ({"seed": 10, "exclude": ("^head",), "min_numel": 40}, {}),
+    "worker_restarts": ({"seed": 18}, {"pause": 0.2}),
     "no_sync_accumulate": ({"seed": 11}, {"accumulate": 3}),
     "static_graph": ({"seed": 12}, {"static_graph": True}),
     "bucket_view": ({"seed": 13}, {"gradient_as_bucket_view": True}),
@@ -200,7 +206,24 @@ def sc_exact(name):
     kw = dict(kw)
     unused = kw.get("find_unused_parameters", False)
     kw.setdefault("bucket_cap_mb", 0.002)       # ~500 fp32 elements per bucket: several buckets
-    res = exact(Scrambled(skip=unused and RANK == 1, dead=unused), settings, **kw)
+    model = Scrambled(skip=unused and RANK == 1, dead=unused)
+    model.pause = kw.pop("pause", 0.0)
+    idle, step = tg_ddp.IDLE_EXIT_S, tg_ddp.TernGradState._step
+    workers = []        # the threads that ran buckets (kept, so that they stay distinct objects)
+
+    def counting_step(self, job):
+        if threading.current_thread() not in workers:
+            workers.append(threading.current_thread())
+        return step(self, job)
+
+    if model.pause:     # the worker thread ends in the pause, with a bucket in flight; the next one goes on
+        tg_ddp.IDLE_EXIT_S = 0.02
+        tg_ddp.TernGradState._step = counting_step
+    try:
+        res = exact(model, settings, **kw)
+    finally:
+        tg_ddp.IDLE_EXIT_S, tg_ddp.TernGradState._step = idle, step
+    res["workers"] = len(workers)
     res["dtype"] = str(kw.get("dtype", torch.float32))
     return res
 
