@@ -30,7 +30,8 @@ EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "shared_sharded_
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16"]
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
-OTHER = ["collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register", "mismatch"]
+OTHER = ["collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register",
+         "sparse", "mismatch"]
 
 
 def rank_env():
@@ -271,6 +272,12 @@ def test_register_installs_the_hook(ddp2):
     assert r0["tensors"] > 0 and all(v == 2 for v in r0["steps"].values())
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
+
+
+def test_a_sparse_gradient_is_a_clear_error_naming_the_parameter_on_every_rank(ddp2):
+    for res in ddp2["sparse"]:
+        assert "TypeError: TernGrad: gradient '0.weight' is sparse" in res["error"], res["error"]
+        assert res["last_error"].startswith("TypeError")
 
 
 def test_ranks_with_different_settings_fail_together(ddp2):

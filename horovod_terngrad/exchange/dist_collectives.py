@@ -12,23 +12,21 @@ gloo and NCCL pick their own, the byte counts are what each rank hands over and 
 
 * ``allreduce_max_async`` / ``allreduce_sum_async``: elementwise max (exact in any order) / sum (int32, exact):
   ``all_reduce`` of a copy (the input is left as it was); about 2·(N-1)/N·b sent and received.
-* ``allgather_async``: the ranks' 1-D tensors concatenated in rank order.  torch.distributed gathers equal
-  sizes only.  When the caller passes every rank's length (``sizes=``: the sharded exchange knows its
-  owners' sums, whose last one may be short) each tensor is padded to the longest and the padding cut out
-  again: one collective.  Otherwise, by default, the lengths travel first (a blocking ``all_gather`` of one int64 per rank, one
-  round trip), then every rank's tensor padded to the longest (``all_gather_single``, asynchronous), and
-  ``synchronize`` cuts the padding out: (N-1)·max_r b_r received.  With ``equal_sizes=True`` the caller
-  promises that every rank hands the same number of elements in every allgather and alltoall chunk (the
-  DDP frontend can: DDP checks the parameters' shapes across ranks at construction, it checks the TernGrad
-  settings across ranks, and payload sizes are a function of those alone, see codec/sizes.py): then one
-  collective, no padding, no extra round trip.  A broken promise is not caught here: gloo aborts the
-  process on a size mismatch ("Received data size doesn't match expected size"), NCCL may hang.
+* ``allgather_async``: the ranks' 1-D tensors concatenated in rank order; (N-1)·max_r b_r received.
+  torch.distributed gathers equal sizes only, so every rank must know every rank's length first:
+  - given by the caller (``sizes=``; the sharded exchange knows its owners' sums, the last may be short):
+    each tensor is padded to the longest, ``all_gather_single`` runs, ``synchronize`` cuts the padding out;
+  - ``equal_sizes=True``: the caller promises that every rank hands as many elements as this one (the DDP
+    frontend can: DDP checks the parameters' shapes across ranks at construction, the frontend checks the
+    TernGrad settings across ranks, and payload sizes are a function of those alone, codec/sizes.py);
+  - otherwise the lengths travel first: a blocking ``all_gather`` of one int64 per rank (one round trip).
+  A broken promise is not caught here: gloo aborts the process on a size mismatch ("Received data size
+  doesn't match expected size"), NCCL may hang.
 * ``alltoall_async(tensor, splits)``: chunk j of ``splits`` goes to rank j; each rank receives the chunks
-  addressed to it in sender order (``all_to_all_single``).  Receivers must know the sizes: given as
-  ``received=`` (the sharded exchange's shards depend on the receiver only), else by default the
-  split vectors travel first (a blocking ``all_gather`` of N int64 per rank); with ``equal_sizes=True``
-  every sender is taken to send rank j ``splits[j]`` elements (true of the sharded exchange, whose shard
-  sizes depend on the receiver only).
+  addressed to it in sender order (``all_to_all_single``); sends and receives sum(splits) - own chunk.
+  Receivers must know what each sender sends them: ``received=`` from the caller (the sharded exchange's
+  shards depend on the receiver only), or with ``equal_sizes=True`` every sender is taken to send rank j
+  ``splits[j]`` elements, or else the split vectors travel first (a blocking ``all_gather`` of N int64).
 
 A failed collective raises ``DistCollectiveError`` (a ``CollectiveError``), with torch's error as its
 ``__cause__``.
@@ -178,7 +176,7 @@ class DistCollectives:
 
     def _exchange_sizes(self, sizes: torch.Tensor, name: str) -> torch.Tensor:
         """Every rank's ``sizes`` vector (rows in rank order), by one blocking all_gather."""
-        device = self._size_device()
+        device = self.size_device()
         mine = sizes.to(device)
         out = mine.new_empty(self.size * mine.numel())
         try:
@@ -187,8 +185,8 @@ class DistCollectives:
             raise self._error(e, f"exchanging the sizes of '{name}' failed") from e
         return out.view(self.size, -1).cpu()
 
-    def _size_device(self):
-        """Where the small size vectors live: the GPU for NCCL (it handles no host tensors), else the host."""
+    def size_device(self):
+        """Where small host-made vectors (sizes, checksums) go for a collective: the GPU for NCCL (it handles no host tensors), else the host."""
         backend = str(self._dist.get_backend(self.group)).lower()
         if "nccl" in backend and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())

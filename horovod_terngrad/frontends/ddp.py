@@ -10,8 +10,8 @@ What the hook computes.  DDP hands the hook one bucket at a time: a flat buffer 
 several parameters (``bucket.parameters()``; ``bucket.gradients()`` are views of the buffer).  Each
 parameter's slice is one tensor for TernGrad, exactly as the Horovod frontend treats one parameter:
 
-* its own layer-wise scaler s (Eq. 4: with the shared scaler, s = max over ranks of ||g_r||_inf after
-  clipping to ±c·σ, agreed by the handshake allreduce-max), its own random stream keyed by (seed, step,
+* its own layer-wise scaler s (Eq. 4: s_r = max|g_r| after clipping g_r to ±c·σ_r; with the shared scaler
+  s = max_r s_r, agreed by the handshake allreduce-max), its own random stream keyed by (seed, step,
   parameter name, rank), where step counts the exchanges of that parameter so far (``state_dict()``);
 * t_r = ternarize(g_r) in {-1, 0, 1}; every rank gets the same average
   out = (float(Σ_r t_r)·s) / N  (shared scaler)  or  (Σ_r s_r·t_r) / N in fp32, rank order (per-rank),
@@ -46,7 +46,8 @@ state's constructor), so they never interleave with DDP's own collectives on the
 
 Errors (NaN/Inf with ``on_nonfinite="raise"``, bad gradients) are set on the bucket's future, so every
 bucket is still exchanged on every rank and backward raises on every rank alike (DDP rethrows the hook's
-exception as a ``RuntimeError`` that names the original; ``state.last_error`` is the original).  ``on_nonfinite="zero"`` zeroes the parameter's average on every rank for that step instead.
+exception as a ``RuntimeError`` that names the original; ``state.last_error`` is the original).
+``on_nonfinite="zero"`` zeroes the parameter's average on every rank for that step instead.
 """
 import os
 import queue
@@ -259,8 +260,10 @@ class TernGradState:
             buffer = job.buffer
             if buffer.is_sparse or not buffer.is_floating_point():
                 name = self._name(job.params[0], job.index) if job.params else f"bucket {job.index}"
-                raise TypeError(f"TernGrad: gradient '{name}' ({buffer.layout}, {buffer.dtype}) cannot be "
-                                "ternarized by the DDP hook: it needs dense floating-point gradients")
+                why = ("is sparse; the DDP hook ternarizes dense gradients only (e.g. nn.Embedding(..., "
+                       "sparse=False))" if buffer.is_sparse else
+                       f"has dtype {buffer.dtype}; ternary compression needs a floating-point gradient")
+                raise TypeError(f"TernGrad: gradient '{name}' {why}")
             members = []
             for p, g in zip(job.params, job.grads):
                 name = self._name(p, job.index)
@@ -323,7 +326,7 @@ class TernGradState:
         layout = [(name, tuple(p.shape)) for p, name in self.names.values()]
         code = zlib.crc32(repr((self.config, self.enabled, layout)).encode())
         coll = self.collectives
-        mine = torch.tensor([code], dtype=torch.int64, device=coll._size_device())
+        mine = torch.tensor([code], dtype=torch.int64, device=coll.size_device())
         everyone = coll.synchronize(coll.allgather_async(mine, "terngrad.ddp.check")).cpu().tolist()
         if len(set(everyone)) != 1:
             differ = [r for r, c in enumerate(everyone) if c != everyone[0]]

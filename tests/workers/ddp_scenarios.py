@@ -346,6 +346,18 @@ def sc_register():
             "repr": repr(state)}
 
 
+def sc_sparse():
+    """A sparse embedding gradient: a clear error naming the parameter, on every rank (no hang)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Linear(8, 4))
+    ddp, rec = wrap(model, {})
+    try:
+        ddp(torch.randint(0, 50, (6, 3))).pow(2).mean().backward()
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e).splitlines()[0], "last_error": repr(rec.state.last_error)}
+
+
 def sc_mismatch():
     """Ranks with different TernGrad settings: RankMismatchError on every rank at construction (no hang)."""
     try:
@@ -374,6 +386,8 @@ def run(name):
         return sc_resume()
     if name == "register":
         return sc_register()
+    if name == "sparse":
+        return sc_sparse()
     if name == "mismatch":
         return sc_mismatch()
     raise SystemExit(f"unknown scenario {name}")
