@@ -98,10 +98,10 @@ def recording_hook(rec, bucket: dist.GradBucket) -> torch.futures.Future[torch.T
     return fut
 
 
-def wrap(model, settings, hook=True, asynchronous=True, **ddp_kwargs):
+def wrap(model, settings, hook=True, asynchronous=True, dedicated_group=True, **ddp_kwargs):
     ddp = DDP(model, **ddp_kwargs)
     state = tg_ddp.TernGradState(model.named_parameters(), config=tg.TernGradConfig(**settings),
-                                 asynchronous=asynchronous)
+                                 asynchronous=asynchronous, dedicated_group=dedicated_group)
     rec = Recorder(state)
     LAST_STATE[:] = [state]
     if hook:
@@ -120,11 +120,11 @@ def params(model):
 
 
 def train(model, settings, steps=3, accumulate=1, dtype=torch.float32, lr=0.1, inject=None, rec_out=None,
-          asynchronous=True, **ddp_kwargs):
+          asynchronous=True, dedicated_group=True, **ddp_kwargs):
     """SGD steps through DDP + TernGrad's hook; ``accumulate`` backward passes per step (the first ones in
     ``no_sync()``).  Returns (ddp model, recorder, outputs)."""
     model = model.to(dtype)
-    ddp, rec = wrap(model, settings, asynchronous=asynchronous, **ddp_kwargs)
+    ddp, rec = wrap(model, settings, asynchronous=asynchronous, dedicated_group=dedicated_group, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     data = batches(dtype=dtype)
     outputs = [] if rec_out is None else rec_out
@@ -183,6 +183,8 @@ def sc_collectives():
 CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "shared_allgather_2bit": ({"seed": 3}, {}),
     "shared_allgather_2bit_sync": ({"seed": 3}, {"asynchronous": False}),
+    "sync_on_ddps_group": ({"seed": 19, "exchange": "sharded"},     # + find_unused: DDP's own collectives too
+                           {"asynchronous": False, "dedicated_group": False, "find_unused_parameters": True}),
     "shared_sharded_base3": ({"seed": 5, "exchange": "sharded", "packing": "base3"}, {}),
     "shared_sharded_2bit_buckets": ({"seed": 6, "exchange": "sharded", "bucket_size": 100}, {}),
     "per_rank_allgather_2bit": ({"seed": 7, "shared_scaler": False}, {}),
