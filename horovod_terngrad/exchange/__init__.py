@@ -1,7 +1,7 @@
 """Layer 3: how packed payloads travel between ranks, over a small collectives interface.
 
-* ``collectives``: the interface; ``hvd_collectives`` (Horovod) and ``thread_collectives`` (ranks in one
-  process, for tests and the simulator) implement it.
+* ``collectives``: the interface; ``hvd_collectives`` (Horovod), ``dist_collectives`` (torch.distributed, for
+  the DDP frontend) and ``thread_collectives`` (ranks in one process, for tests and the simulator) implement it.
 * ``engine``: ``Exchange``, tickets and queues: the one place a gradient's path is driven.
 * ``handshake``: the shared-scaler handshake vector, built and read in one place.
 * ``allgather`` and ``sharded``: the two transports; ``joined``: the one used while a rank is in hvd.join().
@@ -10,10 +10,11 @@
 * ``stats``: counters and per-tensor inspection.
 """
 from .collectives import CollectiveError, Collectives
+from .dist_collectives import DistCollectiveError, DistCollectives
 from .engine import Exchange, Ticket, check_gradient
 from .hvd_collectives import HorovodCollectives
 from .stats import ExchangeStats, Inspection, LayerRecord
 from .thread_collectives import ThreadCollectives, ThreadWorld, run_ranks
 
 __all__ = ["Exchange", "Ticket", "ExchangeStats", "Inspection", "LayerRecord", "check_gradient",
-           "CollectiveError", "Collectives", "HorovodCollectives", "ThreadCollectives", "ThreadWorld", "run_ranks"]
+           "CollectiveError", "Collectives", "DistCollectives", "DistCollectiveError", "HorovodCollectives", "ThreadCollectives", "ThreadWorld", "run_ranks"]

@@ -26,14 +26,18 @@ def send(ex, grp, sends: list) -> None:
     launch(ex, grp, [tk for tk, _ in sends], data, f"terngrad.ag.{grp.name}")
 
 
-def launch(ex, grp, members: list, data: torch.Tensor, name: str) -> None:
-    """Start the group's allgather of ``data`` (the payloads, or a sharded group's owners' sums)."""
+def launch(ex, grp, members: list, data: torch.Tensor, name: str, sizes=None) -> None:
+    """Start the group's allgather of ``data`` (the payloads, or a sharded group's owners' sums).  ``sizes``:
+    every rank's length when they differ and the caller knows them (handed to collectives that take them)."""
     for j, tk in enumerate(members):
         tk.slot = j
     grp.sent = members
     grp.bytes_sent = data.numel()
     ex.stats.payload_bytes_sent += data.numel()
-    grp.ag = ex.coll.allgather_async(data, name)
+    if sizes is not None and getattr(ex.coll, "takes_sizes", False):
+        grp.ag = ex.coll.allgather_async(data, name, sizes=sizes)
+    else:
+        grp.ag = ex.coll.allgather_async(data, name)
     ex.stats.collectives += 1
 
 

@@ -7,6 +7,12 @@ independent), allgather concatenates the ranks' 1-D tensors in rank order (their
 Horovod's allgather allows), alltoall delivers to each rank the chunks addressed to it in sender order,
 allreduce-sum adds int32 vectors exactly.
 
+Optional capability ``takes_sizes = True``: the implementation accepts what the exchange knows about sizes
+up front, ``allgather_async(..., sizes=[every rank's element count])`` and ``alltoall_async(...,
+received=[elements this rank gets from each sender])``, and then needs no exchange of lengths of its own
+(torch.distributed, dist_collectives.py, gathers equal sizes only).  The transports pass them only where an
+implementation declares it, so the others keep the plain signatures.
+
 Ranks that called ``join`` (Horovod's ``hvd.join()``: a rank out of data waits for the others) take part
 in every allreduce with zeros and in no allgather or alltoall; the engine reads the handshake to notice
 them and moves the payloads by allreduce-sum instead (see joined.py).

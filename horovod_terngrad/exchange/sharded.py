@@ -136,7 +136,11 @@ def send(ex, grp, sends: list) -> None:
     grp.sent = [tk for tk, _ in sends]
     grp.a2a_own = splits[ex.coll.rank]
     ex.stats.payload_bytes_sent += data.numel()
-    grp.a2a = ex.coll.alltoall_async(data, splits, f"terngrad.a2a.{grp.name}")
+    name = f"terngrad.a2a.{grp.name}"
+    if getattr(ex.coll, "takes_sizes", False):   # shard sizes depend on the receiver only: every sender sends
+        grp.a2a = ex.coll.alltoall_async(data, splits, name, received=[grp.a2a_own] * N)   # this rank as much
+    else:
+        grp.a2a = ex.coll.alltoall_async(data, splits, name)
     ex.stats.collectives += 1
     ex.queue_alltoall(grp)
 
@@ -173,7 +177,10 @@ def after_alltoall(ex, grp) -> None:
         tk.payload_bytes = sums[-1].numel()
         pre += size
     ex.stats.codec_s += time.perf_counter() - t0
-    allgather.launch(ex, grp, members, sums[0] if len(sums) == 1 else torch.cat(sums), f"terngrad.sg.{grp.name}")
+    owners = ([sum(sizes.shard_sum_bytes(tk.g32.numel(), N)[r] for tk in members) for r in range(N)]
+              if getattr(ex.coll, "takes_sizes", False) else None)     # the owners' sums: the last may be short
+    allgather.launch(ex, grp, members, sums[0] if len(sums) == 1 else torch.cat(sums), f"terngrad.sg.{grp.name}",
+                     sizes=owners)
 
 
 def _member_sums(ex, grp, tk, gathered: torch.Tensor) -> torch.Tensor:
