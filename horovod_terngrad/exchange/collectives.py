@@ -13,6 +13,9 @@ received=[elements this rank gets from each sender])``, and then needs no exchan
 (torch.distributed, dist_collectives.py, gathers equal sizes only).  The transports pass them only where an
 implementation declares it, so the others keep the plain signatures.
 
+Optional ``joins = False``: no rank can be in a join (torch.distributed), so the engine skips per-rank
+scalers' presence check (below).
+
 Ranks that called ``join`` (Horovod's ``hvd.join()``: a rank out of data waits for the others) take part
 in every allreduce with zeros and in no allgather or alltoall; the engine reads the handshake to notice
 them and moves the payloads by allreduce-sum instead (see joined.py).

@@ -66,6 +66,7 @@ class DistCollectives:
     Rank and size are the group's, read once (a process group's members are fixed)."""
 
     takes_sizes = True      # allgather_async(..., sizes=) and alltoall_async(..., received=): see collectives.py
+    joins = False           # no hvd.join() here: per-rank scalers need no presence check (collectives.py)
 
     def __init__(self, group=None, equal_sizes: bool = False):
         dist = _dist()

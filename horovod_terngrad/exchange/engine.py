@@ -141,6 +141,8 @@ class Exchange:
         self._awaiting_handshake: list[Group] = []
         self._awaiting_alltoall: list[Group] = []
         self._presence: Presence | None = None        # this step's; a finish ends the step
+        # whether a rank may sit in a join (Horovod, ThreadWorld); torch.distributed has no such state
+        self.joins = getattr(collectives, "joins", True)
         self._warned_nonfinite: set = set()
         self.ordered = ordered
         self._previous: Group | None = None     # the group started last (ordered: left in flight)
@@ -184,6 +186,9 @@ class Exchange:
         self.stats.codec_s += time.perf_counter() - t0
         if cfg.shares_scaler:
             self._start_with_handshake(grp)
+            return tickets
+        if not self.joins:            # no rank can be in a join: payloads leave at once
+            self._send_per_rank(grp)
             return tickets
         if self._presence is None:
             self._presence = Presence(self.coll.allreduce_sum_async(
@@ -275,6 +280,10 @@ class Exchange:
         if p.active != self.coll.size:      # (polling: this runs inside progress, which must not recurse)
             self._start_with_handshake(grp, advance=self.ordered)
             return
+        self._send_per_rank(grp)
+
+    def _send_per_rank(self, grp: Group) -> None:
+        """Encode every member with its own scalers (NaN flag in the header) and allgather the payloads."""
         t0 = time.perf_counter()
         cfg, sends = self.config, []
         backend = backends.for_device(grp.members[0].g32.device)

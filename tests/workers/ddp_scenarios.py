@@ -100,7 +100,7 @@ def recording_hook(rec, bucket: dist.GradBucket) -> torch.futures.Future[torch.T
 
 def wrap(model, settings, hook=True, asynchronous=True, dedicated_group=True, **ddp_kwargs):
     ddp = DDP(model, **ddp_kwargs)
-    state = tg_ddp.TernGradState(model.named_parameters(), config=tg.TernGradConfig(**settings),
+    state = tg_ddp.TernGradState(model.named_parameters(), config=tg.TernGradConfig(**{"min_numel": 0, **settings}),
                                  asynchronous=asynchronous, dedicated_group=dedicated_group)
     rec = Recorder(state)
     LAST_STATE[:] = [state]
@@ -337,7 +337,7 @@ def sc_register():
     """The one-call API: tg.ddp.register(ddp_model, **settings) on a plain DDP model trains like the rest."""
     model = Scrambled()
     ddp = DDP(model, bucket_cap_mb=0.002)
-    state = tg.ddp.register(ddp, seed=1, packing="base3")
+    state = tg.ddp.register(ddp, seed=1, packing="base3", min_numel=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = batches()
     for _ in range(2):
