@@ -28,12 +28,13 @@ name, never on the bucket index, so DDP's bucket rebuild after the first iterati
 Cost per step, per rank, for n compressed elements in a bucket of m parameters (b = 2 bits for ``2bit``,
 1.6 for ``base3``; 20 bytes of header and 4 per scaler per parameter):
 
-* shared scaler (default): handshake 8·(4 + 3·m) bytes (fp64 slots; 8·9 for a lone parameter) by
-  allreduce-max, then
+* per-rank scalers (the default with ``allgather``): no handshake, the allgather alone (below); DDP has
+  no ``hvd.join()``, so not even the Horovod frontend's per-step presence check;
+* shared scaler (``shared_scaler=True``, and the ``sharded`` exchange's default): handshake
+  8·(4 + 3·m) bytes (fp64 slots; 8·9 for a lone parameter) by allreduce-max, then
   - ``allgather``: sends n·b/8 + 24·m bytes, receives N-1 times that;
   - ``sharded``: sends (N-1)/N·n·b/8 bytes by alltoall and receives as many, then the owners' sums of
     L = ceil(log2(2N+1)) bits: receives (N-1)/N·n·L/8 bytes;
-* per-rank scalers: no handshake, the allgather alone;
 * against DDP's fp32 allreduce (about 2·(N-1)/N·4n bytes each way): 16x fewer bytes sent with 2bit at N=2.
 
 Asynchrony (``asynchronous=True``, the default): the hook only records the bucket and returns a future;
