@@ -185,3 +185,22 @@ def test_two_hosts_over_an_emulated_1gbit_link(cluster, tmp_path):
     assert sent_by_h1 >= payload_bytes and received_by_h0 >= payload_bytes
     shaping = run([NETNS, "exec", h0, "tc", "qdisc", "show", "dev", "eth0"]).stdout
     assert "tbf" in shaping and "1Gbit" in shaping
+
+
+def test_ddp_torchrun_on_two_emulated_hosts(cluster, tmp_path):
+    """launch/ddp-torchrun --netns: one torchrun per host (--nnodes 2 --node_rank i --master_addr h0's eth0)."""
+    prefix = cluster
+    before = counters(prefix)
+    steps = 30
+    p = run([os.path.join(ROOT, "launch", "ddp-torchrun"), "--netns", prefix, "--nproc", "1", "--port", "29611", "--",
+             os.path.join(ROOT, "examples", "ddp_mnist.py"), "--hook", "terngrad", "--max-steps", str(steps),
+             "--test-limit", "200", "--log-every", "0", "--json", str(tmp_path / "d.json")],
+            timeout=400, env=dict(env(), PYTHON=PY, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "d.json").read_text())
+    assert res["hosts"] == [f"{prefix}-h0", f"{prefix}-h1"] and res["params_identical"]
+    assert res["loss_last"] < res["loss_first"]
+    # rank 1's ternary payloads crossed the link (430,000 elements at 2 bits per step), and far less than DDP's
+    # fp32 allreduce would send (about 4 bytes per element per step at N=2)
+    sent_by_h1 = counters(prefix)[f"{prefix}-h1"][0] - before[f"{prefix}-h1"][0]
+    assert steps * 430000 * 2 / 8 <= sent_by_h1 < steps * 430000 * 1.0, sent_by_h1
