@@ -140,6 +140,31 @@ def test_sbatch_scripts_run_to_completion(slurm, tmp_path, script, launcher_name
     shutil.rmtree(logdir)
 
 
+
+@pytest.mark.parametrize("launcher_name", ["torchrun", "srun"])
+def test_ddp_sbatch_script_trains(slurm, tmp_path, launcher_name):
+    """slurm/ddp-terngrad.sbatch: 2 DDP ranks with TernGrad's hook, started by srun + torchrun or by srun alone
+    (env rendezvous); the job completes, both ranks trained the same parameters, the loss fell."""
+    e = dict(env(), **slurm.env)
+    e.update(SLURM_CONF=slurm.conf, LAUNCHER=launcher_name, TERNGRAD_REPO=ROOT)
+    result = tmp_path / "result.json"
+    cmd = ["sbatch", "--parsable", "--wait", "-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
+           os.path.join(ROOT, "slurm", "ddp-terngrad.sbatch"), PY, os.path.join(ROOT, "examples", "ddp_mnist.py"),
+           "--hook", "terngrad", "--max-steps", "40", "--test-limit", "200", "--log-every", "10", "--json", str(result)]
+    p = run(cmd, timeout=400, env=e, cwd=tmp_path)
+    job = p.stdout.strip().split(";")[0]
+    state = slurm.job_state(job) if job else "none"
+    out = tmp_path / f"ddp-terngrad-{job}.out"
+    log = out.read_text() if out.exists() else ""
+    assert p.returncode == 0 and state == "COMPLETED", f"{state}\n{p.stderr}\n{log[-3000:]}\n{slurm.logs()}"
+    assert f"launcher {launcher_name}" in log and "hook=terngrad" in log and "step 40/40" in log
+    res = json.loads(result.read_text())
+    assert res["ranks"] == 2 and res["steps"] == 40 and res["params_identical"]
+    assert res["loss_last"] < 0.7 * res["loss_first"] and res["terngrad"]["tensors"] == 3 * 40
+    logdir = os.path.join(ROOT, "logs", f"ddp-terngrad-{job}")
+    assert "exit code 0" in open(os.path.join(logdir, "job.log")).read()
+    shutil.rmtree(logdir)
+
 # -- emulated 2-host cluster ----------------------------------------------------------------------
 @pytest.fixture
 def cluster():
@@ -185,3 +210,22 @@ def test_two_hosts_over_an_emulated_1gbit_link(cluster, tmp_path):
     assert sent_by_h1 >= payload_bytes and received_by_h0 >= payload_bytes
     shaping = run([NETNS, "exec", h0, "tc", "qdisc", "show", "dev", "eth0"]).stdout
     assert "tbf" in shaping and "1Gbit" in shaping
+
+
+def test_ddp_torchrun_on_two_emulated_hosts(cluster, tmp_path):
+    """launch/ddp-torchrun --netns: one torchrun per host (--nnodes 2 --node_rank i --master_addr h0's eth0)."""
+    prefix = cluster
+    before = counters(prefix)
+    steps = 30
+    p = run([os.path.join(ROOT, "launch", "ddp-torchrun"), "--netns", prefix, "--nproc", "1", "--port", "29611", "--",
+             os.path.join(ROOT, "examples", "ddp_mnist.py"), "--hook", "terngrad", "--max-steps", str(steps),
+             "--test-limit", "200", "--log-every", "0", "--json", str(tmp_path / "d.json")],
+            timeout=400, env=dict(env(), PYTHON=PY, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "d.json").read_text())
+    assert res["hosts"] == [f"{prefix}-h0", f"{prefix}-h1"] and res["params_identical"]
+    assert res["loss_last"] < res["loss_first"]
+    # rank 1's ternary payloads crossed the link (430,000 elements at 2 bits per step), and far less than DDP's
+    # fp32 allreduce would send (about 4 bytes per element per step at N=2)
+    sent_by_h1 = counters(prefix)[f"{prefix}-h1"][0] - before[f"{prefix}-h1"][0]
+    assert steps * 430000 * 2 / 8 <= sent_by_h1 < steps * 430000 * 1.0, sent_by_h1
