@@ -45,7 +45,7 @@ def install(model, hook: str, powersgd_rank: int = 1, powersgd_start: int = 2, s
             serialize_powersgd: bool | None = None, **terngrad_settings):
     """Install ``hook`` on the DDP ``model``; returns its state (TernGradState, PowerSGDState or None)."""
     if hook == "terngrad":
-        from horovod_terngrad import ddp as tg_ddp
+        from ..frontends import ddp as tg_ddp
         return tg_ddp.register(model, seed=seed, **terngrad_settings)
     if hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
