@@ -32,14 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NETNS = os.path.join(ROOT, "launch", "netns-cluster.sh")
 DDP_TORCHRUN = os.path.join(ROOT, "launch", "ddp-torchrun")
 PREFIX, SUBNET = "tgd", "10.78.0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from realshapes_benchmark import run_on_cluster, sweep  # noqa: E402 (the cluster and the table, shared)
 CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", "fp16", {}),
            "powersgd1": ("DDP PowerSGD rank 1", "powersgd", {"powersgd_rank": 1}),
            "powersgd4": ("DDP PowerSGD rank 4", "powersgd", {"powersgd_rank": 4}),
@@ -162,20 +162,11 @@ def worker(argv):
 # -- the driver ----------------------------------------------------------------------------------------------------
 def run_case(model: str, hosts: int, rate: str, args) -> dict:
     out = os.path.join(os.path.abspath(args.out), f"{model}-n{hosts}-{rate}.json")
-    subprocess.run([NETNS, "down", "--prefix", PREFIX], capture_output=True)
-    subprocess.run([NETNS, "up", str(hosts), "--rate", rate, "--prefix", PREFIX, "--subnet", SUBNET],
-                   check=True, capture_output=True)
-    try:
-        env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-        cmd = [DDP_TORCHRUN, "--netns", PREFIX, "--nproc", "1", "--port", "29613", "--", os.path.abspath(__file__),
-               "worker", "--model", model, "--batch", str(args.batch), "--configs", args.configs,
-               "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", out]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT, env=env)
-        print(p.stdout[-3000:], flush=True)
-        if p.returncode != 0:
-            raise SystemExit(f"{model} N={hosts} {rate} failed:\n{p.stderr[-3000:]}")
-    finally:
-        subprocess.run([NETNS, "down", "--prefix", PREFIX], capture_output=True)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    cmd = [DDP_TORCHRUN, "--netns", PREFIX, "--nproc", "1", "--port", "29613", "--", os.path.abspath(__file__),
+           "worker", "--model", model, "--batch", str(args.batch), "--configs", args.configs,
+           "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", out]
+    run_on_cluster(hosts, rate, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}", env=env)
     with open(out) as f:
         return json.load(f)
 
@@ -215,17 +206,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("ddp_benchmark: needs root (network namespaces)")
-    os.makedirs(args.out, exist_ok=True)
-    table = list(HEADER)
-    for model in args.models.split(","):
-        for hosts in (int(h) for h in args.hosts.split(",")):
-            for rate in args.rates.split(","):
-                table += rows(run_case(model, hosts, rate, args), rate)
-                print("\n".join(table), flush=True)
-    with open(os.path.join(args.out, "table.md"), "a") as f:
-        f.write(f"\n`{' '.join(['examples/ddp_benchmark.py'] + argv)}`\n\n")
-        f.write("\n".join(table) + "\n")
-
+    sweep(args, run_case, rows, HEADER, "examples/ddp_benchmark.py", argv)
 
 if __name__ == "__main__":
     main()

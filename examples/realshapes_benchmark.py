@@ -31,29 +31,51 @@ PREFIX, SUBNET = "tgr", "10.79.0"
 RATES_BPS = {"1gbit": 1e9, "10gbit": 1e10}
 
 
-def run_case(model: str, hosts: int, rate: str, args) -> dict:
-    out = os.path.join(os.path.abspath(args.out), f"{model}-n{hosts}-{rate}.json")
-    subprocess.run([NETNS, "down", "--prefix", PREFIX], capture_output=True)
-    subprocess.run([NETNS, "up", str(hosts), "--rate", rate, "--prefix", PREFIX, "--subnet", SUBNET],
+def run_on_cluster(hosts: int, rate: str, prefix: str, subnet: str, cmd: list, timeout: int, what: str,
+                   **run_kw) -> None:
+    """Bring up an emulated cluster of ``hosts`` at ``rate``, run ``cmd`` (printing the tail of its output),
+    and tear the cluster down, also when the command fails (``SystemExit`` naming ``what``)."""
+    subprocess.run([NETNS, "down", "--prefix", prefix], capture_output=True)
+    subprocess.run([NETNS, "up", str(hosts), "--rate", rate, "--prefix", prefix, "--subnet", subnet],
                    check=True, capture_output=True)
     try:
-        host_list = ",".join(f"{PREFIX}-h{i}:1" for i in range(hosts))
-        venv_bin = os.path.dirname(sys.executable)
-        cmd = [NETNS, "exec", f"{PREFIX}-h0", "env", f"PATH={venv_bin}:{os.environ['PATH']}",
-               "mpirun", "--allow-run-as-root", "-np", str(hosts), "-H", host_list, "--bind-to", "none",
-               "--mca", "plm_rsh_agent", RSH, "--mca", "pml", "ob1", "--mca", "btl", "tcp,self,vader",
-               "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
-               "-x", "OMP_NUM_THREADS=1", "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", f"PYTHONPATH={ROOT}",
-               "-x", "PATH", sys.executable, "-m", "horovod_terngrad.operations.bench", "step",
-               "--model", model, "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--configs", args.configs,
-               "--calibrate", "--json", out]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **run_kw)
         print(p.stdout[-3000:], flush=True)
         if p.returncode != 0:
-            raise SystemExit(f"{model} N={hosts} {rate} failed:\n{p.stderr[-3000:]}")
+            raise SystemExit(f"{what} failed:\n{p.stderr[-3000:]}")
     finally:
-        subprocess.run([NETNS, "down", "--prefix", PREFIX], capture_output=True)
+        subprocess.run([NETNS, "down", "--prefix", prefix], capture_output=True)
+
+
+def sweep(args, run_case, rows, header: list, script: str, argv: list) -> None:
+    """Every (model, hosts, rate) of ``args`` in turn: ``rows(run_case(...), rate)`` under ``header``, printed
+    as it grows and appended to ``<out>/table.md`` with the command line."""
+    os.makedirs(args.out, exist_ok=True)
+    table = list(header)
+    for model in args.models.split(","):
+        for hosts in (int(h) for h in args.hosts.split(",")):
+            for rate in args.rates.split(","):
+                table += rows(run_case(model, hosts, rate, args), rate)
+                print("\n".join(table), flush=True)
+    with open(os.path.join(args.out, "table.md"), "a") as f:
+        f.write(f"\n`{' '.join([script] + argv)}`\n\n")
+        f.write("\n".join(table) + "\n")
+
+
+def run_case(model: str, hosts: int, rate: str, args) -> dict:
+    out = os.path.join(os.path.abspath(args.out), f"{model}-n{hosts}-{rate}.json")
+    host_list = ",".join(f"{PREFIX}-h{i}:1" for i in range(hosts))
+    venv_bin = os.path.dirname(sys.executable)
+    cmd = [NETNS, "exec", f"{PREFIX}-h0", "env", f"PATH={venv_bin}:{os.environ['PATH']}",
+           "mpirun", "--allow-run-as-root", "-np", str(hosts), "-H", host_list, "--bind-to", "none",
+           "--mca", "plm_rsh_agent", RSH, "--mca", "pml", "ob1", "--mca", "btl", "tcp,self,vader",
+           "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
+           "-x", "OMP_NUM_THREADS=1", "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", f"PYTHONPATH={ROOT}",
+           "-x", "PATH", sys.executable, "-m", "horovod_terngrad.operations.bench", "step",
+           "--model", model, "--batch", str(args.batch), "--steps", str(args.steps),
+           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--configs", args.configs,
+           "--calibrate", "--json", out]
+    run_on_cluster(hosts, rate, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}")
     with open(out) as f:
         return json.load(f)
 
@@ -99,17 +121,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("realshapes_benchmark: needs root (network namespaces)")
-    os.makedirs(args.out, exist_ok=True)
-    table = list(HEADER)
-    for model in args.models.split(","):
-        for hosts in (int(h) for h in args.hosts.split(",")):
-            for rate in args.rates.split(","):
-                table += rows(run_case(model, hosts, rate, args), rate)
-                print("\n".join(table), flush=True)
-    with open(os.path.join(args.out, "table.md"), "a") as f:
-        f.write(f"\n`{' '.join(['examples/realshapes_benchmark.py'] + (argv if argv is not None else sys.argv[1:]))}`\n\n")
-        f.write("\n".join(table) + "\n")
-
+    sweep(args, run_case, rows, HEADER, "examples/realshapes_benchmark.py",
+          argv if argv is not None else sys.argv[1:])
 
 if __name__ == "__main__":
     main()

@@ -39,3 +39,14 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks
             acc = acc + ternary[r].to(torch.float32) * full(scalers[r])
         out = acc / divisor
     return out.view(grads[0].shape).to(grads[0].dtype), ternary
+
+
+def mlp(width=32, depth=4, seed=0):
+    """The small model of the real-rank tests (Horovod workers and their DDP twins train the same one)."""
+    import torch.nn as nn
+    torch.manual_seed(seed)
+    layers = [nn.Linear(16, width), nn.ReLU()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers += [nn.Linear(width, 4)]
+    return nn.Sequential(*layers)

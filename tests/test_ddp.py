@@ -7,7 +7,6 @@ The averages DDP leaves in ``p.grad`` are checked bit for bit against an indepen
 frontend's own results for the same model, data and settings (tests/workers/hvd_scenarios.py under
 horovodrun --gloo).
 """
-import collections
 import os
 import subprocess
 import sys
@@ -16,11 +15,10 @@ import pytest
 import torch
 
 from helpers import expected_average
+from test_horovod import BIN, HERE, by_name_and_step, rank_env
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "ddp_scenarios.py")
 HVD_WORKER = os.path.join(HERE, "workers", "hvd_scenarios.py")
-BIN = os.path.dirname(sys.executable)
 LAUNCH_TIMEOUT = 300
 NP = 2
 
@@ -32,14 +30,6 @@ TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exa
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
 OTHER = ["collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register",
          "sparse", "mismatch"]
-
-
-def rank_env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
-    env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
-    return env
 
 
 def run_launch(cmd, what):
@@ -75,16 +65,6 @@ def hvd2(tmp_path_factory):
     run_launch([os.path.join(BIN, "horovodrun"), "--gloo", "-np", str(NP), "-H", f"localhost:{NP}", sys.executable,
                 HVD_WORKER, str(out)] + scenarios, "horovodrun")
     return {sc: load(out, sc) for sc in scenarios}
-
-
-def by_name_and_step(pairs):
-    """[(name, tensor)] in call order -> {(name, step): tensor}."""
-    seen = collections.Counter()
-    out = {}
-    for name, t in pairs:
-        out[(name, seen[name])] = t
-        seen[name] += 1
-    return out
 
 
 def check_exact(ranks):

@@ -63,9 +63,9 @@ from ..errors import RankMismatchError, TernGradError
 from ..exchange import Exchange, ExchangeStats, Inspection
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
-from .state import CompressorState
+from .state import CompressorState, process_set_key
 
-STEPS_KEY = "global"       # the key of the step counters in CompressorState (as the Horovod frontend's)
+STEPS_KEY = process_set_key(None)   # the key of the step counters and engine in CompressorState ("global")
 IDLE_EXIT_S = 5.0          # the worker thread ends after this long without a bucket
 
 
@@ -177,12 +177,7 @@ class TernGradState:
     @property
     def engine(self) -> Exchange:
         """The exchange engine (made on first use, and again after ``reset()``)."""
-        st = self.state
-        eng = st.engines.get(STEPS_KEY)
-        if eng is None:
-            eng = st.engines[STEPS_KEY] = Exchange(self.collectives, self.config, st.stats, st.inspection,
-                                                   self.steps, ordered=True)
-        return eng
+        return self.state.engine(None, self.config, lambda _: self.collectives)   # kept under STEPS_KEY
 
     def state_dict(self) -> dict:
         """Step counters of the random streams and counters (plain values); waits for the worker."""

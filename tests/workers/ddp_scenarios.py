@@ -27,20 +27,13 @@ import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad.exchange.collectives import CollectiveError  # noqa: E402
 from horovod_terngrad.exchange.dist_collectives import DistCollectiveError, DistCollectives  # noqa: E402
 from horovod_terngrad.frontends import ddp as tg_ddp  # noqa: E402
+from helpers import mlp  # noqa: E402 (the model of the Horovod twin runs)
 
 RANK = SIZE = None
 LAST_STATE = []       # the TernGradState made last (for a scenario that ends in an exception)
 
 
 # -- models ----------------------------------------------------------------------------------------------
-def mlp(width=32, depth=4, seed=0):
-    """The model of tests/workers/hvd_scenarios.py (the Horovod twin runs)."""
-    torch.manual_seed(seed)
-    layers = [nn.Linear(16, width), nn.ReLU()]
-    for _ in range(depth - 2):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers += [nn.Linear(width, 4)]
-    return nn.Sequential(*layers)
 
 
 class Scrambled(nn.Module):

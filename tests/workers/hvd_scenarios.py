@@ -18,6 +18,7 @@ import horovod.torch as hvd
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad import TernGradCompressor as LibraryCompressor  # noqa: E402
+from helpers import mlp  # noqa: E402,F401 (the test model; hvd_usage and hvd_elastic import it from here)
 
 
 class TernGradCompressor(LibraryCompressor):
@@ -54,13 +55,6 @@ class Recording(TernGradCompressor):
         return ctx.ticket.name if hasattr(ctx, "ticket") else ctx.name
 
 
-def mlp(width=32, depth=4, seed=0):
-    torch.manual_seed(seed)
-    layers = [nn.Linear(16, width), nn.ReLU()]
-    for _ in range(depth - 2):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers += [nn.Linear(width, 4)]
-    return nn.Sequential(*layers)
 
 
 def train_steps(comp, steps=3, bpps=1, dtype=torch.float32, inject=None, model=None):
