@@ -32,22 +32,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mnist_lenet import LeNet  # noqa: E402 (the Horovod example's model: the same network on both frontends)
+
 HOOKS = ("terngrad", "fp16", "powersgd", "none")     # horovod_terngrad/operations/ddp_hooks.py
-
-
-class LeNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 20, 5)
-        self.conv2 = nn.Conv2d(20, 50, 5)
-        self.fc1 = nn.Linear(800, 500)
-        self.fc2 = nn.Linear(500, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(self.conv1(x), 2)
-        x = F.max_pool2d(self.conv2(x), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
 
 
 def parse_args(argv=None):
