@@ -35,16 +35,18 @@ class TernGradConfig:
                    (Σ_r s_r·t_r)/N is exact, and s_r <= max_r s_r gives each rank's ternary gradient a
                    variance no larger than with the shared scaler).  Default (None): False for the
                    allgather exchange (measured faster on ResNet-50 at 1 Gbit/s, docs/realshapes.md;
-                   accuracy in docs/study/), True for "sharded" and "auto", whose owners add ternary
-                   values; ``shares_scaler`` says which applies.  Per-rank scalers cost one 4-byte
+                   accuracy in docs/study/), True for "sharded", whose owners add ternary values
+                   ("auto": per group, by the exchange it picks); ``scaler_shared_for`` says which applies.  Per-rank scalers cost one 4-byte
                    allreduce per step (is any rank in hvd.join()?); in a step where one is, the groups
                    take the handshake with the max over the active ranks.
     on_nonfinite:  "raise" = NonFiniteGradientError on every rank; "zero" = the tensor's averaged
                    gradient is zero on every rank this step (counted in the stats, warned once).
     exchange:      "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
-                   nearly constant in N; needs shared_scaler) or "auto" (per group, whichever the
-                   cost model of exchange/cost.py predicts to be faster).
+                   nearly constant in N; needs shared_scaler) or "auto" (measures the link once,
+                   exchange/link.py: if ternarizing does not pay on it, e.g. a fast link with a CPU
+                   codec, gradients travel at full precision and it says so; else per group whichever
+                   exchange the cost model of exchange/cost.py predicts to be faster on that link).
     fusion_numel:  tensor fusion in the Horovod frontend: the optimizer's compressed parameters, in
                    reverse registration order (about the order backward produces them), are cut into
                    groups of consecutive tensors of at most this many elements in total; a group shares
@@ -99,8 +101,14 @@ class TernGradConfig:
 
     @property
     def shares_scaler(self) -> bool:
-        """Whether ranks ternarize with one shared scaler (the setting, or the exchange's default)."""
-        return self.exchange != "allgather" if self.shared_scaler is None else bool(self.shared_scaler)
+        """Whether ranks ternarize with one shared scaler in a group sent by allgather, the exchange of
+        every group with ``exchange="allgather"`` (the setting, or the exchange's default)."""
+        return self.scaler_shared_for("sharded" if self.exchange == "sharded" else "allgather")
+
+    def scaler_shared_for(self, transport: str) -> bool:
+        """Whether a group sent by ``transport`` ("allgather" or "sharded") uses the shared scaler: the
+        setting, else only the sharded transport (its owners add ternary values)."""
+        return transport == "sharded" if self.shared_scaler is None else bool(self.shared_scaler)
 
     def compresses(self, name: str, numel: int) -> bool:
         """Whether a tensor of this name and size is ternarized (else it travels uncompressed)."""

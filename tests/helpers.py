@@ -4,6 +4,8 @@ It re-derives every rank's ternary vector with the reference codec and applies t
 the wire format (codec/packing.py) written out again here, so an error in either backend's decode
 shows up as a mismatch.
 """
+import contextlib
+
 import torch
 
 from horovod_terngrad import codec as C
@@ -50,3 +52,23 @@ def mlp(width=32, depth=4, seed=0):
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers += [nn.Linear(width, 4)]
     return nn.Sequential(*layers)
+
+
+@contextlib.contextmanager
+def link_codec_cost(codec_s_per_element: float):
+    """exchange="auto" measures the link for real, then sees the codec cost this much per element (the
+    decision on loopback depends on the machine): 0 = ternarizing pays, 1e-3 = it does not."""
+    import dataclasses
+
+    from horovod_terngrad.exchange import link
+    measured = link.measure
+
+    def forced(coll, device, packing, name="terngrad.link"):
+        got = measured(coll, device, packing, name)
+        return None if got is None else dataclasses.replace(got, codec_s_per_element=codec_s_per_element)
+
+    link.measure = forced
+    try:
+        yield
+    finally:
+        link.measure = measured

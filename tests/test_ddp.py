@@ -29,7 +29,7 @@ EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "sync_on_ddps_gr
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
 OTHER = ["collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register",
-         "sparse", "mismatch"]
+         "sparse", "mismatch", "auto_off"]
 
 
 def run_launch(cmd, what):
@@ -129,6 +129,19 @@ def test_ddp_averages_are_bit_identical_to_the_reference(ddp2, sc):
     else:
         assert checked == 3 * len(names)
     assert sorted(ranks[0]["steps"].values()) == sorted(ranks[1]["steps"].values())
+
+
+def test_auto_measures_the_link_and_sends_full_precision_where_ternarizing_does_not_pay(ddp2):
+    """exchange="auto" over torch.distributed: the link is measured and agreed (identical on both ranks);
+    with a codec slower than the bytes it saves every bucket is one plain allreduce (exact means)."""
+    on, off = ddp2["auto_exchange"], ddp2["auto_off"]
+    for ranks, pays in ((on, True), (off, False)):
+        assert ranks[0]["link"] == ranks[1]["link"] and ranks[0]["link"][0] == 2 and ranks[0]["link"][2] is pays
+    for r in off:
+        assert r["stats"]["tensors"] == 0 and r["stats"]["collectives"] == 0
+    ins = [by_name_and_step(r["inputs"]) for r in off]
+    for key, got in by_name_and_step(off[0]["outputs"]).items():
+        torch.testing.assert_close(got, (ins[0][key] + ins[1][key]) / 2)
 
 
 def test_ddp_averages_are_bit_identical_to_the_horovod_frontends(ddp2, hvd2):

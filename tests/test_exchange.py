@@ -500,3 +500,47 @@ def test_ranks_issue_the_same_collectives_in_the_same_order_whatever_their_timin
     assert len(orders[0]) == (10 if cfg.exchange == "allgather" else 15)
     control = issue_orders(cfg, ordered=False)
     assert control[0] != control[1]
+
+
+# -- exchange="auto": the measured link ----------------------------------------------------------------
+
+def test_link_decision_ternarizes_on_slow_links_and_not_where_the_codec_costs_more_than_it_saves():
+    from horovod_terngrad.exchange.link import LinkDecision
+    gbe = LinkDecision(2, 125e6, 2e-9, "2bit")             # 1 Gbit/s, a CPU core's codec
+    assert gbe.compresses and gbe.fp32_s_per_element == pytest.approx(32e-9)
+    assert gbe.terngrad_s_per_element == pytest.approx(2e-9 + 0.25 / 125e6, rel=1e-3)
+    ib = LinkDecision(2, 12.5e9, 2e-9, "2bit")             # 100 Gbit/s: 0.32 ns/element at full precision
+    assert not ib.compresses and "compression OFF" in ib.describe() and "100.00 Gbit/s" in ib.describe()
+    assert LinkDecision(1, float("inf"), 0.0, "2bit").compresses       # one rank: computes what N ranks do
+    # the allgather's received bytes grow with N: at 64 ranks even 1 Gbit/s is close
+    assert LinkDecision(64, 125e6, 2e-9, "2bit").terngrad_s_per_element > 30 * gbe.terngrad_s_per_element
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_measures_the_link_once_and_every_rank_agrees(world):
+    def body(c):
+        ex = Exchange(c, TernGradConfig(exchange="auto"))
+        first = ex.compression_pays(torch.device("cpu"))
+        link = ex.link
+        ex.compression_pays(torch.device("cpu"))          # decided: no more collectives
+        assert ex.link is link
+        return first, (link.ranks, link.allreduce_Bps, link.codec_s_per_element)
+
+    results = run_ranks(world, body, timeout=60)
+    assert len(set(results)) == 1 and results[0][1][0] == world and results[0][1][1] > 0
+    # not "auto": nothing is measured
+    assert run_ranks(2, lambda c: (Exchange(c, TernGradConfig()).compression_pays(torch.device("cpu")),)) == [(True,)] * 2
+
+
+def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
+    """A rank in hvd.join() adds 0 to the count: the others keep ternarizing and ask again next time, so the
+    joined rank, back in the next epoch, takes part in the measurement with them."""
+    def body(c):
+        if c.rank == 2:
+            return c.join(), None
+        ex = Exchange(c, TernGradConfig(exchange="auto"))
+        pays = ex.compression_pays(torch.device("cpu"))
+        return c.join(), (pays, ex.link)
+
+    results = run_ranks(3, body, timeout=60)
+    assert [r[1] for r in results[:2]] == [(True, None)] * 2

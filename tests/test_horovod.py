@@ -96,7 +96,7 @@ def check_exact(ranks):
     return checked
 
 
-ALL = ["fusion_partial", "exact", "exact_unfused", "exact_sharded_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
+ALL = ["auto_on", "auto_off", "fusion_partial", "exact", "exact_unfused", "exact_sharded_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
        "mismatch", "functional"]
 
 
@@ -138,6 +138,27 @@ def test_gloo2_fused_group_with_a_member_gone_still_completes(gloo2):
     # one group of 8 from step 0 (2 collectives per step); from step 2 the bias is gone and the other 7
     # go as the group's '.partial' exchange, still 2 collectives
     assert a["collectives"] == b["collectives"] == 4 * 2
+
+
+def test_gloo2_auto_measures_the_link_and_ternarizes_where_it_pays(gloo2):
+    """exchange="auto" measured the link on both ranks (agreed: identical figures); with a free codec it
+    ternarizes (per-rank scalers at N = 2, bit-exact); with a codec slower than the bytes it saves every
+    tensor travels by Horovod's full-precision allreduce, on every rank, and nothing is ternarized."""
+    on, off = gloo2["auto_on"], gloo2["auto_off"]
+    assert check_exact(on) > 0 and on[0]["stats"]["elements"] > 0
+    for ranks in (on, off):
+        links = [r["link"] for r in ranks]
+        assert links[0] is not None and links[0] == links[1] and links[0]["ranks"] == 2
+        assert links[0]["allreduce_Bps"] > 0
+    assert on[0]["link_compresses"] and not off[0]["link_compresses"]
+    assert "compression OFF" in off[0]["link_text"]
+    for r in off:
+        assert r["stats"]["elements"] == 0 and r["stats"]["collectives"] == 0
+    ins = [by_name_and_step(r["inputs"]) for r in off]
+    for key, got in by_name_and_step(off[0]["outputs"]).items():
+        torch.testing.assert_close(got, (ins[0][key] + ins[1][key]) / 2)
+    for a, b in zip(off[0]["params"], off[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_gloo2_excluded_tensors_travel_uncompressed(gloo2):

@@ -41,7 +41,7 @@ import torch
 from .. import backends, codec
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, handshake, joined, sharded
+from . import allgather, cost, handshake, joined, link, sharded
 from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
@@ -147,6 +147,23 @@ class Exchange:
         self._warned_nonfinite: set = set()
         self.ordered = ordered
         self._previous: Group | None = None     # the group started last (ordered: left in flight)
+        self.link: link.LinkDecision | None = None   # exchange="auto": the measured link, once agreed
+
+    def compression_pays(self, device: torch.device) -> bool:
+        """Whether tensors the policy would ternarize should be (frontends ask before starting one).
+        True unless ``exchange="auto"`` measured a link on which the full-precision allreduce is faster
+        (exchange/link.py; the first call measures, with collectives every rank issues at the same point:
+        its first tensor to ternarize).  Until every rank has taken part in the measurement, True."""
+        if self.config.exchange != "auto":
+            return True
+        if self.link is None:
+            try:
+                self.link = link.measure(self.coll, device, self.config.packing)
+            except CollectiveError as e:
+                raise e.detailed("TernGrad: measuring the link for exchange='auto' failed")
+            if self.link is not None and self.coll.rank == 0 and self.coll.size > 1:
+                (log.info if self.link.compresses else log.warning)("%s", self.link.describe())
+        return self.link is None or self.link.compresses
 
     # -- public -------------------------------------------------------------------------------
     def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False) -> Ticket:
@@ -185,7 +202,7 @@ class Exchange:
         if not tickets:
             return tickets
         self.stats.codec_s += time.perf_counter() - t0
-        if cfg.shares_scaler:
+        if cfg.scaler_shared_for(grp.mode):
             self._start_with_handshake(grp)
             return tickets
         if not self.joins:            # no rank can be in a join: payloads leave at once
@@ -324,7 +341,9 @@ class Exchange:
     # -- internals ----------------------------------------------------------------------------
     def _mode(self, numels: list) -> str:
         if self.config.exchange == "auto":
-            return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size)
+            network = self.link.network(cost.configured_network().latency_s) if self.link else None
+            return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size,
+                                     network=network)
         return self.config.exchange
 
     def _advance(self, queue: list, handle, step, block: bool, keep: "Group | None" = None) -> list:

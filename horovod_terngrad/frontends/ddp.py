@@ -263,7 +263,7 @@ class TernGradState:
             members = []
             for p, g in zip(job.params, job.grads):
                 name = self._name(p, job.index)
-                if self.enabled and cfg.compresses(name, g.numel()):
+                if self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device):
                     members.append((name, g))
                 else:
                     job.plain.append((name, g))

@@ -11,8 +11,9 @@ allreduce, ``decompress(tensor, ctx)`` after it):
   the parameter) and returns a 0-element fp32 tensor: Horovod's allreduce of it is a no-op that costs
   one fused entry in its negotiation.  The ticket of the exchange is the ctx.
 * ``decompress`` waits for the exchange and returns the average gradient in the gradient's dtype.
-* Tensors kept at full precision by the policy (``min_numel``, ``exclude``) are returned as they are
-  (fp16/bf16 sent as fp32) and Horovod allreduces them as usual.
+* Tensors kept at full precision by the policy (``min_numel``, ``exclude``), and every tensor when
+  ``exchange="auto"`` measured a link on which ternarizing does not pay (exchange/link.py), are returned
+  as they are (fp16/bf16 sent as fp32) and Horovod allreduces them as usual.
 
 Tensor fusion (``fusion_numel``): the optimizer's compressed parameters are cut into groups of
 consecutive tensors (reverse registration order, so a group's members come out of backward together) by
@@ -157,7 +158,8 @@ class TernGradCompressor:
                 # (gradient_predivide_factor: Horovod's pre- and postscale multiply to 1 for Average)
                 average = naming.averages(naming.optimizer_op(optimizer, name), name)
                 process_set = getattr(optimizer, "process_set", None)
-            if not self.enabled or not self.config.compresses(name, tensor.numel()):
+            if (not self.enabled or not self.config.compresses(name, tensor.numel())
+                    or not self.engine(process_set).compression_pays(tensor.device)):
                 st.uncompressed_elements += tensor.numel()
                 if tensor.dtype in (torch.float16, torch.bfloat16):
                     return tensor.to(torch.float32), Passthrough(tensor.dtype, name)

@@ -27,7 +27,7 @@ import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad.exchange.collectives import CollectiveError  # noqa: E402
 from horovod_terngrad.exchange.dist_collectives import DistCollectiveError, DistCollectives  # noqa: E402
 from horovod_terngrad.frontends import ddp as tg_ddp  # noqa: E402
-from helpers import mlp  # noqa: E402 (the model of the Horovod twin runs)
+from helpers import link_codec_cost, mlp  # noqa: E402 (mlp: the model of the Horovod twin runs)
 
 RANK = SIZE = None
 LAST_STATE = []       # the TernGradState made last (for a scenario that ends in an exception)
@@ -184,7 +184,8 @@ CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "per_rank_allgather_base3_buckets": ({"seed": 8, "shared_scaler": False, "packing": "base3",
                                           "bucket_size": 64}, {}),
     "small_fusion_groups": ({"seed": 9, "fusion_numel": 300}, {}),
-    "auto_exchange": ({"seed": 17, "exchange": "auto"}, {}),
+    "auto_exchange": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 0.0}),        # ternarizing pays
+    "auto_off": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 1e-3}),            # it does not
     "exclude_min_numel": ({"seed": 10, "exclude": ("^head",), "min_numel": 40}, {}),
     "worker_restarts": ({"seed": 18}, {"pause": 0.2}),
     "no_sync_accumulate": ({"seed": 11}, {"accumulate": 3}),
@@ -214,8 +215,12 @@ def sc_exact(name):
     if model.pause:     # the worker thread ends in the pause, with a bucket in flight; the next one goes on
         tg_ddp.IDLE_EXIT_S = 0.02
         tg_ddp.TernGradState._step = counting_step
+    link_codec_s = kw.pop("link_codec_s", None)
     try:
-        res = exact(model, settings, **kw)
+        with link_codec_cost(link_codec_s) if link_codec_s is not None else contextlib.nullcontext():
+            res = exact(model, settings, **kw)
+        link = LAST_STATE[0].engine.link
+        res["link"] = None if link is None else (link.ranks, link.allreduce_Bps, link.compresses)
     finally:
         tg_ddp.IDLE_EXIT_S, tg_ddp.TernGradState._step = idle, step
     res["workers"] = len(workers)

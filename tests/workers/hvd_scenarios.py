@@ -18,7 +18,7 @@ import horovod.torch as hvd
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad import TernGradCompressor as LibraryCompressor  # noqa: E402
-from helpers import mlp  # noqa: E402,F401 (the test model; hvd_usage and hvd_elastic import it from here)
+from helpers import link_codec_cost, mlp  # noqa: E402,F401 (the test model; hvd_usage and hvd_elastic import it from here)
 
 
 class TernGradCompressor(LibraryCompressor):
@@ -85,7 +85,23 @@ def scenario_exact(cfg_kwargs, bpps=1, dtype=torch.float32):
     model = train_steps(comp, steps=3, bpps=bpps, dtype=dtype)
     return {"config": comp.config, "inputs": comp.inputs, "outputs": comp.outputs,
             "names": names_in_order(model), "params": [p.detach().clone() for p in model.parameters()],
-            "stats": vars(comp.stats).copy()}
+            "stats": vars(comp.stats).copy(), **_link_of(comp)}
+
+
+def _link_of(comp) -> dict:
+    """exchange="auto": the link the global engine measured, as plain values."""
+    link = comp.engine().link if comp.config.exchange == "auto" else None
+    if link is None:
+        return {"link": None}
+    return {"link": {"ranks": link.ranks, "allreduce_Bps": link.allreduce_Bps,
+                     "codec_s_per_element": link.codec_s_per_element},
+            "link_compresses": link.compresses, "link_text": link.describe()}
+
+
+def scenario_auto(codec_s_per_element):
+    """exchange="auto" with the link really measured on these ranks, and the codec's cost as given."""
+    with link_codec_cost(codec_s_per_element):
+        return scenario_exact({"exchange": "auto", "seed": 3})
 
 
 def sim_setup():
@@ -135,6 +151,10 @@ def run(name):
         return scenario_exact({"seed": 3, "fusion_numel": 1000})
     if name == "exact_per_rank_bpps2":
         return scenario_exact({"shared_scaler": False}, bpps=2)
+    if name == "auto_on":
+        return scenario_auto(0.0)
+    if name == "auto_off":
+        return scenario_auto(1e-3)
     if name == "exclude":
         return scenario_exact({"exclude": (r"^6\.",), "min_numel": 10})
     if name == "bf16":
