@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DDP_TORCHRUN = os.path.join(ROOT, "launch", "ddp-torchrun")
 PREFIX, SUBNET = "tgd", "10.78.0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from realshapes_benchmark import run_on_cluster, sweep  # noqa: E402 (the cluster and the table, shared)
+from emulated_cluster_benchmark import run_on_cluster, sweep  # noqa: E402 (the cluster and the table, shared)
 CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", "fp16", {}),
            "powersgd1": ("DDP PowerSGD rank 1", "powersgd", {"powersgd_rank": 1}),
            "powersgd4": ("DDP PowerSGD rank 4", "powersgd", {"powersgd_rank": 4}),

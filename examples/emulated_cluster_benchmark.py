@@ -1,56 +1,117 @@
-"""Measured step times on an emulated cluster (network namespaces, tc-shaped links) beside the
-performance model's predictions (issue: paper §5 / Fig. 5 validation).  Needs root and iproute2.
+"""Step times on an emulated cluster (network namespaces, tc-shaped links), launched as users launch Horovod:
+plain ``mpirun``, no terngrad-launch, TernGrad at its defaults; beside every TernGrad figure its step-time
+limit, and beside every figure the scheduled model's prediction.  Needs root and iproute2.
 
-    .venv/bin/python examples/emulated_cluster_benchmark.py --hosts 2,4 --rates 1gbit,none --out docs/cluster
+    .venv/bin/python examples/emulated_cluster_benchmark.py --models resnet50,transformer --hosts 2,4 \\
+        --rates 1gbit,none --out docs/cluster
 
-For each (hosts, rate): bring up the cluster (launch/netns-cluster.sh), run
-``python -m horovod_terngrad.operations.bench step`` on one rank per host through launch/terngrad-launch (mpirun
-with the netns rsh agent), for fp32, fp16, TernGrad (allgather) and TernGrad (sharded) on a
-communication-heavy MLP of about 25M parameters, then tear the cluster down.  Predictions use
-horovod_terngrad.operations.perfmodel with the compute time profiled here (scaled by ranks per core, since the
-emulated hosts share this machine's cores), the link rate (for unshaped veth links: measured with a TCP
-stream) and the codec throughput measured here ("link-rate model"), and again with the inputs the
-model takes from a calibration inside each emulated cluster, repeated in every round before the timed steps
-(``bench step --calibrate``: compute time of a step with all ranks computing at once and no exchange,
-the latency alpha from a 4-byte allreduce, one large allreduce, allgather and alltoall at this
-model's sizes, which set per-collective efficiencies, ``perfmodel.calibrated_efficiency``, and the
-codec's per-element rates, every rank at once) ("calibrated model"), and a third time with
-horovod_terngrad.operations.timeline, which schedules the step as Horovod runs it (collectives overlap backward,
-concurrent ones fuse into one round, codec stages on the main thread) on the calibrated inputs
-("scheduled model").  None uses the timed steps; ``--predict-only`` recomputes the predictions of a
-saved run.
+For each (model, hosts, rate): bring up the cluster (launch/netns-cluster.sh; on unshaped links the rate is
+measured first with a TCP stream between two hosts), run ``python -m horovod_terngrad.operations.bench step
+--calibrate`` with one rank per emulated host, tear the cluster down, and print one table row per
+configuration (``--configs``, entries of bench.STEP_CONFIGS: fp32 = ``Compression.none``, fp16 =
+``Compression.fp16``, terngrad = TernGrad's defaults, terngrad-sharded, terngrad-auto = ``exchange="sharded"``
+/ ``"auto"``, ...).  Models: whatever ``bench step --model`` takes (mlp, resnet50, transformer, tiny:
+operations/models.py).
 
-Timing: a warm-up round first (every configuration runs its warm-up steps before any is timed), then
-``--rounds`` rounds in which the calibration and the configurations take turns, ``--steps`` timed
-steps each; figures are medians over all rounds.
+Launch: ``mpirun --bind-to none`` over launch/netns-rsh, TCP on eth0, and the two settings the shared cores
+need: ``OMP_NUM_THREADS=1`` and ``OMPI_MCA_mpi_yield_when_idle=1`` (the emulated hosts share this machine's
+cores, which real hosts do not: a rank busy-polling in MPI would take the core another rank computes on;
+Open MPI sets the same itself when it knows a node is oversubscribed).  Horovod runs at its own defaults
+(cycle 1 ms, fusion threshold 128 MiB).
 
-The emulated hosts share this machine's cores, which real hosts do not: Open MPI's busy-polling in one
-rank would steal the core another rank computes on, so ranks are started with
-``terngrad-launch --shared-cores`` (OMPI_MCA_mpi_yield_when_idle=1: waiting ranks yield the CPU), as
-Open MPI does itself when it knows a node is oversubscribed.
+Timing (bench step): a warm-up round (every configuration runs ``--warmup`` untimed steps before any is
+timed), then ``--rounds`` rounds in which the calibration and the configurations take turns, one untimed
+and ``--steps`` timed steps each; figures are medians over all rounds, and the per-round medians are shown.
+
+Beside every TernGrad figure, its step-time limit:
+
+    limit = compute (every rank computing, no exchange: the calibration, in the same run)
+            + codec (TernGrad's own clock in the timed steps)
+            + the bytes this rank received per step at the link rate (the nominal rate, or the measured one).
+
+Beside every figure, the scheduled model (horovod_terngrad.operations.timeline.timeline_step): the step as
+Horovod and the engine run it, on the calibration of the same run (slowest rank's compute, alpha from a
+4-byte allreduce, per-collective efficiencies from one large allreduce / allgather / alltoall, the codec's
+per-element rates measured on every rank at once), each TernGrad configuration with the TernGradConfig it
+ran with (recorded in the JSON) and Horovod's cycle time.  Its error is (model - measured) / measured.
+
+Results: ``<out>/<model>-n<hosts>-<rate>[-<tag>].json`` per cell (``--tag r2`` keeps a repeat beside the
+first run), the table appended to ``<out>/table.md`` with the command line.  ``--predict-only PATH...``
+recomputes the predictions and the table of saved cells (files or folders of them, including the
+``emulated_cluster.json`` of the earlier MLP runs and docs/realshapes/) without running anything, and writes
+the table to ``<out>/predicted.md``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NETNS = os.path.join(ROOT, "launch", "netns-cluster.sh")
-LAUNCH = os.path.join(ROOT, "launch", "terngrad-launch")
 RSH = os.path.join(ROOT, "launch", "netns-rsh")
 PY = sys.executable
-CONFIGS = "fp32,fp16,terngrad,terngrad-sharded"
-METHOD = {"fp32": "fp32", "fp16": "fp16", "terngrad": "terngrad_allgather", "terngrad-sharded": "terngrad_sharded"}
+PREFIX, SUBNET = "tgc", "10.79.0"
+CONFIGS = "fp32,fp16,terngrad,terngrad-sharded,terngrad-auto"
+# Horovod 0.28's defaults (``horovodrun --help``), which a plain mpirun launch keeps
+HOROVOD_CYCLE_MS, HOROVOD_FUSION_BYTES = 1.0, 128 * 1024 * 1024
+# what the earlier MLP runs (docs/cluster/emulated_cluster.json) ran with: terngrad-launch's Ethernet
+# settings and the TernGrad defaults of then (shared scaler, every tensor ternarized)
+LEGACY = {"cycle_ms": 5.0, "fusion_bytes": 64 * 1024 * 1024,
+          "configs": {"terngrad": {"shared_scaler": True, "min_numel": 0},
+                      "terngrad-sharded": {"exchange": "sharded", "min_numel": 0}}}
+RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+CELL = re.compile(r"^(?P<model>.+)-n(?P<hosts>\d+)-(?P<rate>[^-]+)(?:-(?P<tag>.+))?\.json$")
 
 
-def sh(args, **kw):
-    return subprocess.run(args, capture_output=True, text=True, **kw)
+# -- the emulated cluster (also examples/ddp_benchmark.py's) ---------------------------------------------------
+@contextlib.contextmanager
+def emulated_cluster(hosts: int, rate: str, prefix: str, subnet: str):
+    """``hosts`` emulated hosts ``<prefix>-h0..`` at ``rate`` (or unshaped: ``none``) for the ``with`` block."""
+    subprocess.run([NETNS, "down", "--prefix", prefix], capture_output=True)
+    subprocess.run([NETNS, "up", str(hosts), "--rate", rate, "--prefix", prefix, "--subnet", subnet],
+                   check=True, capture_output=True)
+    try:
+        yield [f"{prefix}-h{i}" for i in range(hosts)]
+    finally:
+        subprocess.run([NETNS, "down", "--prefix", prefix], capture_output=True)
+
+
+def run_on_cluster(hosts: int, rate: str, prefix: str, subnet: str, cmd: list, timeout: int, what: str,
+                   probe=None, **run_kw):
+    """Bring up an emulated cluster of ``hosts`` at ``rate``, call ``probe(host names)`` (if given), run
+    ``cmd`` (printing the tail of its output), and tear the cluster down, also when the command fails
+    (``SystemExit`` naming ``what``).  Returns what ``probe`` returned."""
+    with emulated_cluster(hosts, rate, prefix, subnet) as names:
+        probed = probe(names) if probe is not None else None
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **run_kw)
+        print(p.stdout[-3000:], flush=True)
+        if p.returncode != 0:
+            raise SystemExit(f"{what} failed:\n{p.stderr[-3000:]}")
+    return probed
+
+
+def sweep(args, run_case, rows, header: list, script: str, argv: list, footer=None) -> None:
+    """Every (model, hosts, rate) of ``args`` in turn: ``rows(run_case(...), rate)`` under ``header`` (then
+    ``footer(results)``), printed as it grows and appended to ``<out>/table.md`` with the command line."""
+    os.makedirs(args.out, exist_ok=True)
+    table, results = list(header), []
+    for model in args.models.split(","):
+        for hosts in (int(h) for h in args.hosts.split(",")):
+            for rate in args.rates.split(","):
+                results.append(run_case(model, hosts, rate, args))
+                table += rows(results[-1], rate)
+                print("\n".join(table), flush=True)
+    if footer is not None:
+        table += footer(results)
+    with open(os.path.join(args.out, "table.md"), "a") as f:
+        f.write(f"\n`{' '.join([script] + argv)}`\n\n")
+        f.write("\n".join(table) + "\n")
 
 
 def measure_link_gbps(h0: str, h1: str, ip1: str, nbytes: int = 200_000_000) -> float:
@@ -61,180 +122,215 @@ def measure_link_gbps(h0: str, h1: str, ip1: str, nbytes: int = 200_000_000) -> 
                                "n=0\nwhile True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\nprint(n)"],
                               stdout=subprocess.PIPE, text=True)
     time.sleep(1.0)
-    client = sh(["ip", "netns", "exec", h0, PY, "-c",
-                 f"import socket,time;s=socket.create_connection(('{ip1}',5999));b=bytes(1<<20);t=time.time()\n"
-                 f"for _ in range({nbytes >> 20}): s.sendall(b)\n"
-                 "s.shutdown(socket.SHUT_WR);s.recv(1);print(time.time()-t)"], timeout=300)
+    client = subprocess.run(["ip", "netns", "exec", h0, PY, "-c",
+                             f"import socket,time;s=socket.create_connection(('{ip1}',5999));b=bytes(1<<20);t=time.time()\n"
+                             f"for _ in range({nbytes >> 20}): s.sendall(b)\n"
+                             "s.shutdown(socket.SHUT_WR);s.recv(1);print(time.time()-t)"],
+                            capture_output=True, text=True, timeout=300)
     server.wait(60)
     return nbytes * 8 / float(client.stdout.strip()) / 1e9
 
 
-def model_sizes(layers: int, width: int) -> list[int]:
-    return [width * width, width] * layers
+# -- one cell: a model on N hosts at one rate ----------------------------------------------------------------------
+def cell_path(out: str, model: str, hosts: int, rate: str, tag: str = "") -> str:
+    return os.path.join(os.path.abspath(out), f"{model}-n{hosts}-{rate}" + (f"-{tag}" if tag else "") + ".json")
 
 
-def profile(layers: int, width: int, batch: int) -> float:
-    from horovod_terngrad.operations import models
-    from horovod_terngrad.operations.perfmodel import profile_compute
-    torch.manual_seed(0)
-    return profile_compute(models.mlp(layers, width), batch, (width,), steps=5)
+def _commit() -> str:
+    p = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return p.stdout.strip() or "unknown"
 
 
-def codec_rate(rates) -> float:
-    """Elements per second of (prepare + encode) on one core: the additive model's codec throughput."""
-    return 1.0 / (rates.prepare + rates.encode)
+def run_case(model: str, hosts: int, rate: str, args) -> dict:
+    out = cell_path(args.out, model, hosts, rate, args.tag)
+    host_list = ",".join(f"{PREFIX}-h{i}:1" for i in range(hosts))
+    venv_bin = os.path.dirname(PY)
+    cmd = [NETNS, "exec", f"{PREFIX}-h0", "env", f"PATH={venv_bin}:{os.environ['PATH']}",
+           "mpirun", "--allow-run-as-root", "-np", str(hosts), "-H", host_list, "--bind-to", "none",
+           "--mca", "plm_rsh_agent", RSH, "--mca", "pml", "ob1", "--mca", "btl", "tcp,self,vader",
+           "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
+           "-x", "OMP_NUM_THREADS=1", "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", f"PYTHONPATH={ROOT}",
+           "-x", "PATH", PY, "-m", "horovod_terngrad.operations.bench", "step",
+           "--model", model, "--batch", str(args.batch), "--image", str(args.image), "--layers", str(args.layers),
+           "--width", str(args.width), "--steps", str(args.steps), "--rounds", str(args.rounds),
+           "--warmup", str(args.warmup), "--configs", args.configs, "--calibrate", "--json", out]
+
+    def probe(names):                  # unshaped links: their rate, for the limit and the model
+        return measure_link_gbps(names[0], names[1], f"{SUBNET}.2") if rate == "none" and hosts > 1 else None
+
+    t0 = time.time()
+    gbps = run_on_cluster(hosts, rate, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}", probe=probe)
+    with open(out) as f:
+        res = json.load(f)
+    res.update(hosts=hosts, rate=rate, measured_gbps=gbps, tag=args.tag, launcher="mpirun", commit=_commit(),
+               cycle_ms=HOROVOD_CYCLE_MS, fusion_bytes=HOROVOD_FUSION_BYTES, wall_s=time.time() - t0)
+    res["scheduled"] = predict(res)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
 
 
-def run_case(hosts: int, rate: str, args) -> dict:
-    prefix = "tgb"
-    sh([NETNS, "down", "--prefix", prefix])
-    up = sh([NETNS, "up", str(hosts), "--rate", rate, "--prefix", prefix, "--subnet", "10.78.0"])
-    if up.returncode:
-        raise RuntimeError(up.stderr)
-    try:
-        names = [f"{prefix}-h{i}" for i in range(hosts)]
-        gbps = measure_link_gbps(names[0], names[1], "10.78.0.2") if rate == "none" else None
-        out = f"/tmp/emulated-{hosts}-{rate}.json"
-        cmd = [NETNS, "exec", names[0], LAUNCH, "-np", str(hosts), "-H", ",".join(f"{h}:1" for h in names),
-               "--launcher", "mpirun", "--network", "ethernet", "--iface", "eth0", "--rsh-agent", RSH, "--no-preflight",
-               "--shared-cores",
-               "--", PY, "-m", "horovod_terngrad.operations.bench", "step", "--layers", str(args.layers), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", "2", "--configs", CONFIGS,
-               "--calibrate", "--json", out]
-        p = sh(cmd, timeout=3000, env=dict(os.environ, PYTHONPATH=ROOT))
-        if p.returncode:
-            raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])
-        with open(out) as f:
-            res = json.load(f)
-        res.update(hosts=hosts, rate=rate, measured_gbps=gbps)
-        return res
-    finally:
-        sh([NETNS, "down", "--prefix", prefix])
+def link_gbps(res: dict) -> float | None:
+    """The link rate of a cell in Gbit/s: the nominal rate, or the one measured on unshaped links."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", res["rate"])
+    return float(m.group(1)) * RATE_UNITS[m.group(2)] / 1e9 if m else res.get("measured_gbps")
 
 
-def predict(res: dict, compute_1: float, rates, cpus: int | None = None) -> tuple[dict, dict, dict]:
-    """(link-rate model, calibrated model, scheduled model) step times in ms per configuration."""
-    from horovod_terngrad.operations.launcher import network_env
-    from horovod_terngrad.operations.perfmodel import Network, calibrated_efficiency, predict_step
-    from horovod_terngrad.operations.timeline import CodecRates, timeline_step
-    rate_elems = codec_rate(rates)
-    cycle_s = float(network_env("ethernet", "eth0", [], True)["HOROVOD_CYCLE_TIME"]) / 1000
-    hosts = res["hosts"]
-    gbps = 1.0 if res["rate"] == "1gbit" else res["measured_gbps"]
-    net = Network.from_gbps("emulated", gbps, 30.0)
-    share = max(1.0, hosts / (cpus or os.cpu_count() or 2))   # emulated hosts share the run's machine's cores
-    sizes = model_sizes(res["layers"], res["width"])
-    cal = res["calibration"]
+def row_config(res: dict, row: dict):
+    """The TernGradConfig a row ran with (None for fp32/fp16): recorded by bench step, or for saved runs
+    before that, the one its configuration name stood for then."""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.operations.bench import step_config
+    if "terngrad_config" in row:
+        return TernGradConfig(**row["terngrad_config"])
+    if res.get("legacy"):
+        return TernGradConfig(**LEGACY["configs"][row["config"]]) if row["config"] in LEGACY["configs"] else None
+    return step_config(row["config"])
+
+
+def predict(res: dict) -> dict:
+    """The scheduled model of every row of a cell: {config: {ms, collectives, rounds, codec_ms}}, from the
+    cell's own calibration.  Also puts the fitted ``alpha_us`` and ``efficiency`` into ``res``."""
+    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.operations import perfmodel as pm
+    from horovod_terngrad.operations.timeline import CodecRates, method_of, timeline_step
+    N, cal = res["hosts"], res["calibration"]
+    # unmeasured unshaped links: 10 Gbit/s; the fitted efficiencies absorb the rate for every collective
+    gbps = link_gbps(res) or 10.0
     # alpha from a 4-byte allreduce (2(N-1) latency terms); then each collective's bandwidth efficiency
-    alpha_us = 1e3 * cal["small_allreduce_ms"] / max(1, 2 * (hosts - 1))
-    cal_net = calibrated_efficiency(Network.from_gbps("emulated", gbps, alpha_us), hosts,
-                                    {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")}, strict=False)
+    alpha_us = 1e3 * cal["small_allreduce_ms"] / max(1, 2 * (N - 1))
+    net = pm.calibrated_efficiency(pm.Network.from_gbps("emulated", gbps, alpha_us), N,
+                                   {k: tuple(cal[k]) for k in ("allreduce", "allgather", "alltoall")}, strict=False)
     res["alpha_us"] = alpha_us
-    res["efficiency"] = {k: cal_net.eff(k) for k in ("allreduce", "allgather", "alltoall")}
-    # The codec's rates as the calibration measured them inside the cluster (every rank at once, slowest
-    # rank); older runs have none: this machine's rates, slowed by the ranks sharing each core.
-    if "codec_s_per_element" in cal:
-        cal_rates, res["codec_source"] = CodecRates(**cal["codec_s_per_element"]), "calibration"
-    else:
-        cal_rates, res["codec_source"] = rates.slowed(share), "this machine, slowed by sharing"
-    plain, calibrated, scheduled = {}, {}, {}
-    for key, method in METHOD.items():
+    res["efficiency"] = {k: net.eff(k) for k in ("allreduce", "allgather", "alltoall")}
+    rates = CodecRates(**cal["codec_s_per_element"]) if "codec_s_per_element" in cal else None   # None: free
+    out = {}
+    for row in res["rows"]:
+        cfg = row_config(res, row)
+        method = row["config"] if cfg is None else method_of(cfg)
         # a synchronous step waits for its slowest rank: the schedule starts from that rank's compute
-        slowest = cal.get("compute_slowest_ms", cal["compute_ms"]) / 1000
-        scheduled[key] = 1000 * timeline_step(sizes, slowest, hosts, cal_net, method,
-                                              codec=cal_rates, cycle_s=cycle_s).step_s
-        plain[key] = 1000 * predict_step(sizes, compute_1 * share, hosts, net, method=method,
-                                         codec_elements_per_s=rate_elems / share).step_s
-        calibrated[key] = 1000 * predict_step(sizes, cal["compute_ms"] / 1000, hosts, cal_net, method=method,
-                                              codec_elements_per_s=codec_rate(cal_rates)).step_s
-    return plain, calibrated, scheduled
+        t = timeline_step(res["sizes"], cal.get("compute_slowest_ms", cal["compute_ms"]) / 1000, N, net, method,
+                          codec=rates, fusion_bytes=res["fusion_bytes"],
+                          cycle_s=res["cycle_ms"] / 1000, config=cfg, names=res.get("names"),
+                          auto_network=cost.configured_network())   # what the job's exchange="auto" assumed
+        out[row["config"]] = {"ms": 1000 * t.step_s, "collectives": t.collectives, "rounds": t.rounds,
+                              "codec_ms": 1000 * t.codec_s}
+    return out
+
+
+HEADER = ["| model | N | link | configuration | ms/step | by round | img/s per worker | speedup vs fp32 | "
+          "vs fp16 | limit ms (compute + codec + wire) | step / limit | scheduled model ms | error | "
+          "TernGrad collectives/step (measured / model) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def rows(res: dict, rate: str) -> list[str]:
+    by = {r["config"]: r["step_ms"] for r in res["rows"]}
+    fp16, fp32 = by.get("fp16"), by.get("fp32")
+    compute, gbps = res["calibration"]["compute_ms"], link_gbps(res)
+    link = rate if rate != "none" else ("unshaped" + (f" ({gbps:.1f} Gbit/s measured)" if gbps else ""))
+    lines = []
+    for r in res["rows"]:
+        m, model = r["step_ms"], res["scheduled"][r["config"]]
+        cells = [res["model"] + (f" ({res['tag']})" if res.get("tag") else ""), str(res["hosts"]), link, r["config"],
+                 f"{m:.0f}",
+                 ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]), f"{1000 * res['batch'] / m:.1f}",
+                 f"{fp32 / m:.2f}x" if fp32 else "", f"{fp16 / m:.2f}x" if fp16 else ""]
+        if "bytes_received_per_step" in r and gbps:
+            wire_ms = 1000 * 8 * r["bytes_received_per_step"] / (gbps * 1e9)
+            limit = compute + r["codec_ms"] + wire_ms
+            cells += [f"{limit:.0f} = {compute:.0f} + {r['codec_ms']:.0f} + {wire_ms:.0f}", f"{m / limit:.2f}x"]
+        else:
+            cells += ["", ""]
+        cells += [f"{model['ms']:.0f}", f"{100 * (model['ms'] - m) / m:+.0f}%",
+                  f"{r['collectives_per_step']:.0f} / {model['collectives']}" if "collectives_per_step" in r else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def calibration_rows(results: list) -> list[str]:
+    lines = ["", "Calibration (per cell, every round before the timed steps; medians): compute ms per step with "
+             "every rank computing and no exchange (median, and the slowest rank's), alpha from a 4-byte allreduce, "
+             "each collective's efficiency (fraction of the link rate the alpha-beta model reaches), the codec's "
+             "ns per element (slowest rank):", "",
+             "| model | N | link | compute ms | slowest rank | alpha us | allreduce | allgather | alltoall | "
+             "statistics | ternarize+pack | decode |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        cal, e = res["calibration"], res["efficiency"]
+        c = cal.get("codec_s_per_element", dict.fromkeys(("prepare", "encode", "decode_base", "decode_per_payload"),
+                                                          float("nan")))
+        lines.append(f"| {res['model']} | {res['hosts']} | {res['rate']} | {cal['compute_ms']:.0f} | "
+                     f"{cal.get('compute_slowest_ms', float('nan')):.0f} | {res['alpha_us']:.0f} | "
+                     f"{e['allreduce']:.2f} | {e['allgather']:.2f} | {e['alltoall']:.2f} | {1e9 * c['prepare']:.2f} | "
+                     f"{1e9 * c['encode']:.2f} | {1e9 * (c['decode_base'] + res['hosts'] * c['decode_per_payload']):.2f} |")
+    return lines
+
+
+# -- saved runs --------------------------------------------------------------------------------------------------
+def load_saved(paths: list) -> list[dict]:
+    """The cells of saved runs: cell JSONs (this script's, or bench step's named as cells are), folders of
+    them, and the earlier MLP runs' emulated_cluster.json (every case a legacy cell)."""
+    files = []
+    for p in paths:
+        files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".json")) if os.path.isdir(p) else [p]
+    cells = []
+    for path in files:
+        with open(path) as f:
+            saved = json.load(f)
+        if "cases" in saved:                 # the earlier driver: MLP cases, terngrad-launch
+            for case in saved["cases"]:
+                cells.append(dict(case, model="mlp", sizes=[case["width"] ** 2, case["width"]] * case["layers"],
+                                  batch=saved["batch"], legacy=True, cycle_ms=LEGACY["cycle_ms"],
+                                  fusion_bytes=LEGACY["fusion_bytes"]))
+            continue
+        m = CELL.match(os.path.basename(path))
+        if "calibration" not in saved or m is None:
+            print(f"emulated_cluster_benchmark: {path} is not a saved cell; skipped", file=sys.stderr)
+            continue
+        saved.setdefault("hosts", saved.get("ranks", int(m["hosts"])))
+        saved.setdefault("rate", m["rate"])
+        saved.setdefault("tag", m["tag"] or "")
+        saved.setdefault("cycle_ms", HOROVOD_CYCLE_MS)        # plain mpirun: Horovod's defaults
+        saved.setdefault("fusion_bytes", HOROVOD_FUSION_BYTES)
+        cells.append(saved)
+    return cells
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="resnet50,transformer", help="comma list of bench step --model names")
     p.add_argument("--hosts", default="2,4")
-    p.add_argument("--rates", default="1gbit,none")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=2500)
+    p.add_argument("--rates", default="1gbit,none", help="tc rates (1gbit, 100mbit, ...) or none (unshaped)")
+    p.add_argument("--configs", default=CONFIGS, help="comma list of bench.STEP_CONFIGS entries")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
+    p.add_argument("--layers", type=int, default=4, help="mlp: layers")
+    p.add_argument("--width", type=int, default=2500, help="mlp: width")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds in which the configurations (and the calibration) take turns; medians over all")
+    p.add_argument("--rounds", type=int, default=5, help="rounds in which the configurations take turns")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration before the rounds")
+    p.add_argument("--tag", default="", help="suffix of the cells' file names, e.g. r2 for a repeat")
+    p.add_argument("--timeout", type=int, default=3000, help="seconds per cell")
     p.add_argument("--out", default="docs/cluster")
-    p.add_argument("--predict-only", default="", metavar="JSON",
-                   help="recompute the predictions (and the table) of a saved emulated_cluster.json; runs nothing")
+    p.add_argument("--predict-only", nargs="+", default=None, metavar="PATH",
+                   help="saved cells (files or folders): recompute the predictions and the table; runs nothing")
     args = p.parse_args(argv)
-    from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates
-    torch.set_num_threads(1)
     if args.predict_only:
-        with open(args.predict_only) as f:
-            saved = json.load(f)
-        compute_1, rows = saved["compute_ms_one_core"] / 1000, saved["cases"]
-        if "codec_s_per_element" in saved:
-            rates = CodecRates(**saved["codec_s_per_element"])
-        else:
-            print("emulated_cluster_benchmark: the saved run has no codec rates; measuring them on this machine")
-            rates = measure_codec_rates()
-        args.layers, args.width, args.batch = rows[0]["layers"], rows[0]["width"], saved.get("batch", args.batch)
-        args.steps = saved.get("steps", args.steps)
-        args.rounds = saved.get("rounds", 1)
-        cpus = saved.get("cpus")
-        for res in rows:
-            res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates, cpus)
-    else:
-        if os.geteuid() != 0:
-            sys.exit("emulated_cluster_benchmark: needs root (network namespaces)")
-        compute_1 = profile(args.layers, args.width, args.batch)
-        rates = measure_codec_rates()
-        cpus = os.cpu_count()
-        print(f"compute per step on one core: {1000 * compute_1:.1f} ms; codec ns/element: "
-              f"{ {k: round(1e9 * v, 3) for k, v in rates.__dict__.items()} }", flush=True)
-        rows = []
-        for hosts in (int(h) for h in args.hosts.split(",")):
-            for rate in args.rates.split(","):
-                res = run_case(hosts, rate, args)
-                res.update(layers=args.layers, width=args.width)
-                res["predicted_ms"], res["calibrated_ms"], res["scheduled_ms"] = predict(res, compute_1, rates, cpus)
-                rows.append(res)
-                print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
-                for r in res["rows"]:
-                    print(f"  {hosts} hosts {rate}: {r['config']:18s} measured {r['step_ms']:8.1f} ms  "
-                          f"link-rate model {res['predicted_ms'][r['config']]:8.1f} ms  "
-                          f"calibrated model {res['calibrated_ms'][r['config']]:8.1f} ms  "
-                          f"scheduled model {res['scheduled_ms'][r['config']]:8.1f} ms", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
-        json.dump({"compute_ms_one_core": 1000 * compute_1, "codec_s_per_element": rates.__dict__,
-                   "cpus": cpus or 2, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
-                   "cases": rows}, f, indent=1)
-    lines = [f"MLP {args.layers}x{args.width}x{args.width} ({sum(model_sizes(args.layers, args.width))} parameters), "
-             f"batch {args.batch} per rank, one rank per emulated host, median of {args.steps * args.rounds} steps "
-             f"({args.rounds} interleaved rounds of {args.steps}: fp32, fp16, TernGrad, sharded, then again).", "",
-             "| hosts | link | exchange | measured ms/step | link-rate model | error | calibrated model | error | "
-             "scheduled model | error | vs fp32 | vs fp16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for res in rows:
-        by = {r["config"]: r["step_ms"] for r in res["rows"]}
-        link = res["rate"] if res["rate"] != "none" else f"unshaped ({res['measured_gbps']:.1f} Gbit/s measured)"
-        for r in res["rows"]:
-            pr, pc, m = res["predicted_ms"][r["config"]], res["calibrated_ms"][r["config"]], r["step_ms"]
-            ps = res["scheduled_ms"][r["config"]]
-            lines.append(f"| {res['hosts']} | {link} | {r['config']} | {m:.1f} | {pr:.1f} | {100 * (pr - m) / m:+.0f}% | "
-                         f"{pc:.1f} | {100 * (pc - m) / m:+.0f}% | {ps:.1f} | {100 * (ps - m) / m:+.0f}% | "
-                         f"{m / by['fp32']:.2f}x | {m / by['fp16']:.2f}x |")
-    lines += ["", "Calibration (per cluster, measured in every round before the timed steps; medians): compute ms/step with every rank computing, "
-              "and the efficiency of each collective (fraction of the link rate the alpha-beta model assumes):", "",
-              "| hosts | link | compute ms (median) | compute ms (slowest rank) | alpha us (4-byte allreduce) | allreduce | allgather | alltoall |",
-              "|---|---|---|---|---|---|---|---|"]
-    for res in rows:
-        e = res["efficiency"]
-        slow = res["calibration"].get("compute_slowest_ms", float("nan"))
-        lines.append(f"| {res['hosts']} | {res['rate']} | {res['calibration']['compute_ms']:.1f} | {slow:.1f} | {res['alpha_us']:.0f} | "
-                     f"{e['allreduce']:.2f} | "
-                     f"{e['allgather']:.2f} | {e['alltoall']:.2f} |")
-    with open(os.path.join(args.out, "emulated_cluster.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        cells = load_saved(args.predict_only)
+        table = list(HEADER)
+        for res in cells:
+            res["scheduled"] = predict(res)
+            table += rows(res, res["rate"])
+        table += calibration_rows(cells)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "predicted.md"), "w") as f:
+            f.write(f"`{' '.join(['examples/emulated_cluster_benchmark.py'] + argv)}`\n\n" + "\n".join(table) + "\n")
+        print("\n".join(table))
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("emulated_cluster_benchmark: needs root (network namespaces)")
+    sweep(args, run_case, rows, HEADER, "examples/emulated_cluster_benchmark.py", argv, footer=calibration_rows)
 
 
 if __name__ == "__main__":

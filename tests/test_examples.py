@@ -296,14 +296,15 @@ def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
 
 def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     """bench step --calibrate on 2 real ranks, then the emulated-cluster benchmark's prediction code
-    on that result: calibrated efficiencies in (0, 1.5) and predictions for every configuration."""
+    on that result: calibrated efficiencies, a scheduled-model prediction for every configuration, and the
+    TernGrad collectives per step the model schedules equal to those the real run counted."""
     import emulated_cluster_benchmark as ecb
 
     from horovod_terngrad.operations.timeline import CodecRates
     out = tmp_path / "step.json"
     p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.operations.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
-        "--steps", "3", "--rounds", "2", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded", "--calibrate",
-        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        "--steps", "3", "--rounds", "2", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded,terngrad-shared",
+        "--calibrate", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -318,18 +319,42 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
                for r in res["rows"])
     tern = next(r for r in res["rows"] if r["config"] == "terngrad")
     assert 2.0 <= tern["bits_per_element"] < 2.2 and tern["collectives_per_step"] >= 1
-    res.update(hosts=2, rate="none", measured_gbps=10.0, layers=2, width=300)
-    rates = CodecRates(prepare=2e-10, encode=5e-10, decode_base=3e-10, decode_per_payload=1e-10, owner_sum=2e-10,
-                       decode_sums=5e-10, cast=2e-10)
-    plain, calibrated, scheduled = ecb.predict(res, cal["compute_ms"] / 1000, rates)
-    assert res["codec_source"] == "calibration"
-    assert set(plain) == set(calibrated) == set(scheduled) == set(ecb.METHOD)
-    assert all(v > 0 for v in list(plain.values()) + list(calibrated.values()) + list(scheduled.values()))
+    assert tern["terngrad_config"]["min_numel"] == 4096 and len(res["names"]) == len(res["sizes"]) == 4
+    res.update(hosts=2, rate="none", measured_gbps=10.0, cycle_ms=ecb.HOROVOD_CYCLE_MS,
+               fusion_bytes=ecb.HOROVOD_FUSION_BYTES, model="mlp")
+    scheduled = ecb.predict(res)
+    assert set(scheduled) == {"fp32", "terngrad", "terngrad-sharded", "terngrad-shared"}
     # a step is never shorter than its compute, and TernGrad's schedule has at least its two rounds
-    assert all(v >= cal["compute_slowest_ms"] for v in scheduled.values())
-    assert scheduled["terngrad"] >= cal["compute_slowest_ms"] + 2 * 5.0   # two rounds, each after a 5 ms cycle
+    assert all(v["ms"] >= cal["compute_slowest_ms"] for v in scheduled.values())
+    assert scheduled["terngrad"]["ms"] >= cal["compute_slowest_ms"] + 2 * ecb.HOROVOD_CYCLE_MS
+    # the two 300-element biases go by Horovod's allreduce, the weights as one group: per-rank scalers 1
+    # allgather + the presence check, the shared scaler 2, sharded 3 collectives, as counted in the run
+    for r in res["rows"][1:]:
+        assert r["collectives_per_step"] == scheduled[r["config"]]["collectives"], r["config"]
+    assert [scheduled[k]["collectives"] for k in ("terngrad", "terngrad-shared", "terngrad-sharded")] == [2, 2, 3]
     assert set(res["efficiency"]) == {"allreduce", "allgather", "alltoall"}
     assert all(v > 0 for v in res["efficiency"].values())
+    res["scheduled"] = scheduled
+    table = "\n".join(ecb.rows(res, "none"))
+    assert table.count("| mlp | 2 | unshaped (10.0 Gbit/s measured) |") == 4 and "| 2 / 2 |" in table
+
+
+def test_emulated_cluster_predict_only_reads_saved_cells_and_the_earlier_runs(tmp_path):
+    """--predict-only on the documented runs: the earlier MLP driver's emulated_cluster.json (terngrad-launch,
+    the TernGrad settings of then) and the cells of docs/realshapes; the model schedules the collectives per
+    step that those runs counted."""
+    import emulated_cluster_benchmark as ecb
+    ecb.main(["--predict-only", os.path.join(ROOT, "docs", "cluster", "emulated_cluster.json"),
+              os.path.join(ROOT, "docs", "realshapes"), "--out", str(tmp_path)])
+    table = (tmp_path / "predicted.md").read_text()
+    rows = [line for line in table.splitlines() if line.count("|") == ecb.HEADER[1].count("|")
+            and not line.startswith("|---") and not line.startswith("| model")]      # not the calibration's
+    assert sum(line.startswith("| mlp | 4 | 1gbit |") for line in rows) == 4
+    assert sum(line.startswith("| resnet50 (repeat2) | 2 | 1gbit |") for line in rows) == 4
+    # every TernGrad row: the collectives the run counted = the ones the model schedules
+    counted = [line.split("|")[-2].strip() for line in rows if "| terngrad" in line]
+    assert counted and all(c.split(" / ")[0] == c.split(" / ")[1] for c in counted), counted
+    assert "| resnet50 | 2 | 1gbit | terngrad | 652 |" in table and "| 8 / 8 |" in table
 
 
 def test_cifarnet_learning_curves_table_and_plot(tmp_path):

@@ -3,7 +3,7 @@ import pytest
 
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.operations import perfmodel as pm
-from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates, timeline_step
+from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
 
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)      # alpha 1 ms, 1 MB/s
 
@@ -38,30 +38,138 @@ def test_fp32_tensors_ready_while_the_channel_is_busy_fuse_into_one_round():
                                              + pm.ring_allreduce_time(12_000, N, FLAT))
 
 
-def test_terngrad_pays_codec_on_the_main_thread_and_one_round_per_stage():
+RATES = CodecRates(prepare=1e-8, encode=2e-8, decode_base=1e-8, decode_per_payload=1e-9, owner_sum=1e-9,
+                   decode_sums=1e-8, cast=1e-9)
+
+
+def test_per_rank_scalers_send_one_presence_check_and_encode_in_the_hook():
+    # the default (per-rank scalers): no handshake; the step's first group sends the 4-byte presence check
+    # and its hook waits for it, then encodes and sends the payload; one tensor: nothing to overlap with
     n, N, compute = 100_000, 4, 0.01
-    rates = CodecRates(prepare=1e-8, encode=2e-8, decode_base=1e-8, decode_per_payload=1e-9, owner_sum=1e-9,
-                       decode_sums=1e-8, cast=1e-9)
-    t = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=rates, fusion_numel=0)
-    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    t = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0)
+    presence = pm.ring_allreduce_time(4, N, FLAT)
     ag = pm.ring_allgather_time(pm.payload_bytes(n), N, FLAT)
     codec = (1e-8 + 2e-8 + 1e-8 + 4e-9) * n
     assert t.codec_s == pytest.approx(codec)
-    assert t.step_s == pytest.approx(compute + codec + hs + ag)   # nothing to overlap with: one tensor
-    assert t.rounds == 2
+    assert t.step_s == pytest.approx(compute + codec + presence + ag)
+    # prepare, the presence wait and the encode all happen inside the backward hook
+    assert t.backward_end_s == pytest.approx(compute + (1e-8 + 2e-8) * n + presence)
+    assert t.rounds == t.collectives == 2
+    assert t.issued == ("terngrad.presence.0", "terngrad.ag.0")
     free = timeline_step([n], compute, N, FLAT, "terngrad_allgather", fusion_numel=0)
     assert free.step_s == pytest.approx(t.step_s - codec)
+    # torch.distributed has no hvd.join(): no presence check at all
+    ddp = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0, joins=False)
+    assert ddp.issued == ("terngrad.ag.0",) and ddp.step_s == pytest.approx(compute + codec + ag)
 
 
-def test_terngrad_handshakes_submitted_together_share_one_round():
-    # many small tensors, no TernGrad fusion: every handshake is issued during backward; those issued
-    # while one runs fuse, so there are far fewer rounds than 2 per tensor
+def test_shared_scaler_sends_a_handshake_per_group_and_encodes_after_backward():
+    n, N, compute = 100_000, 4, 0.01
+    cfg = TernGradConfig(shared_scaler=True)
+    t = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0, config=cfg)
+    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    ag = pm.ring_allgather_time(pm.payload_bytes(n), N, FLAT)
+    codec = (1e-8 + 2e-8 + 1e-8 + 4e-9) * n
+    assert t.step_s == pytest.approx(compute + codec + hs + ag)
+    assert t.backward_end_s == pytest.approx(compute + 1e-8 * n)   # only the statistics in the hook
+    assert t.issued == ("terngrad.hs.0", "terngrad.ag.0")
+    # the per-rank schedule is shorter by the handshake less the presence check
+    per_rank = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0)
+    assert t.step_s - per_rank.step_s == pytest.approx(hs - pm.ring_allreduce_time(4, N, FLAT))
+
+
+GROUPS5 = [100_000] * 5        # with fusion_numel=0: five groups, group g = tensor 4 - g (backward order)
+
+
+@pytest.mark.parametrize("method,cfg,issued", [
+    ("terngrad_allgather", TernGradConfig(),
+     ["presence.0", "ag.0", "ag.1", "ag.2", "ag.3", "ag.4"]),
+    ("terngrad_allgather", TernGradConfig(shared_scaler=True),
+     ["hs.0", "hs.1", "hs.2", "ag.0", "hs.3", "ag.1", "hs.4", "ag.2", "ag.3", "ag.4"]),
+    ("terngrad_sharded", TernGradConfig(exchange="sharded"),
+     ["hs.0", "hs.1", "hs.2", "a2a.0", "sg.0", "hs.3", "a2a.1", "sg.1", "hs.4", "a2a.2", "sg.2",
+      "a2a.3", "a2a.4", "sg.3", "sg.4"]),
+], ids=["per-rank", "shared", "sharded"])
+def test_collectives_per_step_and_their_order(method, cfg, issued):
+    # per-rank: one payload allgather per group + 1 presence check; shared scaler: a handshake and a payload
+    # collective per group, each group advanced (waiting) when the group after next starts, the rest in
+    # synchronize; sharded: handshake, alltoall and the owners' sums' allgather per group
+    t = timeline_step(GROUPS5, 0.05, 3, FLAT, method, codec=RATES, fusion_numel=0, config=cfg)
+    per_group = {"terngrad_allgather": 1 if not cfg.shares_scaler else 2, "terngrad_sharded": 3}[method]
+    assert t.collectives == len(GROUPS5) * per_group + (0 if cfg.shares_scaler else 1)
+    assert list(t.issued) == ["terngrad." + x for x in issued]
+
+
+@pytest.mark.parametrize("cfg", [TernGradConfig(min_numel=100, fusion_numel=0),
+                                 TernGradConfig(min_numel=100, fusion_numel=1500),
+                                 TernGradConfig(min_numel=100, fusion_numel=0, shared_scaler=True),
+                                 TernGradConfig(min_numel=100, fusion_numel=1500, shared_scaler=True),
+                                 TernGradConfig(min_numel=100, fusion_numel=0, exchange="sharded"),
+                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded")],
+                         ids=["per-rank", "per-rank-fused", "shared", "shared-fused", "sharded", "sharded-fused"])
+def test_the_schedule_issues_what_the_engine_issues(cfg):
+    # the real engine on three thread-ranks, started group by group as the frontend does (the plan's groups,
+    # members in backward order; the two tensors under min_numel in no group), then finished in hook order:
+    # the timeline names the same collectives in the same order
+    import torch
+    from test_exchange import KindCounting
+
+    from horovod_terngrad.exchange import Exchange, run_ranks
+    sizes, N = [300, 700, 40, 900, 500, 1000, 60], 3
+    method = method_of(cfg)
+    t = timeline_step(sizes, 0.05, N, FLAT, method, config=cfg)
+    groups = [b.members for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.exchange != "fp32"]
+    assert sorted(i for g in groups for i in g) == [0, 1, 3, 4, 5]
+
+    def body(c):
+        rec = KindCounting(c)
+        ex = Exchange(rec, cfg)
+        tickets = []
+        for g, members in enumerate(groups):
+            tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
+        for tk in tickets:
+            ex.finish(tk)
+        return rec.issued, ex.stats.collectives
+
+    (issued, count), *_ = run_ranks(N, body)
+    assert issued == list(t.issued)
+    assert t.collectives == count == len(groups) * (1 if method == "terngrad_allgather" and not cfg.shares_scaler
+                                                    else 2 if method == "terngrad_allgather" else 3) \
+        + (0 if cfg.shares_scaler else 1)
+
+
+def test_tensors_under_min_numel_travel_by_horovods_allreduce():
+    # the default min_numel=4096: the two small tensors go by Horovod's fp32 allreduce (one round each: the
+    # presence check and the payload allgather come between them), the large one is a group of its own
+    sizes, N = [100, 100_000, 100], 2
+    t = timeline_step(sizes, 0.01, N, FLAT, "terngrad_allgather")
+    assert t.issued == ("terngrad.presence.0", "terngrad.ag.0")
+    assert t.rounds == 4
+    assert t.channel_busy_s == pytest.approx(2 * pm.ring_allreduce_time(4 * 100, N, FLAT)
+                                             + pm.ring_allreduce_time(4, N, FLAT)
+                                             + pm.ring_allgather_time(pm.payload_bytes(100_000), N, FLAT))
+    every = timeline_step(sizes, 0.01, N, FLAT, "terngrad_allgather", config=TernGradConfig(min_numel=0))
+    assert every.issued == ("terngrad.presence.0", "terngrad.ag.0") and every.rounds == 2   # one fused group
+
+
+def test_collectives_submitted_together_share_one_round():
+    # many small tensors, no TernGrad fusion, per-rank scalers: every payload allgather is issued during
+    # backward; those issued while one runs fuse, so there are far fewer rounds than collectives, and the
+    # step is shorter than the additive model's
     sizes = [100] * 50
     every = TernGradConfig(min_numel=0)
     t = timeline_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0, config=every)
-    assert t.rounds < 2 * len(sizes) / 4
+    assert t.collectives == 51
+    assert t.rounds < t.collectives / 4
     additive = pm.predict_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0, config=every)
     assert t.step_s < additive.step_s
+    # the shared scaler: each hook waits for the handshake of the group before the previous one (the
+    # engine's ordered start), so on this slow network backward is stretched to about one round per group
+    shared = timeline_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0,
+                           config=every.replace(shared_scaler=True))
+    assert shared.collectives == 100
+    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), 8, FLAT)
+    assert shared.backward_end_s > 40 * hs > 10 * t.backward_end_s
 
 
 def test_sharded_schedule_has_alltoall_then_sums_allgather():
@@ -109,21 +217,21 @@ def test_channel_fuses_allgathers_and_allreduces_but_never_alltoalls():
     assert ch.rounds() == 4 and ch.finish_time("e") == pytest.approx(1.0 + 0.005 + 0.011)
 
 
-def test_sharded_owner_sums_run_in_the_backward_hooks_when_their_alltoall_is_back():
-    # three large layers: the last layer's alltoall goes out in the middle layer's hook, the middle layer's
-    # in the first layer's hook, which then finds both back (the first after a poll, the second after
-    # the 10 ms owner step that followed) and does both owner steps, as the library's _progress does;
-    # only the first layer's owner step waits for synchronize
+def test_sharded_groups_advance_in_the_hook_of_the_group_after_next_and_the_rest_in_synchronize():
+    # three large layers, each a group: the engine's ordered start advances a group (waiting for its
+    # handshake and then its alltoall) only when the group after next starts, so the last layer's group is
+    # encoded and owner-summed in the first layer's hook; the other two wait for synchronize
     fast = pm.Network("fast", latency_s=1e-5, bandwidth_Bps=1e10)
     rates = CodecRates(prepare=1e-9, encode=1e-9, decode_base=1e-9, decode_per_payload=0, owner_sum=1e-8,
                        decode_sums=1e-9, cast=0)
     n = 1_000_000
     t = timeline_step([n, n, n], 3.0, 4, fast, "terngrad_sharded", codec=rates, fusion_numel=0)
     owner = 1e-8 * n                                     # 10 ms per layer
-    # hooks: 3 x 1 ms statistics + 2 encodes + 2 owner steps inside backward; after it: 1 encode,
-    # 1 owner step and 3 decodes (1 ms each), plus microseconds of network
-    assert t.backward_end_s == pytest.approx(3.0 + 3e-3 + 2e-3 + 2 * owner, abs=2e-4)
-    assert t.step_s == pytest.approx(t.backward_end_s + 1e-3 + owner + 3e-3, abs=1e-3)
+    # hooks: 3 x 1 ms statistics + 1 encode + 1 owner step; after backward: 2 encodes, 2 owner steps and
+    # 3 decodes (1 ms each), plus microseconds of network
+    assert t.backward_end_s == pytest.approx(3.0 + 3e-3 + 1e-3 + owner, abs=2e-4)
+    assert t.step_s == pytest.approx(t.backward_end_s + 2e-3 + 2 * owner + 3e-3, abs=5e-4)
+    assert t.issued[:5] == ("terngrad.hs.0", "terngrad.hs.1", "terngrad.hs.2", "terngrad.a2a.0", "terngrad.sg.0")
 
 
 def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_fp32():
@@ -139,7 +247,7 @@ def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_f
     assert t.channel_busy_s == pytest.approx(pm.ring_allreduce_time(sizes.handshake_size([1, 1, 1]), N, FLAT)
                                              + pm.alltoall_time(c, N, FLAT) + pm.ring_allgather_time(p_sum, N, FLAT))
     # a config's exclude: that tensor goes through Horovod's fp32 allreduce, the rest as a group of two
-    cfg = TernGradConfig(exclude=("fc3",), min_numel=0)
+    cfg = TernGradConfig(exclude=("fc3",), min_numel=0, shared_scaler=True)
     t = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg,
                       names=["a.weight", "a.bias", "fc3.weight"])
     fp32 = pm.ring_allreduce_time(4 * 1000, 4, FLAT)
@@ -147,3 +255,6 @@ def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_f
     ag = pm.ring_allgather_time(sizes.payload_size(10, "2bit") + sizes.payload_size(1000, "2bit"), 4, FLAT)
     assert t.rounds == 3
     assert t.channel_busy_s == pytest.approx(fp32 + hs + ag)
+    per_rank = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg.replace(shared_scaler=None),
+                             names=["a.weight", "a.bias", "fc3.weight"])
+    assert per_rank.channel_busy_s == pytest.approx(fp32 + pm.ring_allreduce_time(4, 4, FLAT) + ag)

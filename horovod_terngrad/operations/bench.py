@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import time
 
@@ -105,7 +106,17 @@ STEP_CONFIGS = {
     "terngrad-shared": ("TernGrad shared scaler (paper)", lambda hvd, T: T(shared_scaler=True)),
     "terngrad-all": ("TernGrad, every tensor (min_numel=0)", lambda hvd, T: T(min_numel=0)),
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
+    "terngrad-auto": ("TernGrad exchange=auto", lambda hvd, T: T(exchange="auto")),
 }
+
+
+def step_config(key: str):
+    """The TernGradConfig a TernGrad entry of STEP_CONFIGS runs with (None for fp32 and fp16): the entry's
+    own settings, read by handing it TernGradConfig in place of the compressor class."""
+    if key in ("fp32", "fp16"):
+        return None
+    from ..config import TernGradConfig
+    return STEP_CONFIGS[key][1](None, TernGradConfig)
 
 
 def _times_s(fn, repeat: int, warmup: int = 1) -> list:
@@ -230,6 +241,7 @@ def bench_step(args):
 
     model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)
     sizes = [p.numel() for p in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
     ntensors, nparams = len(sizes), sum(sizes)
     described = f"{args.model} ({models.describe(model)})"
     del model
@@ -286,6 +298,7 @@ def bench_step(args):
                                         for i in range(rounds)]}
         if hasattr(su["comp"], "stats"):
             c = su["counters"]
+            row["terngrad_config"] = dataclasses.asdict(su["comp"].config)
             row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
                        payload_wait_ms=1000 * c["gather_wait_s"] / k,
                        bits_per_element=8.0 * (c["payload_bytes_sent"] + c["handshake_bytes_sent"]) / max(1, c["elements"]),
@@ -313,7 +326,8 @@ def bench_step(args):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": hvd.size(), "model": args.model, "params": nparams, "tensors": ntensors,
-                           "sizes": sizes, "batch": args.batch,
+                           "sizes": sizes, "names": names, "batch": args.batch, "image": args.image,
+                           "layers": args.layers, "width": args.width, "steps": args.steps,
                            "rounds": rounds, "rows": rows, "calibration": calibration}, f, indent=1)
     hvd.shutdown()
 

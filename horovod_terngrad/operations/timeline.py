@@ -8,13 +8,30 @@ not per buffer.  This module simulates one step on one worker instead, with two 
 
 * the **main thread** (a CPU core): forward; backward, one tensor after the other in reverse layer order,
   each taking a share of the backward time proportional to its size; the work the compressor does on
-  it: TernGrad's statistics in the backward hook, encoding once a group's handshake is back (at the next
-  hook, or in the optimizer's synchronize), owners' sums (sharded), decoding in synchronize; fp16's casts.
+  it, in the order exchange/engine.py does it (below); fp16's casts.
 * the **channel** (Horovod's background thread and the link): one collective at a time, in submission
   order.  A collective starts ``cycle_s`` after its submission, or when the channel frees up, whichever
   is later.  An allreduce or allgather submitted before the last queued one of its kind has started
   joins it (Horovod's tensor fusion): one latency term for the round, the bandwidth terms added.  (Only
-  the last queued round is joined, and alltoalls never fuse, as in Horovod.)
+  the last queued round is joined, alltoalls never fuse, and allreduces of different dtypes or ops
+  (fp32 sums, the int32 presence check, fp64 handshake maxima) do not fuse, as in Horovod.)
+
+TernGrad, as the engine runs a group (its ``ordered`` start, the Horovod default) when the backward hook
+of its last member hands it over:
+
+* **per-rank scalers** (``config.shares_scaler`` False: the allgather exchange's default): the statistics
+  of every member, then, in the step's first group only, the presence check (one 4-byte allreduce-sum,
+  ``terngrad.presence.<group>``) which that hook waits for; then every member is encoded with its own
+  scaler and the group's payload allgather leaves, all inside the hook.  No handshake.
+* **shared scaler** (the sharded exchange, ``exchange="auto"``, or ``shared_scaler=True``): the statistics,
+  the group's handshake (allreduce-max, ``terngrad.hs.<group>``), then every group started before the
+  previous one is advanced, waiting: its handshake, encoding, its payload collective (allgather, or the
+  sharded alltoall), and for the sharded exchange the alltoall, the owners' sums and their allgather.
+* **synchronize** (the optimizer's, tensors in hook order): the first TernGrad tensor advances every group
+  still in flight (all handshakes, then all alltoalls); each member then waits for its group's allgather
+  and is decoded.  Tensors the config keeps at full precision (``min_numel``, ``exclude``) go through
+  Horovod's fp32 allreduce as they become ready and are waited for in their turn.  (Horovod's allreduce
+  of the empty tensor TernGrad's compress hands it is not charged.)
 
 Collective times are exchange/cost.py's alpha-beta formulas (ring allreduce, ring allgather, pairwise
 alltoall; with the network's calibrated efficiencies), on the bytes codec/sizes.py gives: a group's
@@ -25,8 +42,7 @@ is back and cast (fp32/fp16).
 
 Gradient buffers: Horovod's fusion threshold for fp32/fp16 (buffers formed from the tensors ready when
 the channel frees up); for TernGrad the groups and exchanges of ``perfmodel.plan_buffers`` (the
-frontend's ``exchange.fusion`` cut with a TernGradConfig, each group's exchange as the engine picks it);
-tensors the config keeps at full precision go through Horovod's fp32 allreduce as they become ready.
+frontend's ``exchange.fusion`` cut with a TernGradConfig, each group's exchange as the engine picks it).
 
 Codec work is charged from :class:`CodecRates` (seconds per element of each stage, measured on the
 machine with :func:`measure_codec_rates`); None = free.  Cost: O(tensors) per prediction.
@@ -167,16 +183,32 @@ class Timeline:
     channel_busy_s: float     # total time the channel spent in collectives
     codec_s: float            # codec work on the main thread
     rounds: int               # collective rounds after fusion
+    collectives: int = 0      # TernGrad's own collectives (the engine's ``stats.collectives`` per step)
+    issued: tuple = ()        # their names in the order the engine issues them (terngrad.<kind>.<group index>)
+
+
+# the engine's ``exchange`` setting behind each TernGrad method of the performance model
+TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: "auto"}
+
+
+def method_of(config: pm.TernGradConfig) -> str:
+    """The performance model's method for a TernGradConfig's ``exchange`` (the inverse of TERNGRAD_METHODS)."""
+    return {v: k for k, v in TERNGRAD_METHODS.items()}[config.exchange]
 
 
 def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: pm.Network,
                   method: str = pm.FP32, *, codec: CodecRates | None = None, backward_fraction: float = 2 / 3,
                   packing: str | None = None, fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
                   fusion_numel: int | None = None, cycle_s: float = 0.0, config: pm.TernGradConfig | None = None,
-                  names: Sequence[str] | None = None) -> Timeline:
+                  names: Sequence[str] | None = None, joins: bool = True,
+                  auto_network: pm.Network | None = None) -> Timeline:
     """Simulate one step (see the module docstring).  ``tensor_sizes`` (and ``names``) in layer (forward)
     order; ``packing``, ``fusion_numel``, ``config`` and ``names`` cut TernGrad's groups as
-    ``perfmodel.exchange_plan`` does."""
+    ``perfmodel.exchange_plan`` does; ``config``'s scaler setting (``shared_scaler``) with the method's
+    exchange decides between the per-rank and the shared-scaler schedule.  ``joins``: the collectives may
+    have a rank in ``hvd.join()`` (Horovod), so per-rank scalers send the step's presence check; False for
+    torch.distributed.  ``auto_network``: the network the engine's ``exchange="auto"`` decides with
+    (``exchange.cost.configured_network()`` in the job's environment); default ``network``."""
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError("backward_fraction must be in [0, 1]")
     sizes = [int(s) for s in tensor_sizes]
@@ -225,85 +257,98 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         busy = sum(op[2] + op[3] for op in chan.ops)
         return Timeline(method, N, end, compute_s, backward_end, busy, codec_s, chan.rounds())
 
-    if method not in (pm.TERNGRAD_ALLGATHER, pm.TERNGRAD_SHARDED, pm.TERNGRAD_BEST):
+    if method not in TERNGRAD_METHODS:
         raise ValueError(f"method must be one of {pm.METHODS}, got {method!r}")
     # the groups as the frontend cuts them (exchange.fusion), each with the engine's exchange; members in
     # backward order; every size from codec/sizes.py and exchange/cost.py
     cfg = pm.terngrad_config(config, packing)
-    plan = pm.plan_buffers(method, sizes, N, network, cfg.packing, fusion_bytes, fusion_numel, config=cfg, names=names)
+    # the scaler the engine uses with this exchange (config.shares_scaler; a per-rank scaler with the
+    # sharded exchange is refused there, as TernGradConfig refuses it)
+    per_rank = not cfg.replace(exchange=TERNGRAD_METHODS[method]).shares_scaler
+    plan = pm.plan_buffers(method, sizes, N, auto_network or network, cfg.packing, fusion_bytes, fusion_numel,
+                           config=cfg, names=names)
     groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES]
     plain = {i for b in plan if b.exchange not in pm.TERNGRAD_EXCHANGES for i in b.members}   # kept at fp32
-    members = [list(b.members) for b in groups]
-    group_of_last = {m[-1]: g for g, m in enumerate(members)}
+    group_of = {i: g for g, b in enumerate(groups) for i in b.members}
+    last_member = {b.members[-1]: g for g, b in enumerate(groups)}
     kinds = [b.exchange for b in groups]
     numel = [sum(b.sizes) for b in groups]
-    encoded = [False] * len(groups)
-    summed = [kind != pm.TERNGRAD_SHARDED for kind in kinds]
     handshake = [wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in b.sizes]) for b in groups]
     payload = [sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in b.sizes) for b in groups]
     # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
     shard = [pm.sharded_bytes(b.sizes, N, cfg.packing) if k == pm.TERNGRAD_SHARDED else (0, 0)
              for b, k in zip(groups, kinds)]
+    issued = []                                   # TernGrad's collectives, in the order the engine issues them
 
     def work(seconds: float) -> None:
         nonlocal main, codec_s
         main += seconds
         codec_s += seconds
 
-    def encode_and_send(g: int) -> None:
+    def submit(kind: str, name: str, g, fn, nbytes: float, *extra) -> None:
+        lat, bw = _split(fn, nbytes, N, link, *extra)
+        chan.submit(main, kind, (name, g), lat, bw)
+        issued.append(f"terngrad.{name}.{g}")
+
+    def wait(name: str, g) -> None:
         nonlocal main
-        main = max(main, chan.finish_time(("hs", g)))
+        main = max(main, chan.finish_time((name, g)))
+
+    def encode_and_send(g: int) -> None:          # engine: _send_per_rank / _after_handshake
         work(c.encode * numel[g])
-        encoded[g] = True
         if kinds[g] == pm.TERNGRAD_SHARDED:
-            G = network.ranks_per_node if link is network else N
-            lat, bw = _split(pm.alltoall_time, shard[g][0], N, link, G)
-            chan.submit(main, "alltoall", ("a2a", g), lat, bw)
+            submit("alltoall", "a2a", g, pm.alltoall_time, shard[g][0],
+                   network.ranks_per_node if link is network else N)
         else:
-            lat, bw = _split(pm.ring_allgather_time, payload[g], N, link)
-            chan.submit(main, "allgather", ("ag", g), lat, bw)
+            submit("allgather", "ag", g, pm.ring_allgather_time, payload[g])
 
-    def sum_and_send(g: int) -> None:             # sharded owner step: add the N chunks, allgather the sums
-        nonlocal main
-        main = max(main, chan.finish_time(("a2a", g)))
-        work(c.owner_sum * numel[g])
-        summed[g] = True
-        lat, bw = _split(pm.ring_allgather_time, shard[g][1], N, link)
-        chan.submit(main, "allgather", ("ag", g), lat, bw)
+    def advance(pending: list) -> None:
+        """The engine's progress(block=True) over ``pending`` groups (in start order): every handshake,
+        then every alltoall that this queued (sharded: the owners' sums and their allgather)."""
+        for g in pending:
+            wait("hs", g)
+            encode_and_send(g)
+        for g in pending:
+            if kinds[g] == pm.TERNGRAD_SHARDED:
+                wait("a2a", g)
+                work(c.owner_sum * numel[g])
+                submit("allgather", "sg", g, pm.ring_allgather_time, shard[g][1])
 
-    def progress(block: bool) -> None:
-        """The library's _progress: finished (all, if block) handshakes -> payloads, in start order; then
-        finished (all) alltoalls -> owners' sums."""
-        for g in range(len(groups)):
-            if not encoded[g] and ("hs", g) in chan.done and (block or chan.finish_time(("hs", g)) <= main):
-                encode_and_send(g)
-        for g in range(len(groups)):
-            if not summed[g] and ("a2a", g) in chan.done and (block or chan.finish_time(("a2a", g)) <= main):
-                sum_and_send(g)
-
+    started = []                                  # shared scaler: groups whose handshake is out, not advanced
     for i in order:
         main += bwd * sizes[i] / total
         if i in plain:                   # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
             lat, bw = _split(pm.ring_allreduce_time, 4 * sizes[i], N, link)
             chan.submit(main, "allreduce_fp32", ("ar", i), lat, bw)
-        g = group_of_last.get(i)
-        if g is not None:                # the group is complete: statistics, handshake, then progress
-            work(c.prepare * numel[g])
-            lat, bw = _split(pm.ring_allreduce_time, handshake[g], N, link)
-            chan.submit(main, "allreduce", ("hs", g), lat, bw)
-            progress(block=False)
-    backward_end = main
-    progress(block=True)                 # synchronize: every outstanding handshake, then every alltoall
-    for i in plain:
-        main = max(main, chan.finish_time(("ar", i)))
-    for g in range(len(groups)):
-        main = max(main, chan.finish_time(("ag", g)))
-        if kinds[g] == pm.TERNGRAD_SHARDED:
-            work(c.decode_sums * numel[g])
+        g = last_member.get(i)
+        if g is None:
+            continue
+        work(c.prepare * numel[g])       # start_group: the statistics of every member, in the hook
+        if per_rank:
+            if joins and g == 0:         # the step's presence check goes out with its first group, which waits
+                submit("allreduce_i32", "presence", g, pm.ring_allreduce_time, 4)
+                wait("presence", g)
+            encode_and_send(g)           # payloads leave from the hook, with each rank's own scalers
         else:
-            work((c.decode_base + c.decode_per_payload * N) * numel[g])
+            submit("allreduce_max", "hs", g, pm.ring_allreduce_time, handshake[g])
+            advance(started[:-1])        # ordered start: every group before the previous one, waiting
+            started = started[-1:] + [g]
+    backward_end = main
+    # the optimizer's synchronize: tensors in hook order; the first TernGrad finish advances every group
+    for i in order:
+        if i in plain:
+            wait("ar", i)
+            continue
+        g = group_of[i]
+        if started:
+            advance(started)
+            started = []
+        wait("ag" if kinds[g] != pm.TERNGRAD_SHARDED else "sg", g)
+        work((c.decode_sums if kinds[g] == pm.TERNGRAD_SHARDED else c.decode_base + c.decode_per_payload * N)
+             * sizes[i])
     busy = sum(op[2] + op[3] for op in chan.ops)
-    return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds())
+    return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds(), len(issued),
+                    tuple(issued))
 
 
-__all__ = ["CodecRates", "Timeline", "measure_codec_rates", "timeline_step"]
+__all__ = ["CodecRates", "TERNGRAD_METHODS", "Timeline", "measure_codec_rates", "method_of", "timeline_step"]
