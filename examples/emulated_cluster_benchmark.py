@@ -207,12 +207,17 @@ def predict(res: dict) -> dict:
     out = {}
     for row in res["rows"]:
         cfg = row_config(res, row)
-        method = row["config"] if cfg is None else method_of(cfg)
+        link = row.get("link")               # exchange="auto": the link it measured, and what it decided
+        if link is not None and not link["compresses"]:
+            cfg = None                       # every tensor went by Horovod's fp32 allreduce
+        method = (row["config"] if row["config"] in ("fp32", "fp16") else "fp32") if cfg is None else method_of(cfg)
+        auto_network = (pm.Network.from_gbps("measured", link["gbps"], cost.configured_network().latency_s * 1e6)
+                        if link is not None else cost.configured_network())   # what the job's "auto" decided on
         # a synchronous step waits for its slowest rank: the schedule starts from that rank's compute
         t = timeline_step(res["sizes"], cal.get("compute_slowest_ms", cal["compute_ms"]) / 1000, N, net, method,
                           codec=rates, fusion_bytes=res["fusion_bytes"],
                           cycle_s=res["cycle_ms"] / 1000, config=cfg, names=res.get("names"),
-                          auto_network=cost.configured_network())   # what the job's exchange="auto" assumed
+                          auto_network=auto_network)
         out[row["config"]] = {"ms": 1000 * t.step_s, "collectives": t.collectives, "rounds": t.rounds,
                               "codec_ms": 1000 * t.codec_s}
     return out
@@ -236,7 +241,9 @@ def rows(res: dict, rate: str) -> list[str]:
                  f"{m:.0f}",
                  ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]), f"{1000 * res['batch'] / m:.1f}",
                  f"{fp32 / m:.2f}x" if fp32 else "", f"{fp16 / m:.2f}x" if fp16 else ""]
-        if "bytes_received_per_step" in r and gbps:
+        if "link" in r and not r["link"]["compresses"]:     # auto sent everything at full precision
+            cells += [f"auto: off ({r['link']['gbps']:.1f} Gbit/s, codec {r['link']['codec_ns']:.1f} ns/element)", ""]
+        elif "bytes_received_per_step" in r and gbps:
             wire_ms = 1000 * 8 * r["bytes_received_per_step"] / (gbps * 1e9)
             limit = compute + r["codec_ms"] + wire_ms
             cells += [f"{limit:.0f} = {compute:.0f} + {r['codec_ms']:.0f} + {wire_ms:.0f}", f"{m / limit:.2f}x"]

@@ -299,6 +299,10 @@ def bench_step(args):
         if hasattr(su["comp"], "stats"):
             c = su["counters"]
             row["terngrad_config"] = dataclasses.asdict(su["comp"].config)
+            link = su["comp"].engine().link      # exchange="auto": what it measured and decided
+            if link is not None:
+                row["link"] = {"gbps": 8 * link.allreduce_Bps / 1e9, "codec_ns": 1e9 * link.codec_s_per_element,
+                               "compresses": link.compresses, "says": link.describe()}
             row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
                        payload_wait_ms=1000 * c["gather_wait_s"] / k,
                        bits_per_element=8.0 * (c["payload_bytes_sent"] + c["handshake_bytes_sent"]) / max(1, c["elements"]),
@@ -314,6 +318,8 @@ def bench_step(args):
             if "codec_ms" in r:
                 extra = (f"{r['collectives_per_step']:.0f} collectives/step, codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
                          f"for payloads {r['payload_wait_ms']:.2f} ms per step; {r['bits_per_element']:.3f} bits/element sent")
+            if "link" in r:
+                extra += f"; {r['link']['says']}"
             rounds_txt = f" rounds: {', '.join(f'{v:.0f}' for v in r['step_ms_by_round'])}" if rounds > 1 else ""
             print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}{rounds_txt}")
         by = {r["config"]: r["step_ms"] for r in rows}

@@ -19,11 +19,12 @@ not per buffer.  This module simulates one step on one worker instead, with two 
 TernGrad, as the engine runs a group (its ``ordered`` start, the Horovod default) when the backward hook
 of its last member hands it over:
 
-* **per-rank scalers** (``config.shares_scaler`` False: the allgather exchange's default): the statistics
-  of every member, then, in the step's first group only, the presence check (one 4-byte allreduce-sum,
+* **per-rank scalers** (the allgather exchange's default, also ``exchange="auto"``'s allgather groups): the
+  statistics of every member, then, in the step's first such group only, the presence check (one 4-byte allreduce-sum,
   ``terngrad.presence.<group>``) which that hook waits for; then every member is encoded with its own
   scaler and the group's payload allgather leaves, all inside the hook.  No handshake.
-* **shared scaler** (the sharded exchange, ``exchange="auto"``, or ``shared_scaler=True``): the statistics,
+* **shared scaler** (the sharded exchange, ``exchange="auto"``'s sharded groups, or ``shared_scaler=True``;
+  ``config.scaler_shared_for``): the statistics,
   the group's handshake (allreduce-max, ``terngrad.hs.<group>``), then every group started before the
   previous one is advanced, waiting: its handshake, encoding, its payload collective (allgather, or the
   sharded alltoall), and for the sharded exchange the alltoall, the owners' sums and their allgather.
@@ -264,7 +265,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     cfg = pm.terngrad_config(config, packing)
     # the scaler the engine uses with this exchange (config.shares_scaler; a per-rank scaler with the
     # sharded exchange is refused there, as TernGradConfig refuses it)
-    per_rank = not cfg.replace(exchange=TERNGRAD_METHODS[method]).shares_scaler
+    cfg = cfg.replace(exchange=TERNGRAD_METHODS[method])
     plan = pm.plan_buffers(method, sizes, N, auto_network or network, cfg.packing, fusion_bytes, fusion_numel,
                            config=cfg, names=names)
     groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES]
@@ -315,6 +316,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                 submit("allgather", "sg", g, pm.ring_allgather_time, shard[g][1])
 
     started = []                                  # shared scaler: groups whose handshake is out, not advanced
+    presence_sent = False
     for i in order:
         main += bwd * sizes[i] / total
         if i in plain:                   # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
@@ -324,8 +326,9 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         if g is None:
             continue
         work(c.prepare * numel[g])       # start_group: the statistics of every member, in the hook
-        if per_rank:
-            if joins and g == 0:         # the step's presence check goes out with its first group, which waits
+        if not cfg.scaler_shared_for(TERNGRAD_METHODS[kinds[g]]):   # per-rank ("auto": its allgather groups)
+            if joins and not presence_sent:   # the presence check goes out with the step's first such group
+                presence_sent = True
                 submit("allreduce_i32", "presence", g, pm.ring_allreduce_time, 4)
                 wait("presence", g)
             encode_and_send(g)           # payloads leave from the hook, with each rank's own scalers
