@@ -434,7 +434,7 @@ def write_md(args, doc: dict, hooks: list, seeds: list) -> list:
         T = c["budget_s"]
         lines += ["", f"Equal wall-clock: budget T = {T:.1f} s (when {hook_label(c['fastest'])} finished); accuracy "
                       "interpolated linearly between the records around each time:", "",
-                  f"| hook | steps by T | at T/4 ({T / 4:.0f} s) | at T/2 ({T / 2:.0f} s) | at T | gap at T |",
+                  f"| hook | steps by T | at T/4 ({T / 4:.1f} s) | at T/2 ({T / 2:.1f} s) | at T | gap at T |",
                   "|---|---|---|---|---|---|"]
         for h in hooks:
             if h not in c["hooks"]:
@@ -530,7 +530,8 @@ def main(argv=None):
         hook_spec(h)
     seeds = [int(s) for s in args.seeds.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    command = "python examples/study_ddp.py " + shlex.join(argv)
+    # the command that reproduces the outputs (--resume only saves work)
+    command = "python examples/study_ddp.py " + shlex.join(a for a in argv if a != "--resume")
     runs = []
     stem = os.path.join(args.out, f"study_{args.study}")
     if args.resume and os.path.exists(stem + ".json"):
