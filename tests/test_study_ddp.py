@@ -39,7 +39,7 @@ def test_study_ddp_runs_every_hook_for_the_same_steps_and_terngrad_changes_the_c
     assert c["budget_s"] == min(r["wall_s"] for r in runs.values())
     assert c["hooks"]["fp32"]["gap"] == 0 and set(doc["goal"]) >= {"equal steps (final)", "equal wall-clock"}
     md = (tmp_path / "study_lenet.md").read_text()
-    assert md.splitlines()[2].startswith("python examples/study_ddp.py --study lenet")
+    assert md.splitlines()[3].startswith("python examples/study_ddp.py --study lenet")
     assert "Equal wall-clock" in md and (tmp_path / "study_lenet.png").stat().st_size > 10000
 
 
