@@ -516,9 +516,7 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r["seed"] for r in runs})
     late = []
-    for r in runs:
-        if r["hook"] not in hooks:
-            continue
+    for r in sorted((r for r in runs if r["hook"] in hooks), key=lambda r: (hooks.index(r["hook"]), r["seed"])):
         ls = styles[seeds.index(r["seed"]) % len(styles)]
         color = COLORS.get(r["hook"])
         label = hook_label(r["hook"]) + (f" (seed {r['seed']})" if len(seeds) > 1 else "")
@@ -543,7 +541,7 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"DDP hooks, {args.study} ({Study(args.study).dataset}), {args.ranks} ranks", fontsize=10)
+    fig.suptitle(f"DDP hooks, {args.study} on {Study(args.study).dataset}, {args.ranks} ranks", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -579,7 +577,16 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument("--out", default="docs/ddp")
     p.add_argument("--resume", action="store_true", help="keep the runs of an existing JSON with the same settings")
+    p.add_argument("--plot-only", action="store_true",
+                   help="only rewrite <out>/study_<study>.{md,png} from the JSON there (its settings and command)")
     args = p.parse_args(argv)
+    stem = os.path.join(args.out, f"study_{args.study}")
+    if args.plot_only:
+        with open(stem + ".json") as f:
+            old = json.load(f)
+        for key, value in old["settings"].items():
+            setattr(args, key, value)
+        return write_outputs(args, old["runs"], old["command"])
     hooks = args.hooks.split(",")
     for h in hooks:
         hook_spec(h)
@@ -588,7 +595,6 @@ def main(argv=None):
     # the command that reproduces the outputs (--resume only saves work)
     command = "python examples/study_ddp.py " + shlex.join(a for a in argv if a != "--resume")
     runs = []
-    stem = os.path.join(args.out, f"study_{args.study}")
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             old = json.load(f)
