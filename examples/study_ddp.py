@@ -230,8 +230,11 @@ def worker(argv=None) -> None:
         dist.barrier()                                    # the other ranks wait with their clocks stopped
 
     record(0)
+    load_before = os.getloadavg()
+    step_s = []                                           # each step's time (with the records' pauses cut out)
     t0 = time.perf_counter()
     for step in range(args.steps):
+        ts = time.perf_counter()
         idx = next(stream)
         study.set_lr(opt, step, args.steps)
         opt.zero_grad()
@@ -239,6 +242,7 @@ def worker(argv=None) -> None:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        step_s.append(time.perf_counter() - ts)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             wall += time.perf_counter() - t0
             record(step + 1)
@@ -261,6 +265,8 @@ def worker(argv=None) -> None:
                   "ranks": size, "steps": args.steps, "batch_per_rank": args.batch_size, "lr": study.lr,
                   "test_images": len(xte), "parameters": nparams, "params_identical": len(set(sums)) == 1,
                   "bits_per_param": bits, "wall_s": wall, "ms_per_step": 1000 * wall / args.steps,
+                  "median_step_ms": 1000 * sorted(step_s)[len(step_s) // 2],
+                  "loadavg_1min": {"start": load_before[0], "end": os.getloadavg()[0]},
                   "final_acc": curve[-1]["test_acc"], "curve": curve, "host": os.uname().nodename}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -328,7 +334,7 @@ def run_local(args, hook: str, seed: int, out: str) -> list:
 
 def run_cluster(args, hook: str, seed: int, out: str) -> list:
     """One rank per host of an emulated cluster at --cluster RATE (brought up and down around the run)."""
-    from realshapes_benchmark import run_on_cluster
+    from emulated_cluster_benchmark import run_on_cluster
     if os.geteuid() != 0:
         raise SystemExit("study_ddp --cluster: needs root (network namespaces)")
     cmd = [os.path.join(ROOT, "launch", "ddp-torchrun"), "--netns", CLUSTER_PREFIX, "--nproc", "1", "--port",
@@ -442,15 +448,19 @@ def write_md(args, doc: dict, hooks: list, seeds: list) -> list:
     for s in seeds:
         c = doc["comparisons"][str(s)]
         lines += [f"## Seed {s}", "", "Equal steps:", "",
-                  "| hook | final accuracy | gap | last 3 | gap (last 3) | wall-clock s | ms/step | bits/param |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| hook | final accuracy | gap | last 3 | gap (last 3) | wall-clock s | ms/step | median step ms | "
+                  "load avg (start, end) | bits/param |", "|---|---|---|---|---|---|---|---|---|---|"]
         for h in hooks:
             if h not in c["hooks"]:
                 continue
             row = c["hooks"][h]
+            run = next(r for r in doc["runs"] if r["hook"] == h and r["seed"] == s)
+            load = run.get("loadavg_1min")
             lines.append(f"| {hook_label(h)} | {pct(row['final_acc'])} | {row.get('gap', 0):+.2f} | "
                          f"{pct(row['tail_acc'])} | {row.get('tail_gap', 0):+.2f} | {row['wall_s']:.1f} | "
-                         f"{row['ms_per_step']:.1f} | {row['bits_per_param']:.2f} |")
+                         f"{row['ms_per_step']:.1f} | {run.get('median_step_ms', float('nan')):.1f} | "
+                         + (f"{load['start']:.1f}, {load['end']:.1f}" if load else "") +
+                         f" | {row['bits_per_param']:.2f} |")
         T = c["budget_s"]
         lines += ["", f"Equal wall-clock: budget T = {T:.1f} s (when {hook_label(c['fastest'])} finished); accuracy "
                       "interpolated linearly between the records around each time:", "",
@@ -464,6 +474,8 @@ def write_md(args, doc: dict, hooks: list, seeds: list) -> list:
             lines.append(f"| {hook_label(h)} | {row['steps_at_budget']:.0f} | {pct(a['0.25'])} | {pct(a['0.5'])} | "
                          f"{pct(a['1'])} | {row.get('gap_at_budget', 0):+.2f} |")
         lines.append("")
+    if len(seeds) > 1:
+        lines += over_seeds(doc, hooks, seeds)
     if doc["goal"]:
         lines += ["## Goal: TernGrad's gap to fp32 no worse than PowerSGD rank 4's", "",
                   "| comparison | TernGrad gap | PowerSGD r4 gap | met (mean over seeds) | met per seed |",
@@ -475,6 +487,27 @@ def write_md(args, doc: dict, hooks: list, seeds: list) -> list:
     return lines
 
 
+def over_seeds(doc: dict, hooks: list, seeds: list) -> list:
+    """Markdown: each hook's gaps per seed and their mean, at equal steps and at the equal wall-clock budget."""
+    def cells(h, key):
+        vals = [doc["comparisons"][str(s)]["hooks"][h].get(key) for s in seeds]
+        vals = [v for v in vals if v is not None]
+        return ", ".join(f"{v:+.2f}" for v in vals), (f"{sum(vals) / len(vals):+.2f}" if vals else "")
+
+    lines = [f"## Over seeds {', '.join(map(str, seeds))}", "",
+             "| hook | final accuracy (mean) | gap per seed | mean gap | gap (last 3) per seed | mean | "
+             "gap at T per seed | mean |", "|---|---|---|---|---|---|---|---|"]
+    for h in hooks:
+        if not all(h in doc["comparisons"][str(s)]["hooks"] for s in seeds):
+            continue
+        acc = sum(doc["comparisons"][str(s)]["hooks"][h]["final_acc"] for s in seeds) / len(seeds)
+        row = [hook_label(h), pct(acc)]
+        for key in ("gap", "tail_gap", "gap_at_budget"):
+            row += list(cells(h, key))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
 def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -483,9 +516,7 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r["seed"] for r in runs})
     late = []
-    for r in runs:
-        if r["hook"] not in hooks:
-            continue
+    for r in sorted((r for r in runs if r["hook"] in hooks), key=lambda r: (hooks.index(r["hook"]), r["seed"])):
         ls = styles[seeds.index(r["seed"]) % len(styles)]
         color = COLORS.get(r["hook"])
         label = hook_label(r["hook"]) + (f" (seed {r['seed']})" if len(seeds) > 1 else "")
@@ -510,7 +541,7 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"DDP hooks, {args.study} ({Study(args.study).dataset}), {args.ranks} ranks", fontsize=10)
+    fig.suptitle(f"DDP hooks, {args.study} on {Study(args.study).dataset}, {args.ranks} ranks", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -546,7 +577,16 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument("--out", default="docs/ddp")
     p.add_argument("--resume", action="store_true", help="keep the runs of an existing JSON with the same settings")
+    p.add_argument("--plot-only", action="store_true",
+                   help="only rewrite <out>/study_<study>.{md,png} from the JSON there (its settings and command)")
     args = p.parse_args(argv)
+    stem = os.path.join(args.out, f"study_{args.study}")
+    if args.plot_only:
+        with open(stem + ".json") as f:
+            old = json.load(f)
+        for key, value in old["settings"].items():
+            setattr(args, key, value)
+        return write_outputs(args, old["runs"], old["command"])
     hooks = args.hooks.split(",")
     for h in hooks:
         hook_spec(h)
@@ -555,7 +595,6 @@ def main(argv=None):
     # the command that reproduces the outputs (--resume only saves work)
     command = "python examples/study_ddp.py " + shlex.join(a for a in argv if a != "--resume")
     runs = []
-    stem = os.path.join(args.out, f"study_{args.study}")
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             old = json.load(f)
