@@ -49,22 +49,6 @@ POWERSGD_START = 2
 
 
 # -- the worker (one rank) ---------------------------------------------------------------------------------------
-def powersgd_bits(model, rank: int, min_compression_rate: float = 2.0) -> float:
-    """Bits per parameter PowerSGD hands to allreduce per step (its own rule: a tensor is compressed when
-    n·m >= min_compression_rate · r·(n+m); 1-D tensors and the rest go whole in fp32)."""
-    sent = total = 0
-    for p in model.parameters():
-        total += p.numel()
-        if p.dim() > 1:
-            n, m = p.shape[0], p.numel() // p.shape[0]
-            r = min(n, m, rank)
-            if n * m >= min_compression_rate * r * (n + m):
-                sent += r * (n + m)
-                continue
-        sent += p.numel()
-    return 32.0 * sent / total
-
-
 def worker(argv):
     p = argparse.ArgumentParser(prog="ddp_benchmark.py worker")
     p.add_argument("--model", default="mlp")
@@ -94,7 +78,7 @@ def worker(argv):
         nparams = sum(q.numel() for q in module.parameters())
         bits = {"none": 32.0, "fp16": 16.0}.get(hook)
         if hook == "powersgd":
-            bits = powersgd_bits(module, kw["powersgd_rank"])
+            bits = ddp_hooks.powersgd_bits(module, kw["powersgd_rank"])
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         setups.append({"key": key, "label": label, "hook": hook, "model": model, "opt": opt, "x": x,
                        "state": state, "times": [], "bits": bits, "nparams": nparams})

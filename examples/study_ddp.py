@@ -85,22 +85,6 @@ def hook_label(name: str) -> str:
             "powersgd": f"PowerSGD rank {kw.get('powersgd_rank')}"}[kind]
 
 
-def powersgd_bits(model, rank: int, min_compression_rate: float = 2.0) -> float:
-    """Bits per parameter PowerSGD hands to allreduce per step: r·(n+m) values per compressed n x m matrix (its
-    rule: compressed when n·m >= min_compression_rate·r·(n+m)), 1-D tensors and the rest whole, in fp32."""
-    sent = total = 0
-    for p in model.parameters():
-        total += p.numel()
-        if p.dim() > 1:
-            n, m = p.shape[0], p.numel() // p.shape[0]
-            r = min(n, m, rank)
-            if n * m >= min_compression_rate * r * (n + m):
-                sent += r * (n + m)
-                continue
-        sent += p.numel()
-    return 32.0 * sent / total
-
-
 # -- the studies -----------------------------------------------------------------------------------------------------
 class Study:
     """Model, data and optimizer of one study (the same for every hook)."""
@@ -257,7 +241,7 @@ def worker(argv=None) -> None:
         bits = (8.0 * st.payload_bytes_sent + 8.0 * st.handshake_bytes_sent + 32.0 * plain) / (st.elements + plain)
         state.close()
     elif kind == "powersgd":
-        bits = powersgd_bits(module, kw["powersgd_rank"])
+        bits = ddp_hooks.powersgd_bits(module, kw["powersgd_rank"])
     else:
         bits = 16.0 if kind == "fp16" else 32.0
     if rank == 0:

@@ -66,3 +66,19 @@ def install(model, hook: str, powersgd_rank: int = 1, powersgd_start: int = 2, s
     if hook == "none":
         return None
     raise ValueError(f"hook must be one of {HOOKS}, got {hook!r}")
+
+
+def powersgd_bits(model, rank: int, min_compression_rate: float = 2.0) -> float:
+    """Bits per parameter PowerSGD hands to allreduce per step: r·(n+m) values per compressed n x m matrix (its
+    rule: compressed when n·m >= min_compression_rate·r·(n+m)), 1-D tensors and the rest whole, in fp32."""
+    sent = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            r = min(n, m, rank)
+            if n * m >= min_compression_rate * r * (n + m):
+                sent += r * (n + m)
+                continue
+        sent += p.numel()
+    return 32.0 * sent / total
