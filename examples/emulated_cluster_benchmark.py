@@ -210,7 +210,10 @@ def predict(res: dict) -> dict:
         link = row.get("link")               # exchange="auto": the link it measured, and what it decided
         if link is not None and not link["compresses"]:
             cfg = None                       # every tensor went by Horovod's fp32 allreduce
-        method = (row["config"] if row["config"] in ("fp32", "fp16") else "fp32") if cfg is None else method_of(cfg)
+        if cfg is None:                      # fp32/fp16 rows, and auto rows that sent everything at fp32
+            method = row["config"] if row["config"] in ("fp32", "fp16") else "fp32"
+        else:
+            method = method_of(cfg)
         auto_network = (pm.Network.from_gbps("measured", link["gbps"], cost.configured_network().latency_s * 1e6)
                         if link is not None else cost.configured_network())   # what the job's "auto" decided on
         # a synchronous step waits for its slowest rank: the schedule starts from that rank's compute

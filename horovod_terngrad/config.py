@@ -36,9 +36,10 @@ class TernGradConfig:
                    variance no larger than with the shared scaler).  Default (None): False for the
                    allgather exchange (measured faster on ResNet-50 at 1 Gbit/s, docs/realshapes.md;
                    accuracy in docs/study/), True for "sharded", whose owners add ternary values
-                   ("auto": per group, by the exchange it picks); ``scaler_shared_for`` says which applies.  Per-rank scalers cost one 4-byte
-                   allreduce per step (is any rank in hvd.join()?); in a step where one is, the groups
-                   take the handshake with the max over the active ranks.
+                   ("auto": per group, by the exchange it picks); ``scaler_shared_for`` says which
+                   applies.  Per-rank scalers cost one 4-byte allreduce per step (is any rank in
+                   hvd.join()?); in a step where one is, the groups take the handshake with the max
+                   over the active ranks.
     on_nonfinite:  "raise" = NonFiniteGradientError on every rank; "zero" = the tensor's averaged
                    gradient is zero on every rank this step (counted in the stats, warned once).
     exchange:      "allgather" (every rank receives every payload: one collective, traffic grows

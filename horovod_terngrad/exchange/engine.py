@@ -20,8 +20,9 @@ takes part (``Presence``): a rank in ``hvd.join()`` adds 0, and Horovod refuses 
 joined (and its joined rank's background loop dies of the refusal, so trying first is not an option).
 In such a step the groups take the shared-scaler handshake and the join transport instead.
 
-Fusing changes how many collectives run, never a bit of any result: each member keeps its statistics, scaler, random stream and payload.  Collectives are named
-``terngrad.{hs,ag,a2a,sg,join}.<group>`` after the group name the caller gives (every rank gives the same).
+Fusing changes how many collectives run, never a bit of any result: each member keeps its statistics,
+scaler, random stream and payload.  Collectives are named ``terngrad.{hs,ag,a2a,sg,join}.<group>`` after
+the group name the caller gives (every rank gives the same).
 
 While some rank is in ``hvd.join()`` (seen in the handshake), the group travels by allreduce-sum instead
 (joined.py): joined ranks count as zero gradients, as in Horovod's own average.  A failed collective
