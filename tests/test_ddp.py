@@ -25,10 +25,10 @@ NP = 2
 EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "sync_on_ddps_group", "shared_sharded_base3", "shared_sharded_2bit_buckets",
          "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "small_fusion_groups", "auto_exchange",
          "exclude_min_numel", "worker_restarts",
-         "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16"]
+         "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16", "compiled"]
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
-OTHER = ["collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register",
+OTHER = ["join_uneven", "join_uneven_sharded", "collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register",
          "sparse", "mismatch", "auto_off"]
 
 
@@ -215,6 +215,39 @@ def test_find_unused_parameters_locally_unused_count_as_zeros(ddp2):
     r1_inputs = by_name_and_step(ranks[1]["inputs"])
     assert not r1_inputs[("extra.weight", 0)].any()           # rank 1 did not use 'extra'
     assert ranks[0]["steps"]["dead.weight"] == 3               # every bucket is exchanged, unused or not
+
+
+@pytest.mark.parametrize("sc", ["join_uneven", "join_uneven_sharded"])
+def test_join_with_uneven_inputs_the_joined_rank_exchanges_zeros(ddp2, sc):
+    """Under ``Join([ddp])`` a rank out of batches (rank 0 after 2 of 4 steps; sharded: rank 1 after 1 of 4)
+    runs the hook on zero buckets (DDP's join hook), so its collectives match the training rank's: nothing
+    hangs, and the training rank's averages are TernGrad's of (zeros, its gradient), bit for bit."""
+    ranks = ddp2[sc]
+    cfg, names = ranks[0]["config"], ranks[0]["names"]
+    mine = [r["my_steps"] for r in ranks]
+    inputs = [by_name_and_step(r["inputs"]) for r in ranks]
+    outputs = [by_name_and_step(r["outputs"]) for r in ranks]
+    assert set(inputs[0]) == set(inputs[1]) == {(n, s) for n in names for s in range(max(mine))}
+    checked = 0
+    for (name, step) in sorted(inputs[0]):
+        grads = [inputs[r][(name, step)] for r in range(NP)]
+        want, _ = expected_average(grads, name, step, cfg)
+        for r in range(NP):
+            if step >= mine[r]:          # joined: the hook got zeros, and p.grad is not touched
+                assert not grads[r].any() and (name, step) not in outputs[r], (name, step, r)
+            else:
+                assert torch.equal(outputs[r][(name, step)], want), (name, step, r)
+                checked += 1
+    assert checked == len(names) * sum(mine) and min(mine) < max(mine)
+    assert all(sorted(set(r["steps"].values())) == [max(mine)] for r in ranks)   # the same streams on both
+
+
+def test_a_compiled_ddp_model_calls_the_hook_with_every_bucket(ddp2):
+    """torch.compile(ddp_model) (bit identity checked with the other exact scenarios): dynamo compiled the
+    forward (graphs counted), and the hook saw every parameter at every step."""
+    ranks = ddp2["compiled"]
+    assert all(r["graphs"] >= 1 for r in ranks)
+    assert len(ranks[0]["inputs"]) == 3 * len(ranks[0]["names"]) == len(ranks[0]["outputs"])
 
 
 def test_fp16_and_bf16_gradients(ddp2):

@@ -49,6 +49,11 @@ Errors (NaN/Inf with ``on_nonfinite="raise"``, bad gradients) are set on the buc
 bucket is still exchanged on every rank and backward raises on every rank alike (DDP rethrows the hook's
 exception as a ``RuntimeError`` that names the original; ``state.last_error`` is the original).
 ``on_nonfinite="zero"`` zeroes the parameter's average on every rank for that step instead.
+
+Uneven inputs (``torch.distributed.algorithms.join.Join([ddp_model])``): a joined rank's DDP runs this hook
+on zero buckets, in bucket order, so it issues the same collectives as the training ranks; the average is
+always divided by the group's size N (as PyTorch's ``allreduce_hook``), whatever DDP's
+``divide_by_initial_world_size``.  ``torch.compile(ddp_model)`` leaves the hook to DDP's reducer, unchanged.
 """
 import os
 import queue

@@ -256,6 +256,49 @@ def sc_twin(name):
             "names": [n for n, _ in model.named_parameters()]}
 
 
+def sc_join(settings, my_steps):
+    """Uneven inputs under DDP's Join: rank 0 runs out of batches after 2 steps, rank 1 trains 4.  While
+    rank 0 is joined, DDP runs the comm hook on zero buckets there to match rank 1's collectives; the
+    averages rank 1 gets are TernGrad's of (zeros, its gradient), and nobody hangs."""
+    from torch.distributed.algorithms.join import Join
+    model = Scrambled()
+    ddp, rec = wrap(model, settings, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches()
+    outputs = []
+    with Join([ddp]):
+        for _ in range(my_steps[RANK]):
+            opt.zero_grad()
+            ddp(next(data)).pow(2).mean().backward()
+            outputs_of(model, outputs)
+            opt.step()
+    st = rec.state
+    return {"config": st.config, "inputs": rec.inputs, "outputs": outputs, "steps": dict(st.steps),
+            "names": [n for n, _ in model.named_parameters()], "my_steps": my_steps[RANK]}
+
+
+def sc_compiled(backend):
+    """A torch.compile'd DDP model (DDP's recommended order: wrap, then compile): dynamo splits the graph at
+    bucket boundaries and DDP's reducer still calls the hook with every bucket."""
+    model = Scrambled()
+    ddp, rec = wrap(model, {"seed": 22})   # DDP's bucket sizes: dynamo wants the first no larger than the rest
+    compiled = torch.compile(ddp, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches()
+    outputs = []
+    for _ in range(3):
+        opt.zero_grad()
+        compiled(next(data)).pow(2).mean().backward()
+        outputs_of(model, outputs)
+        opt.step()
+        rec.iteration += 1
+    st = rec.state
+    return {"config": st.config, "inputs": rec.inputs, "outputs": outputs, "buckets": rec.buckets,
+            "names": [n for n, _ in model.named_parameters()], "params": params(model),
+            "stats": vars(st.stats).copy(), "steps": dict(st.steps),
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+
+
 def sc_nan(policy, **settings):
     """NaN on rank 1 at step 1: every rank sees it (raise: the same error from backward on every rank;
     zero: that step's averages are zero on every rank), and nothing hangs."""
@@ -374,6 +417,12 @@ def run(name):
         return sc_exact(name)
     if name in TWINS:
         return sc_twin(name)
+    if name == "join_uneven":
+        return sc_join({"seed": 23}, (2, 4))
+    if name == "join_uneven_sharded":
+        return sc_join({"seed": 24, "exchange": "sharded"}, (4, 1))
+    if name == "compiled":
+        return sc_compiled("aot_eager")
     if name == "nan_raise":
         return sc_nan("raise")
     if name == "nan_zero":
