@@ -151,7 +151,8 @@ def run_case(model: str, hosts: int, rate: str, args) -> dict:
            "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
            "-x", "OMP_NUM_THREADS=1", "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", f"PYTHONPATH={ROOT}",
            "-x", "PATH", PY, "-m", "horovod_terngrad.operations.bench", "step",
-           "--model", model, "--batch", str(args.batch), "--image", str(args.image), "--layers", str(args.layers),
+           "--model", model, "--batch", str(args.batch), "--image", str(args.image),
+           "--context", str(args.context), "--layers", str(args.layers),
            "--width", str(args.width), "--steps", str(args.steps), "--rounds", str(args.rounds),
            "--warmup", str(args.warmup), "--configs", args.configs, "--calibrate", "--json", out]
 
@@ -315,6 +316,7 @@ def main(argv=None):
     p.add_argument("--configs", default=CONFIGS, help="comma list of bench.STEP_CONFIGS entries")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
+    p.add_argument("--context", type=int, default=64, help="transformer: tokens per sample")
     p.add_argument("--layers", type=int, default=4, help="mlp: layers")
     p.add_argument("--width", type=int, default=2500, help="mlp: width")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")

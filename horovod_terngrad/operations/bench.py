@@ -237,9 +237,11 @@ def bench_step(args):
     from . import models
 
     def make_model():   # a fresh model per configuration: Horovod's hooks stay on the parameters
-        return models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)[0]
+        return models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
+                           context=args.context)[0]
 
-    model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image)
+    model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
+                           context=args.context)
     sizes = [p.numel() for p in model.parameters()]
     names = [n for n, _ in model.named_parameters()]
     ntensors, nparams = len(sizes), sum(sizes)
@@ -333,7 +335,7 @@ def bench_step(args):
             with open(args.json, "w") as f:
                 json.dump({"ranks": hvd.size(), "model": args.model, "params": nparams, "tensors": ntensors,
                            "sizes": sizes, "names": names, "batch": args.batch, "image": args.image,
-                           "layers": args.layers, "width": args.width, "steps": args.steps,
+                           "context": args.context, "layers": args.layers, "width": args.width, "steps": args.steps,
                            "rounds": rounds, "rows": rows, "calibration": calibration}, f, indent=1)
     hvd.shutdown()
 
@@ -375,6 +377,7 @@ def main(argv=None):
     s = sub.add_parser("step")
     s.add_argument("--model", default="mlp", help="mlp, resnet50, transformer or tiny (operations/models.py)")
     s.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
+    s.add_argument("--context", type=int, default=64, help="transformer: tokens per sample")
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--width", type=int, default=256)
     s.add_argument("--batch", type=int, default=32)
