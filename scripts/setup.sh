@@ -51,7 +51,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
-have() { "$VPY" - "$@" <<'PYEOF'
+have() { "$VPY" -P - "$@" <<'PYEOF'
 import importlib.metadata as md, sys
 for spec in sys.argv[1:]:
     name, _, want = spec.partition("==")
