@@ -14,6 +14,12 @@ Configurations (``--configs``, every one a fresh copy of the same model, same se
     terngrad    TernGrad-DDP, ``horovod_terngrad.ddp.register(model)`` at its defaults
     local       no DDP at all: this rank's forward/backward/step alone (the compute floor)
 
+and, with ``--horovod fp16,terngrad`` (the default; ``--horovod ""`` skips them), Horovod's rows for the same
+model, batch and cluster: examples/emulated_cluster_benchmark.py's cell (plain mpirun, one rank per host,
+``Compression.fp16`` and TernGrad at its defaults), run right after the DDP one on a fresh cluster of the same
+shape, its JSON under ``<out>/horovod/``.  They are separate processes run back to back, not interleaved
+with the DDP rounds, so compare them with that in mind.
+
 PowerSGD runs plain allreduce before ``start_powerSGD_iter`` (2 here); the warm-up steps (``--warmup``, at
 least 3) take every configuration past it before anything is timed.  On gloo PowerSGD's buckets are exchanged
 one after another (horovod_terngrad/operations/ddp_hooks.py explains why), which costs it overlap with backward.
@@ -39,7 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DDP_TORCHRUN = os.path.join(ROOT, "launch", "ddp-torchrun")
 PREFIX, SUBNET = "tgd", "10.78.0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulated_cluster_benchmark import run_on_cluster, sweep  # noqa: E402 (the cluster and the table, shared)
+from emulated_cluster_benchmark import cell_path, run_on_cluster, sweep  # noqa: E402 (cluster and table, shared)
+from emulated_cluster_benchmark import run_case as horovod_cell  # noqa: E402
 CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", "fp16", {}),
            "powersgd1": ("DDP PowerSGD rank 1", "powersgd", {"powersgd_rank": 1}),
            "powersgd4": ("DDP PowerSGD rank 4", "powersgd", {"powersgd_rank": 4}),
@@ -53,6 +60,8 @@ def worker(argv):
     p = argparse.ArgumentParser(prog="ddp_benchmark.py worker")
     p.add_argument("--model", default="mlp")
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image", type=int, default=64)
+    p.add_argument("--context", type=int, default=64)
     p.add_argument("--configs", default="fp32,fp16,powersgd1,powersgd4,terngrad")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
@@ -72,7 +81,7 @@ def worker(argv):
     setups = []
     for key in args.configs.split(","):
         label, hook, kw = CONFIGS[key]
-        module, x = models.make(args.model, args.batch)
+        module, x = models.make(args.model, args.batch, image=args.image, context=args.context)
         model = module if hook is None else DDP(module)
         state = None if hook is None else ddp_hooks.install(model, hook, powersgd_start=POWERSGD_START, **kw)
         nparams = sum(q.numel() for q in module.parameters())
@@ -145,14 +154,45 @@ def worker(argv):
 
 # -- the driver ----------------------------------------------------------------------------------------------------
 def run_case(model: str, hosts: int, rate: str, args) -> dict:
-    out = os.path.join(os.path.abspath(args.out), f"{model}-n{hosts}-{rate}.json")
+    out = cell_path(args.out, model, hosts, rate, args.tag)
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     cmd = [DDP_TORCHRUN, "--netns", PREFIX, "--nproc", "1", "--port", "29613", "--", os.path.abspath(__file__),
-           "worker", "--model", model, "--batch", str(args.batch), "--configs", args.configs,
-           "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", out]
+           "worker", "--model", model, "--batch", str(args.batch), "--image", str(args.image),
+           "--context", str(args.context), "--configs", args.configs, "--steps", str(args.steps),
+           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", out]
     run_on_cluster(hosts, rate, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}", env=env)
     with open(out) as f:
-        return json.load(f)
+        res = json.load(f)
+    res.update(rate=rate, hosts=hosts, context=args.context, image=args.image)
+    if args.horovod:
+        res["rows"] += horovod_rows(model, hosts, rate, args)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def horovod_rows(model: str, hosts: int, rate: str, args) -> list:
+    """Horovod's fp16 and TernGrad on the same model, batch and cluster shape (emulated_cluster_benchmark's
+    cell, no calibration rows needed beyond its own), as rows of this table.  bits/param: fp16 16; TernGrad
+    its payload bits per ternarized element over those elements, plus 32 for the tensors its policy leaves
+    at full precision (min_numel)."""
+    from horovod_terngrad.operations.bench import step_config
+    hargs = argparse.Namespace(out=os.path.join(args.out, "horovod"), tag=args.tag, configs=args.horovod,
+                               batch=args.batch, image=args.image, context=args.context, layers=4, width=2500,
+                               steps=args.steps, rounds=args.rounds, warmup=args.warmup, timeout=args.timeout)
+    os.makedirs(hargs.out, exist_ok=True)
+    cell = horovod_cell(model, hosts, rate, hargs)
+    rows = []
+    for r in cell["rows"]:
+        key = r["config"]
+        bits = 16.0 if key == "fp16" else 32.0 if key == "fp32" else None
+        cfg = step_config(key)
+        if cfg is not None:
+            small = sum(n for n, name in zip(cell["sizes"], cell["names"]) if not cfg.compresses(name, n))
+            bits = (r["bits_per_element"] * (cell["params"] - small) + 32.0 * small) / cell["params"]
+        rows.append({"config": f"horovod-{key}", "label": f"Horovod {r['label']}", "step_ms": r["step_ms"],
+                     "step_ms_by_round": r["step_ms_by_round"], "bits_per_param": bits})
+    return rows
 
 
 def rows(res: dict, rate: str) -> list[str]:
@@ -166,6 +206,35 @@ def rows(res: dict, rate: str) -> list[str]:
                  f"{r['step_ms'] / fp32:.2f}x" if fp32 else "", f"{r['step_ms'] / fp16:.2f}x" if fp16 else "", bits]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def plot(results: list, path: str) -> list:
+    """Grouped bars: ms/step of every configuration per cell (model, N, link); returns the table's footer."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = []
+    for res in results:
+        keys += [r["config"] for r in res["rows"] if r["config"] not in keys]
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(results)), 4.2))
+    width = 0.8 / len(keys)
+    for k, key in enumerate(keys):
+        xs, ys, label = [], [], key
+        for i, res in enumerate(results):
+            row = next((r for r in res["rows"] if r["config"] == key), None)
+            if row is not None:
+                xs.append(i + (k - (len(keys) - 1) / 2) * width)
+                ys.append(row["step_ms"])
+                label = row["label"]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([f"{r['model']}\nN={r['ranks']} {r.get('rate', '')}" for r in results])
+    ax.set_ylabel("ms per step (median)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("DDP hooks and Horovod on the emulated cluster")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return ["", f"Plot: `{os.path.relpath(path, ROOT)}`"]
 
 
 HEADER = ["| model | N | link | configuration | ms/step | by round | time vs fp32 | time vs fp16 | bits/param sent |",
@@ -182,15 +251,21 @@ def main(argv=None):
     p.add_argument("--rates", default="1gbit")
     p.add_argument("--configs", default="fp32,fp16,powersgd1,powersgd4,terngrad,local")
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
+    p.add_argument("--context", type=int, default=64, help="transformer: tokens per sample")
+    p.add_argument("--horovod", default="fp16,terngrad", help="Horovod rows (bench.STEP_CONFIGS keys); '' for none")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--tag", default="", help="suffix of the cells' file names (and of the plot)")
     p.add_argument("--out", default="docs/ddp")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("ddp_benchmark: needs root (network namespaces)")
-    sweep(args, run_case, rows, HEADER, "examples/ddp_benchmark.py", argv)
+    plot_path = os.path.join(os.path.abspath(args.out), "steps" + (f"-{args.tag}" if args.tag else "") + ".png")
+    sweep(args, run_case, rows, HEADER, "examples/ddp_benchmark.py", argv,
+          footer=lambda results: plot(results, plot_path))
 
 if __name__ == "__main__":
     main()

@@ -479,3 +479,44 @@ def test_cifarnet_study_main_resumes_curve_files(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is of another run"):
         study_cifarnet.main(argv + ["--epochs", "2", "--seed", "9"])
     assert points() == first
+
+
+def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
+    """examples/ddp_benchmark.py: its worker under torchrun (2 ranks, loopback) times every configuration and
+    counts TernGrad's bits; Horovod's rows are read from emulated_cluster_benchmark's cell (a saved one
+    here) with bits/param counting the tensors left at full precision; the plot is written."""
+    import argparse
+
+    import ddp_benchmark
+    out = tmp_path / "ddp.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "examples", "ddp_benchmark.py"), "worker", "--model", "tiny",
+                        "--batch", "4", "--steps", "1", "--rounds", "2", "--warmup", "3",
+                        "--configs", "fp32,fp16,powersgd1,terngrad,local", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    by = {r["config"]: r for r in res["rows"]}
+    assert list(by) == ["fp32", "fp16", "powersgd1", "terngrad", "local"]
+    assert all(len(r["step_ms_by_round"]) == 2 and r["step_ms"] > 0 for r in res["rows"])
+    assert by["fp32"]["bits_per_param"] == 32 and by["fp16"]["bits_per_param"] == 16
+    # tiny: 300 tensors of 64 elements, all under min_numel, so TernGrad sends every one at full precision
+    assert by["terngrad"]["compressed_fraction"] == 0 and by["terngrad"]["bits_per_param"] == 32
+
+    cell = json.load(open(os.path.join(ROOT, "docs", "cluster", "resnet50-n2-1gbit-r1.json")))
+    cell["rows"] = [r for r in cell["rows"] if r["config"] in ("fp16", "terngrad")]
+    monkeypatch.setattr(ddp_benchmark, "horovod_cell", lambda *a: cell)
+    args = argparse.Namespace(out=str(tmp_path), tag="", horovod="fp16,terngrad", batch=8, image=64, context=64,
+                              steps=3, rounds=3, warmup=2, timeout=60)
+    rows = ddp_benchmark.horovod_rows("resnet50", 2, "1gbit", args)
+    assert [r["config"] for r in rows] == ["horovod-fp16", "horovod-terngrad"]
+    tern = next(r for r in cell["rows"] if r["config"] == "terngrad")
+    small = sum(n for n in cell["sizes"] if n < 4096)
+    assert rows[0]["bits_per_param"] == 16
+    assert rows[1]["bits_per_param"] == pytest.approx(
+        (tern["bits_per_element"] * (cell["params"] - small) + 32 * small) / cell["params"])
+    assert 2.0 < rows[1]["bits_per_param"] < 2.1 and rows[1]["step_ms"] == tern["step_ms"]
+    res.update(rate="none", rows=res["rows"] + rows)
+    footer = ddp_benchmark.plot([res], str(tmp_path / "steps.png"))
+    assert (tmp_path / "steps.png").stat().st_size > 5000 and "steps.png" in footer[-1]
