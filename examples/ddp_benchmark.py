@@ -208,6 +208,19 @@ def rows(res: dict, rate: str) -> list[str]:
     return lines
 
 
+def saved_cells(out: str, tag: str = "") -> list:
+    """Every cell of this tag saved in ``out`` (this run's and earlier runs' into the same folder), by model,
+    N and link: the plot shows them all."""
+    import glob
+    cells = []
+    for path in glob.glob(os.path.join(os.path.abspath(out), "*.json")):
+        stem = os.path.basename(path)[:-5]
+        if stem.endswith(f"-{tag}") if tag else stem.count("-") == 2:
+            with open(path) as f:
+                cells.append(json.load(f))
+    return sorted((c for c in cells if "rate" in c), key=lambda c: (c["model"], c["ranks"], c["rate"]))
+
+
 def plot(results: list, path: str) -> list:
     """Grouped bars: ms/step of every configuration per cell (model, N, link); returns the table's footer."""
     import matplotlib
@@ -265,7 +278,7 @@ def main(argv=None):
         raise SystemExit("ddp_benchmark: needs root (network namespaces)")
     plot_path = os.path.join(os.path.abspath(args.out), "steps" + (f"-{args.tag}" if args.tag else "") + ".png")
     sweep(args, run_case, rows, HEADER, "examples/ddp_benchmark.py", argv,
-          footer=lambda results: plot(results, plot_path))
+          footer=lambda results: plot(saved_cells(args.out, args.tag), plot_path))
 
 if __name__ == "__main__":
     main()

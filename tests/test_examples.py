@@ -518,5 +518,8 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
         (tern["bits_per_element"] * (cell["params"] - small) + 32 * small) / cell["params"])
     assert 2.0 < rows[1]["bits_per_param"] < 2.1 and rows[1]["step_ms"] == tern["step_ms"]
     res.update(rate="none", rows=res["rows"] + rows)
-    footer = ddp_benchmark.plot([res], str(tmp_path / "steps.png"))
+    (tmp_path / "tiny-n2-none.json").write_text(json.dumps(res))
+    (tmp_path / "tiny-n2-none-r2.json").write_text(json.dumps(res))     # another tag's: not in this plot
+    assert [c["model"] for c in ddp_benchmark.saved_cells(str(tmp_path))] == ["tiny"]
+    footer = ddp_benchmark.plot(ddp_benchmark.saved_cells(str(tmp_path)), str(tmp_path / "steps.png"))
     assert (tmp_path / "steps.png").stat().st_size > 5000 and "steps.png" in footer[-1]
