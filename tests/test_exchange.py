@@ -353,6 +353,39 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
     assert res[0][1] == want
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "sharded"])
+def test_a_finished_group_lets_go_of_its_gradients_without_the_cycle_collector(exchange):
+    """Tickets and their group point at each other; once every member is finished the group drops its
+    members and received bytes, so an in-place gradient is freed as soon as its owner drops it, with the
+    cycle collector off (before, every step's gradients outlived it until a collection: ~30,000 page faults
+    per step on ResNet-50)."""
+    import gc
+    import weakref
+    cfg = TernGradConfig(exchange=exchange, seed=4)
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        grads = [grad(s, c.rank, i) for i, s in enumerate(FUSED)]
+        alive = [weakref.ref(g) for g in grads]
+        tickets = ex.start_group([(g, f"layer{i}") for i, g in enumerate(grads)], "group0", in_place=True)
+        grp = tickets[0].group
+        outs = [ex.finish(t) for t in tickets]
+        in_place = all(o.data_ptr() == g.data_ptr() for o, g in zip(outs, grads))
+        del grads, outs, tickets
+        return in_place, grp.members, grp.sent, grp.gathered, [a() is None for a in alive]
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        res = run_ranks(3, body)
+    finally:
+        if was:
+            gc.enable()
+    for in_place, members, sent, gathered, freed in res:
+        assert in_place and members == [] and sent == [] and gathered is None
+        assert all(freed)
+
+
 @pytest.mark.parametrize("policy", ["raise", "zero"])
 @pytest.mark.parametrize("backend", ["fused-c", "torch"])
 def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):

@@ -67,7 +67,7 @@ class Ticket:
     """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
-                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "prep")
+                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "prep", "finished")
 
     def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place):
         self.engine, self.group = engine, None
@@ -81,6 +81,7 @@ class Ticket:
         self.error = None          # raised by finish
         self.zero = False          # the result is zero (agreed empty, or zeroed NaN/Inf)
         self.prep = None           # the statistics (codec.Prepared): scalers, NaN flag, for the handshake
+        self.finished = False      # finish() has returned its average or raised
 
 
 class Presence:
@@ -98,7 +99,7 @@ class Group:
     state of their collectives."""
 
     __slots__ = ("name", "members", "mode", "presence", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent",
-                 "gathered", "walked", "gather_error")
+                 "gathered", "walked", "gather_error", "unfinished")
 
     def __init__(self, name: str, members: list, mode: str):
         self.name, self.members, self.mode = name, members, mode
@@ -109,6 +110,7 @@ class Group:
         self.gathered = None
         self.walked = None               # (headers, offsets) of the gathered payloads
         self.gather_error = None
+        self.unfinished = len(members)   # members not finished yet; at 0 the group lets go of them
 
     @property
     def fused(self) -> bool:
@@ -224,14 +226,33 @@ class Exchange:
     def finish(self, tk: Ticket) -> torch.Tensor:
         """Wait for a ticket's exchange and return the average (or sum) in the tensor's shape and dtype."""
         self._presence = None     # the next group starts another step, which a rank may have left by join
-        self.progress(block=True)
-        if tk.error is not None:
-            raise tk.error
-        out = self._receive(tk)
+        try:
+            self.progress(block=True)
+            if tk.error is not None:
+                raise tk.error
+            out = self._receive(tk)
+        finally:
+            self._release(tk)
         if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
             out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
         self.inspection.record_average(tk.name, out)
         return out.view(tk.shape).to(tk.dtype)
+
+    @staticmethod
+    def _release(tk: Ticket) -> None:
+        """Once every member of a group is finished, the group drops its members and received bytes.  Why:
+        tickets and their group point at each other, a cycle that only Python's cycle collector frees, so
+        every gradient a ticket holds (``g32``, in place: the gradient's own memory) and the gathered
+        payloads outlived the step until a collection ran; on ResNet-50 that was ~100 MB of fresh memory,
+        about 30,000 page faults, in every backward pass of the next step."""
+        grp = tk.group
+        if tk.finished or grp is None:
+            return
+        tk.finished = True
+        grp.unfinished -= 1
+        if grp.unfinished == 0:
+            grp.members, grp.sent = [], []
+            grp.gathered = grp.walked = None
 
     def allreduce(self, tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
         return self.finish(self.start(tensor, name, average))
