@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -113,25 +114,28 @@ def params(model):
 
 
 def train(model, settings, steps=3, accumulate=1, dtype=torch.float32, lr=0.1, inject=None, rec_out=None,
-          asynchronous=True, dedicated_group=True, **ddp_kwargs):
+          asynchronous=True, dedicated_group=True, join=False, compile_backend=None, **ddp_kwargs):
     """SGD steps through DDP + TernGrad's hook; ``accumulate`` backward passes per step (the first ones in
-    ``no_sync()``).  Returns (ddp model, recorder, outputs)."""
+    ``no_sync()``); ``join``: inside ``Join([ddp])`` (uneven inputs); ``compile_backend``: forward through
+    ``torch.compile(ddp)``.  Returns (ddp model, recorder, outputs)."""
     model = model.to(dtype)
     ddp, rec = wrap(model, settings, asynchronous=asynchronous, dedicated_group=dedicated_group, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     data = batches(dtype=dtype)
     outputs = [] if rec_out is None else rec_out
-    for step in range(steps):
-        opt.zero_grad()
-        for k in range(accumulate):
-            with ddp.no_sync() if k < accumulate - 1 else contextlib.nullcontext():   # forward and backward
-                loss = ddp(next(data)).pow(2).mean()
-                if inject is not None and step == inject[0] and RANK == inject[1]:
-                    loss = loss * float("nan")
-                loss.backward()
-        outputs_of(model, outputs)
-        opt.step()
-        rec.iteration += 1
+    forward = ddp if compile_backend is None else torch.compile(ddp, backend=compile_backend)
+    with Join([ddp]) if join else contextlib.nullcontext():
+        for step in range(steps):
+            opt.zero_grad()
+            for k in range(accumulate):
+                with ddp.no_sync() if k < accumulate - 1 else contextlib.nullcontext():   # forward and backward
+                    loss = forward(next(data)).pow(2).mean()
+                    if inject is not None and step == inject[0] and RANK == inject[1]:
+                        loss = loss * float("nan")
+                    loss.backward()
+            outputs_of(model, outputs)
+            opt.step()
+            rec.iteration += 1
     return ddp, rec, outputs
 
 
@@ -257,46 +261,21 @@ def sc_twin(name):
 
 
 def sc_join(settings, my_steps):
-    """Uneven inputs under DDP's Join: rank 0 runs out of batches after 2 steps, rank 1 trains 4.  While
-    rank 0 is joined, DDP runs the comm hook on zero buckets there to match rank 1's collectives; the
-    averages rank 1 gets are TernGrad's of (zeros, its gradient), and nobody hangs."""
-    from torch.distributed.algorithms.join import Join
-    model = Scrambled()
-    ddp, rec = wrap(model, settings, bucket_cap_mb=0.002)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = batches()
-    outputs = []
-    with Join([ddp]):
-        for _ in range(my_steps[RANK]):
-            opt.zero_grad()
-            ddp(next(data)).pow(2).mean().backward()
-            outputs_of(model, outputs)
-            opt.step()
-    st = rec.state
-    return {"config": st.config, "inputs": rec.inputs, "outputs": outputs, "steps": dict(st.steps),
-            "names": [n for n, _ in model.named_parameters()], "my_steps": my_steps[RANK]}
+    """Uneven inputs under DDP's Join: each rank trains its own number of steps (``my_steps[RANK]``).  While
+    a rank is joined, DDP runs the comm hook on zero buckets there to match the other's collectives; the
+    averages the training rank gets are TernGrad's of (zeros, its gradient), and nobody hangs."""
+    res = exact(Scrambled(), settings, steps=my_steps[RANK], join=True, bucket_cap_mb=0.002)
+    res["my_steps"] = my_steps[RANK]
+    return res
 
 
 def sc_compiled(backend):
     """A torch.compile'd DDP model (DDP's recommended order: wrap, then compile): dynamo splits the graph at
-    bucket boundaries and DDP's reducer still calls the hook with every bucket."""
-    model = Scrambled()
-    ddp, rec = wrap(model, {"seed": 22})   # DDP's bucket sizes: dynamo wants the first no larger than the rest
-    compiled = torch.compile(ddp, backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = batches()
-    outputs = []
-    for _ in range(3):
-        opt.zero_grad()
-        compiled(next(data)).pow(2).mean().backward()
-        outputs_of(model, outputs)
-        opt.step()
-        rec.iteration += 1
-    st = rec.state
-    return {"config": st.config, "inputs": rec.inputs, "outputs": outputs, "buckets": rec.buckets,
-            "names": [n for n, _ in model.named_parameters()], "params": params(model),
-            "stats": vars(st.stats).copy(), "steps": dict(st.steps),
-            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+    bucket boundaries and DDP's reducer still calls the hook with every bucket.  DDP's own bucket sizes:
+    dynamo wants the first bucket no larger than the rest."""
+    res = exact(Scrambled(), {"seed": 22}, compile_backend=backend)
+    res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return res
 
 
 def sc_nan(policy, **settings):
