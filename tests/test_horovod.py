@@ -54,9 +54,10 @@ def launch(tmp_path, kind, np_, scenarios):
 def load_results(folder, scenario, np_):
     """Every rank's saved results of one scenario (checked for crashes and the world size)."""
     ranks = [torch.load(os.path.join(folder, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(np_)]
-    for r, res in enumerate(ranks):
-        assert "crash" not in res, f"{scenario} rank {r}:\n{res['crash']}"
-        assert res["size"] == np_
+    # every rank's crash: the first rank's is often only Horovod's shutdown after another rank's error
+    crashes = [f"{scenario} rank {r}:\n{res['crash']}" for r, res in enumerate(ranks) if "crash" in res]
+    assert not crashes, "\n".join(crashes)
+    assert all(res["size"] == np_ for res in ranks)
     return ranks
 
 
