@@ -52,6 +52,8 @@ import subprocess
 import sys
 import time
 
+from horovod_terngrad.exchange.cost import HOROVOD_FUSION_BYTES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NETNS = os.path.join(ROOT, "launch", "netns-cluster.sh")
 RSH = os.path.join(ROOT, "launch", "netns-rsh")
@@ -59,7 +61,7 @@ PY = sys.executable
 PREFIX, SUBNET = "tgc", "10.79.0"
 CONFIGS = "fp32,fp16,terngrad,terngrad-sharded,terngrad-auto"
 # Horovod 0.28's defaults (``horovodrun --help``), which a plain mpirun launch keeps
-HOROVOD_CYCLE_MS, HOROVOD_FUSION_BYTES = 1.0, 128 * 1024 * 1024
+HOROVOD_CYCLE_MS = 1.0
 # what the earlier MLP runs (docs/cluster/emulated_cluster.json) ran with: terngrad-launch's Ethernet
 # settings and the TernGrad defaults of then (shared scaler, every tensor ternarized)
 LEGACY = {"cycle_ms": 5.0, "fusion_bytes": 64 * 1024 * 1024,

@@ -16,7 +16,8 @@ Studies:
 
 Hooks (``--hooks``): ``fp32`` (DDP's own allreduce), ``fp16`` (fp16_compress_hook), ``powersgd<r>`` (PowerSGD of
 rank r, error feedback and warm start, plain allreduce before ``--powersgd-start``; serialized per bucket on gloo,
-see horovod_terngrad/operations/ddp_hooks.py) and ``terngrad`` (``horovod_terngrad.ddp.register`` at its defaults).
+see horovod_terngrad/operations/ddp_hooks.py), ``terngrad`` (``horovod_terngrad.ddp.register`` at its defaults) and
+``terngrad-b<k>`` (the same with ``bucket_size=k``: one scaler per k elements instead of per tensor).
 
 Every run of a study starts from the same state: the same seed, so the same initial weights (DDP also broadcasts
 rank 0's), the same shard of the data per rank and the same order of batches (DistributedSampler, reshuffled per
@@ -65,7 +66,7 @@ DEFAULT_HOOKS = "fp32,fp16,powersgd1,powersgd4,terngrad"
 BASELINE = "fp32"
 CLUSTER_PREFIX, CLUSTER_SUBNET, CLUSTER_PORT = "tgy", "10.83.0", 29631
 COLORS = {"fp32": "black", "fp16": "tab:gray", "powersgd1": "tab:orange", "powersgd4": "tab:red",
-          "terngrad": "tab:blue"}
+          "terngrad": "tab:blue", "terngrad-b512": "tab:green"}
 
 
 def hook_spec(name: str) -> tuple[str, dict]:
@@ -74,13 +75,18 @@ def hook_spec(name: str) -> tuple[str, dict]:
         return "none", {}
     if name in ("fp16", "terngrad"):
         return name, {}
+    if name.startswith("terngrad-b") and name[len("terngrad-b"):].isdigit() and int(name[len("terngrad-b"):]) > 0:
+        return "terngrad", {"bucket_size": int(name[len("terngrad-b"):])}
     if name.startswith("powersgd") and name[len("powersgd"):].isdigit() and int(name[len("powersgd"):]) > 0:
         return "powersgd", {"powersgd_rank": int(name[len("powersgd"):])}
-    raise ValueError(f"unknown hook {name!r}: fp32, fp16, powersgd<rank> (e.g. powersgd4) or terngrad")
+    raise ValueError(f"unknown hook {name!r}: fp32, fp16, powersgd<rank> (e.g. powersgd4), terngrad or "
+                     "terngrad-b<k> (one scaler per k elements, e.g. terngrad-b512)")
 
 
 def hook_label(name: str) -> str:
     kind, kw = hook_spec(name)
+    if kind == "terngrad" and kw:
+        return f"TernGrad-DDP, bucket_size {kw['bucket_size']}"
     return {"none": "DDP fp32 (no hook)", "fp16": "fp16_compress_hook", "terngrad": "TernGrad-DDP (defaults)",
             "powersgd": f"PowerSGD rank {kw.get('powersgd_rank')}"}[kind]
 

@@ -39,7 +39,8 @@ TERNGRAD_BEST = "terngrad"        #: per buffer, the cheaper of the two TernGrad
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
 
-HOROVOD_FUSION_BYTES = 64 * 1024 * 1024   #: Horovod's default HOROVOD_FUSION_THRESHOLD
+# Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
+HOROVOD_FUSION_BYTES = 128 * 1024 * 1024
 TERNGRAD_FUSION_NUMEL = 1 << 22            #: TernGradConfig.fusion_numel's default
 
 
