@@ -367,7 +367,7 @@ def test_exchange_plan_is_the_fusion_cut_with_the_config_policy():
     from horovod_terngrad.exchange import cost, fusion
     names = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
              "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
-    numels = [450, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]
+    numels = [450, 6, 2400, 16, 480000, 120, 10080, 84, 840, 10]
     cfg = TernGradConfig(exclude=("fc3",), min_numel=50, fusion_numel=3000)
     cut = fusion.cut_sizes(numels, cfg, names)
     assert cut.groups == (("fc2.bias",), ("fc2.weight",), ("fc1.bias",), ("fc1.weight",),
@@ -379,14 +379,17 @@ def test_exchange_plan_is_the_fusion_cut_with_the_config_policy():
         assert plan == [(method, g) for g in cut.group_sizes()] + plain
     net = pm.ETHERNET_1G
     plan = pm.exchange_plan("terngrad", numels, 64, net, config=cfg, names=names)
-    engine = [cost.exchange_for(g, 64, cfg.packing, cfg.bucket_size, network=net) for g in cut.group_sizes()]
+    engine = [cost.exchange_for(g, 64, cfg.packing, cfg.bucket_size, network=net, shared_scaler=False)
+              for g in cut.group_sizes()]
     assert [m for m, _ in plan[:-1]] == ["terngrad_" + e for e in engine]
     assert {"terngrad_allgather", "terngrad_sharded"} <= {m for m, _ in plan}
     assert [g for _, g in plan] == cut.group_sizes() + [plain[0][1]]
     # the cost is the sum over exactly these buffers, the fp32 ones included
     total, used = pm.model_exchange_cost("terngrad", numels, 64, net, config=cfg, names=names)
     assert used == [m for m, _ in plan]
-    assert total.time_s == pytest.approx(sum(pm.exchange_cost(m, g, 64, net).time_s for m, g in plan))
+    # (per-rank scalers, the allgather's default: no handshake per allgather group, one presence check)
+    assert total.time_s == pytest.approx(sum(pm.exchange_cost(m, g, 64, net, shared_scaler=False).time_s
+                                             for m, g in plan) + pm.presence_cost(64, net).time_s)
     # without a config: TernGradConfig()'s policy, fusion_numel from the argument
     default = fusion.cut_sizes(numels, TernGradConfig(fusion_numel=3000))
     assert [g for m, g in pm.exchange_plan("terngrad_allgather", numels, 8, FLAT, fusion_numel=3000)
@@ -428,3 +431,33 @@ def test_one_place_for_sizes_and_costs_no_drifted_constants():
     for doc in (pm.__doc__, cost.__doc__, guide):             # no 24-byte chunk headers, per-member shards
         assert "c = 24" not in doc and "P_sum = 24" not in doc
         assert "sharded on its own" in doc
+
+
+def test_per_rank_scalers_pay_no_handshake_per_group_but_one_presence_check_per_step():
+    """The allgather's default (per-rank scalers) sends no handshake: the cost model, the plan's total and
+    exchange="auto"'s choice must not charge one, or auto shards groups the allgather moves faster."""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.codec import sizes as wire
+    group = [1000, 2000]
+    shared = pm.terngrad_allgather_cost(group, 4, FLAT)
+    own = pm.terngrad_allgather_cost(group, 4, FLAT, shared_scaler=False)
+    P = sum(wire.payload_size(n, "2bit", 0) for n in group)
+    assert own.messages == 3 and own.bytes_received == 3 * P
+    assert shared.messages == 3 + 6
+    assert shared.time_s - own.time_s == pytest.approx(pm.ring_allreduce_time(wire.handshake_size([1, 1]), 4, FLAT))
+    # a plan of three allgather groups: per-rank pays one presence check in all; shared pays three handshakes
+    sizes, names = [5000, 6000, 7000], ["a", "b", "c"]
+    for shared_scaler in (False, True):
+        cfg = TernGradConfig(fusion_numel=0, min_numel=0, shared_scaler=shared_scaler)
+        total, used = pm.model_exchange_cost("terngrad_allgather", sizes, 4, FLAT, config=cfg, names=names)
+        assert used == ["terngrad_allgather"] * 3
+        want = sum(pm.terngrad_allgather_cost(n, 4, FLAT, shared_scaler=shared_scaler).time_s for n in sizes)
+        if not shared_scaler:
+            want += pm.presence_cost(4, FLAT).time_s
+        assert total.time_s == pytest.approx(want)
+    # auto: 80,000 elements at N = 8 on 1 Gbit/s Ethernet shard only if a handshake is charged to the allgather
+    net = pm.Network.from_gbps("ethernet", 1.0, 50.0)
+    assert pm.exchange_for([80_000], 8, "2bit", network=net, shared_scaler=True) == "sharded"
+    assert pm.exchange_for([80_000], 8, "2bit", network=net, shared_scaler=False) == "allgather"
+    auto = TernGradConfig(exchange="auto", fusion_numel=0, min_numel=0)
+    assert pm.exchange_plan("terngrad", [80_000], 8, net, config=auto) == [("terngrad_allgather", [80_000])]

@@ -12,8 +12,10 @@ For N ranks and one buffer ("bytes" is what crosses each rank's link in each dir
 TernGrad exchanges of a group of tensors n_1..n_k, with every size from ``codec.sizes`` (the one place
 they are computed, so this model charges exactly the bytes the engine sends):
 
-* allgather: P = sum_i payload_size(n_i) per rank, plus the shared-scaler handshake, an allreduce of
-  H = handshake_size(scalers of each member) bytes;
+* allgather: P = sum_i payload_size(n_i) per rank, plus, with a shared scaler, the handshake: an allreduce
+  of H = handshake_size(scalers of each member) bytes.  With per-rank scalers (the allgather's default) each
+  payload carries its own scaler and there is no handshake: the engine's only other collective is one
+  4-byte presence check per step (:func:`presence_cost`), not per group;
 * sharded: each member is sharded on its own (20-aligned slices); rank r receives its slice of every member
   from N-1 peers (alltoall, c = the largest rank's sum over members of its code bytes) and the owners' packed
   sums of every member (allgather, P_sum = the largest owner's sum over members), plus the handshake.
@@ -198,6 +200,16 @@ def _sizes(sizes: int | Sequence[int]) -> list[int]:
     return out
 
 
+def presence_cost(workers: int, network: Network) -> ExchangeCost:
+    """The per-rank scalers' presence check: one allreduce-sum of a 4-byte int32 per step (the engine asks
+    it in the step's first per-rank group, whatever the number of groups)."""
+    N = int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, 0)
+    link = network.link_for(N)
+    return ExchangeCost(TERNGRAD_ALLGATHER, ring_allreduce_time(4, N, link), 2 * (N - 1) / N * 4, 2 * (N - 1), 0)
+
+
 def _handshake(ns: list, bucket_size: int, workers: int, link: Network) -> tuple[float, float, int]:
     """Shared-scaler handshake: one allreduce of the group's handshake vector."""
     nbytes = wire.handshake_size([wire.num_buckets(n, bucket_size) for n in ns])
@@ -232,11 +244,13 @@ def fp16_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Netwo
 
 
 def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: Network,
-                            packing: str = "2bit", bucket_size: int = 0) -> ExchangeCost:
+                            packing: str = "2bit", bucket_size: int = 0,
+                            shared_scaler: bool = True) -> ExchangeCost:
     """TernGrad allgather exchange of one group of tensors n_1..n_k.
 
     P = sum_i payload_size(n_i);  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·H·beta,
     H = the group's handshake bytes.  Received bytes per rank: (N-1)·P + 2(N-1)/N·H.  Messages: 3(N-1).
+    ``shared_scaler=False`` (per-rank scalers): no handshake terms, T = (N-1)·alpha + (N-1)·P·beta.
     """
     ns = _sizes(sizes)
     n, N = sum(ns), int(workers)
@@ -244,7 +258,7 @@ def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: N
         return ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, n)
     link = network.link_for(N)
     P = sum(wire.payload_size(x, packing, bucket_size) for x in ns)
-    hs_t, hs_b, hs_m = _handshake(ns, bucket_size, N, link)
+    hs_t, hs_b, hs_m = _handshake(ns, bucket_size, N, link) if shared_scaler else (0.0, 0.0, 0)
     return ExchangeCost(TERNGRAD_ALLGATHER, ring_allgather_time(P, N, link) + hs_t, (N - 1) * P + hs_b,
                         (N - 1) + hs_m, n)
 
@@ -281,10 +295,12 @@ def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Net
 
 
 _COST_FUNCTIONS = {
-    FP32: lambda s, N, net, packing, bucket_size=0: fp32_allreduce_cost(s, N, net),
-    FP16: lambda s, N, net, packing, bucket_size=0: fp16_allreduce_cost(s, N, net),
+    FP32: lambda s, N, net, packing, bucket_size, shared: fp32_allreduce_cost(s, N, net),
+    FP16: lambda s, N, net, packing, bucket_size, shared: fp16_allreduce_cost(s, N, net),
     TERNGRAD_ALLGATHER: terngrad_allgather_cost,
-    TERNGRAD_SHARDED: terngrad_sharded_cost,
+    # the sharded exchange always shares the scaler (owners add codes of one scale)
+    TERNGRAD_SHARDED: lambda s, N, net, packing, bucket_size, shared: terngrad_sharded_cost(s, N, net, packing,
+                                                                                            bucket_size),
 }
 
 
@@ -298,25 +314,29 @@ class ExchangeChoice:
 
 
 def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network: Network,
-                  packing: str = "2bit", bucket_size: int = 0) -> ExchangeCost:
-    """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad)."""
+                  packing: str = "2bit", bucket_size: int = 0, shared_scaler: bool = True) -> ExchangeCost:
+    """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad).
+    ``shared_scaler`` is the allgather's scaler setting (``TernGradConfig.scaler_shared_for("allgather")``)."""
     if method == TERNGRAD_BEST:
-        return choose_exchange(sizes, workers, network, packing, bucket_size=bucket_size).cost
+        return choose_exchange(sizes, workers, network, packing, bucket_size=bucket_size,
+                               shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size)
+    return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size, shared_scaler)
 
 
 def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
-                    candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0) -> ExchangeChoice:
+                    candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0,
+                    shared_scaler: bool = True) -> ExchangeChoice:
     """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
 
     ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
     chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
     pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
-    candidate (allgather first: fewer messages).  Cost: O(k) for k tensors.
+    candidate (allgather first: fewer messages).  ``shared_scaler``: the allgather's scaler setting (the
+    sharded exchange always has a handshake).  Cost: O(k) for k tensors.
     """
-    costs = {m: exchange_cost(m, sizes, workers, network, packing, bucket_size) for m in candidates}
+    costs = {m: exchange_cost(m, sizes, workers, network, packing, bucket_size, shared_scaler) for m in candidates}
     best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
     return ExchangeChoice(best, costs[best], costs)
 
@@ -333,12 +353,14 @@ def configured_network() -> Network:
 
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
-                 network: Network | None = None) -> str:
+                 network: Network | None = None, shared_scaler: bool = False) -> str:
     """``exchange="auto"``: 'allgather' or 'sharded', whichever this model predicts to be faster for a
     group of tensors of these sizes.  With two ranks or fewer sharding cannot receive less and costs one
-    more collective, so it is never chosen."""
+    more collective, so it is never chosen.  ``shared_scaler``: whether an allgather group would share
+    its scaler (``TernGradConfig.scaler_shared_for("allgather")``; False, "auto"'s default, charges it no
+    handshake)."""
     if n_ranks <= 2:
         return "allgather"
     choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
-                             bucket_size=bucket_size)
+                             bucket_size=bucket_size, shared_scaler=shared_scaler)
     return "sharded" if choice.method == TERNGRAD_SHARDED else "allgather"

@@ -365,7 +365,7 @@ class Exchange:
         if self.config.exchange == "auto":
             network = self.link.network(cost.configured_network().latency_s) if self.link else None
             return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size,
-                                     network=network)
+                                     network=network, shared_scaler=self.config.scaler_shared_for("allgather"))
         return self.config.exchange
 
     def _advance(self, queue: list, handle, step, block: bool, keep: "Group | None" = None) -> list:

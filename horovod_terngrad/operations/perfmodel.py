@@ -47,8 +47,10 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
       H = 8·(4 + 2k + sum_i B_i) for k fused tensors (32 + 24k layer-wise);
 * allgather exchange (``exchange/allgather.py``): each rank's payload is
       P = sum_i payload_size(n_i) = sum_i (20 + 4·B_i + ceil(n_i·b/8))   (header, fp32 scalers, codes)
-  sent by ring allgather, plus the handshake:
+  sent by ring allgather, plus the handshake if the scaler is shared:
       T = (N-1)·alpha + (N-1)·P·beta  +  2(N-1)·alpha + 2(N-1)/N · H · beta
+  With per-rank scalers (the allgather's default: each payload carries its scaler) there is no handshake;
+  the step pays one 4-byte presence allreduce instead, whatever the number of groups.
   Received bits per element ~ (N-1)·b: grows with N.
 * sharded exchange (``exchange/sharded.py``): every member of the group is sharded on its own: rank r
   owns elements [r·m_i, (r+1)·m_i) of member i, m_i = ceil(n_i/N) rounded up to a multiple of 20 (so a
@@ -105,7 +107,7 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_SHARDED, ExchangeChoice, ExchangeCost, Network,
     allreduce_cost, alltoall_time, calibrated_efficiency, choose_exchange, configured_network, exchange_cost,
     exchange_for, fp16_allreduce_cost, fp32_allreduce_cost, ring_allgather_time, ring_allreduce_time,
-    sharded_bytes, terngrad_allgather_cost, terngrad_sharded_cost)
+    presence_cost, sharded_bytes, terngrad_allgather_cost, terngrad_sharded_cost)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -227,7 +229,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         members = tuple(index[n] for n in group)
         numels = [sizes[i] for i in members]
         if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
-            kind = exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network)
+            kind = exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
+                                shared_scaler=cfg.scaler_shared_for("allgather"))
             exchange = TERNGRAD_SHARDED if kind == "sharded" else TERNGRAD_ALLGATHER
         else:
             exchange = method
@@ -266,15 +269,22 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
     """Cost of exchanging all of a model's gradients: the sum over its buffers (:func:`exchange_plan`),
     each charged by ``exchange.cost.exchange_cost`` with the config's packing and bucket size.
 
+    An allgather buffer pays the handshake only if the config shares its scaler
+    (``scaler_shared_for("allgather")``); with per-rank scalers the step pays one presence check instead
+    (``exchange.cost.presence_cost``), as the engine does.
+
     Returns (total cost, exchange used per buffer).
     """
     cfg = terngrad_config(config, packing)
+    shared = cfg.scaler_shared_for("allgather")
     total, used = None, []
     for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
                           config=config, names=names):
-        cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size)
+        cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size, shared)
         total = cost if total is None else total + cost
         used.append(b.exchange)
+    if TERNGRAD_ALLGATHER in used and not shared:
+        total = total + presence_cost(workers, network)
     if total is None:
         total = ExchangeCost(method, 0.0, 0.0, 0, 0)
     return replace(total, method=method), used
