@@ -662,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-workers", type=int, default=512)
     p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
     p.add_argument("--fusion-mb", type=float, default=HOROVOD_FUSION_BYTES / 2**20,
-                   help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod's 64")
+                   help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod 0.28.1's 128")
     p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL,
                    help="TernGrad's tensor fusion: elements per fused group (0: none); default TernGradConfig's")
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
