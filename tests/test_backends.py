@@ -36,7 +36,7 @@ def assert_same_prep(a, b):
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("bucket", [0, 7, 512])
+@pytest.mark.parametrize("bucket", [0, 7, 512, 3000])     # 3000: a bucket longer than a C chunk
 @pytest.mark.parametrize("fmt", ["2bit", "base3"])
 def test_fused_matches_reference_bytes(fused, n, bucket, fmt):
     payloads_ref, payloads_fused = [], []
@@ -180,7 +180,8 @@ def test_sharded_owner_sums_and_decode_match_reference(fused, N, m, fmt, monkeyp
     bounds = sharded.shard_bounds(n, N)
     parts = [sharded.pack_bits(torch.randint(0, 2 * N + 1, (hi - lo,), generator=gen), bits) for lo, hi in bounds]
     gathered = torch.cat(parts)
-    for scalers, bucket in ((torch.tensor([0.3]), 0), (torch.rand(-(-n // 7), generator=gen) + 0.1, 7)):
+    for scalers, bucket in ((torch.tensor([0.3]), 0), (torch.rand(-(-n // 7), generator=gen) + 0.1, 7),
+                            (torch.rand(-(-n // 1500), generator=gen) + 0.1, 1500)):
         got = sharded.decode_gathered(gathered, n, N, scalers, bucket, float(N))
         monkeypatch.setattr(sharded, "_fused", lambda device: None)
         ref = sharded.decode_gathered(gathered, n, N, scalers, bucket, float(N))

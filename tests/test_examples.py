@@ -294,6 +294,17 @@ def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
     #                                                  step 1 runs unfused, step 2 plans the groups)
 
 
+def test_bench_codec_prints_every_stage_with_scaler_buckets():
+    """bench codec --bucket-size: the fused backend's bucketed path runs end to end (statistics, encode,
+    decode at N = 2 and 8) for both packings, and says which scaler layout it timed."""
+    out = subprocess.run([sys.executable, "-m", "horovod_terngrad.operations.bench", "codec", "--numel", "30000",
+                          "--repeat", "1", "--bucket-size", "512"], capture_output=True, text=True, check=True).stdout
+    assert "one scaler per 512 elements" in out
+    for fmt in ("2bit", "base3"):
+        assert sum(f" {fmt} " in line and " compress " in line for line in out.splitlines()) == 1
+        assert sum(f" {fmt} " in line and "decompress N=" in line for line in out.splitlines()) == 2
+
+
 def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     """bench step --calibrate on 2 real ranks, then the emulated-cluster benchmark's prediction code
     on that result: calibrated efficiencies, a scheduled-model prediction for every configuration, and the

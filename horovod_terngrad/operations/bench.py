@@ -1,6 +1,6 @@
 """Benchmarks that print figures (run them; the numbers go in docs/, not in assertions).
 
-    python -m horovod_terngrad.operations.bench codec [--numel 25000000] [--threads 1]
+    python -m horovod_terngrad.operations.bench codec [--numel 25000000] [--threads 1] [--bucket-size 512]
         GB/s of the codec stages on this machine, beside a preallocated copy of the same tensor.
     python -m horovod_terngrad.operations.bench engine [--tensors 64] [--numel 65536]
         The exchange engine's own cost per step on one rank (no network), fused and unfused.
@@ -57,7 +57,7 @@ def bench_codec(args):
     from ..codec import packing
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    n = args.numel
+    n, bs = args.numel, args.bucket_size
     g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
     gb = 4 * n / 1e9
 
@@ -70,7 +70,9 @@ def bench_codec(args):
     dst = torch.empty_like(g)
     t_copy = timed(lambda: dst.copy_(g))
     peak = _peak_bandwidth_gbs(device) if device.type == "cuda" else None
-    print(f"codec benchmark on {device} ({n} fp32 elements, {args.threads} CPU thread(s)); copy into a "
+    print(f"codec benchmark on {device} ({n} fp32 elements, "
+          + (f"one scaler per {bs} elements" if bs else "one scaler (layer-wise)")
+          + f", {args.threads} CPU thread(s)); copy into a "
           f"preallocated tensor: {gb / t_copy:.2f} GB/s" + (f"; device peak {peak:.0f} GB/s" if peak else ""))
     t_chain = timed(lambda: op_chain_ternarize(g))
     print(f"  baseline op chain (std, clamp, abs, max, uniform_, compare, sign, int8): {gb / t_chain:.2f} GB/s")
@@ -80,16 +82,16 @@ def bench_codec(args):
         candidates.append(("torch-reference", backends.REFERENCE))
     for name, be in candidates:
         for fmt in ("2bit", "base3"):
-            prep = be.prepare(g, 0, 2.5)
+            prep = be.prepare(g, bs, 2.5)
             key = codec.stream_key(0, 0, 0, 0)
-            t_stats = timed(lambda: be.prepare(g, 0, 2.5))
-            t_tern = timed(lambda: be.encode(g, prep.threshold, prep.scalers, 0, key, fmt))
+            t_stats = timed(lambda: be.prepare(g, bs, 2.5))
+            t_tern = timed(lambda: be.encode(g, prep.threshold, prep.scalers, bs, key, fmt))
             t_comp = t_stats + t_tern
             pct = f", {100 * gb / t_comp / peak:.0f}% of peak bandwidth" if peak else ""
             print(f"  {name:14s} {fmt:5s} compress {gb / t_comp:6.2f} GB/s of fp32 input "
                   f"(statistics {gb / t_stats:.2f}, ternarize+pack {gb / t_tern:.2f}); "
                   f"{t_chain / t_comp:.1f}x the op chain, {100 * t_copy / t_comp:.0f}% of copy{pct}")
-            payload = be.encode(g, prep.threshold, prep.scalers, 0, key, fmt)
+            payload = be.encode(g, prep.threshold, prep.scalers, bs, key, fmt)
             for N in (2, 8):
                 gathered = torch.cat([payload] * N)
                 headers, offsets = packing.walk(gathered, N)
@@ -369,6 +371,7 @@ def main(argv=None):
     c.add_argument("--threads", type=int, default=1)
     c.add_argument("--repeat", type=int, default=3)
     c.add_argument("--reference", action="store_true", help="also time the torch reference path")
+    c.add_argument("--bucket-size", type=int, default=0, help="one scaler per this many elements (0: per tensor)")
     c.add_argument("--device", default="cpu", help="cpu or cuda")
     e = sub.add_parser("engine")
     e.add_argument("--tensors", type=int, default=64)

@@ -116,6 +116,18 @@ int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *m
 }
 
 /* Ternarize and pack (fmt 1 = 2bit, 2 = base3) into out (ceil(n/4) or ceil(n/5) bytes). */
+/* s[j] = the scaler of element first + j, bucket by bucket: one division per chunk, not one per element
+ * (a 64-bit division per element made bucketed encode and decode several times slower than layer-wise). */
+static inline void fill_scalers(const float *scalers, int64_t bucket, int64_t first, int64_t cnt, float *s) {
+    int64_t j = 0, b = first / bucket;
+    while (j < cnt) {
+        int64_t end = (b + 1) * bucket - first;
+        if (end > cnt) end = cnt;
+        const float v = scalers[b++];
+        for (; j < end; j++) s[j] = v;
+    }
+}
+
 void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scalers, int64_t bucket,
                        uint32_t k0, uint32_t k1, int fmt, uint8_t *out, int nthreads) {
     const int per = fmt == 1 ? 4 : 5;
@@ -131,7 +143,7 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
         if (bucket <= 0) {
             for (int j = 0; j < TG_CHUNK; j++) sbuf[j] = scalers[0];
         } else {
-            for (int j = 0; j < cnt; j++) sbuf[j] = scalers[(lo + j) / bucket];
+            fill_scalers(scalers, bucket, lo, cnt, sbuf);
         }
         const float *gc = g + lo;
         /* Two simple loops (hash, then decide) vectorize far better than one fused body. */
@@ -235,7 +247,9 @@ static inline void scale_chunk(const int32_t *k, int64_t cnt, const float *scale
         const float s = scalers[0];
         for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * s) / divisor;
     } else {
-        for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * scalers[(first + j) / bucket]) / divisor;
+        float sbuf[TG_CHUNK];
+        fill_scalers(scalers, bucket, first, cnt, sbuf);
+        for (int64_t j = 0; j < cnt; j++) o[j] = ((float)k[j] * sbuf[j]) / divisor;
     }
 }
 
@@ -285,10 +299,10 @@ void tg_decode_average(const uint8_t *const *packed, const float *const *scalers
                 if (p == 0) for (int64_t j = 0; j < cnt; j++) acc[j] = 0.0f + v[j] * s;
                 else for (int64_t j = 0; j < cnt; j++) acc[j] += v[j] * s;
             } else {
-                for (int64_t j = 0; j < cnt; j++) {
-                    float s = scalers[p][(lo + j) / bucket];
-                    acc[j] = (p == 0 ? 0.0f : acc[j]) + v[j] * s;
-                }
+                float sbuf[TG_CHUNK];
+                fill_scalers(scalers[p], bucket, lo, cnt, sbuf);
+                if (p == 0) for (int64_t j = 0; j < cnt; j++) acc[j] = 0.0f + v[j] * sbuf[j];
+                else for (int64_t j = 0; j < cnt; j++) acc[j] += v[j] * sbuf[j];
             }
         }
         for (int64_t j = 0; j < cnt; j++) out[lo + j] = acc[j] / divisor;
