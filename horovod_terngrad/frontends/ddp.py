@@ -68,6 +68,7 @@ from ..errors import RankMismatchError, TernGradError
 from ..exchange import Exchange, ExchangeStats, Inspection
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
+from .cpu_threads import warn_if_oversubscribed
 from .state import CompressorState, process_set_key
 
 STEPS_KEY = process_set_key(None)   # the key of the step counters and engine in CompressorState ("global")
@@ -352,6 +353,9 @@ def register(ddp_model, config: TernGradConfig | None = None, asynchronous: bool
     state = TernGradState(ddp_model.module.named_parameters(), process_group=ddp_model.process_group,
                           config=config, asynchronous=asynchronous, **settings)
     ddp_model.register_comm_hook(state, terngrad_hook)
+    if all(p.device.type == "cpu" for p in ddp_model.module.parameters()):
+        # torchrun sets LOCAL_WORLD_SIZE; without it, count this rank alone
+        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return state
 
 

@@ -41,6 +41,7 @@ from ..errors import TernGradError
 from ..exchange import Exchange, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient
 from ..exchange.hvd_collectives import horovod_world
 from . import naming
+from .cpu_threads import warn_if_oversubscribed
 from .fusion_state import FusedMember, OptimizerFusion
 from .state import CompressorState
 
@@ -87,6 +88,7 @@ class TernGradCompressor:
         self._lock = threading.Lock()
         self._warned_noname = False
         self._warned_partial = False
+        self._threads_checked = False
 
     def configure(self, **settings) -> "TernGradCompressor":
         """A new compressor with some settings changed, e.g. ``TernGrad.configure(packing='base3')``."""
@@ -148,6 +150,9 @@ class TernGradCompressor:
                                 "which requires every rank to submit them in the same order. Pass "
                                 "named_parameters to hvd.DistributedOptimizer, or name= to hvd.allreduce.")
             check_gradient(tensor, name)
+            if not self._threads_checked and tensor.device.type == "cpu":
+                self._threads_checked = True
+                self._check_threads()
             average, process_set, optimizer, scale = True, None, None, 1.0
             if caller.call is not None:    # hvd.allreduce / grouped_allreduce: its arguments decide
                 average = naming.averages(naming.op_of_call(caller.call), name)
@@ -192,6 +197,16 @@ class TernGradCompressor:
                          "dropped, random-stream step counters kept")
                 st.reset_world()
             st.world = world
+
+    @staticmethod
+    def _check_threads() -> None:
+        """CPU training: warn once if this host's ranks run more torch threads than it has cores."""
+        try:
+            import horovod.torch as hvd
+            local_ranks = hvd.local_size()
+        except (ImportError, ValueError, RuntimeError):    # Horovod absent or not initialized
+            return
+        warn_if_oversubscribed(local_ranks)
 
     def _member_index(self, tensors, tensor) -> int:
         """Position of ``tensor`` in a direct hvd.grouped_allreduce call (members are named <name>.<i>)."""
