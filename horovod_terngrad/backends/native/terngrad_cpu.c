@@ -79,6 +79,8 @@ static void stats_lanes(const float *g, int64_t n, int64_t bucket, double *lane_
     for (int64_t k = 0; k < nbuckets; k++) {
         int64_t lo = k * bucket, hi = lo + bucket < n ? lo + bucket : n;
         float m = 0.0f;
+        /* max is exact in any order (NaN never enters m: a > m is false for it), so lanes may split it */
+#pragma omp simd reduction(max : m)
         for (int64_t j = lo; j < hi; j++) {
             float a = fabsf(g[j]);
             m = a > m ? a : m;
