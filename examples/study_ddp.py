@@ -69,16 +69,22 @@ COLORS = {"fp32": "black", "fp16": "tab:gray", "powersgd1": "tab:orange", "power
           "terngrad": "tab:blue", "terngrad-b512": "tab:green"}
 
 
+def _positive_suffix(name: str, prefix: str) -> int | None:
+    """k of a hook name ``<prefix><k>`` with k a positive integer, else None."""
+    rest = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() and int(rest) > 0 else None
+
+
 def hook_spec(name: str) -> tuple[str, dict]:
     """('none'|'fp16'|'powersgd'|'terngrad', install keywords) of a hook's name in --hooks."""
     if name == "fp32":
         return "none", {}
     if name in ("fp16", "terngrad"):
         return name, {}
-    if name.startswith("terngrad-b") and name[len("terngrad-b"):].isdigit() and int(name[len("terngrad-b"):]) > 0:
-        return "terngrad", {"bucket_size": int(name[len("terngrad-b"):])}
-    if name.startswith("powersgd") and name[len("powersgd"):].isdigit() and int(name[len("powersgd"):]) > 0:
-        return "powersgd", {"powersgd_rank": int(name[len("powersgd"):])}
+    if (bucket := _positive_suffix(name, "terngrad-b")) is not None:
+        return "terngrad", {"bucket_size": bucket}
+    if (rank := _positive_suffix(name, "powersgd")) is not None:
+        return "powersgd", {"powersgd_rank": rank}
     raise ValueError(f"unknown hook {name!r}: fp32, fp16, powersgd<rank> (e.g. powersgd4), terngrad or "
                      "terngrad-b<k> (one scaler per k elements, e.g. terngrad-b512)")
 

@@ -202,12 +202,8 @@ def _sizes(sizes: int | Sequence[int]) -> list[int]:
 
 def presence_cost(workers: int, network: Network) -> ExchangeCost:
     """The per-rank scalers' presence check: one allreduce-sum of a 4-byte int32 per step (the engine asks
-    it in the step's first per-rank group, whatever the number of groups)."""
-    N = int(workers)
-    if N <= 1:
-        return ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, 0)
-    link = network.link_for(N)
-    return ExchangeCost(TERNGRAD_ALLGATHER, ring_allreduce_time(4, N, link), 2 * (N - 1) / N * 4, 2 * (N - 1), 0)
+    it in the step's first per-rank group, whatever the number of groups).  It carries no gradient elements."""
+    return replace(allreduce_cost(1, workers, network, 4), method=TERNGRAD_ALLGATHER, elements=0)
 
 
 def _handshake(ns: list, bucket_size: int, workers: int, link: Network) -> tuple[float, float, int]:
