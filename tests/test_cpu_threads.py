@@ -1,6 +1,5 @@
 """The CPU oversubscription warning (frontends/cpu_threads.py): said once, only when a host's ranks run more
 torch threads than it has cores, and by both frontends without changing what they compute."""
-import os
 import subprocess
 import sys
 
