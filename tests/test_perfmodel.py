@@ -207,7 +207,7 @@ def test_user_model_api_and_profile_compute():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     assert pm.tensor_sizes_of(model) == [2048, 64, 640, 10]
     t = pm.profile_compute(model, batch=8, input_shape=(32,), steps=3, warmup=1)
-    assert 0 < t < 1.0
+    assert 0 < t < 10.0         # seconds per step, a sanity bound only (speed is shown in benchmarks)
     assert all(p.grad is not None for p in model.parameters())
     net = pm.Network.from_gbps("user", 1.0, 50.0)
     res = pm.compare_exchanges(model, 0.01, 16, net, batch_per_worker=8)

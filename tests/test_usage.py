@@ -157,8 +157,15 @@ def test_compression_none_baseline(runs, pattern):
     elif pattern == "resume":
         check_resume_none = all(torch.equal(a, b) for r in ranks for a, b in zip(r["straight"], r["resumed"]))
         assert check_resume_none
-    elif pattern == "adasum":       # works, or Horovod itself refuses (Gloo builds have no Adasum)
-        assert all(r["error"] is None or "No Adasum operation enabled" in r["error"] for r in ranks)
+    elif pattern == "adasum":
+        # works, or Horovod itself refuses: Gloo builds have no Adasum op ("No Adasum operation enabled").
+        # A rank still in backward may instead see "Horovod has been shut down": the other rank got the
+        # refusal, finished and shut Horovod down before this one enqueued its last gradient (reproduced
+        # 2 times in 9 launches under load).  Either is Horovod's own HorovodInternalError; a crash is not.
+        errors = [r["error"] for r in ranks]
+        assert all(e is None or e.startswith("HorovodInternalError: ") for e in errors), errors
+        if all(e is None for e in errors):
+            same_params(ranks)
     else:
         same_params(ranks)
     if pattern == "join":
