@@ -12,7 +12,14 @@ Studies:
   (lr·(1 - step/steps)^0.5), batch 64 per rank;
 * ``cifarnet``: TF-slim's CifarNet (examples/cifarnet.py) on Fashion-MNIST, the stand-in for the paper's CIFAR-10
   (SUBSTITUTE: 1 channel, 24x24 crops), Adam lr 0.0002 with L2 0.004 on fc3/fc4 (paper Table 1), batch 64 per
-  rank, cifarnet.py's augmentation.  No moving average of the parameters: the raw ones are evaluated.
+  rank, cifarnet.py's augmentation.
+
+The raw parameters are evaluated.  With ``--ema-decay D`` the moving average of the parameters is evaluated too,
+at every record of the same run, as the paper does ("the accuracy is evaluated by the final averaged parameters",
+decay 0.9999 over 300K steps): after step t the average moves by 1 - min(D, (1+t)/(10+t)) towards the parameters
+(TensorFlow's ExponentialMovingAverage with num_updates).  It is kept on every rank but only read by rank 0; it
+changes nothing in training and its updates are off the training clock.  Every comparison and the goal are then
+reported for both.
 
 Hooks (``--hooks``): ``fp32`` (DDP's own allreduce), ``fp16`` (fp16_compress_hook), ``powersgd<r>`` (PowerSGD of
 rank r, error feedback and warm start, plain allreduce before ``--powersgd-start``; serialized per bucket on gloo,
@@ -45,6 +52,7 @@ curve starts at (0 s, accuracy of the initial weights)).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -158,6 +166,40 @@ def batches(n_train: int, rank: int, size: int, batch: int, seed: int):
         epoch += 1
 
 
+class ParameterAverage:
+    """The exponential moving average of a module's parameters (see --ema-decay); ``evaluated()`` swaps it in."""
+    __slots__ = ("decay", "params", "average", "updates")
+
+    def __init__(self, module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"--ema-decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.params = list(module.parameters())
+        self.average = [p.detach().clone() for p in self.params]
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        weight = 1.0 - min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for a, p in zip(self.average, self.params):
+            a.lerp_(p, weight)
+
+    @contextlib.contextmanager
+    def evaluated(self):
+        """The module's parameters are the average inside the block, and the trained ones again after it."""
+        with torch.no_grad():
+            trained = [p.detach().clone() for p in self.params]
+            for p, a in zip(self.params, self.average):
+                p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, t in zip(self.params, trained):
+                    p.copy_(t)
+
+
 def params_checksum(module) -> int:
     code = 0
     for p in module.parameters():
@@ -179,6 +221,7 @@ def worker(argv=None) -> None:
     p.add_argument("--powersgd-start", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-threads", type=int, default=1)
+    p.add_argument("--ema-decay", type=float, default=0.0)
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
@@ -204,6 +247,7 @@ def worker(argv=None) -> None:
     kind, kw = hook_spec(args.hook)
     state = ddp_hooks.install(model, kind, powersgd_start=args.powersgd_start, seed=args.seed, **kw)
     opt = study.optimizer(module)
+    average = ParameterAverage(module, args.ema_decay) if args.ema_decay else None
     torch.manual_seed(args.seed * 1000 + 1 + rank)        # dropout: one stream per rank, the same for every hook
     g = torch.Generator().manual_seed(args.seed * 1000 + 500 + rank)   # augmentation, likewise
     stream = batches(len(xtr), rank, size, args.batch_size, args.seed)
@@ -212,17 +256,23 @@ def worker(argv=None) -> None:
     wall = 0.0
 
     def record(step):
-        acc = None
+        acc = acc_ema = None
         if rank == 0:
             torch.set_num_threads(args.eval_threads)     # the other ranks sit at the barrier meanwhile
             acc = study.accuracy(module, xte, yte)
+            if average is not None:
+                with average.evaluated():
+                    acc_ema = study.accuracy(module, xte, yte)
             torch.set_num_threads(args.threads)
         loss = sum(losses) / len(losses) if losses else None
         losses.clear()
         curve.append({"step": step, "wall_s": wall, "test_acc": acc, "loss": loss})
+        if average is not None:
+            curve[-1]["test_acc_ema"] = acc_ema
         if rank == 0:
             print(f"[{args.study} {args.hook} seed {args.seed}] step {step}/{args.steps}  {wall:.1f}s  "
-                  f"acc {100 * acc:.2f}%" + (f"  loss {loss:.4f}" if loss is not None else ""), flush=True)
+                  f"acc {100 * acc:.2f}%" + (f" (average {100 * acc_ema:.2f}%)" if average is not None else "")
+                  + (f"  loss {loss:.4f}" if loss is not None else ""), flush=True)
         dist.barrier()                                    # the other ranks wait with their clocks stopped
 
     record(0)
@@ -239,6 +289,10 @@ def worker(argv=None) -> None:
         opt.step()
         losses.append(loss.item())
         step_s.append(time.perf_counter() - ts)
+        if average is not None:                           # evaluation's bookkeeping: off the training clock
+            ta = time.perf_counter()
+            average.update()
+            t0 += time.perf_counter() - ta
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             wall += time.perf_counter() - t0
             record(step + 1)
@@ -284,7 +338,7 @@ def worker_args(args, hook: str, seed: int, out: str) -> list:
     return ["--study", args.study, "--hook", hook, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
             "--seed", str(seed), "--batch-size", str(args.batch_size), "--test-limit", str(args.test_limit),
             "--powersgd-start", str(args.powersgd_start), "--threads", str(args.threads),
-            "--eval-threads", str(args.eval_threads), "--json", out] + \
+            "--eval-threads", str(args.eval_threads), "--ema-decay", str(args.ema_decay), "--json", out] + \
         (["--lr", str(args.lr)] if args.lr is not None else [])
 
 
@@ -353,28 +407,30 @@ def interpolate(curve: list, key: str, at: float, value: str = "test_acc") -> fl
     return pts[-1][1]
 
 
-def tail_mean(curve: list, k: int = 3) -> float:
+def tail_mean(curve: list, k: int = 3, value: str = "test_acc") -> float:
     """Mean test accuracy of the last k records (one evaluation moves by a few tenths of a point)."""
     tail = curve[-k:]
-    return sum(c["test_acc"] for c in tail) / len(tail)
+    return sum(c[value] for c in tail) / len(tail)
 
 
-def compare(runs: list) -> dict:
+def compare(runs: list, value: str = "test_acc") -> dict:
     """The comparisons of one seed's runs: final accuracy and gaps to fp32 at equal steps, and accuracy at the
-    equal wall-clock budget (the fastest run's training wall-clock) and at its quarter and half."""
+    equal wall-clock budget (the fastest run's training wall-clock) and at its quarter and half.  ``value`` is
+    the accuracy compared: of the raw parameters (test_acc) or of their moving average (test_acc_ema)."""
     by = {r["hook"]: r for r in runs}
     base = by.get(BASELINE)
     budget = min(r["wall_s"] for r in runs)
     fractions = (0.25, 0.5, 1.0)
     out = {"budget_s": budget, "fastest": min(runs, key=lambda r: r["wall_s"])["hook"], "hooks": {}}
     for r in runs:
-        row = {"final_acc": r["final_acc"], "tail_acc": tail_mean(r["curve"]), "wall_s": r["wall_s"],
-               "ms_per_step": r["ms_per_step"], "bits_per_param": r["bits_per_param"],
-               "acc_at_budget": {f"{f:g}": interpolate(r["curve"], "wall_s", f * budget) for f in fractions},
+        row = {"final_acc": r["curve"][-1][value], "tail_acc": tail_mean(r["curve"], value=value),
+               "wall_s": r["wall_s"], "ms_per_step": r["ms_per_step"], "bits_per_param": r["bits_per_param"],
+               "acc_at_budget": {f"{f:g}": interpolate(r["curve"], "wall_s", f * budget, value)
+                                 for f in fractions},
                "steps_at_budget": interpolate(r["curve"], "wall_s", budget, value="step")}
         if base is not None:
-            row["gap"] = 100 * (r["final_acc"] - base["final_acc"])
-            row["tail_gap"] = 100 * (row["tail_acc"] - tail_mean(base["curve"]))
+            row["gap"] = 100 * (row["final_acc"] - base["curve"][-1][value])
+            row["tail_gap"] = 100 * (row["tail_acc"] - tail_mean(base["curve"], value=value))
         out["hooks"][r["hook"]] = row
     if base is not None:
         b = out["hooks"][BASELINE]["acc_at_budget"]
@@ -409,11 +465,14 @@ def pct(x) -> str:
 def write_outputs(args, runs: list, command: str) -> dict:
     hooks = [h for h in args.hooks.split(",") if any(r["hook"] == h for r in runs)]
     seeds = sorted({r["seed"] for r in runs})
-    comparisons = {}
-    for s in seeds:
-        rs = [r for r in runs if r["seed"] == s]
-        comparisons[str(s)] = compare(sorted(rs, key=lambda r: hooks.index(r["hook"])))
+    def comparisons_of(value):
+        return {str(s): compare(sorted((r for r in runs if r["seed"] == s), key=lambda r: hooks.index(r["hook"])),
+                                value) for s in seeds}
+    comparisons = comparisons_of("test_acc")
     summary = {"comparisons": comparisons, "goal": goal(comparisons)}
+    if all("test_acc_ema" in r["curve"][0] for r in runs):       # the moving average was evaluated too
+        averaged = comparisons_of("test_acc_ema")
+        summary.update(comparisons_ema=averaged, goal_ema=goal(averaged))
     stem = os.path.join(args.out, f"study_{args.study}")
     doc = {"study": args.study, "command": command, "settings": settings(args), "dataset": Study(args.study).dataset,
            "runs": runs, **summary}
@@ -471,32 +530,41 @@ def write_md(args, doc: dict, hooks: list, seeds: list) -> list:
                          f"{pct(a['1'])} | {row.get('gap_at_budget', 0):+.2f} |")
         lines.append("")
     if len(seeds) > 1:
-        lines += over_seeds(doc, hooks, seeds)
-    if doc["goal"]:
-        lines += ["## Goal: TernGrad's gap to fp32 no worse than PowerSGD rank 4's", "",
-                  "| comparison | TernGrad gap | PowerSGD r4 gap | met (mean over seeds) | met per seed |",
-                  "|---|---|---|---|---|"]
-        for what, g in doc["goal"].items():
-            lines.append(f"| {what} | {g['terngrad_gap']:+.2f} | {g['powersgd4_gap']:+.2f} | "
-                         f"{'yes' if g['met'] else 'no'} | {', '.join('yes' if m else 'no' for m in g['met_per_seed'])} |")
-        lines.append("")
+        lines += over_seeds(doc["comparisons"], hooks, seeds, f"Over seeds {', '.join(map(str, seeds))}")
+    lines += goal_table(doc["goal"], "Goal: TernGrad's gap to fp32 no worse than PowerSGD rank 4's")
+    if "comparisons_ema" in doc:
+        lines += over_seeds(doc["comparisons_ema"], hooks, seeds,
+                            f"The moving average of the parameters (decay {args.ema_decay:g}), as the paper "
+                            "evaluates: over seeds " + ", ".join(map(str, seeds)))
+        lines += goal_table(doc["goal_ema"], "Goal, on the moving average of the parameters")
     return lines
 
 
-def over_seeds(doc: dict, hooks: list, seeds: list) -> list:
+def goal_table(goals: dict, title: str) -> list:
+    if not goals:
+        return []
+    lines = [f"## {title}", "", "| comparison | TernGrad gap | PowerSGD r4 gap | met (mean over seeds) | met per seed |",
+             "|---|---|---|---|---|"]
+    for what, g in goals.items():
+        lines.append(f"| {what} | {g['terngrad_gap']:+.2f} | {g['powersgd4_gap']:+.2f} | "
+                     f"{'yes' if g['met'] else 'no'} | {', '.join('yes' if m else 'no' for m in g['met_per_seed'])} |")
+    return lines + [""]
+
+
+def over_seeds(comparisons: dict, hooks: list, seeds: list, title: str) -> list:
     """Markdown: each hook's gaps per seed and their mean, at equal steps and at the equal wall-clock budget."""
     def cells(h, key):
-        vals = [doc["comparisons"][str(s)]["hooks"][h].get(key) for s in seeds]
+        vals = [comparisons[str(s)]["hooks"][h].get(key) for s in seeds]
         vals = [v for v in vals if v is not None]
         return ", ".join(f"{v:+.2f}" for v in vals), (f"{sum(vals) / len(vals):+.2f}" if vals else "")
 
-    lines = [f"## Over seeds {', '.join(map(str, seeds))}", "",
+    lines = [f"## {title}", "",
              "| hook | final accuracy (mean) | gap per seed | mean gap | gap (last 3) per seed | mean | "
              "gap at T per seed | mean |", "|---|---|---|---|---|---|---|---|"]
     for h in hooks:
-        if not all(h in doc["comparisons"][str(s)]["hooks"] for s in seeds):
+        if not all(h in comparisons[str(s)]["hooks"] for s in seeds):
             continue
-        acc = sum(doc["comparisons"][str(s)]["hooks"][h]["final_acc"] for s in seeds) / len(seeds)
+        acc = sum(comparisons[str(s)]["hooks"][h]["final_acc"] for s in seeds) / len(seeds)
         row = [hook_label(h), pct(acc)]
         for key in ("gap", "tail_gap", "gap_at_budget"):
             row += list(cells(h, key))
@@ -508,7 +576,8 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    averaged = all("test_acc_ema" in r["curve"][0] for r in runs)
+    fig, axes = plt.subplots(1, 4 if averaged else 3, figsize=(20 if averaged else 15, 4.4))
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r["seed"] for r in runs})
     late = []
@@ -522,10 +591,12 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
         axes[1].plot([c["wall_s"] for c in r["curve"]], acc, ls, color=color, label=label)
         axes[2].plot(steps[1:], [c["loss"] for c in r["curve"][1:]], ls, color=color, label=label)
         late += [a for s, a in zip(steps, acc) if s >= 0.3 * args.steps]
+        if averaged:
+            axes[3].plot(steps, [100 * c["test_acc_ema"] for c in r["curve"]], ls, color=color, label=label)
     for s in seeds:
         axes[1].axvline(comparisons[str(s)]["budget_s"], color="gray", lw=0.8, ls=styles[seeds.index(s) % 4])
     if late:
-        for ax in axes[:2]:
+        for ax in list(axes[:2]) + ([axes[3]] if averaged else []):
             ax.set_ylim(max(0.0, min(late) - 1.0), min(100.0, max(late) + 0.5))
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("training wall-clock (s; grey: the equal wall-clock budget)")
@@ -534,6 +605,9 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     axes[1].set_ylabel("test accuracy (%)")
     axes[2].set_ylabel("training loss (rank 0, mean since last record)")
     axes[2].set_yscale("log")
+    if averaged:
+        axes[3].set_xlabel("step")
+        axes[3].set_ylabel(f"test accuracy of the moving average (decay {args.ema_decay:g}) (%)")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7)
@@ -545,9 +619,12 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
 
 def settings(args) -> dict:
     """What must match for a run in an existing JSON to be reused by --resume."""
-    return {"study": args.study, "ranks": args.ranks, "steps": args.steps, "eval_every": args.eval_every,
-            "batch_size": args.batch_size, "lr": args.lr, "test_limit": args.test_limit,
-            "powersgd_start": args.powersgd_start, "threads": args.threads, "cluster": args.cluster}
+    out = {"study": args.study, "ranks": args.ranks, "steps": args.steps, "eval_every": args.eval_every,
+           "batch_size": args.batch_size, "lr": args.lr, "test_limit": args.test_limit,
+           "powersgd_start": args.powersgd_start, "threads": args.threads, "cluster": args.cluster}
+    if args.ema_decay:                  # only when on, so that older JSONs still resume and replot
+        out["ema_decay"] = args.ema_decay
+    return out
 
 
 def main(argv=None):
@@ -570,6 +647,8 @@ def main(argv=None):
                    help="torch threads of rank 0 while it evaluates (the others wait; training is unaffected)")
     p.add_argument("--cluster", default="", metavar="RATE",
                    help="run each rank on a host of an emulated cluster at RATE (e.g. 1gbit; needs root)")
+    p.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
+                   help="also evaluate the moving average of the parameters with decay D (0: off)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument("--out", default="docs/ddp")
     p.add_argument("--resume", action="store_true", help="keep the runs of an existing JSON with the same settings")
@@ -582,6 +661,7 @@ def main(argv=None):
             old = json.load(f)
         for key, value in old["settings"].items():
             setattr(args, key, value)
+        args.hooks = ",".join(dict.fromkeys(r["hook"] for r in old["runs"]))   # the first seed runs them in order
         return write_outputs(args, old["runs"], old["command"])
     hooks = args.hooks.split(",")
     for h in hooks:
