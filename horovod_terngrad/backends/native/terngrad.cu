@@ -97,6 +97,21 @@ __device__ __forceinline__ tg_u32 tg_code(const float *__restrict__ g, tg_i64 i,
     return keep ? (c > 0.0f ? 1u : (c < 0.0f ? 2u : 0u)) : 0u;
 }
 
+// Bucket index of every element of packed byte b: one 64-bit division per byte, then steps.  64-bit division
+// is a long instruction sequence on a GPU; it used to run per element, and per payload in the decode (not yet
+// timed on a GPU).  With bucket <= 0 (one scaler per tensor) every index is 0.
+__device__ __forceinline__ void tg_bucket_of(tg_i64 b, int per, tg_i64 bucket, tg_i64 *__restrict__ kq) {
+    if (bucket <= 0) {
+        for (int q = 0; q < per; q++) kq[q] = 0;
+        return;
+    }
+    tg_i64 i = b * per, k = i / bucket, next = (k + 1) * bucket;
+    for (int q = 0; q < per; q++, i++) {
+        if (i >= next) { k++; next += bucket; }     // i moves by one: at most one boundary per element
+        kq[q] = k;
+    }
+}
+
 // (b) fused clip + stochastic ternarize + pack. thr and scalers live in device memory (no host sync).
 TG_EXTERN __global__ void tg_ternarize_pack(const float *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
                                             const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
@@ -106,10 +121,12 @@ TG_EXTERN __global__ void tg_ternarize_pack(const float *__restrict__ g, tg_i64 
     const float thr = *thr_p;
     for (tg_i64 b = tg_tid(); b < nbytes; b += tg_stride()) {
         tg_u32 byte = 0, mul = 1;
+        tg_i64 kq[5];
+        tg_bucket_of(b, per, bucket, kq);
         for (int q = 0; q < per; q++) {
             const tg_i64 i = b * per + q;
             tg_u32 code = 0;
-            if (i < n) code = tg_code(g, i, thr, bucket > 0 ? scalers[i / bucket] : scalers[0], k0, k1);
+            if (i < n) code = tg_code(g, i, thr, scalers[kq[q]], k0, k1);
             if (fmt == 1) byte |= code << (2 * q);
             else { byte += code * mul; mul *= 3; }
         }
@@ -142,22 +159,22 @@ TG_EXTERN __global__ void tg_decode(const tg_u8 *__restrict__ gathered, const tg
     for (tg_i64 b = tg_tid(); b < nbytes; b += tg_stride()) {
         int k[5] = {0, 0, 0, 0, 0};
         float acc[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        tg_i64 kq[5];
+        tg_bucket_of(b, per, bucket, kq);    // past the end (i >= n) an index may be nb: never read below
         for (int p = 0; p < npay; p++) {
             const tg_u32 byte = gathered[packed_off[p] + b];
             for (int q = 0; q < per; q++) {
                 const int v = tg_value(byte, q, fmt);
                 if (same) k[q] += v;
-                else {
-                    const tg_i64 i = b * per + q;
-                    const float s = scalers[(tg_i64)p * nb + (bucket > 0 && i < n ? i / bucket : 0)];
-                    acc[q] = acc[q] + (float)v * s;
+                else if (b * per + q < n) {
+                    acc[q] = acc[q] + (float)v * scalers[(tg_i64)p * nb + kq[q]];
                 }
             }
         }
         for (int q = 0; q < per; q++) {
             const tg_i64 i = b * per + q;
             if (i >= n) break;
-            const float s0 = scalers[bucket > 0 ? i / bucket : 0];
+            const float s0 = scalers[kq[q]];
             out[i] = same ? ((float)k[q] * s0) / divisor : acc[q] / divisor;
         }
     }
