@@ -413,6 +413,11 @@ def tail_mean(curve: list, k: int = 3, value: str = "test_acc") -> float:
     return sum(c[value] for c in tail) / len(tail)
 
 
+def averaged(runs: list) -> bool:
+    """Whether every run also evaluated the moving average of the parameters (--ema-decay)."""
+    return all("test_acc_ema" in r["curve"][0] for r in runs)
+
+
 def compare(runs: list, value: str = "test_acc") -> dict:
     """The comparisons of one seed's runs: final accuracy and gaps to fp32 at equal steps, and accuracy at the
     equal wall-clock budget (the fastest run's training wall-clock) and at its quarter and half.  ``value`` is
@@ -470,9 +475,9 @@ def write_outputs(args, runs: list, command: str) -> dict:
                                 value) for s in seeds}
     comparisons = comparisons_of("test_acc")
     summary = {"comparisons": comparisons, "goal": goal(comparisons)}
-    if all("test_acc_ema" in r["curve"][0] for r in runs):       # the moving average was evaluated too
-        averaged = comparisons_of("test_acc_ema")
-        summary.update(comparisons_ema=averaged, goal_ema=goal(averaged))
+    if averaged(runs):
+        of_average = comparisons_of("test_acc_ema")
+        summary.update(comparisons_ema=of_average, goal_ema=goal(of_average))
     stem = os.path.join(args.out, f"study_{args.study}")
     doc = {"study": args.study, "command": command, "settings": settings(args), "dataset": Study(args.study).dataset,
            "runs": runs, **summary}
@@ -576,8 +581,8 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    averaged = all("test_acc_ema" in r["curve"][0] for r in runs)
-    fig, axes = plt.subplots(1, 4 if averaged else 3, figsize=(20 if averaged else 15, 4.4))
+    with_average = averaged(runs)
+    fig, axes = plt.subplots(1, 4 if with_average else 3, figsize=(20 if with_average else 15, 4.4))
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r["seed"] for r in runs})
     late = []
@@ -591,12 +596,12 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
         axes[1].plot([c["wall_s"] for c in r["curve"]], acc, ls, color=color, label=label)
         axes[2].plot(steps[1:], [c["loss"] for c in r["curve"][1:]], ls, color=color, label=label)
         late += [a for s, a in zip(steps, acc) if s >= 0.3 * args.steps]
-        if averaged:
+        if with_average:
             axes[3].plot(steps, [100 * c["test_acc_ema"] for c in r["curve"]], ls, color=color, label=label)
     for s in seeds:
         axes[1].axvline(comparisons[str(s)]["budget_s"], color="gray", lw=0.8, ls=styles[seeds.index(s) % 4])
     if late:
-        for ax in list(axes[:2]) + ([axes[3]] if averaged else []):
+        for ax in list(axes[:2]) + ([axes[3]] if with_average else []):
             ax.set_ylim(max(0.0, min(late) - 1.0), min(100.0, max(late) + 0.5))
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("training wall-clock (s; grey: the equal wall-clock budget)")
@@ -605,7 +610,7 @@ def plot(path: str, args, runs: list, hooks: list, comparisons: dict) -> None:
     axes[1].set_ylabel("test accuracy (%)")
     axes[2].set_ylabel("training loss (rank 0, mean since last record)")
     axes[2].set_yscale("log")
-    if averaged:
+    if with_average:
         axes[3].set_xlabel("step")
         axes[3].set_ylabel(f"test accuracy of the moving average (decay {args.ema_decay:g}) (%)")
     for ax in axes:

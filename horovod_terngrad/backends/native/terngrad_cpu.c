@@ -117,7 +117,6 @@ int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *m
     return 0;
 }
 
-/* Ternarize and pack (fmt 1 = 2bit, 2 = base3) into out (ceil(n/4) or ceil(n/5) bytes). */
 /* s[j] = the scaler of element first + j, bucket by bucket: one division per chunk, not one per element
  * (a 64-bit division per element made bucketed encode and decode several times slower than layer-wise). */
 static inline void fill_scalers(const float *scalers, int64_t bucket, int64_t first, int64_t cnt, float *s) {
@@ -130,6 +129,7 @@ static inline void fill_scalers(const float *scalers, int64_t bucket, int64_t fi
     }
 }
 
+/* Ternarize and pack (fmt 1 = 2bit, 2 = base3) into out (ceil(n/4) or ceil(n/5) bytes). */
 void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scalers, int64_t bucket,
                        uint32_t k0, uint32_t k1, int fmt, uint8_t *out, int nthreads) {
     const int per = fmt == 1 ? 4 : 5;
