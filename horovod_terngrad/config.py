@@ -9,6 +9,7 @@ from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # 
 
 NONFINITE_POLICIES = ("raise", "zero")
 EXCHANGES = ("allgather", "sharded", "auto")
+HIERARCHICAL = ("auto", True, False)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,13 @@ class TernGradConfig:
                    one handshake and one allgather (a tensor larger than this travels alone).  Fusing
                    never changes a result (each tensor keeps its scaler, stream and header); it saves
                    two collectives and their latency per small tensor.  0 disables fusion.
+    hierarchical:  node-aware exchange (exchange/hierarchical.py): full-precision reduce-scatter inside a
+                   node, TernGrad across nodes on each local rank's shard, allgather inside the node.
+                   "auto" (default): where the topology allows it (>= 2 nodes with the same number >= 2
+                   of ranks each; not under Horovod elastic) and the cost model (exchange/cost.py) finds
+                   it cheaper than the flat exchange for the group; True: wherever the topology allows
+                   it; False: never.  Where it cannot apply, the flat exchange runs and rank 0 logs why,
+                   once.
     """
 
     clip_factor: float = 2.5
@@ -66,6 +74,7 @@ class TernGradConfig:
     on_nonfinite: str = "raise"
     exchange: str = "allgather"
     fusion_numel: int = 1 << 22
+    hierarchical: object = "auto"
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -88,6 +97,8 @@ class TernGradConfig:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if not any(self.hierarchical is h or (isinstance(h, str) and self.hierarchical == h) for h in HIERARCHICAL):
+            raise ValueError(f"hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
         if self.shared_scaler not in (None, True, False):
             raise ValueError(f"shared_scaler must be True, False or None (the exchange's default), "
                              f"got {self.shared_scaler!r}")

@@ -135,7 +135,8 @@ class Exchange:
 
     def __init__(self, collectives: Collectives, config: TernGradConfig | None = None,
                  stats: ExchangeStats | None = None, inspection: Inspection | None = None,
-                 steps: dict | None = None, ordered: bool = True):
+                 steps: dict | None = None, ordered: bool = True, joins: bool | None = None,
+                 stream_rank: int | None = None):
         self.coll = collectives
         self.config = config or TernGradConfig()
         self.stats = stats if stats is not None else ExchangeStats()
@@ -145,8 +146,12 @@ class Exchange:
         self._awaiting_handshake: list[Group] = []
         self._awaiting_alltoall: list[Group] = []
         self._presence: Presence | None = None        # this step's; a finish ends the step
-        # whether a rank may sit in a join (Horovod, ThreadWorld); torch.distributed has no such state
-        self.joins = getattr(collectives, "joins", True)
+        # whether a rank may sit in a join (Horovod, ThreadWorld); torch.distributed has no such state.  The
+        # hierarchical exchange's cross-node engine passes False: it asked the whole world already.
+        self.joins = getattr(collectives, "joins", True) if joins is None else joins
+        # the rank word of the random streams' key: this group's rank, or (cross-node engine of the
+        # hierarchical exchange) the global rank, so every rank of the job draws its own streams
+        self.stream_rank = stream_rank
         self._warned_nonfinite: set = set()
         self.ordered = ordered
         self._previous: Group | None = None     # the group started last (ordered: left in flight)
@@ -175,12 +180,14 @@ class Exchange:
         saves allocating and page-faulting a new buffer per step."""
         return self.start_group([(tensor, name)], name, average, in_place)[0]
 
-    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
+    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
+                    mode: str | None = None) -> list:
         """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one exchange
         named after ``group`` (tensor fusion; every rank must form the same groups, in the same member
         order).  Results are bit-identical to starting each tensor alone.  The exchange is the config's;
-        with ``exchange="auto"`` the cost model picks one for the whole group.  Returns one ticket per
-        item, each finished with ``finish``."""
+        with ``exchange="auto"`` the cost model picks one for the whole group (``mode``: a caller that
+        decided already, the hierarchical exchange).  Returns one ticket per item, each finished with
+        ``finish``."""
         cfg = self.config
         t0 = time.perf_counter()
         tickets = []
@@ -195,11 +202,13 @@ class Exchange:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
             prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
             tk = Ticket(self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
-                        codec.stream_key(cfg.seed, step, codec.tensor_id(name), self.coll.rank), prep.scalers.numel(),
+                        codec.stream_key(cfg.seed, step, codec.tensor_id(name),
+                                         self.coll.rank if self.stream_rank is None else self.stream_rank),
+                        prep.scalers.numel(),
                         average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32)
             tk.prep = prep
             tickets.append(tk)
-        grp = Group(group, tickets, self._mode([tk.g32.numel() for tk in tickets]))
+        grp = Group(group, tickets, mode or self._mode([tk.g32.numel() for tk in tickets]))
         for tk in tickets:
             tk.group = grp
         if not tickets:
@@ -270,6 +279,17 @@ class Exchange:
         # (the first stage may have queued new alltoalls; they are advanced here too)
         self._awaiting_alltoall = self._advance(self._awaiting_alltoall, lambda g: g.a2a,
                                                 lambda g: sharded.after_alltoall(self, g), block, keep)
+
+    def settled(self, tickets: list) -> bool:
+        """Whether ``finish`` of these tickets would not wait on the network: each one failed, sends nothing,
+        or its group's payload collective has completed (for a driver that polls, see ``ordered``)."""
+        for tk in tickets:
+            grp = tk.group
+            if tk.error is not None or tk.zero or grp.gathered is not None or grp.gather_error is not None:
+                continue
+            if grp.ag is None or not self.coll.poll(grp.ag):
+                return False
+        return True
 
     def pending(self) -> tuple:
         """(groups waiting for their presence check or handshake, sharded groups waiting for their alltoall)."""

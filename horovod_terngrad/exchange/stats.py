@@ -20,6 +20,8 @@ class ExchangeStats:
     bytes_received: int = 0
     nonfinite_zeroed: int = 0
     collectives: int = 0          # handshakes, allgathers and alltoalls launched (fusion lowers it)
+    intra_node_bytes_sent: int = 0       # hierarchical exchange: fp32 bytes to the other ranks of this node
+    intra_node_bytes_received: int = 0
     handshake_wait_s: float = 0.0
     gather_wait_s: float = 0.0
     codec_s: float = 0.0

@@ -1,0 +1,362 @@
+"""The hierarchical transport: full precision inside a node, TernGrad across nodes.
+
+For M nodes of G ranks each (topology.py says which ranks share a node), one fused group of members
+n_1..n_k is averaged in three stages, every local rank using the network at once:
+
+1. **Intra-node reduce-scatter**, by one fp32 alltoall on the node's ranks (``terngrad.h.a2a.<group>``): the
+   members laid end to end are cut into G near-equal shards (``topology.shard_plan``), local rank j
+   receives shard j from every local rank and adds them in local-rank order (then / G when averaging:
+   the node mean).  An alltoall rather than a library reduce-scatter, so the order of the additions is
+   ours, identical on every node and checkable bit for bit.
+2. **TernGrad across nodes** on that shard, among local rank j of every node (the cross group), by the
+   ordinary engine (engine.py) on the cross group's collectives: each piece of a member inside the shard
+   is a tensor of its own (``topology.piece_name``: its own layer-wise scaler, its own random stream and
+   step counter, keyed by the global rank), with the configured exchange (allgather or sharded, per-rank
+   or shared scaler; ``"auto"`` decides on the cross group's size and a G-th of the node's link).
+3. **Intra-node allgather** of every local rank's averaged shard in fp32 (``terngrad.h.ag.<group>``),
+   followed by one status word per piece (ok, NaN/Inf, ranks disagree), so every local rank learns what
+   its peers' cross exchanges found: every rank of the job raises (or zeroes) the same members.
+
+Result: unbiased, E[out] = mean_r clip(g_r) up to clipping, which now applies to the node means.  Each
+element is ternarized once per node (of the node mean) instead of once per rank: the ternary variance
+s·|x| - x² is paid M times, not N times, but on an average over G ranks whose scaler s is no smaller,
+so with decoding by 1/M² instead of 1/N² the variance of the average grows by up to about G
+(docs/cluster.md measures it).  Bytes crossing a node's link per step: G·(M-1)·P(n/G) for the allgather
+exchange, against G·(N-1)·P(n/N·...) flat, i.e. about (M-1)/(N-1) of the flat exchange's.
+
+Joins (Horovod's ``hvd.join()``): the first group of a step asks the whole world, as the per-rank
+engine does, whether every rank takes part (4-byte allreduce-sum); in a step where one does not, the
+groups go by the flat engine (its join transport), because Horovod refuses alltoall and allgather then.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
+from . import cost, topology
+from .collectives import CollectiveError, Collectives
+from .engine import Exchange, Ticket, check_gradient
+
+log = logging.getLogger("horovod_terngrad")
+
+STATUS_OK, STATUS_NONFINITE, STATUS_MISMATCH, STATUS_FAILED = 0.0, 1.0, 2.0, 3.0
+
+
+class HierarchicalTicket(Ticket):
+    """One member of a hierarchical group (``engine`` is the hierarchical exchange)."""
+
+    __slots__ = ("hgroup", "index")
+
+
+class HierarchicalGroup:
+    """One fused group on its way through the three stages."""
+
+    __slots__ = ("name", "members", "plan", "average", "a2a", "pieces", "node_mean", "ag", "gathered",
+                 "error", "unfinished", "cross_started", "local_mismatch")
+
+    def __init__(self, name, members, plan, average):
+        self.name, self.members, self.plan, self.average = name, members, plan, average
+        self.a2a = self.ag = self.gathered = self.error = self.node_mean = None
+        self.pieces: list = []          # this rank's cross tickets, in plan order
+        self.unfinished = len(members)
+        self.cross_started = False
+        self.local_mismatch = False     # this node's ranks disagreed on the group's size
+
+
+class HierarchicalExchange:
+    """The engine's interface (start/start_group/finish/progress/pending/reset/compression_pays) over a
+    node-aware plan.  ``flat`` is the ordinary engine on the whole world (it measures the link, and takes
+    the groups of steps with a joined rank, and those ``hierarchical="auto"`` finds cheaper flat);
+    ``local`` and ``cross`` are the collectives of this rank's node and of its cross group."""
+
+    def __init__(self, flat: Exchange, local: Collectives, cross: Collectives, topo: topology.Topology):
+        self.flat = flat
+        self.config = flat.config
+        self.coll = flat.coll
+        self.local, self.cross, self.topology = local, cross, topo
+        self.G, self.M = topo.ranks_per_node, topo.num_nodes
+        if local.size != self.G or cross.size != self.M:
+            raise TernGradError(f"TernGrad: hierarchical exchange: local group of {local.size} and cross group "
+                                f"of {cross.size} ranks do not fit {topo.describe()}")
+        # the cross engine asks no presence of its own (this engine asked the world) and keys the random
+        # streams by the global rank; it decides NaN/Inf per piece, this engine applies the policy per member
+        self.cross_engine = Exchange(cross, self.config.replace(on_nonfinite="raise"), flat.stats, flat.inspection,
+                                     flat.steps, ordered=flat.ordered, joins=False, stream_rank=flat.coll.rank)
+        self.stats, self.inspection, self.steps = flat.stats, flat.inspection, flat.steps
+        self.ordered = flat.ordered
+        self.joins = flat.joins
+        self._a2a_queue: list = []        # groups whose intra-node alltoall is out
+        self._cross_queue: list = []      # groups in their cross-node exchange
+        self._previous = None
+        self._presence = None             # this step's: (handle, all_present or None)
+
+    # -- what the frontends call ------------------------------------------------------------------
+    @property
+    def link(self):
+        return self.flat.link
+
+    def compression_pays(self, device: torch.device) -> bool:
+        return self.flat.compression_pays(device)
+
+    def start(self, tensor, name, average=True, in_place=False):
+        return self.start_group([(tensor, name)], name, average, in_place)[0]
+
+    def allreduce(self, tensor, name, average=True):
+        return self.finish(self.start(tensor, name, average))
+
+    def uses_hierarchy(self, numels: list) -> bool:
+        """Whether a group of these sizes goes through the node-aware plan (``hierarchical``: True, or
+        "auto" and the cost model finds it cheaper than the flat exchange)."""
+        if self.config.hierarchical is True:
+            return True
+        net = cost.configured_network()
+        return cost.hierarchy_for(numels, self.M, self.G, self.config.packing, self.config.bucket_size,
+                                  network=replace(net, ranks_per_node=self.G),
+                                  shared_scaler=self.config.scaler_shared_for("allgather"))
+
+    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
+        if not items:
+            return []
+        for tensor, name in items:
+            check_gradient(tensor, name)
+        numels = [t.numel() for t, _ in items]
+        if not self.uses_hierarchy(numels) or not self._all_present(items[0][0].device, group):
+            tickets = self.flat.start_group(items, group, average, in_place)
+            for tk in tickets:      # finished through this engine, so that it sees the step end
+                tk.engine = self
+            return tickets
+        t0 = time.perf_counter()
+        device = items[0][0].device
+        tickets = []
+        for tensor, name in items:
+            g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+            if g32.device != device:
+                raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
+            tk = HierarchicalTicket(self, name, tensor.shape, tensor.dtype, g32, None, None, 0, average,
+                                    in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32)
+            tk.index = len(tickets)
+            tickets.append(tk)
+        plan = topology.shard_plan(numels, self.G)
+        grp = HierarchicalGroup(group, tickets, plan, average)
+        for tk in tickets:
+            tk.hgroup = grp
+        buf = tickets[0].g32 if len(tickets) == 1 else torch.cat([tk.g32 for tk in tickets])
+        splits = [hi - lo for lo, hi in topology.shard_bounds(sum(numels), self.G)]
+        own = splits[self.local.rank]
+        name = f"terngrad.h.a2a.{group}"
+        if getattr(self.local, "takes_sizes", False):   # every local rank sends this rank its shard: same size
+            grp.a2a = self.local.alltoall_async(buf, splits, name, received=[own] * self.G)
+        else:
+            grp.a2a = self.local.alltoall_async(buf, splits, name)
+        self.stats.collectives += 1
+        self.stats.intra_node_bytes_sent += 4 * (buf.numel() - own)
+        self.stats.codec_s += time.perf_counter() - t0
+        if self.ordered:      # one group of slack, as the flat engine: earlier groups go on across nodes
+            self._advance_a2a(block=True, keep=self._previous)
+        self._a2a_queue.append(grp)
+        self._previous = grp
+        return tickets
+
+    def finish(self, tk: Ticket) -> torch.Tensor:
+        if not isinstance(tk, HierarchicalTicket):
+            self._presence = None
+            return self.flat.finish(tk)
+        self._presence = None          # the next group starts another step
+        grp = tk.hgroup
+        try:
+            self.progress(block=True)
+            if grp.ag is None and grp.error is None:
+                self._finish_cross(grp)
+            out = self._member_result(tk)
+        finally:
+            grp.unfinished -= 1
+            if grp.unfinished == 0:
+                grp.members, grp.gathered, grp.node_mean, grp.pieces = [], None, None, []
+        self.inspection.record_average(tk.name, out)
+        return out.view(tk.shape).to(tk.dtype)
+
+    def progress(self, block: bool, keep=None) -> None:
+        """Move groups on: intra-node alltoalls that are back into their cross-node exchange, the cross
+        engine's own stages, and (``block=False``, a driver that plays every rank from one thread) groups
+        whose cross exchange is complete into their intra-node allgather."""
+        self._advance_a2a(block, keep)
+        self.cross_engine.progress(block=block)
+        if not block:
+            self.flat.progress(block=False)
+            waiting = []
+            for grp in self._cross_queue:
+                if grp.ag is None and grp.error is None and self.cross_engine.settled(grp.pieces):
+                    self._finish_cross(grp)
+                else:
+                    waiting.append(grp)
+            self._cross_queue = waiting
+
+    def pending(self) -> tuple:
+        a, b = self.cross_engine.pending()
+        f1, f2 = self.flat.pending()
+        return (len(self._a2a_queue) + a + f1, b + f2 + sum(g.ag is None for g in self._cross_queue))
+
+    def reset(self) -> None:
+        self.flat.reset()
+        self.cross_engine.reset()
+        self._a2a_queue, self._cross_queue = [], []
+        self._previous = self._presence = None
+
+    # -- stages -----------------------------------------------------------------------------------
+    def _all_present(self, device, group: str) -> bool:
+        """Whether every rank takes part in this step (asked once per step, at its first group)."""
+        if not self.joins:
+            return True
+        if self._presence is None:
+            handle = self.coll.allreduce_sum_async(torch.ones(1, dtype=torch.int32, device=device),
+                                                   f"terngrad.presence.{group}")
+            self.stats.collectives += 1
+            self.stats.handshake_bytes_sent += 4
+            try:
+                active = int(self.coll.synchronize(handle)[0])
+            except CollectiveError as e:
+                raise e.detailed(f"TernGrad: the presence check before group '{group}' failed")
+            self._presence = active == self.coll.size
+        return self._presence
+
+    def _advance_a2a(self, block: bool, keep=None) -> None:
+        waiting = []
+        for grp in self._a2a_queue:
+            if grp is not keep and (block or self.local.poll(grp.a2a)):
+                self._start_cross(grp)
+                self._cross_queue.append(grp)
+            else:
+                waiting.append(grp)
+        self._a2a_queue = waiting
+
+    def _start_cross(self, grp: HierarchicalGroup) -> None:
+        """Node sum of this rank's shard (local-rank order), then its pieces' exchange across nodes."""
+        j = self.local.rank
+        pieces = grp.plan[j]
+        shard = sum(p.numel for p in pieces)
+        t0 = time.perf_counter()
+        try:
+            received = self.local.synchronize(grp.a2a)
+        except CollectiveError as e:
+            grp.error = e.detailed(f"TernGrad: the intra-node exchange of group '{grp.name}' failed")
+            return
+        finally:
+            self.stats.gather_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.stats.intra_node_bytes_received += 4 * (received.numel() - shard)
+        if received.numel() != self.G * shard:
+            # Ranks of this node disagree on the group's size.  The cross exchange still runs (its peers on
+            # other nodes wait for it), on NaN values, so that every node hears of it; every rank of this
+            # node reports the mismatch through the statuses of the intra-node allgather.
+            grp.local_mismatch = True
+            node = torch.full((shard,), float("nan"), dtype=torch.float32, device=received.device)
+        else:
+            parts = received.view(self.G, shard)
+            node = parts[0].clone()
+            for r in range(1, self.G):   # in local-rank order: the same bits on every node and in the reference
+                node += parts[r]
+            if grp.average:
+                node /= self.G
+        grp.node_mean = node
+        items, at = [], 0
+        for p in pieces:
+            member = grp.members[p.member]
+            items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.g32.numel())))
+            at += p.numel
+        mode = None
+        if self.config.exchange == "auto":
+            net = cost.configured_network()
+            shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link
+            mode = cost.exchange_for([p.numel for p in pieces], self.M, self.config.packing, self.config.bucket_size,
+                                     network=shared, shared_scaler=self.config.scaler_shared_for("allgather"))
+        self.stats.codec_s += time.perf_counter() - t0
+        grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.x{j}", grp.average, in_place=True,
+                                                   mode=mode) if items else []
+        grp.cross_started = True
+
+    def _finish_cross(self, grp: HierarchicalGroup) -> None:
+        """This rank's averaged shard (and a status per piece) to every rank of the node."""
+        j = self.local.rank
+        pieces = grp.plan[j]
+        status = torch.zeros(len(pieces), dtype=torch.float32)
+        shard = grp.node_mean
+        if grp.error is not None or not grp.cross_started:
+            status.fill_(STATUS_FAILED)
+            shard = torch.zeros(sum(p.numel for p in pieces), dtype=torch.float32,
+                                device=grp.members[0].g32.device)
+        else:
+            for i, ptk in enumerate(grp.pieces):
+                try:
+                    out = self.cross_engine.finish(ptk)
+                    if out.data_ptr() != ptk.g32.data_ptr():
+                        ptk.g32.copy_(out.reshape(-1))
+                except NonFiniteGradientError:
+                    status[i] = STATUS_NONFINITE
+                except RankMismatchError:
+                    status[i] = STATUS_MISMATCH
+                except CollectiveError as e:
+                    status[i] = STATUS_FAILED
+                    grp.error = grp.error or e
+            if grp.local_mismatch:
+                status.fill_(STATUS_MISMATCH)
+        data = torch.cat([shard, status.to(shard.device)])
+        sizes = [sum(p.numel for p in grp.plan[r]) + len(grp.plan[r]) for r in range(self.G)]
+        name = f"terngrad.h.ag.{grp.name}"
+        if getattr(self.local, "takes_sizes", False):
+            grp.ag = self.local.allgather_async(data, name, sizes=sizes)
+        else:
+            grp.ag = self.local.allgather_async(data, name)
+        self.stats.collectives += 1
+        self.stats.intra_node_bytes_sent += 4 * data.numel()
+
+    def _member_result(self, tk: HierarchicalTicket) -> torch.Tensor:
+        grp = tk.hgroup
+        if grp.gathered is None:
+            t0 = time.perf_counter()
+            try:
+                grp.gathered = self.local.synchronize(grp.ag)
+            except CollectiveError as e:
+                raise e.detailed(f"TernGrad: the intra-node exchange of gradient '{tk.name}' (group "
+                                 f"'{grp.name}') failed") from None
+            finally:
+                self.stats.gather_wait_s += time.perf_counter() - t0
+            self.stats.intra_node_bytes_received += grp.gathered.numel() * 4
+        if grp.error is not None and isinstance(grp.error, CollectiveError):
+            raise grp.error.detailed(f"TernGrad: exchange of gradient '{tk.name}' failed")
+        # walk the G blocks: [shard values | one status per piece], local-rank order
+        out = tk.g32 if tk.in_place else torch.empty_like(tk.g32)
+        bad, at = set(), 0
+        for r in range(self.G):
+            pieces = grp.plan[r]
+            shard = sum(p.numel for p in pieces)
+            values = grp.gathered[at:at + shard]
+            status = grp.gathered[at + shard:at + shard + len(pieces)]
+            at += shard + len(pieces)
+            off = 0
+            for i, p in enumerate(pieces):
+                if p.member == tk.index:
+                    code = float(status[i])
+                    if code != STATUS_OK:
+                        bad.add(code)
+                    out[p.start:p.stop] = values[off:off + p.numel]
+                off += p.numel
+        if at != grp.gathered.numel():
+            raise RankMismatchError(f"TernGrad: ranks of this node disagree on group '{grp.name}': gathered "
+                                    f"{grp.gathered.numel()} values, expected {at}")
+        if STATUS_FAILED in bad:
+            raise TernGradError(f"TernGrad: the exchange of gradient '{tk.name}' failed on a rank of this node")
+        if STATUS_MISMATCH in bad:
+            raise RankMismatchError(f"TernGrad: ranks disagree on gradient '{tk.name}' (shape {tuple(tk.shape)} "
+                                    f"on rank {self.coll.rank}): the nodes' shards differ")
+        if STATUS_NONFINITE in bad:
+            msg = (f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) holds NaN/Inf on some rank (seen in "
+                   f"the node sums of the hierarchical exchange, which cannot tell the rank)")
+            self.flat.nonfinite(tk, msg)
+            if tk.error is not None:
+                raise tk.error
+            out.zero_()
+        return out

@@ -1,0 +1,258 @@
+"""Layer 3: the node-aware exchange (exchange/hierarchical.py, exchange/topology.py) on thread-ranks with
+subgroups, against an independent recomputation of the hierarchical average."""
+import threading
+
+import pytest
+import torch
+
+from helpers import expected_average
+from horovod_terngrad import NonFiniteGradientError, TernGradConfig
+from horovod_terngrad.exchange import Exchange, ThreadWorld
+from horovod_terngrad.exchange.collectives import CollectiveError
+from horovod_terngrad.exchange.hierarchical import HierarchicalExchange, HierarchicalTicket
+from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
+from horovod_terngrad.exchange.topology import Piece, Topology, piece_name, shard_bounds, shard_plan
+
+
+def grad(shape, rank, tensor=0):
+    gen = torch.Generator().manual_seed(1000 * tensor + rank)
+    return torch.randn(shape, generator=gen) * (rank + 1)
+
+
+def run_hier(topo: Topology, fn, timeout=120.0):
+    """``fn(engine, global_collectives)`` on every rank of ``topo`` (threads); results by global rank."""
+    world = ThreadWorld(topo.size)
+    sub = hierarchical_collectives(topo)
+    results, errors = [None] * topo.size, [None] * topo.size
+
+    def body(c):
+        try:
+            results[c.rank] = fn(c, *sub[c.rank])
+        except BaseException as e:  # noqa: BLE001 - collected below
+            errors[c.rank] = e
+
+    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a thread-rank hung"
+    return results, errors
+
+
+def engine(cfg, c, local, cross, topo, steps=None):
+    return HierarchicalExchange(Exchange(c, cfg, steps=steps), local, cross, topo)
+
+
+def reference(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True):
+    """The hierarchical average written out again: node sums in local-rank order (/ G), each local rank's
+    pieces ternarized across nodes as the flat exchange does (helpers.expected_average, streams of the
+    global rank), the shards put back together.  ``steps``: the step of each piece name (updated)."""
+    G = topo.ranks_per_node
+    numels = [t.numel() for t in per_rank[0]]
+    plan = shard_plan(numels, G)
+    flat = {r: torch.cat([t.reshape(-1).float() for t in per_rank[r]]) for r in range(topo.size)}
+    bounds = shard_bounds(sum(numels), G)
+    outs = [torch.empty(n) for n in numels]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    for j, pieces in enumerate(plan):
+        lo, hi = bounds[j]
+        node_vals = []
+        for node in topo.nodes:
+            acc = flat[node[0]][lo:hi].clone()
+            for r in node[1:]:
+                acc = acc + flat[r][lo:hi]
+            node_vals.append(acc / G if average else acc)
+        for p in pieces:
+            a = starts[p.member] + p.start - lo
+            pname = piece_name(names[p.member], p, numels[p.member])
+            step = steps.get(pname, 0)
+            steps[pname] = step + 1
+            want, _ = expected_average([v[a:a + p.numel] for v in node_vals], pname, step, cfg, average=average,
+                                       ranks=[node[j] for node in topo.nodes])
+            outs[p.member][p.start:p.stop] = want
+    return [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
+
+
+# -- topology and plan --------------------------------------------------------------------------
+def test_topology_from_hosts_handles_interleaved_placement_and_says_when_it_cannot_apply():
+    topo = Topology.from_hosts(["a", "b", "a", "b", "a", "b"])
+    assert topo.nodes == ((0, 2, 4), (1, 3, 5))
+    assert topo.local_groups() == [(0, 2, 4), (1, 3, 5)] and topo.cross_groups() == [(0, 1), (2, 3), (4, 5)]
+    assert topo.local_rank(4) == 2 and topo.node_of(5) == 1 and topo.cross_ranks_of(3) == (2, 3)
+    assert topo.flat_reason() is None and "interleaved" in topo.describe()
+    assert "one node" in Topology.from_hosts(["a"] * 4).flat_reason()
+    assert "one rank" in Topology.from_hosts(["a", "b", "c"]).flat_reason()
+    assert "different rank counts" in Topology.from_hosts(["a", "a", "b", "b", "b"]).flat_reason()
+    assert Topology.contiguous(8, 4).nodes == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+@pytest.mark.parametrize("numels,G", [([10], 3), ([5, 7, 1], 4), ([2], 4), ([100, 3, 50], 2)])
+def test_shard_plan_covers_every_element_once_in_order(numels, G):
+    plan = shard_plan(numels, G)
+    assert len(plan) == G
+    seen = [[] for _ in numels]
+    for j, pieces in enumerate(plan):
+        assert sum(p.numel for p in pieces) == shard_bounds(sum(numels), G)[j][1] - shard_bounds(sum(numels), G)[j][0]
+        for p in pieces:
+            seen[p.member].append((p.start, p.stop))
+    for n, spans in zip(numels, seen):
+        assert sorted(spans) == spans and spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert piece_name("w", Piece(0, 0, 5), 5) == "w" and piece_name("w", Piece(0, 2, 5), 5) == "w[2:5]"
+
+
+# -- bit for bit against the reference ----------------------------------------------------------
+TOPOS = {"2x2": Topology.contiguous(4, 2), "2x3": Topology.contiguous(6, 3), "4x2": Topology.contiguous(8, 2),
+         "2x2-interleaved": Topology.from_hosts(["h0", "h1", "h0", "h1"])}
+CONFIGS = {"default": TernGradConfig(hierarchical=True),
+           "shared": TernGradConfig(hierarchical=True, shared_scaler=True),
+           "sharded": TernGradConfig(hierarchical=True, exchange="sharded", packing="base3"),
+           "buckets": TernGradConfig(hierarchical=True, bucket_size=7, seed=3)}
+SHAPES = [(20, 50), (37,), (7, 3, 3), (1,), (1001,)]
+
+
+@pytest.mark.parametrize("topo", list(TOPOS), ids=list(TOPOS))
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "alone"])
+def test_every_rank_gets_the_recomputed_hierarchical_average_bit_for_bit(topo, cfg, fused):
+    topo, cfg = TOPOS[topo], CONFIGS[cfg]
+    names = [f"layer{i}" for i in range(len(SHAPES))]
+
+    def body(c, local, cross):
+        ex = engine(cfg, c, local, cross, topo)
+        outs = []
+        for step in range(2):
+            gs = [grad(s, c.rank, i + 10 * step) for i, s in enumerate(SHAPES)]
+            if fused:
+                tickets = ex.start_group(list(zip(gs, names)), "g0")
+            else:
+                tickets = [ex.start(g, n) for g, n in zip(gs, names)]
+            assert all(isinstance(t, HierarchicalTicket) for t in tickets)
+            outs.append([ex.finish(t) for t in tickets])
+        return outs, dict(ex.steps)
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    ref_steps: dict = {}
+    for step in range(2):
+        per_rank = [[grad(s, r, i + 10 * step) for i, s in enumerate(SHAPES)] for r in range(topo.size)]
+        if fused:
+            want = reference(per_rank, names, topo, cfg, ref_steps)
+        else:
+            want = [reference([[per_rank[r][i]] for r in range(topo.size)], [names[i]], topo, cfg, ref_steps)[0]
+                    for i in range(len(SHAPES))]
+        for r in range(topo.size):
+            for i in range(len(SHAPES)):
+                assert torch.equal(res[r][0][step][i], want[i]), (step, i, r)
+    # the step counters a checkpoint saves are the pieces' (every rank keeps those of the pieces it sent)
+    for r in range(topo.size):
+        assert all(ref_steps[k] == v for k, v in res[r][1].items())
+
+
+def test_sum_and_low_precision_dtype():
+    topo, cfg = TOPOS["2x2"], CONFIGS["default"]
+
+    def body(c, local, cross):
+        ex = engine(cfg, c, local, cross, topo)
+        out = ex.finish(ex.start(grad((300,), c.rank).to(torch.bfloat16), "w", average=False))
+        return out
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * 4
+    want = reference([[grad((300,), r).to(torch.bfloat16)] for r in range(4)], ["w"], topo, cfg, {}, average=False)[0]
+    for out in res:
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16))
+
+
+def test_resume_draws_the_streams_of_an_uninterrupted_run():
+    topo, cfg = TOPOS["2x3"], CONFIGS["default"]
+
+    def run(steps_in, n_steps, first):
+        def body(c, local, cross):
+            steps = dict(steps_in[c.rank]) if steps_in else {}
+            ex = engine(cfg, c, local, cross, topo, steps=steps)
+            outs = [ex.finish(ex.start(grad((500,), c.rank, first + k), "w")) for k in range(n_steps)]
+            return outs, dict(ex.steps)
+        res, errs = run_hier(topo, body)
+        assert errs == [None] * topo.size
+        return res
+
+    whole = run(None, 3, 0)
+    part = run(None, 1, 0)
+    resumed = run([r[1] for r in part], 2, 1)
+    for r in range(topo.size):
+        assert torch.equal(whole[r][0][1], resumed[r][0][0]) and torch.equal(whole[r][0][2], resumed[r][0][1])
+
+
+@pytest.mark.parametrize("policy", ["raise", "zero"])
+def test_nan_on_one_rank_of_one_node_reaches_every_rank(policy):
+    topo = TOPOS["2x2"]
+    cfg = TernGradConfig(hierarchical=True, on_nonfinite=policy)
+
+    def body(c, local, cross):
+        ex = engine(cfg, c, local, cross, topo)
+        g = grad((40,), c.rank)
+        if c.rank == 3:
+            g[37] = float("nan")     # in the second half: shard 1, owned by local rank 1
+        tks = ex.start_group([(g, "w"), (grad((9,), c.rank, 1), "b")], "g")
+        outs = []
+        for t in tks:
+            try:
+                outs.append(ex.finish(t))
+            except NonFiniteGradientError as e:
+                outs.append(e)
+        # the next step works
+        after = ex.finish(ex.start(grad((40,), c.rank, 2), "w"))
+        return outs, after
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * 4
+    for outs, after in res:
+        if policy == "raise":
+            assert isinstance(outs[0], NonFiniteGradientError) and "'w'" in str(outs[0])
+        else:
+            assert torch.equal(outs[0], torch.zeros(40))
+        assert isinstance(outs[1], torch.Tensor) and torch.isfinite(outs[1]).all()
+        assert torch.isfinite(after).all()
+    assert all(torch.equal(res[0][1], r[1]) for r in res)
+
+
+def test_a_joined_rank_sends_the_step_by_the_flat_engine_with_zeros_for_it():
+    topo, cfg = TOPOS["2x2"], CONFIGS["default"]
+
+    def body(c, local, cross):
+        ex = engine(cfg, c, local, cross, topo)
+        first = ex.finish(ex.start(grad((64,), c.rank), "w"))
+        if c.rank == 2:
+            c.join()
+            return first, None
+        out = ex.finish(ex.start(grad((64,), c.rank, 1), "w"))
+        c.join()
+        return first, out
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * 4, errs
+    # the joined step: the flat join transport, rank 2 as zeros, the max of the active ranks' scalers
+    grads = [grad((64,), r, 1) for r in (0, 1, 3)]
+    # ('w' is 64 elements on 2 local ranks: the hierarchical step sent pieces 'w[0:32]' and 'w[32:64]', so
+    # this is the first step of the stream of 'w' itself)
+    want, _ = expected_average(grads, "w", 0, cfg.replace(shared_scaler=True), ranks=[0, 1, 3], world=4)
+    for r in (0, 1, 3):
+        assert torch.equal(res[r][1], want), r
+
+
+def test_a_failed_collective_raises_the_collectives_error_on_every_rank_and_nobody_hangs():
+    topo, cfg = TOPOS["2x2"], CONFIGS["default"]
+
+    def body(c, local, cross):
+        for coll in (c, local, cross):
+            coll.timeout = 5.0
+        ex = engine(cfg, c, local, cross, topo)
+        if c.rank == 1:
+            return "left"           # a rank that is gone
+        return ex.finish(ex.start(grad((64,), c.rank), "w"))
+
+    res, errs = run_hier(topo, body, timeout=60)
+    for r in (0, 2, 3):
+        assert isinstance(errs[r], CollectiveError), (r, errs[r])
