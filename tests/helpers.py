@@ -10,6 +10,7 @@ import torch
 
 from horovod_terngrad import codec as C
 from horovod_terngrad.config import TernGradConfig
+from horovod_terngrad.exchange.topology import Topology, piece_name, shard_bounds, shard_plan
 
 
 def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks=None, world=None):
@@ -41,6 +42,37 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks
             acc = acc + ternary[r].to(torch.float32) * full(scalers[r])
         out = acc / divisor
     return out.view(grads[0].shape).to(grads[0].dtype), ternary
+
+
+def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True):
+    """The hierarchical average written out again: node sums in local-rank order (/ G), each local rank's
+    pieces ternarized across nodes as the flat exchange does (helpers.expected_average, streams of the
+    global rank), the shards put back together.  ``steps``: the step of each piece name (updated)."""
+    G = topo.ranks_per_node
+    numels = [t.numel() for t in per_rank[0]]
+    plan = shard_plan(numels, G)
+    flat = {r: torch.cat([t.reshape(-1).float() for t in per_rank[r]]) for r in range(topo.size)}
+    bounds = shard_bounds(sum(numels), G)
+    outs = [torch.empty(n) for n in numels]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    for j, pieces in enumerate(plan):
+        lo, hi = bounds[j]
+        node_vals = []
+        cross = topo.cross_groups()[j]          # the cross group's rank order: ascending global rank
+        for node in sorted(topo.nodes, key=lambda nd: cross.index(nd[j])):
+            acc = flat[node[0]][lo:hi].clone()
+            for r in node[1:]:
+                acc = acc + flat[r][lo:hi]
+            node_vals.append(acc / G if average else acc)
+        for p in pieces:
+            a = starts[p.member] + p.start - lo
+            pname = piece_name(names[p.member], p, numels[p.member])
+            step = steps.get(pname, 0)
+            steps[pname] = step + 1
+            want, _ = expected_average([v[a:a + p.numel] for v in node_vals], pname, step, cfg, average=average,
+                                       ranks=list(cross))
+            outs[p.member][p.start:p.stop] = want
+    return [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
 
 
 def mlp(width=32, depth=4, seed=0):

@@ -5,13 +5,13 @@ import threading
 import pytest
 import torch
 
-from helpers import expected_average
+from helpers import expected_average, expected_hierarchical as reference
 from horovod_terngrad import NonFiniteGradientError, TernGradConfig
 from horovod_terngrad.exchange import Exchange, ThreadWorld
 from horovod_terngrad.exchange.collectives import CollectiveError
 from horovod_terngrad.exchange.hierarchical import HierarchicalExchange, HierarchicalTicket
 from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
-from horovod_terngrad.exchange.topology import Piece, Topology, piece_name, shard_bounds, shard_plan
+from horovod_terngrad.exchange.topology import Piece, Topology, piece_name, shard_bounds, shard_plan  # noqa: F401
 
 
 def grad(shape, rank, tensor=0):
@@ -44,36 +44,6 @@ def engine(cfg, c, local, cross, topo, steps=None):
     return HierarchicalExchange(Exchange(c, cfg, steps=steps), local, cross, topo)
 
 
-def reference(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True):
-    """The hierarchical average written out again: node sums in local-rank order (/ G), each local rank's
-    pieces ternarized across nodes as the flat exchange does (helpers.expected_average, streams of the
-    global rank), the shards put back together.  ``steps``: the step of each piece name (updated)."""
-    G = topo.ranks_per_node
-    numels = [t.numel() for t in per_rank[0]]
-    plan = shard_plan(numels, G)
-    flat = {r: torch.cat([t.reshape(-1).float() for t in per_rank[r]]) for r in range(topo.size)}
-    bounds = shard_bounds(sum(numels), G)
-    outs = [torch.empty(n) for n in numels]
-    starts = [sum(numels[:i]) for i in range(len(numels))]
-    for j, pieces in enumerate(plan):
-        lo, hi = bounds[j]
-        node_vals = []
-        for node in topo.nodes:
-            acc = flat[node[0]][lo:hi].clone()
-            for r in node[1:]:
-                acc = acc + flat[r][lo:hi]
-            node_vals.append(acc / G if average else acc)
-        for p in pieces:
-            a = starts[p.member] + p.start - lo
-            pname = piece_name(names[p.member], p, numels[p.member])
-            step = steps.get(pname, 0)
-            steps[pname] = step + 1
-            want, _ = expected_average([v[a:a + p.numel] for v in node_vals], pname, step, cfg, average=average,
-                                       ranks=[node[j] for node in topo.nodes])
-            outs[p.member][p.start:p.stop] = want
-    return [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
-
-
 # -- topology and plan --------------------------------------------------------------------------
 def test_topology_from_hosts_handles_interleaved_placement_and_says_when_it_cannot_apply():
     topo = Topology.from_hosts(["a", "b", "a", "b", "a", "b"])
@@ -104,7 +74,8 @@ def test_shard_plan_covers_every_element_once_in_order(numels, G):
 
 # -- bit for bit against the reference ----------------------------------------------------------
 TOPOS = {"2x2": Topology.contiguous(4, 2), "2x3": Topology.contiguous(6, 3), "4x2": Topology.contiguous(8, 2),
-         "2x2-interleaved": Topology.from_hosts(["h0", "h1", "h0", "h1"])}
+         "2x2-interleaved": Topology.from_hosts(["h0", "h1", "h0", "h1"]),
+         "2x2-crossed": Topology.from_hosts(["h0", "h1", "h1", "h0"])}   # cross group 1 is (2, 3): node 1 first
 CONFIGS = {"default": TernGradConfig(hierarchical=True),
            "shared": TernGradConfig(hierarchical=True, shared_scaler=True),
            "sharded": TernGradConfig(hierarchical=True, exchange="sharded", packing="base3"),

@@ -56,7 +56,7 @@ class HierarchicalGroup:
     """One fused group on its way through the three stages."""
 
     __slots__ = ("name", "members", "plan", "average", "a2a", "pieces", "node_mean", "ag", "gathered",
-                 "error", "unfinished", "cross_started", "local_mismatch")
+                 "error", "unfinished", "cross_started", "local_mismatch", "device")
 
     def __init__(self, name, members, plan, average):
         self.name, self.members, self.plan, self.average = name, members, plan, average
@@ -65,6 +65,7 @@ class HierarchicalGroup:
         self.unfinished = len(members)
         self.cross_started = False
         self.local_mismatch = False     # this node's ranks disagreed on the group's size
+        self.device = members[0].g32.device if members else None
 
 
 class HierarchicalExchange:
@@ -73,7 +74,8 @@ class HierarchicalExchange:
     the groups of steps with a joined rank, and those ``hierarchical="auto"`` finds cheaper flat);
     ``local`` and ``cross`` are the collectives of this rank's node and of its cross group."""
 
-    def __init__(self, flat: Exchange, local: Collectives, cross: Collectives, topo: topology.Topology):
+    def __init__(self, flat: Exchange, local: Collectives, cross: Collectives, topo: topology.Topology,
+                 end_of_step_sync: bool = False):
         self.flat = flat
         self.config = flat.config
         self.coll = flat.coll
@@ -92,7 +94,14 @@ class HierarchicalExchange:
         self._a2a_queue: list = []        # groups whose intra-node alltoall is out
         self._cross_queue: list = []      # groups in their cross-node exchange
         self._previous = None
-        self._presence = None             # this step's: (handle, all_present or None)
+        self._presence = None             # this step's: whether every rank takes part
+        # Horovod: a rank that returns from its step's last intra-node allgather and shuts Horovod down
+        # (hvd.shutdown(), or at exit) aborts the other nodes' intra-node ops still in flight.  With
+        # ``end_of_step_sync`` the finish that completes the last group in flight waits for a 4-byte
+        # allreduce of the whole world, which no rank completes before every rank got there.
+        self.end_of_step_sync = end_of_step_sync
+        self._live = 0                    # hierarchical groups of this step not finished by every member
+        self._step_open = False           # a group started since the last finish
 
     # -- what the frontends call ------------------------------------------------------------------
     @property
@@ -155,6 +164,9 @@ class HierarchicalExchange:
         self.stats.collectives += 1
         self.stats.intra_node_bytes_sent += 4 * (buf.numel() - own)
         self.stats.codec_s += time.perf_counter() - t0
+        if not self._step_open:           # a new step: groups an exception abandoned do not count
+            self._step_open, self._live = True, 0
+        self._live += 1
         if self.ordered:      # one group of slack, as the flat engine: earlier groups go on across nodes
             self._advance_a2a(block=True, keep=self._previous)
         self._a2a_queue.append(grp)
@@ -163,9 +175,10 @@ class HierarchicalExchange:
 
     def finish(self, tk: Ticket) -> torch.Tensor:
         if not isinstance(tk, HierarchicalTicket):
-            self._presence = None
+            self._presence, self._step_open = None, False
             return self.flat.finish(tk)
         self._presence = None          # the next group starts another step
+        self._step_open = False
         grp = tk.hgroup
         try:
             self.progress(block=True)
@@ -176,6 +189,9 @@ class HierarchicalExchange:
             grp.unfinished -= 1
             if grp.unfinished == 0:
                 grp.members, grp.gathered, grp.node_mean, grp.pieces = [], None, None, []
+                self._live -= 1
+                if self._live == 0 and self.end_of_step_sync:
+                    self._step_done(grp)
         self.inspection.record_average(tk.name, out)
         return out.view(tk.shape).to(tk.dtype)
 
@@ -207,6 +223,18 @@ class HierarchicalExchange:
         self._previous = self._presence = None
 
     # -- stages -----------------------------------------------------------------------------------
+    def _step_done(self, grp: HierarchicalGroup) -> None:
+        """The world's 4-byte allreduce after a step's last group (see ``end_of_step_sync``); every rank
+        finishes the same last group (finish order is the frontend's, the same on every rank)."""
+        handle = self.coll.allreduce_sum_async(torch.zeros(1, dtype=torch.int32, device=grp.device),
+                                               f"terngrad.h.done.{grp.name}")
+        self.stats.collectives += 1
+        self.stats.handshake_bytes_sent += 4
+        try:
+            self.coll.synchronize(handle)
+        except CollectiveError as e:
+            raise e.detailed(f"TernGrad: the end-of-step check after group '{grp.name}' failed")
+
     def _all_present(self, device, group: str) -> bool:
         """Whether every rank takes part in this step (asked once per step, at its first group)."""
         if not self.joins:
@@ -360,3 +388,37 @@ class HierarchicalExchange:
                 raise tk.error
             out.zero_()
         return out
+
+
+# -- topology from what every rank reports ------------------------------------------------------------
+HOST_SLOTS = 64        # int32 words of a host identity in the topology allgather
+
+
+def host_identity() -> str:
+    """This rank's node: ``HOROVOD_TERNGRAD_HOST`` if set (where host names lie, or to emulate nodes), else
+    the host name (the emulated cluster gives each network namespace its own, launch/netns-cluster.sh)."""
+    import os
+    import socket
+    return os.environ.get("HOROVOD_TERNGRAD_HOST") or socket.gethostname()
+
+
+def encode_identity(identity: str) -> torch.Tensor:
+    """A fixed-size int32 vector: the UTF-8 bytes (the tail of a long name replaced by its CRC-32)."""
+    import zlib
+    raw = identity.encode()
+    if len(raw) > HOST_SLOTS - 1:
+        raw = raw[:HOST_SLOTS - 5] + zlib.crc32(raw).to_bytes(4, "little")
+    return torch.tensor(list(raw) + [0] * (HOST_SLOTS - len(raw)), dtype=torch.int32)
+
+
+def discover(coll: Collectives, identity: str | None = None, name: str = "terngrad.topology") -> topology.Topology:
+    """Every rank's node, by one allgather of host identities on ``coll`` (every rank gets the same list,
+    so every rank derives the same topology)."""
+    mine = encode_identity(host_identity() if identity is None else identity)
+    try:
+        every = coll.synchronize(coll.allgather_async(mine, name))
+    except CollectiveError as e:
+        raise e.detailed("TernGrad: learning which ranks share a node failed")
+    hosts = [bytes(int(v) for v in row if int(v)).decode(errors="replace")
+             for row in every.view(coll.size, HOST_SLOTS).tolist()]
+    return topology.Topology.from_hosts(hosts)

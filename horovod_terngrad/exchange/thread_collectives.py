@@ -179,7 +179,9 @@ def hierarchical_collectives(topo) -> list[tuple]:
     out: list = [None] * topo.size
     local_worlds = [ThreadWorld(len(g)) for g in topo.local_groups()]
     cross_worlds = [ThreadWorld(len(g)) for g in topo.cross_groups()]
+    cross = topo.cross_groups()
     for node, ranks in enumerate(topo.local_groups()):
         for j, rank in enumerate(ranks):
-            out[rank] = (ThreadCollectives(local_worlds[node], j), ThreadCollectives(cross_worlds[j], node))
+            out[rank] = (ThreadCollectives(local_worlds[node], j),
+                         ThreadCollectives(cross_worlds[j], cross[j].index(rank)))
     return out

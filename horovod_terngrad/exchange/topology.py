@@ -131,9 +131,11 @@ class Topology:
         return [tuple(n) for n in self.nodes]
 
     def cross_groups(self) -> list[tuple]:
-        """Local rank j of every node, for j = 0..G-1 (the inter-node groups)."""
+        """Local rank j of every node, for j = 0..G-1 (the inter-node groups), each in ascending rank order
+        (a rank's position in it is its rank in the group, as Horovod's process sets and
+        torch.distributed's subgroups number their members)."""
         G = self.ranks_per_node
-        return [tuple(n[j] for n in self.nodes) for j in range(G)]
+        return [tuple(sorted(n[j] for n in self.nodes)) for j in range(G)]
 
     def local_ranks_of(self, rank: int) -> tuple:
         return self.nodes[self.node_of(rank)]

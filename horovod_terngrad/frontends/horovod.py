@@ -43,6 +43,7 @@ from ..exchange.hvd_collectives import horovod_world
 from . import naming
 from .cpu_threads import warn_if_oversubscribed
 from .fusion_state import FusedMember, OptimizerFusion
+from .hierarchy import horovod_engine
 from .state import CompressorState
 
 log = logging.getLogger("horovod_terngrad")
@@ -115,7 +116,7 @@ class TernGradCompressor:
         return list(self.state.engines.values())
 
     def engine(self, process_set=None) -> Exchange:
-        return self.state.engine(process_set, self.config, HorovodCollectives)
+        return self.state.engine(process_set, self.config, HorovodCollectives, hierarchy=horovod_engine)
 
     def state_dict(self) -> dict:
         """Step counters of the random streams and counters (plain values): save it with a checkpoint

@@ -46,13 +46,17 @@ class CompressorState:
         self.world = None
         self.grouped_calls: dict = {}      # id(tensor list of a grouped call) -> member indices named so far
 
-    def engine(self, process_set, config, make_collectives) -> Exchange:
-        """The engine of a process set, created with ``make_collectives(process_set)`` on first use."""
+    def engine(self, process_set, config, make_collectives, hierarchy=None) -> Exchange:
+        """The engine of a process set, created with ``make_collectives(process_set)`` on first use; on the
+        global set ``hierarchy(flat engine)`` may return the node-aware engine over it (hierarchy.py)."""
         key = process_set_key(process_set)
         eng = self.engines.get(key)
         if eng is None:
-            eng = self.engines[key] = Exchange(make_collectives(process_set), config, self.stats, self.inspection,
-                                               self.steps.setdefault(key, {}))
+            eng = Exchange(make_collectives(process_set), config, self.stats, self.inspection,
+                           self.steps.setdefault(key, {}))
+            if hierarchy is not None and key == "global":
+                eng = hierarchy(eng)
+            self.engines[key] = eng
         return eng
 
     def state_dict(self) -> dict:

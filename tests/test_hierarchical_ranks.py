@@ -1,0 +1,98 @@
+"""The node-aware exchange on real ranks: horovodrun --gloo and mpirun with 4 ranks as 2 nodes x 2 (node
+names per rank, contiguous and interleaved), on 2 emulated hosts x 2 ranks (network namespaces), and every
+fallback; averages checked bit for bit against tests/helpers.expected_hierarchical."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import expected_hierarchical
+from horovod_terngrad.exchange.topology import Topology
+from test_horovod import LAUNCH_TIMEOUT, by_name_and_step, launcher, load_results, rank_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "workers", "hvd_hier.py")
+
+
+def launch(tmp_path, kind, hosts, scenarios, np_=4, env=None):
+    forward = [a for k in (env or {}) for a in ("-x", k)] if kind == "mpirun" else []
+    cmd = launcher(kind, np_) + forward + [sys.executable, WORKER, str(tmp_path), hosts] + scenarios
+    try:
+        p = subprocess.run(cmd, env=dict(rank_env(), **(env or {})), capture_output=True, text=True,
+                           timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{kind} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
+    assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    return {sc: load_results(tmp_path, sc, np_) for sc in scenarios}, p
+
+
+def check_against_reference(ranks, fused: bool):
+    cfg = ranks[0]["config"]
+    topo = Topology(tuple(tuple(n) for n in ranks[0]["nodes"]))
+    inputs = [by_name_and_step(r["inputs"]) for r in ranks]
+    outputs = [by_name_and_step(r["outputs"]) for r in ranks]
+    groups = ranks[0]["groups"] if fused else [[n] for n in ranks[0]["names"]]
+    steps = max(s for _, s in inputs[0]) + 1
+    ref_steps: dict = {}
+    checked = 0
+    for step in range(steps):
+        for group in groups:
+            per_rank = [[inputs[r][(n, step)] for n in group] for r in range(len(ranks))]
+            want = expected_hierarchical(per_rank, group, topo, cfg, ref_steps)
+            for r in range(len(ranks)):
+                for n, w in zip(group, want):
+                    assert torch.equal(outputs[r][(n, step)], w), (n, step, r)
+                    checked += 1
+    assert checked >= 3 * len(ranks) * len(ranks[0]["names"])
+
+
+@pytest.mark.parametrize("kind,hosts", [("gloo", "h0,h0,h1,h1"), ("gloo", "h0,h1,h0,h1"), ("mpirun", "h0,h1,h1,h0")],
+                         ids=["gloo-contiguous", "gloo-interleaved", "mpirun-crossed"])
+def test_bit_exact_on_real_ranks(tmp_path, kind, hosts):
+    res, _ = launch(tmp_path, kind, hosts, ["exact", "fused", "sharded"])
+    want_nodes = [list(n) for n in Topology.from_hosts(hosts.split(",")).nodes]
+    for sc in ("exact", "fused", "sharded"):
+        assert all(r["hierarchical"] and r["nodes"] == want_nodes for r in res[sc]), sc
+        check_against_reference(res[sc], fused=(sc == "fused"))
+        assert all(r["stats"]["intra_node_bytes_sent"] > 0 for r in res[sc])
+    assert len(res["fused"][0]["groups"]) == 1
+
+
+def test_nan_join_and_resume_on_real_ranks(tmp_path):
+    res, _ = launch(tmp_path, "gloo", "h0,h0,h1,h1", ["nan", "join", "resume"])
+    # NaN on rank 3 (node 1) only: every rank raises, nobody hangs
+    assert [r["raised"] for r in res["nan"]] == ["NonFiniteGradientError"] * 4, [r.get("message") for r in res["nan"]]
+    # rank 2 joined after 2 steps: the others' last 2 steps went by the flat join transport; all agree
+    join = res["join"]
+    assert all(r["hierarchical"] for r in join) and {r["last_joined"] for r in join} == {join[0]["last_joined"]}
+    for r in (1, 3):
+        assert all(torch.equal(a, b) for a, b in zip(join[0]["params"], join[r]["params"]))
+    assert len(join[0]["outputs"]) == 4 * len(join[0]["params"])
+    # resumed from a checkpoint: the same parameters as the uninterrupted run, bit for bit
+    for r in res["resume"]:
+        assert r["hierarchical"] and all(torch.equal(a, b) for a, b in zip(r["whole"], r["resumed"]))
+
+
+@pytest.mark.parametrize("hosts,env,reason", [
+    ("h0,h0,h0,h0", {}, "one node"),
+    ("h0,h1,h2,h3", {}, "every node has one rank"),
+    ("h0,h0,h0,h1", {}, "different rank counts"),
+    ("h0,h0,h1,h1", {"HOROVOD_DYNAMIC_PROCESS_SETS": "0"}, "HOROVOD_DYNAMIC_PROCESS_SETS"),
+    ("h0,h0,h1,h1", {"HOROVOD_ELASTIC": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "0"}, "elastic"),
+], ids=["one-node", "one-rank-per-node", "uneven", "no-dynamic-sets", "elastic"])
+def test_fallbacks_run_flat_and_say_why_once(tmp_path, hosts, env, reason):
+    res, p = launch(tmp_path, "gloo", hosts, ["fallback"], env=env)
+    assert not any(r["hierarchical"] for r in res["fallback"])
+    outs = [r["outputs"] for r in res["fallback"]]
+    assert all(torch.equal(a[1], b[1]) for o in outs[1:] for a, b in zip(outs[0], o))
+    said = [line for line in (p.stdout + p.stderr).splitlines() if "node-aware exchange off" in line]
+    assert len(said) == 1 and reason in said[0], said
+
+
+def test_process_sets_registered_at_init_are_reused_without_dynamic_sets(tmp_path):
+    env = {"HOROVOD_DYNAMIC_PROCESS_SETS": "0", "HIER_TEST_STATIC_SETS": "0.1,2.3,0.2,1.3"}
+    res, _ = launch(tmp_path, "gloo", "h0,h0,h1,h1", ["exact"], env=env)
+    assert all(r["hierarchical"] for r in res["exact"])
+    check_against_reference(res["exact"], fused=False)

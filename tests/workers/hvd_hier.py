@@ -1,0 +1,129 @@
+"""The node-aware exchange under horovodrun / mpirun (launched by tests/test_hierarchical_ranks.py).
+
+    python hvd_hier.py OUTDIR HOSTS SCENARIO [SCENARIO ...]
+
+HOSTS: "-" keeps the real host names (the emulated cluster gives each host its own); else a comma list of
+one node name per global rank (ranks on one machine emulating nodes: HOROVOD_TERNGRAD_HOST, set here
+after hvd.init() from the rank).  Each scenario saves OUTDIR/<scenario>.rank<R>.pt (hvd_scenarios.run_all).
+"""
+import os
+import sys
+
+import torch
+
+import horovod.torch as hvd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hvd_scenarios import Recording, mlp, run_all, train_steps  # noqa: E402
+from horovod_terngrad import NonFiniteGradientError  # noqa: E402
+from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+
+
+def engine_info(comp) -> dict:
+    eng = comp.engine()
+    hier = isinstance(eng, HierarchicalExchange)
+    return {"hierarchical": hier, "nodes": [list(n) for n in eng.topology.nodes] if hier else None,
+            "stats": vars(comp.stats).copy()}
+
+
+def fused_groups(comp) -> list:
+    return [list(g) for fus in comp.state.fusions.values() for g in fus.plan.fused]
+
+
+def scenario_exact(prefix, **cfg):
+    comp = Recording(hierarchical=True, **cfg)
+    model = train_steps(comp, steps=3, prefix=prefix)
+    return {"config": comp.config, "inputs": comp.inputs, "outputs": comp.outputs, "groups": fused_groups(comp),
+            "names": [prefix + n for n, _ in model.named_parameters()],
+            "params": [p.detach().clone() for p in model.parameters()], **engine_info(comp)}
+
+
+def scenario_nan():
+    """NaN in every gradient of rank 3 at step 1 (one rank of one node): every rank raises."""
+    comp = Recording(hierarchical=True)
+    try:
+        train_steps(comp, steps=3, inject=(1, 3), prefix="nan.")
+        return {"raised": None, **engine_info(comp)}
+    except NonFiniteGradientError as e:
+        return {"raised": type(e).__name__, "message": str(e), **engine_info(comp)}
+
+
+def scenario_join():
+    """Uneven data: rank 2 runs 2 steps and joins; the others run 4."""
+    comp = Recording(hierarchical=True)
+    model = mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[("join." + n, p) for n, p in model.named_parameters()],
+                                   compression=comp)
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    for _ in range(2 if hvd.rank() == 2 else 4):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    last = hvd.join()
+    return {"outputs": comp.outputs, "last_joined": int(last),
+            "params": [p.detach().clone() for p in model.parameters()], **engine_info(comp)}
+
+
+def scenario_resume():
+    """2 steps, checkpoint, 2 more; then a fresh model, optimizer and compressor from the checkpoint run
+    the same 2 steps: the parameters must be identical."""
+    def build(state=None):
+        comp = Recording(hierarchical=True)
+        torch.manual_seed(0)
+        model = mlp()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=[("resume." + n, p) for n, p in model.named_parameters()],
+                                       compression=comp)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            comp.load_state_dict(state["terngrad"])
+        return comp, model, opt
+
+    def steps(model, opt, first, n):
+        for s in range(first, first + n):
+            gen = torch.Generator().manual_seed(1000 * s + hvd.rank())
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            opt.step()
+
+    comp, model, opt = build()
+    steps(model, opt, 0, 2)
+    ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "opt": opt.state_dict(), "terngrad": comp.state_dict()}
+    steps(model, opt, 2, 2)
+    whole = [p.detach().clone() for p in model.parameters()]
+    comp2, model2, opt2 = build(ckpt)
+    steps(model2, opt2, 2, 2)
+    return {"whole": whole, "resumed": [p.detach().clone() for p in model2.parameters()], **engine_info(comp2)}
+
+
+def scenario_fallback():
+    comp = Recording(hierarchical=True)
+    train_steps(comp, steps=2, prefix="fb.")
+    return {"outputs": comp.outputs, **engine_info(comp)}
+
+
+SCENARIOS = {
+    "exact": lambda: scenario_exact("exact.", fusion_numel=0),
+    "fused": lambda: scenario_exact("fused."),
+    "sharded": lambda: scenario_exact("sharded.", exchange="sharded", fusion_numel=0),
+    "nan": scenario_nan, "join": scenario_join, "resume": scenario_resume, "fallback": scenario_fallback,
+}
+
+
+def main():
+    outdir, hosts, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    sets = os.environ.get("HIER_TEST_STATIC_SETS")
+    if sets:       # the user registers the topology's process sets at init (no dynamic sets needed)
+        hvd.init(process_sets=[hvd.ProcessSet([int(r) for r in g.split(".")]) for g in sets.split(",")])
+    else:
+        hvd.init()
+    if hosts != "-":
+        os.environ["HOROVOD_TERNGRAD_HOST"] = hosts.split(",")[hvd.rank()]
+    run_all(outdir, names, lambda name: SCENARIOS[name]())
+
+
+if __name__ == "__main__":
+    main()
