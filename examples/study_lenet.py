@@ -31,12 +31,14 @@ OPTIMIZERS = {"momentum": dict(lr=0.01, momentum=0.9), "vanilla": dict(lr=0.1, m
 
 
 def train(data, n_workers: int, compression: str, optimizer: str, iterations: int, seed: int,
-          batch: int = 64, log_every: int = 0) -> dict:
+          batch: int = 64, log_every: int = 0, ranks_per_node: int = 1, hierarchical=False) -> dict:
     torch.manual_seed(seed)
     model = LeNet()
     hp = OPTIMIZERS[optimizer]
     opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=5e-4)
-    sim = Simulator(model, n_workers, TernGradConfig(seed=seed), compression=compression)
+    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical), compression=compression,
+                    ranks_per_node=ranks_per_node)
+    hierarchical = compression == "terngrad" and sim.topology.flat_reason() is None and hierarchical is not False
     xtr, ytr = data["train"]
     t0 = time.perf_counter()
     for it in range(iterations):
@@ -49,6 +51,7 @@ def train(data, n_workers: int, compression: str, optimizer: str, iterations: in
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     acc = evaluate(model, *data["test"])
     return {"workers": n_workers, "compression": compression, "optimizer": optimizer, "iterations": iterations,
+            "ranks_per_node": ranks_per_node, "hierarchical": bool(hierarchical),
             "test_acc": acc, "seconds": time.perf_counter() - t0,
             "bits_per_element": sim.stats.bits_per_element() if compression == "terngrad" else 32.0}
 
@@ -58,13 +61,18 @@ def write_outputs(results: list, out: str, iterations: int) -> None:
     with open(os.path.join(out, "lenet_study.json"), "w") as f:
         json.dump(results, f, indent=1)
     base = {r["optimizer"]: r["test_acc"] for r in results if r["compression"] == "none"}
+    nodes = any(r.get("hierarchical") for r in results)
     lines = [f"LeNet / MNIST, {iterations} iterations, total batch 64 (paper Fig. 3 setup); accuracy on the 10k test set.",
-             "", "| optimizer | workers N | fp32 | TernGrad | TernGrad - fp32 |", "|---|---|---|---|---|"]
-    for r in sorted((r for r in results if r["compression"] == "terngrad"), key=lambda r: (r["optimizer"], r["workers"])):
+             "", "| optimizer | workers N | exchange | fp32 | TernGrad | TernGrad - fp32 |" if nodes else
+             "| optimizer | workers N | fp32 | TernGrad | TernGrad - fp32 |", "|---|---|---|---|---|---|" if nodes else
+             "|---|---|---|---|---|"]
+    for r in sorted((r for r in results if r["compression"] == "terngrad"),
+                    key=lambda r: (r["optimizer"], r["workers"], r.get("hierarchical", False))):
         b = base.get(r["optimizer"])
         if b is None:
             continue
-        lines.append(f"| {r['optimizer']} | {r['workers']} | {100 * b:.2f}% | {100 * r['test_acc']:.2f}% | "
+        how = (f"| nodes of {r['ranks_per_node']} (hierarchical) " if r.get("hierarchical") else "| flat ") if nodes else ""
+        lines.append(f"| {r['optimizer']} | {r['workers']} {how}| {100 * b:.2f}% | {100 * r['test_acc']:.2f}% | "
                      f"{100 * (r['test_acc'] - b):+.2f}% |")
     with open(os.path.join(out, "lenet_study.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -74,7 +82,8 @@ def write_outputs(results: list, out: str, iterations: int) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, opt in zip(axes, OPTIMIZERS):
-        rs = sorted((r for r in results if r["optimizer"] == opt and r["compression"] == "terngrad"),
+        rs = sorted((r for r in results if r["optimizer"] == opt and r["compression"] == "terngrad"
+                     and not r.get("hierarchical")),
                     key=lambda r: r["workers"])
         if not rs:
             continue
@@ -100,7 +109,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="docs/study")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="simulate nodes of this many ranks (contiguous placement)")
+    p.add_argument("--hierarchical", default="false", choices=["false", "true", "both"],
+                   help="with --ranks-per-node: the node-aware exchange, the flat one (false), or both per N")
     args = p.parse_args(argv)
+    variants = {"false": [False], "true": [True], "both": [False, True]}[args.hierarchical]
     torch.set_num_threads(args.threads)
     data = load_mnist()
     results = []
@@ -108,9 +122,13 @@ def main(argv=None):
         results.append(train(data, 1, "none", opt, args.iterations, args.seed, log_every=max(1, args.iterations // 4)))
         print(f"{opt} fp32: {100 * results[-1]['test_acc']:.2f}%", flush=True)
         for n in (int(v) for v in args.workers.split(",")):
-            results.append(train(data, n, "terngrad", opt, args.iterations, args.seed, log_every=max(1, args.iterations // 4)))
-            print(f"{opt} TernGrad N={n}: {100 * results[-1]['test_acc']:.2f}%", flush=True)
-            write_outputs(results, args.out, args.iterations)
+            for hier in variants:
+                results.append(train(data, n, "terngrad", opt, args.iterations, args.seed,
+                                     log_every=max(1, args.iterations // 4), ranks_per_node=args.ranks_per_node,
+                                     hierarchical=hier))
+                print(f"{opt} TernGrad N={n}{' hierarchical' if results[-1]['hierarchical'] else ''}: "
+                      f"{100 * results[-1]['test_acc']:.2f}%", flush=True)
+                write_outputs(results, args.out, args.iterations)
     write_outputs(results, args.out, args.iterations)
     return results
 

@@ -227,3 +227,19 @@ def test_a_failed_collective_raises_the_collectives_error_on_every_rank_and_nobo
     res, errs = run_hier(topo, body, timeout=60)
     for r in (0, 2, 3):
         assert isinstance(errs[r], CollectiveError), (r, errs[r])
+
+
+@pytest.mark.parametrize("cfg", ["default", "shared", "sharded"])
+def test_simulator_with_nodes_gives_the_hierarchical_average(cfg):
+    """The simulator (one thread plays every rank, polling) drives the same node-aware engine."""
+    from horovod_terngrad.operations.simulate import Simulator
+    cfg = CONFIGS[cfg]
+    topo = Topology.contiguous(8, 4)
+    sim = Simulator(torch.nn.Linear(2, 2), 8, cfg, ranks_per_node=4)
+    assert all(isinstance(e, HierarchicalExchange) for e in sim.engines)
+    ref_steps: dict = {}
+    for step in range(2):
+        per_rank = [grad((333,), r, step) for r in range(8)]
+        got = sim.average_tensor(per_rank, "w")
+        want = reference([[t] for t in per_rank], ["w"], topo, cfg, ref_steps)[0]
+        assert torch.equal(got, want), step

@@ -205,7 +205,10 @@ class HierarchicalExchange:
             self.flat.progress(block=False)
             waiting = []
             for grp in self._cross_queue:
-                if grp.ag is None and grp.error is None and self.cross_engine.settled(grp.pieces):
+                # (finishing a piece runs the cross engine's blocking progress: only once it has nothing
+                # left that another rank must still post)
+                if (grp.ag is None and self.cross_engine.pending() == (0, 0)
+                        and (grp.error is not None or self.cross_engine.settled(grp.pieces))):
                     self._finish_cross(grp)
                 else:
                     waiting.append(grp)

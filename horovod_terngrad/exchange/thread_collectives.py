@@ -172,13 +172,13 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0):
     return results
 
 
-def hierarchical_collectives(topo) -> list[tuple]:
+def hierarchical_collectives(topo, copy: bool = True) -> list[tuple]:
     """Per global rank of ``topo`` (exchange/topology.py): (its node's collectives, its cross group's), each
     a ``ThreadCollectives`` of a ``ThreadWorld`` of that subgroup, as Horovod's process sets or
     torch.distributed's subgroups give real ranks."""
     out: list = [None] * topo.size
-    local_worlds = [ThreadWorld(len(g)) for g in topo.local_groups()]
-    cross_worlds = [ThreadWorld(len(g)) for g in topo.cross_groups()]
+    local_worlds = [ThreadWorld(len(g), copy) for g in topo.local_groups()]
+    cross_worlds = [ThreadWorld(len(g), copy) for g in topo.cross_groups()]
     cross = topo.cross_groups()
     for node, ranks in enumerate(topo.local_groups()):
         for j, rank in enumerate(ranks):

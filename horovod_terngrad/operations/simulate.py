@@ -31,6 +31,9 @@ import torch
 from ..config import TernGradConfig
 from ..errors import RankMismatchError
 from ..exchange import Exchange, ExchangeStats, ThreadWorld
+from ..exchange.hierarchical import HierarchicalExchange
+from ..exchange.thread_collectives import hierarchical_collectives
+from ..exchange.topology import Topology
 
 
 def batch_indices(seed: int, step: int, n_examples: int, batch: int) -> torch.Tensor:
@@ -49,7 +52,7 @@ def worker_slice(global_idx: torch.Tensor, rank: int, n_workers: int) -> torch.T
 
 class Simulator:
     def __init__(self, model: torch.nn.Module, n_workers: int, config: TernGradConfig | None = None,
-                 compression: str = "terngrad", grad_mode: str = "loop"):
+                 compression: str = "terngrad", grad_mode: str = "loop", ranks_per_node: int = 1):
         if compression not in ("terngrad", "none"):
             raise ValueError(f"compression must be 'terngrad' or 'none', got {compression!r}")
         if grad_mode not in ("loop", "vmap"):
@@ -61,8 +64,14 @@ class Simulator:
         self.grad_mode = grad_mode
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.world = ThreadWorld(n_workers, copy=False)
-        self.engines = [Exchange(c, self.config, ordered=False)   # one thread plays every rank: poll
-                        for c in self.world.ranks()]
+        # one thread plays every rank: poll (ordered=False); simulated ranks never join
+        self.engines = [Exchange(c, self.config, ordered=False, joins=False) for c in self.world.ranks()]
+        self.topology = Topology.contiguous(n_workers, ranks_per_node)
+        if self.config.hierarchical is not False and self.topology.flat_reason() is None:
+            # nodes of ranks_per_node ranks: the node-aware engine over each rank's flat one, as the
+            # frontends build it (hierarchical="auto" asks the cost model per group, as they do)
+            sub = hierarchical_collectives(self.topology, copy=False)
+            self.engines = [HierarchicalExchange(e, *sub[r], self.topology) for r, e in enumerate(self.engines)]
 
     # -- gradients per worker ---------------------------------------------------------------------
     def worker_gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[list[torch.Tensor]]:
@@ -134,7 +143,7 @@ class Simulator:
     def state_dict(self) -> dict:
         """What a resumed run needs to draw the same random streams: each simulated rank's per-tensor
         step counters (the stream key's ``step``)."""
-        return {"engine_steps": [dict(e.steps) for e in self.engines]}
+        return {"engine_steps": [dict(e.steps) for e in self.engines]}    # (hierarchical: the flat engine's dict)
 
     def load_state_dict(self, state: dict) -> None:
         steps = state["engine_steps"]
