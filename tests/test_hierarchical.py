@@ -243,3 +243,22 @@ def test_simulator_with_nodes_gives_the_hierarchical_average(cfg):
         got = sim.average_tensor(per_rank, "w")
         want = reference([[t] for t in per_rank], ["w"], topo, cfg, ref_steps)[0]
         assert torch.equal(got, want), step
+
+
+def test_cost_model_charges_the_plans_sizes_and_prefers_the_hierarchy_on_slow_links():
+    from horovod_terngrad.codec import sizes as wire
+    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.exchange.topology import intra_node_bytes
+    slow = cost.Network.from_gbps("eth", 1, 50, 4, cost.Network.from_gbps("pcie", 100, 5))
+    numels = [1_000_000, 4096, 300_000]
+    h = cost.hierarchical_cost(numels, 8, 4, slow, cross="allgather")
+    worst = max(shard_plan(numels, 4), key=lambda ps: (sum(p.numel for p in ps), len(ps)))
+    P = sum(wire.payload_size(p.numel, "2bit", 0) for p in worst)
+    assert h.bytes_received == 7 * P                       # the cross allgather on M = 8 nodes
+    c, P_local = intra_node_bytes(numels, 4)
+    assert c == 4 * sum(p.numel for p in worst) and P_local == c + 4 * len(worst)
+    assert cost.hierarchy_for(numels, 8, 4, network=slow)
+    assert not cost.hierarchy_for(numels, 1, 4, network=slow) and not cost.hierarchy_for(numels, 8, 1, network=slow)
+    # inside a node slower than between nodes, reducing there first does not pay
+    odd = cost.Network.from_gbps("ib", 100, 1, 4, cost.Network.from_gbps("slow-bus", 0.1, 500))
+    assert not cost.hierarchy_for(numels, 2, 4, network=odd)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..codec import sizes as wire
+from . import topology
 
 FP32 = "fp32"
 FP16 = "fp16"
@@ -337,15 +338,77 @@ def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, 
     return ExchangeChoice(best, costs[best], costs)
 
 
+TERNGRAD_HIERARCHICAL = "terngrad_hierarchical"
+
+
+def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: int, network: Network,
+                      packing: str = "2bit", bucket_size: int = 0, shared_scaler: bool = False,
+                      cross: str | None = None) -> ExchangeCost:
+    """The node-aware exchange (exchange/hierarchical.py) of one group on M = ``nodes`` nodes of G =
+    ``ranks_per_node`` ranks; the slowest local rank (largest shard, ``topology.shard_plan``) sets the time:
+
+    T = alltoall(c, G, intra) + T_cross(pieces, M, inter with bandwidth/G) + allgather(P, G, intra)
+
+    c, P = ``topology.intra_node_bytes`` (fp32 shard to each local peer; averaged shard + a status word per
+    piece); intra = ``network.intra_node`` (``network`` itself if None); all G ranks of a node cross its
+    one link at once, so each sees a G-th of the inter-node bandwidth.  ``cross``: "allgather" or
+    "sharded" (None: the cheaper, as ``exchange_for`` picks on M ranks).  Bytes: those crossing this rank's
+    share of the node's link (the cross exchange's), plus, in ``messages``, every stage's latency terms."""
+    ns = _sizes(sizes)
+    n, M, G = sum(ns), int(nodes), int(ranks_per_node)
+    plan = topology.shard_plan(ns, G)
+    worst = max(plan, key=lambda pieces: (sum(p.numel for p in pieces), len(pieces)))
+    pieces = [p.numel for p in worst]
+    intra = network.intra_node or network
+    inter = replace(network, bandwidth_Bps=network.bandwidth_Bps / G, ranks_per_node=1, intra_node=None)
+    c, P = topology.intra_node_bytes(ns, G)
+    t_local = alltoall_time(c / 1.0, G, intra, G) + ring_allgather_time(P, G, intra)
+    if M <= 1 or not pieces:
+        cross_cost = ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, sum(pieces))
+    else:
+        if cross is None:
+            cross = exchange_for(pieces, M, packing, bucket_size, network=inter, shared_scaler=shared_scaler)
+        cross_cost = (terngrad_sharded_cost(pieces, M, inter, packing, bucket_size) if cross == "sharded" else
+                      terngrad_allgather_cost(pieces, M, inter, packing, bucket_size, shared_scaler))
+    return ExchangeCost(TERNGRAD_HIERARCHICAL, t_local + cross_cost.time_s, cross_cost.bytes_received,
+                        2 * (G - 1) + cross_cost.messages, n)
+
+
+def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packing: str = "2bit",
+                  bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False) -> bool:
+    """``hierarchical="auto"``: whether the node-aware exchange is cheaper than the flat TernGrad exchange
+    (the better of allgather and sharded on all N = M·G ranks, G of them sharing each node's link) for a
+    group of these sizes.  ``network``: the inter-node link, with its ``intra_node`` link (default: the
+    configured ones)."""
+    M, G = int(nodes), int(ranks_per_node)
+    if M < 2 or G < 2:
+        return False
+    net = network or configured_network(G)
+    net = replace(net, ranks_per_node=G)
+    flat_link = replace(net, intra_node=None)       # N > G: the flat exchange crosses nodes
+    N = M * G
+    shared_flat = replace(flat_link, bandwidth_Bps=flat_link.bandwidth_Bps / G)   # G ranks per NIC, all at once
+    flat = min(terngrad_allgather_cost(list(numels), N, shared_flat, packing, bucket_size, shared_scaler).time_s,
+               terngrad_sharded_cost(list(numels), N, shared_flat, packing, bucket_size).time_s if N > 2 else float("inf"))
+    return hierarchical_cost(list(numels), M, G, net, packing, bucket_size, shared_scaler).time_s < flat
+
+
 @functools.lru_cache(maxsize=8)
-def _network(gbps: float, alpha_us: float) -> Network:
-    return Network.from_gbps("configured", gbps, alpha_us)
+def _network(gbps: float, alpha_us: float, ranks_per_node: int = 1, intra_gbps: float = 0.0,
+             intra_alpha_us: float = 0.0) -> Network:
+    intra = Network.from_gbps("configured intra-node", intra_gbps, intra_alpha_us) if intra_gbps else None
+    return Network.from_gbps("configured", gbps, alpha_us, ranks_per_node, intra)
 
 
-def configured_network() -> Network:
-    """The network ``exchange="auto"`` assumes: HOROVOD_TERNGRAD_GBPS / HOROVOD_TERNGRAD_ALPHA_US."""
+def configured_network(ranks_per_node: int = 1) -> Network:
+    """The network ``exchange="auto"`` and ``hierarchical="auto"`` assume: HOROVOD_TERNGRAD_GBPS /
+    HOROVOD_TERNGRAD_ALPHA_US between nodes (default 1 Gbit/s, 50 us), and inside a node
+    HOROVOD_TERNGRAD_INTRA_GBPS / HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 100 Gbit/s, a PCIe-class
+    switch or shared memory, and 5 us)."""
     return _network(float(os.environ.get("HOROVOD_TERNGRAD_GBPS", "1")),
-                    float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")))
+                    float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")), int(ranks_per_node),
+                    float(os.environ.get("HOROVOD_TERNGRAD_INTRA_GBPS", "100")),
+                    float(os.environ.get("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "5")))
 
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,

@@ -122,9 +122,8 @@ class HierarchicalExchange:
         "auto" and the cost model finds it cheaper than the flat exchange)."""
         if self.config.hierarchical is True:
             return True
-        net = cost.configured_network()
         return cost.hierarchy_for(numels, self.M, self.G, self.config.packing, self.config.bucket_size,
-                                  network=replace(net, ranks_per_node=self.G),
+                                  network=cost.configured_network(self.G),
                                   shared_scaler=self.config.scaler_shared_for("allgather"))
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:

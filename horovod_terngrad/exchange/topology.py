@@ -67,6 +67,16 @@ def shard_plan(numels: Sequence[int], shards: int) -> list[list[Piece]]:
     return plan
 
 
+def intra_node_bytes(numels: Sequence[int], shards: int) -> tuple[int, int]:
+    """(c, P) of the intra-node stages for the slowest local rank: the fp32 bytes it sends each local peer
+    in the reduce-scatter alltoall (that peer's shard), and the bytes it contributes to the allgather (its
+    averaged shard plus one fp32 status word per piece).  The transport sends exactly these."""
+    plan = shard_plan(numels, shards)
+    c = 4 * max((sum(p.numel for p in pieces) for pieces in plan), default=0)
+    P = max((4 * (sum(p.numel for p in pieces) + len(pieces)) for pieces in plan), default=0)
+    return c, P
+
+
 def piece_name(name: str, piece: Piece, whole: int) -> str:
     """The name a piece travels under across nodes (its random stream's tensor id and its step counter):
     the member's own name when the piece is the whole member, else ``name[start:stop]``."""
