@@ -13,7 +13,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "frontends": 4,
           "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
           "operations": 5}
-TORCH_FREE = ("codec/sizes.py", "exchange/cost.py")
+TORCH_FREE = ("codec/sizes.py", "exchange/cost.py", "exchange/topology.py")
 
 
 def _part(relpath: str) -> str:
@@ -87,12 +87,21 @@ def test_the_import_checker_sees_violations(tmp_path):
 
 @pytest.mark.parametrize("rel", TORCH_FREE)
 def test_size_and_cost_modules_need_no_torch(rel):
-    """codec/sizes.py and exchange/cost.py import nothing but the standard library and each other."""
+    """codec/sizes.py, exchange/cost.py and exchange/topology.py import nothing but the standard library
+    and each other."""
     path = os.path.join(PKG, rel)
     tops = {top for part, top, _ in _imports(rel, path) if part is None}
     assert tops <= {"__future__", "math", "functools", "os", "dataclasses", "typing"}, tops
     parts = {part for part, _, _ in _imports(rel, path) if part is not None}
-    assert parts <= {"codec"}, parts
+    assert parts <= {"codec", "exchange"}, parts
+    with open(path) as f:          # which modules: only the torch-free ones of this list
+        for node in ast.walk(ast.parse(f.read())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                folder = os.path.dirname(rel) if node.level == 1 else ""
+                base = os.path.join(folder, *(node.module or "").split("."))
+                for a in node.names:      # ``from ..codec import sizes``, ``from . import topology``
+                    target = os.path.normpath(os.path.join(base, a.name)) + ".py"
+                    assert target in TORCH_FREE, (rel, target)
 
 
 def test_training_path_loads_neither_operations_nor_matplotlib():
