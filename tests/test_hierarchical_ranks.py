@@ -76,6 +76,26 @@ def test_nan_join_and_resume_on_real_ranks(tmp_path):
         assert r["hierarchical"] and all(torch.equal(a, b) for a, b in zip(r["whole"], r["resumed"]))
 
 
+@pytest.mark.parametrize("kind", ["gloo", "mpirun"])
+def test_a_killed_rank_ends_the_job_with_horovods_error(tmp_path, kind):
+    """Nobody hangs.  A survivor either gets Horovod's HorovodInternalError or is ended by Horovod itself:
+    under Gloo, Horovod 0.28.1's background thread aborts the process ("gloo::IoException ... Connection
+    closed by peer", uncaught in its process-set communicators), under MPI mpirun ends the job."""
+    cmd = launcher(kind, 4) + [sys.executable, WORKER, str(tmp_path), "h0,h0,h1,h1", "kill"]
+    try:
+        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the survivors hung after a rank died:\n{e.stdout}\n{e.stderr}")
+    assert p.returncode != 0
+    saved = [tmp_path / f"kill.rank{r}.pt" for r in range(3)]
+    out = p.stdout + p.stderr
+    assert any(f.exists() for f in saved) or "gloo::IoException" in out or kind == "mpirun", out[-3000:]
+    for f in saved:             # the launcher may end a survivor before it saved
+        if f.exists():
+            res = torch.load(f, weights_only=False)
+            assert "HorovodInternalError" in res["error_type"] and res["hierarchical"], res
+
+
 @pytest.mark.parametrize("hosts,env,reason", [
     ("h0,h0,h0,h0", {}, "one node"),
     ("h0,h1,h2,h3", {}, "every node has one rank"),

@@ -105,6 +105,29 @@ def scenario_fallback():
     return {"outputs": comp.outputs, **engine_info(comp)}
 
 
+def scenario_kill(outdir):
+    """Rank 3 (node 1) dies mid-step, after its gradients went out: the others end with Horovod's error."""
+    comp = Recording(hierarchical=True)
+    model = mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[("kill." + n, p) for n, p in model.named_parameters()],
+                                   compression=comp)
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            if step == 2 and hvd.rank() == 3:
+                os._exit(3)
+            opt.step()
+    except Exception as e:  # noqa: BLE001 - what a survivor sees is the result
+        res = {"error_type": [c.__name__ for c in type(e).__mro__], "error": str(e), "size": hvd.size(),
+               **engine_info(comp)}
+        torch.save(res, os.path.join(outdir, f"kill.rank{hvd.rank()}.pt"))
+        os._exit(4)
+    return {"error_type": None}
+
+
 SCENARIOS = {
     "exact": lambda: scenario_exact("exact.", fusion_numel=0),
     "fused": lambda: scenario_exact("fused."),
@@ -122,6 +145,8 @@ def main():
         hvd.init()
     if hosts != "-":
         os.environ["HOROVOD_TERNGRAD_HOST"] = hosts.split(",")[hvd.rank()]
+    if names == ["kill"]:
+        scenario_kill(outdir)
     run_all(outdir, names, lambda name: SCENARIOS[name]())
 
 
