@@ -157,3 +157,33 @@ def test_two_emulated_hosts_of_two_ranks_mpirun(tmp_path):
     sent_h1 = after[h1][0] - before[h1][0]
     payload_h1 = sum(ranks[r]["stats"]["payload_bytes_sent"] for ranks in res.values() for r in (1, 3))
     assert payload_h1 > 0 and sent_h1 >= payload_h1, (sent_h1, payload_h1)
+
+
+def test_two_emulated_hosts_of_two_ranks_horovodrun_gloo(tmp_path):
+    """horovodrun --gloo from host h0 to h1 through launch/netns-ssh (ssh's stand-in), 2 ranks per host."""
+    from test_launch import NETNS
+    from test_launch import run as run_cmd
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip, tc)")
+    prefix = f"g{os.getpid() % 100000}"
+    subnet = f"10.83.{os.getpid() % 250}"
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    os.symlink(os.path.join(os.path.dirname(HERE), "launch", "netns-ssh"), shim / "ssh")
+    p = run_cmd([NETNS, "up", "2", "--rate", "1gbit", "--prefix", prefix, "--subnet", subnet])
+    assert p.returncode == 0, p.stderr
+    try:
+        h0, h1 = f"{prefix}-h0", f"{prefix}-h1"
+        env = rank_env()
+        env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
+        env.pop("OMPI_MCA_plm_rsh_agent", None)
+        cmd = [NETNS, "exec", h0, os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--gloo", "-np", "4",
+               "-H", f"{h0}:2,{h1}:2", "--network-interface", "eth0", "--start-timeout", "60",
+               sys.executable, WORKER, str(tmp_path), "-", "exact"]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    finally:
+        run_cmd([NETNS, "down", "--prefix", prefix])
+    ranks = load_results(tmp_path, "exact", 4)
+    assert all(r["hierarchical"] and r["nodes"] == [[0, 1], [2, 3]] for r in ranks)
+    check_against_reference(ranks, fused=False)
