@@ -307,8 +307,9 @@ def test_a_sparse_gradient_is_a_clear_error_naming_the_parameter_on_every_rank(d
 
 
 def test_ranks_with_different_settings_fail_together(ddp2):
-    for res in ddp2["mismatch"]:
+    for res in ddp2["mismatch"]:     # checked at the first bucket; every later bucket fails alike
         assert res["error"] and "differ from rank 0" in res["error"]
+        assert all(e and e.startswith("RankMismatchError") for e in res["errors"]), res["errors"]
 
 
 # -- without ranks -----------------------------------------------------------------------------------------------

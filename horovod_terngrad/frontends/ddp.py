@@ -5,6 +5,10 @@
     state = tg_ddp.register(model, packing="2bit")   # any TernGradConfig setting
 
 or, lower level, ``model.register_comm_hook(TernGradState(model.module.named_parameters()), terngrad_hook)``.
+The state, like ``PowerSGDState(process_group=None, ...)``, can be built before ``init_process_group``
+(Lightning's ``DDPStrategy(ddp_comm_state=...)``): it makes its process groups and checks at the first
+bucket, and it pickles without them (Lightning's spawn launcher).  ``register()`` also takes the model
+inside ``torch.compile``, Lightning, Fabric, Accelerate and transformers wrappers (``find_ddp``).
 
 What the hook computes.  DDP hands the hook one bucket at a time: a flat buffer holding the gradients of
 several parameters (``bucket.parameters()``; ``bucket.gradients()`` are views of the buffer).  Each
@@ -42,8 +46,9 @@ one worker thread per state runs the exchange, in bucket order, while backward g
 buckets.  Pipelining: the worker starts bucket i (handshake out) before it finishes bucket i-1, and
 finishes the last bucket (``bucket.is_last()``) at once; that schedule, and so the order of collectives,
 is the same on every rank.  ``asynchronous=False`` runs the exchange inside the hook and returns a completed
-future.  TernGrad's collectives run on a process group of their own (made once, on every rank, by the
-state's constructor), so they never interleave with DDP's own collectives on the model's group.
+future.  TernGrad's collectives run on a process group of their own (made once, on every rank, at the first
+bucket: ``TernGradState._ensure_ready``), so they never interleave with DDP's own collectives on the model's
+group.
 
 Errors (NaN/Inf with ``on_nonfinite="raise"``, bad gradients) are set on the bucket's future, so every
 bucket is still exchanged on every rank and backward raises on every rank alike (DDP rethrows the hook's
@@ -58,6 +63,8 @@ always divided by the group's size N (as PyTorch's ``allreduce_hook``), whatever
 import os
 import queue
 import threading
+import warnings
+import weakref
 import zlib
 
 import torch
@@ -105,9 +112,12 @@ def _value(fut):
 class TernGradState:
     """The state of the TernGrad DDP hook: settings, parameter names, step counters, engine and worker.
 
-    named_parameters: ``model.named_parameters()`` of the module DDP wraps (``ddp_model.module``): the
-                      names key the random streams and the ``exclude`` policy (as in the Horovod frontend).
-    process_group:    the group DDP reduces over (default: WORLD).
+    named_parameters: ``model.named_parameters()`` of the module DDP wraps (``ddp_model.module``), or that
+                      module: the names key the random streams and the ``exclude`` policy (as in the
+                      Horovod frontend).  None: ``register()`` takes them from the DDP model; a state
+                      handed to ``register_comm_hook`` without names names parameters ``param.<k>`` in
+                      the order the hook first meets them (the same on every rank; ``exclude`` needs names).
+    process_group:    the group DDP reduces over (None: the default group, WORLD, at the first bucket).
     config / settings: a ``TernGradConfig``, or its settings as keywords.
     asynchronous:     run exchanges on a worker thread so buckets overlap backward (default), or inside
                       the hook.
@@ -115,56 +125,136 @@ class TernGradState:
                       they cannot interleave with DDP's own; False uses ``process_group`` itself (only
                       safe with ``asynchronous=False``).
 
-    The constructor is collective: every rank of ``process_group`` must call it (it makes the dedicated
-    group, and it checks that every rank has the same settings and parameters, raising
-    ``RankMismatchError`` on every rank when not).  A bucket whose exchange failed fails DDP's backward on
-    every rank; DDP rethrows a hook's error as a ``RuntimeError`` whose message holds the original's class
-    and message, and the original exception (e.g. ``NonFiniteGradientError``) is kept in ``last_error``.
-    DDP itself stays usable: the next iteration exchanges as usual.  ``state_dict()`` / ``load_state_dict()``
-    save and restore the step counters of the random streams (and counters; the Horovod compressor's format),
-    so a resumed run draws the streams an uninterrupted run draws; ``reset()`` forgets them and any exchange
-    in flight.
+    Building the state needs no process group (``torch.distributed`` may be uninitialized, as for
+    ``PowerSGDState(process_group=None)``): at the first bucket, on every rank alike (DDP hands every rank
+    the same first bucket), ``_ensure_ready`` makes the dedicated group and checks that every rank has the
+    same settings and parameters; a disagreement fails that backward on every rank with
+    ``RankMismatchError`` (in ``last_error``), and every later bucket with the same error.  A bucket whose
+    exchange failed fails DDP's backward on every rank; DDP rethrows a hook's error as a ``RuntimeError``
+    whose message holds the original's class and message, and the original exception (e.g.
+    ``NonFiniteGradientError``) is kept in ``last_error``.  DDP itself stays usable: the next iteration
+    exchanges as usual.  ``state_dict()`` / ``load_state_dict()`` save and restore the step counters of the
+    random streams (and counters; the Horovod compressor's format), so a resumed run draws the streams an
+    uninterrupted run draws; ``reset()`` forgets them and any exchange in flight.
+
+    Pickling keeps the settings, the parameter names (with the parameters: pickled together with the model,
+    as Lightning's spawn launcher does, they stay the model's) and ``state_dict()``; it drops process groups,
+    the engine and the worker thread, which the unpickled state makes again at its first bucket (on the
+    default group: a ``process_group`` given to the constructor does not travel).
     """
 
     __slots__ = ("config", "names", "process_group", "collectives", "state", "enabled", "asynchronous",
-                 "last_error", "_lock", "_handoff", "_queue", "_worker", "_inflight", "__weakref__")
+                 "dedicated_group", "last_error", "_named", "_ready", "_setup_error", "_model", "_lock",
+                 "_handoff", "_queue", "_worker", "_inflight", "__weakref__")
 
-    def __init__(self, named_parameters, process_group=None, config: TernGradConfig | None = None,
+    def __init__(self, named_parameters=None, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
         if config is not None and settings:
             raise TypeError("pass either a TernGradConfig or keyword settings, not both")
+        if asynchronous and not dedicated_group:
+            raise ValueError("asynchronous=True needs dedicated_group=True: the worker thread's collectives "
+                             "must not share a process group with DDP's own")
         self.config = config if config is not None else TernGradConfig(**settings)
         self.enabled = os.environ.get("HOROVOD_TERNGRAD", "1").strip().lower() not in ("0", "off", "false", "no")
         self.names: dict = {}               # id(parameter) -> (parameter, name)
-        for name, p in named_parameters:
-            self.names.setdefault(id(p), (p, name))
-        if not dist.is_available() or not dist.is_initialized():
-            raise TernGradError("TernGrad: torch.distributed is not initialized (call "
-                                "torch.distributed.init_process_group before building the DDP hook's state)")
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        group = self.process_group
-        if dedicated_group:
-            group = dist.new_group(ranks=dist.get_process_group_ranks(self.process_group),
-                                   backend=dist.get_backend(self.process_group), use_local_synchronization=True)
-        elif asynchronous:
-            raise ValueError("asynchronous=True needs dedicated_group=True: the worker thread's collectives "
-                             "must not share a process group with DDP's own")
-        # equal_sizes: DDP checks the parameters' shapes across ranks, _check_agreement the settings, and
-        # every payload's size is a function of both (codec/sizes.py): no length exchange is needed.
-        self.collectives = DistCollectives(group, equal_sizes=True)
+        self._named = False                 # names given (constructor, register()) rather than made up
+        if named_parameters is not None:
+            self._bind(named_parameters)
+        self.process_group = process_group  # None: the default group, resolved by _setup_groups
         self.asynchronous = bool(asynchronous)
+        self.dedicated_group = bool(dedicated_group)
         self.state = CompressorState()
+        self._runtime()
+
+    def _runtime(self) -> None:
+        """What is made again after unpickling: no groups yet, no engine, no worker thread."""
+        self.collectives = None             # DistCollectives on TernGrad's group, made by _setup_groups
+        self._ready = False
+        self._setup_error = None
+        self._model = None                  # weak reference to the DDP model register() put the hook on
         self.last_error = None              # the exception behind the last failed bucket (see the docstring)
         self._lock = threading.Lock()       # the engine and the state: the worker, state_dict, reset
         self._handoff = threading.Lock()    # the queue and whether a worker runs
         self._queue = queue.Queue()
         self._worker = None
         self._inflight = None
-        self._check_agreement()
+
+    def _bind(self, named_parameters) -> None:
+        if isinstance(named_parameters, torch.nn.Module):
+            named_parameters = named_parameters.named_parameters()
+        names = {}
+        for name, p in named_parameters:
+            names.setdefault(id(p), (p, name))
+        self.names, self._named = names, True
+
+    # -- lazy setup: the first bucket, on every rank alike ------------------------------------------------
+    def _ensure_ready(self) -> None:
+        """Make TernGrad's process groups and check agreement across ranks, once, at the first bucket (called
+        by the hook on DDP's thread, before the bucket is queued).  Every rank calls it at the same bucket, so
+        every rank makes the same groups in the same order.  An error is kept and raised again for every later
+        bucket, without new collectives, so all ranks keep issuing the same ones."""
+        if self._ready:
+            return
+        if self._setup_error is not None:
+            raise self._setup_error
+        try:
+            if not dist.is_available() or not dist.is_initialized():
+                raise TernGradError("TernGrad: torch.distributed is not initialized at the DDP hook's first "
+                                    "bucket (call torch.distributed.init_process_group before training)")
+            if self.config.exclude and not self._named:
+                raise TernGradError("TernGrad: exclude= needs parameter names: build the state with "
+                                    "TernGradState(model.named_parameters(), ...) or install it with register()")
+            self._setup_groups()
+            self._check_agreement()
+        except Exception as e:
+            self._setup_error = self.last_error = e
+            raise
+        self._ready = True
+
+    def _setup_groups(self) -> None:
+        """Every process group TernGrad uses, made here and only here, in one order on every rank
+        (``dist.new_group`` is collective over the members): the hook's group (``process_group``, default
+        WORLD) and TernGrad's own group with the same ranks.  Groups that more exchanges need (intra- and
+        inter-node subgroups) are made here too, after these, on every rank alike."""
+        if self.process_group is None:
+            self.process_group = dist.group.WORLD
+        group = self.process_group
+        if self.dedicated_group:
+            group = dist.new_group(ranks=dist.get_process_group_ranks(self.process_group),
+                                   backend=dist.get_backend(self.process_group), use_local_synchronization=True)
+        # equal_sizes: DDP checks the parameters' shapes across ranks, _check_agreement the settings, and
+        # every payload's size is a function of both (codec/sizes.py): no length exchange is needed.
+        self.collectives = DistCollectives(group, equal_sizes=True)
+
+    # -- pickling: settings, names and step counters; no groups, engine or thread -------------------------
+    def __getstate__(self) -> dict:
+        if self.process_group is not None and dist.is_available() and dist.is_initialized() \
+                and self.process_group is not dist.group.WORLD:
+            warnings.warn("TernGrad: a TernGradState's process group is not pickled; the unpickled state uses "
+                          "the default group (pass process_group= again to a new state for a subgroup)",
+                          stacklevel=2)
+        with self._lock:
+            counters = self.state.state_dict()
+        return {"config": self.config, "enabled": self.enabled, "asynchronous": self.asynchronous,
+                "dedicated_group": self.dedicated_group,
+                "names": [(name, p) for p, name in self.names.values()] if self._named else None,
+                "state": counters}
+
+    def __setstate__(self, saved: dict) -> None:
+        self.config, self.enabled = saved["config"], saved["enabled"]
+        self.asynchronous, self.dedicated_group = saved["asynchronous"], saved["dedicated_group"]
+        self.names, self._named = {}, False
+        if saved["names"] is not None:
+            self._bind(saved["names"])
+        self.process_group = None
+        self.state = CompressorState()
+        self.state.load_state_dict(saved["state"])
+        self._runtime()
 
     def __repr__(self):
-        return (f"TernGradState({self.config}, rank={self.collectives.rank}, size={self.collectives.size}, "
-                f"asynchronous={self.asynchronous})")
+        where = (f"rank={self.collectives.rank}, size={self.collectives.size}" if self.collectives is not None
+                 else "groups made at the first bucket")
+        return f"TernGradState({self.config}, {where}, asynchronous={self.asynchronous})"
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -214,6 +304,12 @@ class TernGradState:
     def submit(self, bucket) -> torch.futures.Future:
         """Exchange one bucket; the future's value is the bucket's buffer holding the averages."""
         job = _Job(bucket)
+        try:
+            self._ensure_ready()
+        except Exception as e:  # noqa: BLE001 - reported through the bucket's future, on every rank alike
+            job.error = e
+            job.future.set_exception(e)
+            return job.result
         if not self.asynchronous:
             with self._lock:
                 self._step(job)
@@ -315,6 +411,10 @@ class TernGradState:
 
     def _name(self, p, index: int) -> str:
         known = self.names.get(id(p))
+        if known is None and not self._named:
+            # no names given: the order in which the hook meets parameters, the same on every rank (DDP hands
+            # every rank the same buckets, in index order, and rebuilds them after the first iteration only)
+            known = self.names[id(p)] = (p, f"param.{len(self.names)}")
         if known is None or known[0] is not p:
             raise TernGradError(f"TernGrad: DDP bucket {index} holds a parameter of shape {tuple(p.shape)} that is "
                                 "not among the named_parameters the TernGradState was given (pass "
@@ -343,20 +443,83 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     return state.submit(bucket)
 
 
-def register(ddp_model, config: TernGradConfig | None = None, asynchronous: bool = True, **settings) -> TernGradState:
-    """Install the TernGrad hook on a ``DistributedDataParallel`` model (collective: call it on every rank)
-    and return its state.  Settings are ``TernGradConfig``'s (``packing``, ``exchange``, ``shared_scaler``,
-    ``exclude``, ``seed``, ...)."""
-    if not hasattr(ddp_model, "register_comm_hook") or not hasattr(ddp_model, "module"):
-        raise TypeError(f"register() takes a torch.nn.parallel.DistributedDataParallel model, got "
-                        f"{type(ddp_model).__name__}")
-    state = TernGradState(ddp_model.module.named_parameters(), process_group=ddp_model.process_group,
-                          config=config, asynchronous=asynchronous, **settings)
-    ddp_model.register_comm_hook(state, terngrad_hook)
-    if all(p.device.type == "cpu" for p in ddp_model.module.parameters()):
+_WRAPPER_ATTRS = (
+    "_orig_mod",           # torch.compile's OptimizedModule (Accelerate's dynamo plugin compiles the DDP model)
+    "_forward_module",     # Fabric's _FabricModule; Lightning's _LightningModuleWrapperBase (its LightningModule)
+    "_original_module",    # Fabric's _FabricModule
+    "model_wrapped",       # transformers' Trainer: the DDP model, once training has begun
+    "_trainer",            # a LightningModule's Trainer (its `trainer` property raises when detached)
+    "strategy",            # Lightning's Trainer -> its strategy, whose `model` is the DDP model
+    "model",               # Lightning's strategy; transformers' Trainer before wrapping
+    "module",              # other wrappers holding the DDP model as `module`
+)
+
+
+def find_ddp(model):
+    """The ``DistributedDataParallel`` object in ``model``: that object itself, or the one inside the wrappers
+    of ``torch.compile`` (``_orig_mod``), Lightning (a LightningModule or its Trainer: ``trainer.strategy.model``;
+    ``_LightningModuleWrapperBase``), Fabric (``_FabricModule._forward_module``), Accelerate (the prepared model,
+    possibly compiled) and transformers (``Trainer.model_wrapped``); searched breadth first.  TypeError if none."""
+    from torch.nn.parallel import DistributedDataParallel
+    todo, seen = [(model, 0)], set()
+    while todo:
+        obj, depth = todo.pop(0)
+        if isinstance(obj, DistributedDataParallel):
+            return obj
+        if obj is None or id(obj) in seen or depth >= 6:
+            continue
+        seen.add(id(obj))
+        for attr in _WRAPPER_ATTRS:
+            try:
+                inner = getattr(obj, attr, None)
+            except Exception:  # noqa: BLE001 - a property that refuses (a detached LightningModule's trainer)
+                inner = None
+            if inner is not None and not callable(inner) or isinstance(inner, torch.nn.Module):
+                todo.append((inner, depth + 1))
+    raise TypeError(f"register() takes a torch.nn.parallel.DistributedDataParallel model, or a wrapper of one "
+                    f"(torch.compile, Lightning, Fabric, Accelerate, transformers' Trainer once training has "
+                    f"begun); found none in {type(model).__name__}")
+
+
+_REGISTERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # DDP model -> its TernGradState
+
+
+def register(ddp_model, config: TernGradConfig | None = None, asynchronous: bool = True,
+             state: TernGradState | None = None, **settings) -> TernGradState:
+    """Install the TernGrad hook on a ``DistributedDataParallel`` model (or a wrapper of one: ``find_ddp``) and
+    return its state; call it on every rank.  Settings are ``TernGradConfig``'s (``packing``, ``exchange``,
+    ``shared_scaler``, ``exclude``, ``seed``, ...), or ``state=`` a ``TernGradState`` built beforehand (its
+    parameter names, if it has none, and its process group, if None, are the model's).  Nothing is
+    collective here: the state makes its groups at the first bucket.  A model holds one hook: a second
+    ``register()`` (or a hook registered by other means) is a ``TernGradError``."""
+    ddp = find_ddp(ddp_model)
+    hooks = [(getattr(h, "__qualname__", repr(h)), st) for h, st in getattr(ddp, "_comm_hooks", ())]
+    if ddp in _REGISTERED or hooks:
+        what = ("TernGrad's hook (register() was called for it before)" if ddp in _REGISTERED or any(
+            isinstance(st, TernGradState) for _, st in hooks) else f"the communication hook {hooks[0][0]}")
+        raise TernGradError(f"TernGrad: this DistributedDataParallel model already has {what}; DDP takes one "
+                            "communication hook per model (keep the state the first register() returned)")
+    if state is None:
+        state = TernGradState(ddp.module.named_parameters(), process_group=ddp.process_group, config=config,
+                              asynchronous=asynchronous, **settings)
+    else:
+        if config is not None or settings:
+            raise TypeError("register(..., state=...) takes no settings: they are the state's")
+        served = state._model() if state._model is not None else None
+        if served is not None and served is not ddp or served is None and state._ready:
+            raise TernGradError("TernGrad: this TernGradState already serves another DDP model; build one "
+                                "state per model")
+        if not state._named:
+            state._bind(ddp.module.named_parameters())
+        if state.process_group is None and ddp.process_group is not dist.group.WORLD:
+            state.process_group = ddp.process_group
+    ddp.register_comm_hook(state, terngrad_hook)
+    state._model = weakref.ref(ddp)
+    _REGISTERED[ddp] = state
+    if all(p.device.type == "cpu" for p in ddp.module.parameters()):
         # torchrun sets LOCAL_WORLD_SIZE; without it, count this rank alone
         warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return state
 
 
-__all__ = ["TernGradState", "terngrad_hook", "register"]
+__all__ = ["TernGradState", "terngrad_hook", "register", "find_ddp"]

@@ -381,12 +381,21 @@ def sc_sparse():
 
 
 def sc_mismatch():
-    """Ranks with different TernGrad settings: RankMismatchError on every rank at construction (no hang)."""
-    try:
-        tg_ddp.TernGradState(Scrambled().named_parameters(), packing="base3" if RANK == 1 else "2bit")
-        return {"error": None}
-    except tg.RankMismatchError as e:
-        return {"error": str(e)}
+    """Ranks with different TernGrad settings: the state is checked at the first bucket; RankMismatchError
+    fails that backward on every rank (no hang), and the next bucket's too, without new collectives."""
+    model = Scrambled()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    state = tg_ddp.TernGradState(model.named_parameters(), packing="base3" if RANK == 1 else "2bit")
+    ddp.register_comm_hook(state, tg_ddp.terngrad_hook)
+    errors = []
+    for _ in range(2):
+        try:
+            ddp(next(batches())).pow(2).mean().backward()
+            errors.append(None)
+        except RuntimeError:
+            errors.append(repr(state.last_error))
+    return {"error": str(state.last_error) if isinstance(state.last_error, tg.RankMismatchError) else None,
+            "errors": errors}
 
 
 def run(name):
