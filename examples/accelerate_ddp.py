@@ -1,0 +1,80 @@
+"""TernGrad's DDP hook under Hugging Face Accelerate: a `transformers` GPT-2 (from a config, no weights) trained
+with ``accelerator.prepare`` and the hook registered on the prepared model.
+
+    torchrun --standalone --nproc_per_node 2 examples/accelerate_ddp.py
+    torchrun --standalone --nproc_per_node 2 examples/accelerate_ddp.py --dynamo eager    # torch.compile'd
+    accelerate launch --cpu --num_processes 2 examples/accelerate_ddp.py                  # Accelerate's launcher
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its enum of PyTorch's built-in hooks
+(a callable is ignored), so the hook goes on the model ``prepare`` returns: a ``DistributedDataParallel``, or,
+with a dynamo plugin (``Accelerator(dynamo_backend=...)``), a ``torch.compile`` wrapper around it;
+``horovod_terngrad.ddp.register`` finds the DDP object inside either.  The corpus and the model are
+examples/transformers_lm.py's (Python's reference docs as bytes, GPT-2 with a 256-byte vocabulary).
+
+Every rank prints one ``result: {...}`` JSON line: the prepared model's type, the losses, TernGrad's counters and
+a checksum of the parameters (equal on every rank).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transformers_lm import checksum, load_corpus, make_model, shutdown, windows  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dynamo", default="no", help="Accelerate's dynamo backend: no, eager, aot_eager, inductor")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from horovod_terngrad import ddp as tg_ddp
+
+    accelerator = Accelerator(cpu=True, dynamo_backend=args.dynamo)
+    set_seed(0)                                   # the same initial weights on every rank
+    train, _, what = load_corpus()
+    model = make_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, opt = accelerator.prepare(model, opt)
+    state = tg_ddp.register(model, seed=3)        # DDP, or torch.compile's wrapper of it
+    gen = torch.Generator().manual_seed(100 + accelerator.process_index)
+    losses = []
+    for _ in range(args.steps):
+        x = windows(train, args.batch_size, args.seq_len, gen)
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        accelerator.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    st = state.stats
+    result = {"rank": accelerator.process_index, "ranks": accelerator.num_processes,
+              "distributed_type": str(accelerator.distributed_type), "prepared": type(model).__name__,
+              "ddp": type(tg_ddp.find_ddp(model)).__name__, "steps": len(losses), "loss_first": losses[0],
+              "loss_last": losses[-1], "tensors": st.tensors, "elements": st.elements,
+              "bits_per_element": st.bits_per_element(), "uncompressed_elements": state.state.uncompressed_elements,
+              "stream_steps": sorted(set(state.steps.values())), "checksum": checksum(accelerator.unwrap_model(model))}
+    accelerator.print(f"GPT-2 on {what}, Accelerate {accelerator.distributed_type}, "
+                      f"prepared model {result['prepared']}; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                      f"TernGrad {st.tensors} tensors at {result['bits_per_element']:.2f} bits/element")
+    print("result: " + json.dumps(result), flush=True)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
+    shutdown()

@@ -1,0 +1,219 @@
+"""A `transformers` causal LM (GPT-2 built from a GPT2Config: no weights to download) trained on real text with
+TernGrad, through Horovod or through PyTorch DDP's communication hook.
+
+    horovodrun --gloo -np 2 -H localhost:2 python examples/transformers_lm.py --frontend horovod
+    torchrun --standalone --nproc_per_node 2 examples/transformers_lm.py --frontend ddp
+    ... --compression none                       # the fp32 baseline (Horovod's allreduce / DDP's own)
+
+The corpus is Python's reference documentation as CPython ships it (``pydoc_data.topics``: 79 topics, about
+465 KB of English prose with code, in every Python install; ``--corpus FILE`` takes any text file instead),
+read as bytes: the vocabulary is the 256 byte values, so no tokenizer is downloaded either.  The last 5% of
+the corpus is held out.  Each rank draws its own random windows of ``--seq-len`` bytes.
+
+Rank 0 prints every ``--log-every`` steps the training loss, tokens/s (all ranks together) and the bits per
+gradient element handed to collectives: over the ternarized elements (2.0 for 2bit, 1.6 for base3, plus the
+headers) and over every gradient element (the small tensors under ``min_numel`` travel in fp32).  At the end:
+the held-out loss, whether every rank holds bit-identical parameters, and one ``result: {...}`` JSON line (also
+written to ``--json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import zlib
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frontend", choices=["horovod", "ddp"], default="horovod")
+    p.add_argument("--compression", choices=["terngrad", "none"], default="terngrad")
+    p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--corpus", default=None, help="a text file (default: Python's pydoc_data.topics)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    return p.parse_args(argv)
+
+
+def load_corpus(path: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(train bytes, held-out bytes, description) as uint8 tensors."""
+    if path:
+        with open(path, "rb") as f:
+            data, what = f.read(), os.path.basename(path)
+    else:
+        from pydoc_data.topics import topics
+        data = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        what = "Python's reference docs (pydoc_data.topics)"
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    cut = int(len(ids) * 0.95)
+    return ids[:cut], ids[cut:], f"{what}, {len(data) / 1e3:.0f} KB"
+
+
+def make_model(args, seq_len: int | None = None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=256, n_positions=seq_len or args.seq_len, n_embd=args.n_embd,
+                     n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"        # what transformers picks anyway, without its warning
+    return model
+
+
+def windows(ids: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(ids) - seq_len, (n,), generator=gen)
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()]).long()
+
+
+def checksum(model) -> int:
+    code = 0
+    for p in model.parameters():
+        code = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), code)
+    return code
+
+
+class Frontend:
+    """Horovod's DistributedOptimizer with TernGrad, or DDP with TernGrad's hook: rank, size, the module to call,
+    the optimizer, the compressor's counters, and a way to compare every rank's checksum."""
+
+    def __init__(self, args, model):
+        self.kind = args.frontend
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        self.counters = None
+        if self.kind == "horovod":
+            import horovod.torch as hvd
+
+            from horovod_terngrad import TernGrad
+            self.hvd = hvd
+            self.rank, self.size = hvd.rank(), hvd.size()
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            comp = hvd.Compression.none
+            if args.compression == "terngrad":
+                comp = self.counters = TernGrad.configure(packing=args.packing, seed=args.seed)
+            self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+            self.forward = model
+        else:
+            import torch.distributed as dist
+
+            from horovod_terngrad import ddp as tg_ddp
+            self.dist = dist
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.forward = torch.nn.parallel.DistributedDataParallel(model)    # broadcasts rank 0's weights
+            if args.compression == "terngrad":
+                self.counters = tg_ddp.register(self.forward, packing=args.packing, seed=args.seed)
+            self.opt = opt
+
+    def uncompressed(self) -> int:
+        c = self.counters
+        return c.uncompressed_elements if self.kind == "horovod" else c.state.uncompressed_elements
+
+    def gather(self, value: int) -> list[int]:
+        if self.kind == "horovod":
+            return self.hvd.allgather_object(value)
+        out = [None] * self.size
+        self.dist.all_gather_object(out, value)
+        return out
+
+
+def bits(front) -> tuple[float, float]:
+    """(bits per ternarized element, bits per gradient element) handed to collectives so far."""
+    if front.counters is None:
+        return 32.0, 32.0
+    st = front.counters.stats
+    plain = front.uncompressed()
+    total = st.elements + plain
+    return st.bits_per_element(), (8.0 * st.bytes_sent + 32.0 * plain) / total if total else 0.0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.frontend == "horovod":
+        import horovod.torch as hvd
+        hvd.init()
+    else:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+    torch.manual_seed(args.seed)                 # the same initial weights on every rank
+    train, held_out, what = load_corpus(args.corpus)
+    model = make_model(args)
+    front = Frontend(args, model)
+    rank, size = front.rank, front.size
+    nparams = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"GPT-2 ({args.n_layer} layers, {args.n_embd} wide, {nparams} parameters, byte vocabulary) on {what}; "
+              f"{size} ranks, {args.frontend} frontend, compression={args.compression}"
+              + (f" ({args.packing})" if args.compression == "terngrad" else ""), flush=True)
+    gen = torch.Generator().manual_seed(1000 + args.seed + rank)
+    tokens_per_step = args.batch_size * args.seq_len * size
+    losses, t_start, t_log, last_log = [], time.perf_counter(), time.perf_counter(), 0
+    model.train()
+    for step in range(1, args.steps + 1):
+        x = windows(train, args.batch_size, args.seq_len, gen)
+        front.opt.zero_grad()
+        loss = front.forward(input_ids=x, labels=x).loss
+        loss.backward()
+        front.opt.step()
+        losses.append(loss.item())
+        if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps):
+            now = time.perf_counter()
+            tern, overall = bits(front)
+            print(f"step {step}: loss {sum(losses[last_log:]) / (step - last_log):.3f}  "
+                  f"{tokens_per_step * (step - last_log) / (now - t_log):.0f} tokens/s  "
+                  f"{tern:.2f} bits/element ternarized, {overall:.2f} over all gradient elements", flush=True)
+            t_log, last_log = now, step
+    elapsed = time.perf_counter() - t_start
+    model.eval()
+    vgen = torch.Generator().manual_seed(7)       # the same held-out windows on every rank
+    with torch.no_grad():
+        held = sum(model(input_ids=w, labels=w).loss.item()
+                   for w in (windows(held_out, 16, args.seq_len, vgen) for _ in range(4))) / 4
+    same = len(set(front.gather(checksum(model)))) == 1
+    tern, overall = bits(front)
+    k = max(1, min(20, len(losses) // 4))
+    result = {"frontend": args.frontend, "compression": args.compression, "ranks": size, "steps": len(losses),
+              "params": nparams, "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k,
+              "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
+              "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,
+              "bits_per_element_overall": overall, "params_identical": same}
+    if front.counters is not None:
+        result["elements_ternarized"] = front.counters.stats.elements
+        result["elements_uncompressed"] = front.uncompressed()
+    if rank == 0:
+        print(f"held-out loss {held:.3f} ({held / math.log(2):.2f} bits/byte); {result['tokens_per_s']:.0f} tokens/s; "
+              f"parameters identical on every rank: {same}", flush=True)
+        print("result: " + json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+def shutdown() -> None:
+    """End torch.distributed after main()'s DDP model is gone: destroying the process group under a live DDP
+    model aborts the process now and then at exit (torch 2.13, gloo: "terminate called without an active
+    exception")."""
+    import gc
+
+    import torch.distributed as dist
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()                            # no rank tears gloo down while another still talks
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    shutdown()
