@@ -99,7 +99,8 @@ def main(argv=None):
     if targs.process_index == 0:
         print(f"GPT-2 on {what}: Trainer, {targs.world_size} ranks, {trainer.state.global_step} steps, "
               f"logged losses {[round(x, 3) for x in losses.losses]}; TernGrad "
-              f"{result.get('tensors', 0)} tensors at {result.get('bits_per_element', 32.0):.2f} bits/element", flush=True)
+              f"{result.get('tensors', 0)} tensors at {result.get('bits_per_element', 32.0):.2f} bits/element",
+              flush=True)
     print("result: " + json.dumps(result), flush=True)
     del trainer, hook
 

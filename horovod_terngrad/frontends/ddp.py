@@ -445,7 +445,7 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
 
 _WRAPPER_ATTRS = (
     "_orig_mod",           # torch.compile's OptimizedModule (Accelerate's dynamo plugin compiles the DDP model)
-    "_forward_module",     # Fabric's _FabricModule; Lightning's _LightningModuleWrapperBase (its LightningModule)
+    "_forward_module",     # Fabric's _FabricModule; Lightning < 2.1's _LightningModuleWrapperBase (its LightningModule)
     "_original_module",    # Fabric's _FabricModule
     "model_wrapped",       # transformers' Trainer: the DDP model, once training has begun
     "_trainer",            # a LightningModule's Trainer (its `trainer` property raises when detached)
@@ -458,8 +458,9 @@ _WRAPPER_ATTRS = (
 def find_ddp(model):
     """The ``DistributedDataParallel`` object in ``model``: that object itself, or the one inside the wrappers
     of ``torch.compile`` (``_orig_mod``), Lightning (a LightningModule or its Trainer: ``trainer.strategy.model``;
-    ``_LightningModuleWrapperBase``), Fabric (``_FabricModule._forward_module``), Accelerate (the prepared model,
-    possibly compiled) and transformers (``Trainer.model_wrapped``); searched breadth first.  TypeError if none."""
+    Lightning < 2.1's ``_LightningModuleWrapperBase``), Fabric (``_FabricModule._forward_module``), Accelerate
+    (the prepared model, possibly compiled) and transformers (``Trainer.model_wrapped``); searched breadth
+    first.  TypeError if none."""
     from torch.nn.parallel import DistributedDataParallel
     todo, seen = [(model, 0)], set()
     while todo:
