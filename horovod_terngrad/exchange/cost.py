@@ -21,8 +21,17 @@ they are computed, so this model charges exactly the bytes the engine sends):
   sums of every member (allgather, P_sum = the largest owner's sum over members), plus the handshake.
   No chunk headers: the scalers come from the handshake.
 
-Network for ``exchange="auto"`` at run time: HOROVOD_TERNGRAD_GBPS (default 1) and HOROVOD_TERNGRAD_ALPHA_US
-(default 50), which the launcher's profiles set.  Cost of this module: O(tensors) per decision.
+Node-aware exchange (exchange/hierarchical.py) of a group on M nodes of G ranks (:func:`hierarchical_cost`,
+sizes from ``topology.shard_plan`` / ``topology.intra_node_bytes``, the transport's own): an fp32 alltoall
+inside the node (c = the largest shard, to each local peer), the TernGrad exchange of each local rank's
+pieces among M ranks on a G-th of the node's link (:func:`cross_network`; the slowest local rank sets the
+time), an fp32 allgather inside the node (P = shard + a status word per piece).  ``hierarchical="auto"``
+takes it where :func:`hierarchy_for` finds it cheaper than the flat exchange on all M·G ranks.
+
+Network for ``exchange="auto"`` and ``hierarchical="auto"`` at run time: HOROVOD_TERNGRAD_GBPS (default 1)
+and HOROVOD_TERNGRAD_ALPHA_US (default 50), which the launcher's profiles set, and inside a node
+HOROVOD_TERNGRAD_INTRA_GBPS (default 100) and HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 5).  Cost of this
+module: O(tensors) per decision (O(tensors·G) for the hierarchy).
 """
 from __future__ import annotations
 
@@ -341,56 +350,119 @@ def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, 
 TERNGRAD_HIERARCHICAL = "terngrad_hierarchical"
 
 
+def cross_network(network: Network, ranks_per_node: int) -> Network:
+    """The inter-node link as each of a node's G = ``ranks_per_node`` ranks sees it in the hierarchical
+    exchange: all G cross groups use the node's one link at once, so each gets a G-th of its bandwidth
+    (one rank per link, no intra-node link).  The transport decides its cross exchange on this link."""
+    G = max(1, int(ranks_per_node))
+    return replace(network, bandwidth_Bps=network.bandwidth_Bps / G, ranks_per_node=1, intra_node=None)
+
+
+def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, bucket_size: int,
+                        shared_scaler: bool, exchange: str | None) -> ExchangeCost:
+    """The flat exchange of one group on all ranks: ``exchange`` "allgather", "sharded", or None/"auto"
+    (the cheaper, as :func:`exchange_for` picks it)."""
+    N = int(workers)
+    if exchange in (None, "auto"):
+        exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
+    if exchange == "sharded":
+        return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
+    return terngrad_allgather_cost(ns, N, network, packing, bucket_size, shared_scaler)
+
+
 def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: int, network: Network,
                       packing: str = "2bit", bucket_size: int = 0, shared_scaler: bool = False,
                       cross: str | None = None) -> ExchangeCost:
     """The node-aware exchange (exchange/hierarchical.py) of one group on M = ``nodes`` nodes of G =
-    ``ranks_per_node`` ranks; the slowest local rank (largest shard, ``topology.shard_plan``) sets the time:
+    ``ranks_per_node`` ranks (``topology.shard_plan``: local rank j owns shard j's pieces):
 
-    T = alltoall(c, G, intra) + T_cross(pieces, M, inter with bandwidth/G) + allgather(P, G, intra)
+    T = alltoall(c, G ranks, intra) + max_j T_cross(pieces of shard j, M ranks, cross link) + allgather(P, G, intra)
 
-    c, P = ``topology.intra_node_bytes`` (fp32 shard to each local peer; averaged shard + a status word per
-    piece); intra = ``network.intra_node`` (``network`` itself if None); all G ranks of a node cross its
-    one link at once, so each sees a G-th of the inter-node bandwidth.  ``cross``: "allgather" or
-    "sharded" (None: the cheaper, as ``exchange_for`` picks on M ranks).  Bytes: those crossing this rank's
-    share of the node's link (the cross exchange's), plus, in ``messages``, every stage's latency terms."""
+    * c, P = ``topology.intra_node_bytes``: the largest fp32 shard each rank sends each local peer, and
+      the largest averaged shard plus one status word per piece; alltoall and allgather on G ranks of
+      ``network.intra_node`` (``network`` itself if None): (G-1)·alpha + (G-1)·c·beta and
+      (G-1)·alpha + (G-1)·P·beta;
+    * T_cross: the TernGrad exchange of local rank j's pieces (each its own tensor: payload_size per
+      piece) among the M ranks of its cross group, on :func:`cross_network` (the inter-node link at a G-th
+      of its bandwidth: all G local ranks cross the node's link at once); ``cross`` "allgather" (scaler
+      per ``shared_scaler``), "sharded", or None/"auto" (each rank picks for its own pieces, as
+      :func:`exchange_for` on M ranks: what the transport does).  The slowest local rank sets the time.
+
+    Bytes received: the slowest local rank's cross exchange (what it takes of the node's link; the node's
+    link carries G times that); the fp32 bytes inside the node are ``topology.intra_node_bytes``'s.
+    Messages: 2(G-1) inside the node plus the cross exchange's.  With M < 2 or G < 2 the hierarchy does
+    not apply (topology.Topology.flat_reason) and the runtime exchanges flat on all M·G ranks: this returns
+    that flat exchange's cost (``cross`` picks it).  Per step, the Horovod frontend adds two 4-byte
+    allreduces on every rank (:func:`presence_cost`: the presence check and the end-of-step sync)."""
     ns = _sizes(sizes)
     n, M, G = sum(ns), int(nodes), int(ranks_per_node)
-    plan = topology.shard_plan(ns, G)
-    worst = max(plan, key=lambda pieces: (sum(p.numel for p in pieces), len(pieces)))
-    pieces = [p.numel for p in worst]
+    if M < 1 or G < 1:
+        raise ValueError("nodes and ranks_per_node must be >= 1")
+    if M < 2 or G < 2:
+        flat_net = replace(network, ranks_per_node=G)
+        return _flat_terngrad_cost(ns, M * G, flat_net, packing, bucket_size, shared_scaler, cross)
     intra = network.intra_node or network
-    inter = replace(network, bandwidth_Bps=network.bandwidth_Bps / G, ranks_per_node=1, intra_node=None)
+    link = cross_network(network, G)
     c, P = topology.intra_node_bytes(ns, G)
-    t_local = alltoall_time(c / 1.0, G, intra, G) + ring_allgather_time(P, G, intra)
-    if M <= 1 or not pieces:
-        cross_cost = ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, sum(pieces))
-    else:
-        if cross is None:
-            cross = exchange_for(pieces, M, packing, bucket_size, network=inter, shared_scaler=shared_scaler)
-        cross_cost = (terngrad_sharded_cost(pieces, M, inter, packing, bucket_size) if cross == "sharded" else
-                      terngrad_allgather_cost(pieces, M, inter, packing, bucket_size, shared_scaler))
-    return ExchangeCost(TERNGRAD_HIERARCHICAL, t_local + cross_cost.time_s, cross_cost.bytes_received,
-                        2 * (G - 1) + cross_cost.messages, n)
+    t_local = alltoall_time(c, G, intra, G) + ring_allgather_time(P, G, intra)
+    worst = None
+    for pieces in topology.shard_plan(ns, G):
+        sizes_j = [p.numel for p in pieces]
+        if not sizes_j:
+            cost_j = ExchangeCost(TERNGRAD_ALLGATHER, 0.0, 0.0, 0, 0)
+        else:
+            cost_j = _flat_terngrad_cost(sizes_j, M, link, packing, bucket_size, shared_scaler, cross)
+        if worst is None or cost_j.time_s > worst.time_s:
+            worst = cost_j
+    return ExchangeCost(TERNGRAD_HIERARCHICAL, t_local + worst.time_s, worst.bytes_received,
+                        2 * (G - 1) + worst.messages, n)
 
 
 def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packing: str = "2bit",
-                  bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False) -> bool:
-    """``hierarchical="auto"``: whether the node-aware exchange is cheaper than the flat TernGrad exchange
-    (the better of allgather and sharded on all N = M·G ranks, G of them sharing each node's link) for a
-    group of these sizes.  ``network``: the inter-node link, with its ``intra_node`` link (default: the
-    configured ones)."""
+                  bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
+                  exchange: str | None = None, step_allreduces: int = 0) -> bool:
+    """``hierarchical="auto"``: whether the node-aware exchange (:func:`hierarchical_cost`) is cheaper
+    than the flat TernGrad exchange on all N = M·G ranks (G of them per node sharing its link: ring
+    formulas on the inter-node link, the alltoall's G·(N-G) bytes per link) for a group of these sizes.
+    ``exchange``: the config's exchange, used both flat and across nodes ("allgather", "sharded"; None or
+    "auto": the cheaper of the two on each side).  ``network``: the inter-node link with its
+    ``intra_node`` link (default: :func:`configured_network`).  ``step_allreduces``: the 4-byte allreduces
+    of all ranks the node-aware engine adds to a step that uses it (Horovod frontend: 2, its presence
+    check and end-of-step sync; DDP: 0); the group must save their time (:func:`presence_cost` each) on
+    its own, so that a step of groups each decided this way is never slower than the flat step.  False
+    where the hierarchy cannot apply (M < 2 or G < 2)."""
     M, G = int(nodes), int(ranks_per_node)
     if M < 2 or G < 2:
         return False
-    net = network or configured_network(G)
-    net = replace(net, ranks_per_node=G)
-    flat_link = replace(net, intra_node=None)       # N > G: the flat exchange crosses nodes
-    N = M * G
-    shared_flat = replace(flat_link, bandwidth_Bps=flat_link.bandwidth_Bps / G)   # G ranks per NIC, all at once
-    flat = min(terngrad_allgather_cost(list(numels), N, shared_flat, packing, bucket_size, shared_scaler).time_s,
-               terngrad_sharded_cost(list(numels), N, shared_flat, packing, bucket_size).time_s if N > 2 else float("inf"))
-    return hierarchical_cost(list(numels), M, G, net, packing, bucket_size, shared_scaler).time_s < flat
+    net = replace(network or configured_network(G), ranks_per_node=G)
+    ns = _sizes(numels)
+    flat = _flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, exchange)
+    overhead = int(step_allreduces) * presence_cost(M * G, net).time_s
+    return hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange).time_s + overhead < flat.time_s
+
+
+def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: int, packing: str = "2bit",
+                   bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
+                   exchange: str | None = None, step_allreduces: int = 0) -> list[bool]:
+    """``hierarchical="auto"`` for a whole step of groups (element counts of each group's members) known in
+    advance: the groups the node-aware exchange makes faster than the flat one go node-aware, if together
+    they save more than the ``step_allreduces`` 4-byte allreduces it adds to the step (see
+    :func:`hierarchy_for`); else none does.  The step is then never slower than flat in this model.
+    O(tensors·G)."""
+    M, G = int(nodes), int(ranks_per_node)
+    if M < 2 or G < 2:
+        return [False] * len(groups)
+    net = replace(network or configured_network(G), ranks_per_node=G)
+    saved, out = 0.0, []
+    for g in groups:
+        ns = _sizes(g)
+        d = (_flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, exchange).time_s
+             - hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange).time_s)
+        out.append(d > 0)
+        saved += max(d, 0.0)
+    if saved <= int(step_allreduces) * presence_cost(M * G, net).time_s:
+        return [False] * len(groups)
+    return out
 
 
 @functools.lru_cache(maxsize=8)

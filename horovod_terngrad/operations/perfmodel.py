@@ -101,13 +101,14 @@ from typing import Iterable, Sequence
 
 from ..codec import sizes as wire
 from ..config import TernGradConfig
-from ..exchange import fusion
+from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
     _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, TERNGRAD_ALLGATHER, TERNGRAD_BEST,
-    TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_SHARDED, ExchangeChoice, ExchangeCost, Network,
-    allreduce_cost, alltoall_time, calibrated_efficiency, choose_exchange, configured_network, exchange_cost,
-    exchange_for, fp16_allreduce_cost, fp32_allreduce_cost, ring_allgather_time, ring_allreduce_time,
-    presence_cost, sharded_bytes, terngrad_allgather_cost, terngrad_sharded_cost)
+    TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL, TERNGRAD_SHARDED, ExchangeChoice,
+    ExchangeCost, Network, allreduce_cost, alltoall_time, calibrated_efficiency, choose_exchange,
+    configured_network, cross_network, exchange_cost, exchange_for, fp16_allreduce_cost, fp32_allreduce_cost,
+    hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost, sharded_bytes,
+    terngrad_allgather_cost, terngrad_sharded_cost)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -199,17 +200,38 @@ def terngrad_config(config: TernGradConfig | None = None, packing: str | None = 
 @dataclass(frozen=True)
 class PlannedBuffer:
     """One buffer of :func:`plan_buffers`: its exchange and the tensors in it (indices into the model's
-    ``tensor_sizes``, in the order they travel, and their sizes)."""
+    ``tensor_sizes``, in the order they travel, and their sizes).  A node-aware group
+    (``exchange == TERNGRAD_HIERARCHICAL``) has ``cross``: the exchange across nodes ("allgather",
+    "sharded", or None: each local rank picks for its pieces, as ``exchange="auto"``)."""
 
     exchange: str
     members: tuple
     sizes: tuple
+    cross: str | None = None
+
+
+#: 4-byte allreduces of all ranks that the node-aware engine adds to a step under the Horovod frontend
+#: (its presence check and end-of-step sync), charged once per step that has a node-aware group.  (The
+#: engine decides per group, ``hierarchy_for`` without them; ``exchange.cost.hierarchy_plan`` weighs them.)
+HOROVOD_STEP_ALLREDUCES = 2
+
+# the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
+_SETTING = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_BEST: None}
+
+
+def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
+    """(M nodes, G ranks per node) of a job of ``workers`` ranks placed contiguously on ``network``'s
+    nodes of ``ranks_per_node``, or None where the node-aware exchange cannot apply
+    (``topology.Topology.flat_reason``: one node, one rank per node, or nodes of different sizes)."""
+    G = max(1, int(network.ranks_per_node))
+    topo = topology.Topology.contiguous(int(workers), G)
+    return None if topo.flat_reason() is not None else (topo.num_nodes, G)
 
 
 def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
                  packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
                  fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
-                 names: Sequence[str] | None = None) -> list[PlannedBuffer]:
+                 names: Sequence[str] | None = None, hierarchical=None) -> list[PlannedBuffer]:
     """:func:`exchange_plan` with the tensors of each buffer (see there)."""
     sizes = [int(x) for x in tensor_sizes]
     if method in (FP32, FP16):
@@ -219,6 +241,10 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST):
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cfg = terngrad_config(config, packing, fusion_numel)
+    if hierarchical is not None:
+        cfg = cfg.replace(hierarchical=hierarchical)
+    shape = node_shape(workers, network) if cfg.hierarchical is not False else None
+    shared = cfg.scaler_shared_for("allgather")
     names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
     if len(names) != len(sizes) or len(set(names)) != len(names):
         raise ValueError(f"names must be {len(sizes)} distinct names, one per tensor")
@@ -228,9 +254,14 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     for group in cut.groups:
         members = tuple(index[n] for n in group)
         numels = [sizes[i] for i in members]
+        if shape is not None and (cfg.hierarchical is True or hierarchy_for(
+                numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
+                exchange=_SETTING[method])):      # node-aware, as the engine decides for this group
+            out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), _SETTING[method]))
+            continue
         if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
             kind = exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
-                                shared_scaler=cfg.scaler_shared_for("allgather"))
+                                shared_scaler=shared)
             exchange = TERNGRAD_SHARDED if kind == "sharded" else TERNGRAD_ALLGATHER
         else:
             exchange = method
@@ -245,7 +276,7 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
 def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
                   packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
                   fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
-                  names: Sequence[str] | None = None) -> list[tuple[str, list[int]]]:
+                  names: Sequence[str] | None = None, hierarchical=None) -> list[tuple[str, list[int]]]:
     """How a model's gradients travel under ``method``: [(exchange, tensor sizes of the buffer), ...].
 
     ``tensor_sizes`` (and ``names``, default "0", "1", ...) in registration (forward) order.
@@ -257,21 +288,31 @@ def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, networ
     ``exchange.cost.exchange_for`` picks for it, as the engine does.  Tensors the policy keeps at full
     precision come last, as fp32 allreduce buffers fused up to ``fusion_bytes``.  ``config.exchange`` is
     not read: ``method`` says which exchange.
+
+    Node-aware exchange (``hierarchical``, default ``config.hierarchical``, whose default is "auto"): on
+    ``network``'s nodes of ``ranks_per_node`` ranks (contiguous placement, :func:`node_shape`), a group goes
+    node-aware ("terngrad_hierarchical") where ``exchange.cost.hierarchy_for`` finds it cheaper than the
+    flat exchange ("auto", as the engine decides), or always (True, where the topology allows it); its
+    exchange across nodes is the method's (the cheaper per local rank for "terngrad").
     """
     return [(b.exchange, list(b.sizes)) for b in plan_buffers(method, tensor_sizes, workers, network, packing,
-                                                               fusion_bytes, fusion_numel, config=config, names=names)]
+                                                               fusion_bytes, fusion_numel, config=config, names=names,
+                                                               hierarchical=hierarchical)]
 
 
 def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
                         packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
                         fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
-                        names: Sequence[str] | None = None) -> tuple[ExchangeCost, list[str]]:
+                        names: Sequence[str] | None = None, hierarchical=None) -> tuple[ExchangeCost, list[str]]:
     """Cost of exchanging all of a model's gradients: the sum over its buffers (:func:`exchange_plan`),
     each charged by ``exchange.cost.exchange_cost`` with the config's packing and bucket size.
 
     An allgather buffer pays the handshake only if the config shares its scaler
     (``scaler_shared_for("allgather")``); with per-rank scalers the step pays one presence check instead
-    (``exchange.cost.presence_cost``), as the engine does.
+    (``exchange.cost.presence_cost``), as the engine does.  A node-aware group is charged
+    ``exchange.cost.hierarchical_cost`` (M = N/G nodes of G = ``network.ranks_per_node``); a step with one
+    pays two 4-byte allreduces of every rank (the node-aware engine's presence check and the Horovod
+    frontend's end-of-step sync), besides the flat engine's presence check if it sends per-rank groups too.
 
     Returns (total cost, exchange used per buffer).
     """
@@ -279,23 +320,38 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
     shared = cfg.scaler_shared_for("allgather")
     total, used = None, []
     for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
-                          config=config, names=names):
-        cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size, shared)
+                          config=config, names=names, hierarchical=hierarchical):
+        if b.exchange == TERNGRAD_HIERARCHICAL:
+            M, G = node_shape(workers, network)
+            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross)
+        else:
+            cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size, shared)
         total = cost if total is None else total + cost
         used.append(b.exchange)
     if TERNGRAD_ALLGATHER in used and not shared:
         total = total + presence_cost(workers, network)
+    if TERNGRAD_HIERARCHICAL in used:       # presence check + end-of-step sync
+        for _ in range(HOROVOD_STEP_ALLREDUCES):
+            total = total + presence_cost(workers, network)
     if total is None:
         total = ExchangeCost(method, 0.0, 0.0, 0, 0)
     return replace(total, method=method), used
 
 
-def codec_work_elements(method: str, numel: int, workers: int) -> float:
+def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: int = 1,
+                        cross: str = "allgather") -> float:
     """Element operations of the codec per step (for the optional codec term).
 
     fp32: 0; fp16: 2n (cast out and back); allgather: n encode + N·n decode (every payload is decoded);
     sharded: n encode + n (owners sum N chunks of n/N) + n decode of the sums = 3n.  N = 1: 0.
+    Node-aware (G = ``ranks_per_node``, M = N/G nodes): n (the node sum of G slices of n/G) plus the
+    ``cross`` exchange's work on n/G elements among M ranks.
     """
+    if method == TERNGRAD_HIERARCHICAL:
+        G = max(1, int(ranks_per_node))
+        shard = numel / G
+        inner = TERNGRAD_SHARDED if cross == "sharded" else TERNGRAD_ALLGATHER
+        return float(numel) + codec_work_elements(inner, shard, max(1, int(workers) // G))
     if workers <= 1 or method == FP32:
         return 0.0
     if method == FP16:
@@ -345,7 +401,7 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
                  method: str = FP32, *, packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
                  fusion_numel: int | None = None, overlap: float = 0.0, codec_elements_per_s: float | None = None,
                  batch_per_worker: int | None = None, config: TernGradConfig | None = None,
-                 names: Sequence[str] | None = None) -> StepPrediction:
+                 names: Sequence[str] | None = None, hierarchical=None) -> StepPrediction:
     """T_step = T_compute + T_comm + T_codec - min(T_comm + T_codec, overlap·T_compute).
 
     ``tensor_sizes``: gradient element counts in layer (registration) order, travelling in the buffers of
@@ -353,18 +409,28 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
     there); the order only changes how many buffers, hence latency terms, there are (the :data:`MODELS`
     lists are in layer order).  ``overlap`` in [0, 1]; 0 (default) = no overlap of communication with
     compute.  ``codec_elements_per_s``: None = the codec is free; else T_codec = :func:`codec_work_elements` / rate.
+    ``hierarchical`` ("auto", True, False; default ``config.hierarchical``, "auto"): the node-aware
+    exchange on ``network``'s nodes (:func:`exchange_plan`).
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError("overlap must be in [0, 1]")
     if compute_s < 0 or workers < 1:
         raise ValueError("compute_s must be >= 0 and workers >= 1")
-    plan_kw = dict(config=config, names=names)
+    plan_kw = dict(config=config, names=names, hierarchical=hierarchical)
     cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
                                      **plan_kw)
     codec = 0.0
     if codec_elements_per_s:
-        plan = exchange_plan(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel, **plan_kw)
-        work = sum(codec_work_elements(m, sum(b), workers) for m, b in plan)
+        cfg = terngrad_config(config, packing)
+        work = 0.0
+        for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel, **plan_kw):
+            cross = b.cross
+            if b.exchange == TERNGRAD_HIERARCHICAL and cross is None:    # what the largest shard's rank picks
+                M, G = node_shape(workers, network)
+                pieces = [p.numel for p in topology.shard_plan(b.sizes, G)[0]]
+                cross = exchange_for(pieces, M, cfg.packing, cfg.bucket_size, network=cross_network(network, G),
+                                     shared_scaler=cfg.scaler_shared_for("allgather"))
+            work += codec_work_elements(b.exchange, sum(b.sizes), workers, network.ranks_per_node, cross)
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
     step = compute_s + exposed - min(exposed, overlap * compute_s)
@@ -596,40 +662,67 @@ def worker_counts(max_workers: int = 512) -> list[int]:
     return out
 
 
+TERNGRAD_FLAT = "terngrad_flat"   #: a row of predict_scaling(flat_too=True): "terngrad" with hierarchical=False
+
+
 def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] = None,
                     methods: Sequence[str] = METHODS, compute_s: float | None = None,
-                    batch_per_worker: int | None = None, **kwargs) -> list[dict[str, StepPrediction]]:
+                    batch_per_worker: int | None = None, flat_too: bool = False,
+                    **kwargs) -> list[dict[str, StepPrediction]]:
     """Fig.-5 predictions: for each N, {method: StepPrediction} (images/s and speedup vs fp32).
 
     Weak scaling: batch per worker fixed (the paper's, unless given); compute time from
-    ``model.compute_s[cluster.gpu]`` unless given.  Cost: O(len(workers) · len(methods) · tensors).
+    ``model.compute_s[cluster.gpu]`` unless given.  ``kwargs`` go to :func:`predict_step` (``hierarchical``
+    among them: default the config's, "auto").  ``flat_too``: each row also holds :data:`TERNGRAD_FLAT`,
+    the "terngrad" method with the flat exchange only (``hierarchical=False``), its speedup against the
+    same fp32.  Cost: O(len(workers) · len(methods) · tensors).
     """
     workers = list(workers) if workers is not None else worker_counts()
     c = model.compute_s[cluster.gpu] if compute_s is None else compute_s
     b = model.batch_per_gpu if batch_per_worker is None else batch_per_worker
-    return [compare_exchanges(model, c, N, cluster.network, methods, batch_per_worker=b, **kwargs)
-            for N in workers]
+    rows = []
+    for N in workers:
+        row = compare_exchanges(model, c, N, cluster.network, methods, batch_per_worker=b, **kwargs)
+        if flat_too:
+            flat = compare_exchanges(model, c, N, cluster.network, (FP32, TERNGRAD_BEST), batch_per_worker=b,
+                                     **{**kwargs, "hierarchical": False})[TERNGRAD_BEST]
+            row[TERNGRAD_FLAT] = replace(flat, speedup_vs_fp32=row[FP32].step_s / flat.step_s)
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
 # Output: table (figures: operations/plots.py)
+_SHORT = {TERNGRAD_HIERARCHICAL: "hier", TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded"}
+
+
 def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPrediction]]) -> str:
-    """Workers x images/s for fp32, fp16 and TernGrad (both exchanges and the chosen one), speedup."""
+    """Workers x images/s for fp32, fp16 and TernGrad (both exchanges and the chosen one), speedup, the
+    fraction of linear scaling (N x one GPU's images/s) TernGrad reaches, and, where the rows hold
+    :data:`TERNGRAD_FLAT`, the flat exchange's images/s and speedup beside them."""
     first = rows[0][FP32]
     head = (f"{model.name} on {cluster.name} ({cluster.network.describe()}); {model.parameters / 1e6:.1f}M "
             f"parameters in {len(model.tensors)} tensors; batch {first.batch_per_worker}/worker; compute "
             f"{first.compute_s * 1e3:.1f} ms/iteration")
-    cols = ("workers", "fp32 img/s", "fp16 img/s", "TG-allgather", "TG-sharded", "TernGrad", "speedup",
-            "TG bits/elt", "chosen")
-    lines = [head, "  ".join(f"{c:>12}" for c in cols)]
+    flat = all(TERNGRAD_FLAT in r for r in rows)
+    cols = ["workers", "fp32 img/s", "fp16 img/s", "TG-allgather", "TG-sharded", "TernGrad", "speedup", "TG/linear"]
+    cols += ["flat TG", "flat spd"] if flat else []
+    cols += ["TG bits/elt", "chosen"]
+    rows_out = []
     for r in rows:
         tg = r[TERNGRAD_BEST]
         chosen = sorted(set(tg.exchanges))
-        chosen = "-" if tg.workers == 1 else "+".join(c.replace("terngrad_", "") for c in chosen)
-        vals = (f"{tg.workers}", f"{r[FP32].images_per_s:.0f}", f"{r[FP16].images_per_s:.0f}",
+        chosen = "-" if tg.workers == 1 else "+".join(_SHORT.get(c, c) for c in chosen)
+        vals = [f"{tg.workers}", f"{r[FP32].images_per_s:.0f}", f"{r[FP16].images_per_s:.0f}",
                 f"{r[TERNGRAD_ALLGATHER].images_per_s:.0f}", f"{r[TERNGRAD_SHARDED].images_per_s:.0f}",
-                f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.bits_per_element:.2f}", chosen)
-        lines.append("  ".join(f"{v:>12}" for v in vals))
+                f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.scaling_efficiency:.3f}"]
+        if flat:
+            vals += [f"{r[TERNGRAD_FLAT].images_per_s:.0f}", f"{r[TERNGRAD_FLAT].speedup_vs_fp32:.2f}x"]
+        vals += [f"{tg.bits_per_element:.2f}", chosen]
+        rows_out.append(vals)
+    width = [max(len(c), 8, *(len(v[i]) for v in rows_out)) for i, c in enumerate(cols)]
+    lines = [head, "  ".join(f"{c:>{w}}" for c, w in zip(cols, width))]
+    lines += ["  ".join(f"{v:>{w}}" for v, w in zip(vals, width)) for vals in rows_out]
     return "\n".join(lines)
 
 
@@ -665,6 +758,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod 0.28.1's 128")
     p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL,
                    help="TernGrad's tensor fusion: elements per fused group (0: none); default TernGradConfig's")
+    p.add_argument("--hierarchical", choices=("auto", "true", "false"), default="auto",
+                   help="node-aware exchange (TernGradConfig.hierarchical): auto (default) where the cost model "
+                        "finds it cheaper per group, true where the nodes allow it, false never")
+    p.add_argument("--intra-gbps", type=float, help="custom cluster: the link inside a node, Gbit/s "
+                   "(default: none, the inter-node link is used inside a node too)")
+    p.add_argument("--intra-latency-us", type=float, default=5.0, help="custom cluster: its alpha, us")
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
     p.add_argument("--codec-gelems", type=float, default=None,
                    help="codec rate in 10^9 elements/s (default: codec not modelled)")
@@ -678,7 +777,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cluster == "custom":
         if a.bandwidth_gbps is None or a.latency_us is None:
             p.error("--cluster custom needs --bandwidth-gbps and --latency-us")
-        net = Network.from_gbps("custom", a.bandwidth_gbps, a.latency_us, a.ranks_per_node)
+        intra = (Network.from_gbps("custom intra-node", a.intra_gbps, a.intra_latency_us)
+                 if a.intra_gbps else None)
+        net = Network.from_gbps("custom", a.bandwidth_gbps, a.latency_us, a.ranks_per_node, intra)
         clusters = {"custom": Cluster("custom", net, a.gpu, "command line")}
     elif a.cluster == "both":
         clusters = dict(CLUSTERS)
@@ -688,8 +789,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.compute_ms is not None and len(model_keys) > 1:
         p.error("--compute-ms needs a single --model")
 
+    hierarchical = {"auto": "auto", "true": True, "false": False}[a.hierarchical]
     kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
-                  overlap=a.overlap,
+                  overlap=a.overlap, hierarchical=hierarchical,
                   codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
     compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
     workers = worker_counts(a.max_workers)
@@ -697,7 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for mkey in model_keys:
         results[mkey] = {}
         for ckey, cluster in clusters.items():
-            rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, **kwargs)
+            rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
+                                   flat_too=hierarchical is not False and cluster.network.ranks_per_node > 1,
+                                   **kwargs)
             results[mkey][ckey] = rows
             print(format_table(MODELS[mkey], cluster, rows))
             print()
