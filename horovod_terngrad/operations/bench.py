@@ -7,12 +7,18 @@
     horovodrun --gloo -np 2 -H localhost:2 python -m horovod_terngrad.operations.bench step [--model resnet50]
         Step time of a model (an MLP with 2·layers tensors, ResNet-50, a transformer, 300 tiny tensors:
         operations/models.py) under fp32 / fp16 / TernGrad settings, and where TernGrad's time goes.
+        With ``--link-counters eth0`` each configuration also records the bytes that crossed each host's
+        eth0 per step (read on every host around its turns: examples/emulated_cluster_benchmark.py).
+    OMP_NUM_THREADS=1 python -m horovod_terngrad.operations.bench compute [--model mlp]
+        One process, no Horovod, one thread: the median time of a training step of the model (forward,
+        backward, SGD step), as JSON: one rank's compute alone (the calibrated regime's yardstick).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import resource
+import socket
 import time
 
 import torch
@@ -109,6 +115,9 @@ STEP_CONFIGS = {
     "terngrad-all": ("TernGrad, every tensor (min_numel=0)", lambda hvd, T: T(min_numel=0)),
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
     "terngrad-auto": ("TernGrad exchange=auto", lambda hvd, T: T(exchange="auto")),
+    # the node-aware exchange forced on / off (the defaults' hierarchical="auto" decides by the cost model)
+    "terngrad-hier": ("TernGrad hierarchical=True", lambda hvd, T: T(hierarchical=True)),
+    "terngrad-flat": ("TernGrad hierarchical=False", lambda hvd, T: T(hierarchical=False)),
 }
 
 
@@ -207,6 +216,40 @@ class Calibration:
                 "rounds": self.rounds}
 
 
+def _iface_bytes(iface: str) -> list:
+    """[tx_bytes, rx_bytes] of a network interface of this process's network namespace."""
+    base = f"/sys/class/net/{iface}/statistics/"
+    return [int(open(base + k).read()) for k in ("tx_bytes", "rx_bytes")]
+
+
+def link_bytes_per_host(hosts: list, deltas: list, steps: int) -> dict:
+    """{host: [tx, rx] bytes per step} from every rank's host name and counter deltas (ranks of one host
+    read the same interface: the first rank of each host is taken)."""
+    out = {}
+    for h, d in zip(hosts, deltas):
+        out.setdefault(h, [v / max(1, steps) for v in d])
+    return out
+
+
+def bench_compute(args):
+    """One rank's compute alone: no Horovod, one thread, the benchmark's own training step."""
+    import json
+
+    from . import models
+    torch.set_num_threads(1)
+    model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
+                           context=args.context)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    times = _times_s(lambda: _train_step(model, opt, x), args.steps, warmup=args.warmup)
+    res = {"model": args.model, "batch": args.batch, "params": sum(p.numel() for p in model.parameters()),
+           "threads": torch.get_num_threads(), "compute_ms": 1000 * _median(times),
+           "times_ms": [1000 * t for t in times]}
+    print(json.dumps(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def _train_step(model, opt, x):
     """One step of the benchmark's training loop (the same in the calibration and every configuration)."""
     opt.zero_grad()
@@ -259,7 +302,8 @@ def bench_step(args):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                        named_parameters=model.named_parameters(), compression=comp)
         setups.append({"key": key, "label": label, "comp": comp, "model": model, "opt": opt, "times": [],
-                       "faults": [], "counters": dict.fromkeys(_COUNTERS, 0)})
+                       "faults": [], "counters": dict.fromkeys(_COUNTERS, 0), "link": [0, 0], "link_steps": 0})
+    iface = getattr(args, "link_counters", "")
 
     def one_step(su, timed=True):
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -280,6 +324,9 @@ def bench_step(args):
         if cal is not None:
             cal.measure()
         for su in setups:
+            if iface:      # every rank has finished what came before: the window holds this turn's traffic
+                hvd.allreduce(torch.zeros(1), name=f"bench.link0.{su['key']}.{r}")
+                link0 = _iface_bytes(iface)
             if rounds > 1:
                 one_step(su, timed=False)        # one untimed step whenever a configuration takes its turn
             st = getattr(su["comp"], "stats", None)
@@ -290,6 +337,9 @@ def bench_step(args):
                 for k in _COUNTERS:
                     su["counters"][k] += getattr(st, k) - before[k]
             hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{su['key']}.{r}")
+            if iface:
+                su["link"] = [a + b - c for a, b, c in zip(su["link"], _iface_bytes(iface), link0)]
+                su["link_steps"] += args.steps + (1 if rounds > 1 else 0)
     calibration = cal.result() if cal is not None else None
     rows = []
     k = args.steps * rounds
@@ -300,8 +350,16 @@ def bench_step(args):
                # page faults (this process, all threads) per step, by round: first touches of fresh memory
                "page_faults_by_round": [_median(su["faults"][i * args.steps:(i + 1) * args.steps])
                                         for i in range(rounds)]}
+        if iface:
+            # bytes through each host's link per step (every step of the turns, the untimed ones too, and
+            # the two 4-byte barriers around each turn); a host's ranks all read its one eth0
+            hosts = hvd.allgather_object(socket.gethostname(), name=f"bench.link.hosts.{su['key']}")
+            deltas = hvd.allgather_object(su["link"], name=f"bench.link.bytes.{su['key']}")
+            row["link_bytes_per_step"] = link_bytes_per_host(hosts, deltas, su["link_steps"])
         if hasattr(su["comp"], "stats"):
             c = su["counters"]
+            # the node-aware engine (exchange/hierarchical.py) took over where the topology and config allow
+            row["node_aware"] = type(su["comp"].engine()).__name__ == "HierarchicalExchange"
             row["terngrad_config"] = dataclasses.asdict(su["comp"].config)
             link = su["comp"].engine().link      # exchange="auto": what it measured and decided
             if link is not None:
@@ -393,8 +451,20 @@ def main(argv=None):
     s.add_argument("--json", default="", help="rank 0 writes the figures here")
     s.add_argument("--calibrate", action="store_true",
                    help="first measure compute alone and one large allreduce/allgather/alltoall (for the perf model)")
+    s.add_argument("--link-counters", default="", metavar="IFACE",
+                   help="record the bytes through each host's IFACE (e.g. eth0) per step of each configuration")
+    m = sub.add_parser("compute")
+    m.add_argument("--model", default="mlp", help="mlp, resnet50, transformer or tiny (operations/models.py)")
+    m.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
+    m.add_argument("--context", type=int, default=64, help="transformer: tokens per sample")
+    m.add_argument("--layers", type=int, default=32)
+    m.add_argument("--width", type=int, default=256)
+    m.add_argument("--batch", type=int, default=32)
+    m.add_argument("--steps", type=int, default=7)
+    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--json", default="")
     args = p.parse_args(argv)
-    {"codec": bench_codec, "engine": bench_engine, "step": bench_step}[args.what](args)
+    {"codec": bench_codec, "engine": bench_engine, "step": bench_step, "compute": bench_compute}[args.what](args)
 
 
 if __name__ == "__main__":
