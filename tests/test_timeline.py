@@ -258,3 +258,18 @@ def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_f
     per_rank = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg.replace(shared_scaler=None),
                              names=["a.weight", "a.bias", "fc3.weight"])
     assert per_rank.channel_busy_s == pytest.approx(fp32 + pm.ring_allreduce_time(4, 4, FLAT) + ag)
+
+
+def test_node_aware_plans_are_refused_not_scheduled_as_flat():
+    """Nodes of 4 on 1 Gbit/s: the default plan (hierarchical="auto") sends groups node-aware, which the
+    schedule does not model; it says so instead of charging another plan; hierarchical=False schedules
+    the flat exchange as before (the additive model charges the node-aware one)."""
+    net = pm.ETHERNET_1G
+    sizes = [1_000_000, 4096, 300_000]
+    with pytest.raises(NotImplementedError, match="node-aware"):
+        timeline_step(sizes, 0.1, 8, net, "terngrad_allgather")
+    flat = timeline_step(sizes, 0.1, 8, net, "terngrad_allgather", hierarchical=False)
+    assert flat.step_s > 0.1 and flat.collectives > 0
+    one_nic = pm.Network("flat", net.latency_s, net.bandwidth_Bps)          # one rank per node: flat anyway
+    assert timeline_step(sizes, 0.1, 8, one_nic, "terngrad_allgather").step_s > 0.1
+    assert pm.predict_step(sizes, 0.1, 8, net, "terngrad_allgather").exchanges[0] == "terngrad_hierarchical"

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from ..exchange.cost import FP16, FP32, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_SHARDED, Network, exchange_cost
-from .perfmodel import CLUSTERS, MODELS
+from .perfmodel import CLUSTERS, MODELS, TERNGRAD_FLAT
 
 
 def _pyplot():
@@ -18,7 +18,8 @@ def _pyplot():
 
 
 def plot_fig5(results: dict, path: str, title: str | None = None) -> str:
-    """Fig.-5-like PNG: one subplot per model, images/s vs workers, fp32 and TernGrad per cluster.
+    """Fig.-5-like PNG: one subplot per model, images/s vs workers, fp32 and TernGrad per cluster (and the
+    flat TernGrad exchange where the rows hold it: ``predict_scaling(flat_too=True)``).
 
     ``results``: {model_key: {cluster_key: rows from predict_scaling}}.  matplotlib (Agg) is imported here.
     """
@@ -36,6 +37,9 @@ def plot_fig5(results: dict, path: str, title: str | None = None) -> str:
                     label=f"{cname} fp32")
             ax.plot(N, [r[TERNGRAD_BEST].images_per_s for r in rows], "-s", color=color, ms=3,
                     label=f"{cname} TernGrad")
+            if all(TERNGRAD_FLAT in r for r in rows):      # the flat exchange beside the node-aware one
+                ax.plot(N, [r[TERNGRAD_FLAT].images_per_s for r in rows], "-.", color=color, lw=0.9,
+                        label=f"{cname} TernGrad flat")
             ideal = [n * rows[0][FP32].images_per_s for n in N]
             ax.plot(N, ideal, ":", color=color, lw=0.8, alpha=0.6)
         ax.set_xscale("log", base=2)

@@ -202,14 +202,20 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                   packing: str | None = None, fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
                   fusion_numel: int | None = None, cycle_s: float = 0.0, config: pm.TernGradConfig | None = None,
                   names: Sequence[str] | None = None, joins: bool = True,
-                  auto_network: pm.Network | None = None) -> Timeline:
+                  auto_network: pm.Network | None = None, hierarchical=None) -> Timeline:
     """Simulate one step (see the module docstring).  ``tensor_sizes`` (and ``names``) in layer (forward)
     order; ``packing``, ``fusion_numel``, ``config`` and ``names`` cut TernGrad's groups as
     ``perfmodel.exchange_plan`` does; ``config``'s scaler setting (``shared_scaler``) with the method's
     exchange decides between the per-rank and the shared-scaler schedule.  ``joins``: the collectives may
     have a rank in ``hvd.join()`` (Horovod), so per-rank scalers send the step's presence check; False for
     torch.distributed.  ``auto_network``: the network the engine's ``exchange="auto"`` decides with
-    (``exchange.cost.configured_network()`` in the job's environment); default ``network``."""
+    (``exchange.cost.configured_network()`` in the job's environment); default ``network``.
+
+    Flat exchange only: where the plan (``hierarchical``, default ``config.hierarchical``, on the nodes of
+    ``network.ranks_per_node``) sends a group node-aware, this raises NotImplementedError rather than
+    schedule it as something else; ``perfmodel.predict_step`` charges that plan (additively).  What the
+    schedule lacks for it: the intra-node alltoall and allgather on the intra-node link, the node sum, and
+    the cross engine's own queue on a G-th of the node's link with each local rank's pieces."""
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError("backward_fraction must be in [0, 1]")
     sizes = [int(s) for s in tensor_sizes]
@@ -267,7 +273,11 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     # sharded exchange is refused there, as TernGradConfig refuses it)
     cfg = cfg.replace(exchange=TERNGRAD_METHODS[method])
     plan = pm.plan_buffers(method, sizes, N, auto_network or network, cfg.packing, fusion_bytes, fusion_numel,
-                           config=cfg, names=names)
+                           config=cfg, names=names, hierarchical=hierarchical)
+    if any(b.exchange == pm.TERNGRAD_HIERARCHICAL for b in plan):
+        raise NotImplementedError("timeline_step schedules the flat exchange only: this plan sends groups "
+                                  "node-aware (pass hierarchical=False for the flat schedule, or use "
+                                  "perfmodel.predict_step)")
     groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES]
     plain = {i for b in plan if b.exchange not in pm.TERNGRAD_EXCHANGES for i in b.members}   # kept at fp32
     group_of = {i: g for g, b in enumerate(groups) for i in b.members}
