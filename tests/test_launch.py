@@ -190,6 +190,50 @@ def counters(prefix):
     return out
 
 
+def test_hosts_with_slots_and_counters_since_a_saved_reading(cluster, tmp_path):
+    """hosts --slots K for several ranks per host; traffic between two processes of one host, to the host's
+    own address, stays off its eth0 (delivered through lo, unshaped); traffic to the other host is counted
+    on both links, and counters --since FILE prints the bytes since a saved reading."""
+    prefix = cluster
+    h0, h1 = f"{prefix}-h0", f"{prefix}-h1"
+    assert run([NETNS, "hosts", "--prefix", prefix, "--slots", "2"]).stdout.strip() == f"{h0}:2,{h1}:2"
+    assert run([NETNS, "hosts", "--prefix", prefix, "--slots", "0"]).returncode == 2
+    saved = tmp_path / "before"
+    saved.write_text(run([NETNS, "counters", "--prefix", prefix]).stdout)
+    nbytes = 20_000_000
+    send = ("import socket,threading\n"
+            "srv=socket.socket();srv.bind((socket.gethostbyname(socket.gethostname()),0));srv.listen(1)\n"
+            "def sink():\n c,_=srv.accept()\n while c.recv(1<<20): pass\n"
+            "t=threading.Thread(target=sink);t.start()\n"
+            f"s=socket.create_connection(srv.getsockname());s.sendall(bytes({nbytes}));s.close();t.join()")
+    p = run([NETNS, "exec", h0, PY, "-c", send])
+    assert p.returncode == 0, p.stderr
+    since = counters_since(prefix, saved)
+    assert max(since[h0] + since[h1]) < 100_000, since          # 20 MB inside h0: none of it on eth0
+    to_h1 = ("import socket,sys\n"
+             f"s=socket.create_connection(('{h1}',int(sys.argv[1])));s.sendall(bytes({nbytes}));s.close()")
+    sink = ("import socket\nsrv=socket.socket();srv.bind(('0.0.0.0',0));srv.listen(1);print(srv.getsockname()[1],flush=True)\n"
+            "c,_=srv.accept()\nwhile c.recv(1<<20): pass")
+    server = subprocess.Popen([NETNS, "exec", h1, PY, "-c", sink], stdout=subprocess.PIPE, text=True, env=env())
+    try:
+        port = server.stdout.readline().strip()
+        p = run([NETNS, "exec", h0, PY, "-c", to_h1, port])
+        assert p.returncode == 0, p.stderr
+        server.wait(60)
+    finally:
+        server.kill()
+    since = counters_since(prefix, saved)
+    assert since[h0][0] >= nbytes and since[h1][1] >= nbytes and since[h0][0] < 1.2 * nbytes, since
+
+
+def counters_since(prefix, saved):
+    out = {}
+    for line in run([NETNS, "counters", "--prefix", prefix, "--since", str(saved)]).stdout.splitlines():
+        host, tx, rx = line.split()
+        out[host] = (int(tx.split("=")[1]), int(rx.split("=")[1]))
+    return out
+
+
 def test_two_hosts_over_an_emulated_1gbit_link(cluster, tmp_path):
     prefix = cluster
     h0, h1 = f"{prefix}-h0", f"{prefix}-h1"
