@@ -368,6 +368,74 @@ def test_emulated_cluster_predict_only_reads_saved_cells_and_the_earlier_runs(tm
     assert "| resnet50 | 2 | 1gbit | terngrad | 652 |" in table and "| 8 / 8 |" in table
 
 
+def test_calibrated_regime_rate_from_a_measured_compute_time():
+    """--regime RATIO: the link rate at which fp32's ring payload per host link, 2(N-1)/N x 4 B x parameters,
+    takes RATIO x one rank's compute alone; the paper's Ethernet regime (ResNet-50, 0.1 s on a V100, 102 MB
+    at 1 Gbit/s) comes out at 1 Gbit/s; the table's limit adds compute alone, codec and the busiest link
+    direction at that rate."""
+    import emulated_cluster_benchmark as ecb
+    from horovod_terngrad.operations.bench import link_bytes_per_host
+    paper = ecb.regime_rate(8, 0.1, 25_557_032, ranks=2)
+    assert paper["bytes_per_host"] == 4 * 25_557_032 and abs(paper["gbps"] - 1.0223) < 1e-3
+    assert paper["rate"] == "1022281kbit" and ecb.link_gbps({"rate": paper["rate"]}) == pytest.approx(1.022281)
+    # 2 hosts x 2 ranks: one ring payload, 2(N-1)/N = 1.5 x the gradients, per host link; twice the compute
+    # or twice the ratio halves the rate; "every-rank" counts both ranks' payloads (a ring ignoring hosts)
+    r = ecb.regime_rate(8, 0.05, 10_000_000, ranks=4, ranks_per_host=2)
+    assert r["bytes_per_host"] == 1.5 * 4e7 and r["gbps"] == pytest.approx(8 * 6e7 / (8 * 0.05) / 1e9)
+    assert ecb.regime_rate(8, 0.1, 10_000_000, 4, 2)["gbps"] == pytest.approx(r["gbps"] / 2)
+    assert ecb.regime_rate(16, 0.05, 10_000_000, 4, 2)["gbps"] == pytest.approx(r["gbps"] / 2)
+    assert ecb.regime_rate(8, 0.05, 10_000_000, 4, 2, "every-rank")["gbps"] == pytest.approx(2 * r["gbps"])
+    for bad in (lambda: ecb.regime_rate(8, 0.1, 10, ranks=1), lambda: ecb.regime_rate(0, 0.1, 10, 2),
+                lambda: ecb.regime_rate(8, 0.0, 10, 2), lambda: ecb.regime_rate(8, 0.1, 10, 3, 2)):
+        with pytest.raises(ValueError):
+            bad()
+    assert ecb.hierarchical_configs("fp32,terngrad", "true,false,auto") == "fp32,terngrad,terngrad-hier,terngrad-flat"
+    # a host's ranks read the same eth0: the first rank's reading counts, per step
+    assert link_bytes_per_host(["h0", "h0", "h1", "h1"], [[40, 20], [41, 21], [60, 80], [0, 0]], 2) == \
+        {"h0": [20.0, 10.0], "h1": [30.0, 40.0]}
+    cell = {"model": "mlp", "params": 10_000_000, "batch": 8, "hosts": 2, "ranks_per_host": 2, "rate": r["rate"],
+            "regime": r, "compute_alone": {"compute_ms": 50.0},
+            "rows": [{"config": "fp32", "step_ms": 600.0, "step_ms_by_round": [600.0],
+                      "link_bytes_per_step": {"x-h0": [4e7, 4e7], "x-h1": [4e7, 4e7]}},
+                     {"config": "fp16", "step_ms": 400.0, "step_ms_by_round": [400.0],
+                      "link_bytes_per_step": {"x-h0": [2e7, 2e7], "x-h1": [2e7, 2e7]}},
+                     {"config": "terngrad-hier", "step_ms": 100.0, "step_ms_by_round": [100.0], "codec_ms": 10.0,
+                      "node_aware": True, "link_bytes_per_step": {"x-h0": [3e6, 2.5e6], "x-h1": [2.5e6, 3e6]}}]}
+    table = "\n".join(ecb.host_rows(cell))
+    assert "links 1.200 Gbit/s each way** (`--regime 8`" in table and "60.0 MB" in table
+    # limit: 50 ms compute alone + 10 ms codec + 3 MB at 1.2 Gbit/s (20 ms)
+    assert "| terngrad-hier | 100 | 100 | 320.0 | 4.00x | 6.00x | h0 3.0 / 2.5, h1 2.5 / 3.0 | 0.07x | 80 = 50 + 10 + 20 | 1.25x | yes |" in table
+
+
+def test_calibrated_regime_on_two_emulated_hosts_of_two_ranks(tmp_path):
+    """A tiny --regime 8 run on 2 emulated hosts x 2 ranks (mpirun by slot): every configuration's bytes
+    through both host links; fp32 puts at most one ring payload on a host's link (its ranks' own traffic
+    stays inside the host), the node-aware exchange crosses with less than the flat one."""
+    import shutil
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip, tc)")
+    import emulated_cluster_benchmark as ecb
+    prefix = f"e{os.getpid() % 100000}"
+    ecb.main(["--models", "mlp", "--layers", "2", "--width", "1000", "--hosts", "2", "--ranks-per-host", "2",
+              "--regime", "8", "--configs", "fp32,terngrad", "--hierarchical", "true,false", "--rounds", "1",
+              "--steps", "2", "--warmup", "1", "--compute-steps", "3", "--prefix", prefix, "--out", str(tmp_path)])
+    assert prefix + "-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    res = json.loads((tmp_path / "mlp-n2x2-regime8.json").read_text())
+    P = res["params"]
+    assert res["ranks"] == 4 and res["ranks_per_host"] == 2 and res["regime"]["bytes_per_host"] == 1.5 * 4 * P
+    assert res["rate"] == res["regime"]["rate"] and res["compute_alone"]["compute_ms"] > 0
+    by = {r["config"]: r for r in res["rows"]}
+    assert list(by) == ["fp32", "terngrad", "terngrad-hier", "terngrad-flat"]
+    assert all(sorted(r["link_bytes_per_step"]) == [f"{prefix}-h0", f"{prefix}-h1"] for r in res["rows"])
+    most = {k: max(max(v) for v in r["link_bytes_per_step"].values()) for k, r in by.items()}
+    # any allreduce moves >= 2(H-1)/H x 4P through a host's link; a ring through every rank on eth0 would be 2x
+    assert 0.95 * 4 * P <= most["fp32"] <= 1.1 * res["regime"]["bytes_per_host"], most
+    assert by["terngrad-hier"]["node_aware"] and not by["terngrad-flat"]["node_aware"]
+    assert most["terngrad-hier"] < most["terngrad-flat"] < most["fp32"], most
+    table = (tmp_path / "table.md").read_text()
+    assert f"links {res['regime']['gbps']:.3f} Gbit/s each way** (`--regime 8`" in table
+
+
 def test_cifarnet_learning_curves_table_and_plot(tmp_path):
     """study_cifarnet --eval-every leaves one JSON line per evaluation; write_curves pairs fp32 and TernGrad
     epoch by epoch (gap = TernGrad - fp32) and draws them."""
