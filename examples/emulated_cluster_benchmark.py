@@ -7,8 +7,8 @@ limit, and beside every figure the scheduled model's prediction.  Needs root and
 
 For each (model, hosts, rate): bring up the cluster (launch/netns-cluster.sh; on unshaped links the rate is
 measured first with a TCP stream between two hosts), run ``python -m horovod_terngrad.operations.bench step
---calibrate`` with one rank per emulated host, tear the cluster down, and print one table row per
-configuration (``--configs``, entries of bench.STEP_CONFIGS: fp32 = ``Compression.none``, fp16 =
+--calibrate`` with one rank per emulated host (``--ranks-per-host``: several), tear the cluster down, and
+print one table row per configuration (``--configs``, entries of bench.STEP_CONFIGS: fp32 = ``Compression.none``, fp16 =
 ``Compression.fp16``, terngrad = TernGrad's defaults, terngrad-sharded, terngrad-auto = ``exchange="sharded"``
 / ``"auto"``, ...).  Models: whatever ``bench step --model`` takes (mlp, resnet50, transformer, tiny:
 operations/models.py).
