@@ -3,10 +3,10 @@
     from horovod_terngrad import TernGrad
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=TernGrad)
 
-PyTorch DDP (a communication hook; ``horovod_terngrad.ddp`` is loaded on first use)::
+PyTorch DDP (a communication hook; the module ``horovod_terngrad.ddp``, not loaded by this package)::
 
-    from horovod_terngrad import ddp
-    state = ddp.register(ddp_model)          # ddp_model: torch.nn.parallel.DistributedDataParallel
+    from horovod_terngrad.ddp import register
+    state = register(ddp_model)              # ddp_model: torch.nn.parallel.DistributedDataParallel
 
 Layers (docs/design.md): ``codec`` (math on one tensor, and every size), ``backends`` (the same bytes,
 fast), ``exchange`` (how payloads travel), ``frontends`` (Horovod, DDP), ``operations`` (benchmarks,
@@ -63,16 +63,6 @@ def allreduce(tensor, name: str, config: TernGradConfig | None = None, average: 
     For custom training loops: ``g = horovod_terngrad.allreduce(p.grad, name='layer1.weight')``.
     """
     return synchronize(allreduce_async(tensor, name, config, average, process_set))
-
-
-def __getattr__(name):
-    """``horovod_terngrad.ddp``: the DDP frontend (frontends/ddp.py), imported on first use only."""
-    if name == "ddp":
-        import sys
-        from .frontends import ddp
-        sys.modules.setdefault(__name__ + ".ddp", ddp)     # so that ``import horovod_terngrad.ddp`` works after
-        return ddp
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["TernGrad", "TernGradCompressor", "TernGradConfig", "TernGradError", "NonFiniteGradientError",

@@ -1,4 +1,4 @@
-// Host build of backends/native/terngrad.cu: g++ -O2 -std=c++17 -ffp-contract=off -shared -fPIC host_launch.cpp
+// Host build of kernels/terngrad.cu: g++ -O2 -std=c++17 -ffp-contract=off -shared -fPIC host_launch.cpp
 // Each host_<kernel>(grid, block, args...) runs the kernel for every (block, thread) of that launch.
 #include "host_shim.h"
 #include "terngrad.cu"

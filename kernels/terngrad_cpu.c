@@ -1,7 +1,7 @@
 /* Fused CPU codec of horovod-terngrad: one pass per stage, no tensor-sized temporaries.
  *
  * It computes exactly the fp32/fp64 operations the reference (horovod_terngrad/codec) specifies, in
- * the same order, so its bytes are identical to the reference and to backends/native/terngrad.cu:
+ * the same order, so its bytes are identical to the reference and to kernels/terngrad.cu:
  *   stats:     fp64 sums in blocks of TG_STATS_BLOCK elements, 32 interleaved lanes per block summed
  *              sequentially; all lane partials (block-major) reduced by an 8-way tree: groups of 8
  *              become ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)), level by level, zero-padded;

@@ -1,5 +1,5 @@
-"""backends/native/terngrad.cu: compiled by nvcc for the GPUs we support, and checked without a GPU by
-building the same source for the host (backends/host_build.py with native/host_shim.h) and comparing its
+"""kernels/terngrad.cu: compiled by nvcc for the GPUs we support, and checked without a GPU by
+building the same source for the host (backends/host_build.py with kernels/host_shim.h) and comparing its
 bytes with the reference codec.  The CuPy tests run where CUDA is available."""
 import os
 import shutil
@@ -27,7 +27,7 @@ def _nvcc():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         if os.environ.get("CI"):
-            pytest.fail("nvcc is required in CI to compile backends/native/*.cu")
+            pytest.fail("nvcc is required in CI to compile kernels/*.cu")
         pytest.skip("nvcc not installed")
     return nvcc
 

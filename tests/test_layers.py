@@ -12,6 +12,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 # part of the package -> layer; a module may import its own part or parts of strictly lower layers
 LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "frontends": 4,
           "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
+          "ddp": 4.5,        # horovod_terngrad.ddp: the DDP frontend's public names (frontends/ddp.py)
           "operations": 5}
 TORCH_FREE = ("codec/sizes.py", "exchange/cost.py", "exchange/topology.py")
 
@@ -125,3 +126,43 @@ def test_training_path_loads_neither_operations_nor_matplotlib():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
+
+
+ROOT = os.path.dirname(PKG)
+NATIVE = (".c", ".cu", ".h", ".cpp", ".cuh")
+
+
+def test_every_native_source_lives_in_the_top_level_kernels_folder():
+    """kernels/ beside the package holds every C/C++/CUDA source; the package reaches it through one path
+    (horovod_terngrad/kernels: a link in the checkout, package data in an install), with no fallback."""
+    from horovod_terngrad.backends.compile_cache import KERNEL_DIR, kernel_source
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    native = [f for f in tracked.stdout.split() if f.endswith(NATIVE)]
+    assert native and all(os.path.dirname(f) == "kernels" for f in native), native
+    assert {os.path.basename(f) for f in native} >= {"terngrad.cu", "terngrad_cpu.c", "host_shim.h",
+                                                      "host_launch.cpp"}
+    assert os.path.realpath(KERNEL_DIR) == os.path.join(os.path.realpath(ROOT), "kernels")
+    for f in native:
+        assert os.path.samefile(kernel_source(os.path.basename(f)), os.path.join(ROOT, f))
+    with pytest.raises(FileNotFoundError, match="no_such.cu"):
+        kernel_source("no_such.cu")
+
+
+def test_wheel_and_sdist_carry_the_kernels(tmp_path):
+    """A wheel installs kernels/ as package data at horovod_terngrad/kernels; an sdist carries kernels/."""
+    import tarfile
+    import zipfile
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), ROOT], check=True, capture_output=True, cwd=tmp_path)
+    wheel, = tmp_path.glob("horovod_terngrad-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for f in ("terngrad.cu", "terngrad_cpu.c", "host_shim.h", "host_launch.cpp"):
+        assert f"horovod_terngrad/kernels/{f}" in names, names
+    assert not [n for n in names if "/native/" in n]
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], check=True,
+                   capture_output=True, cwd=ROOT)
+    sdist, = tmp_path.glob("horovod_terngrad-*.tar.gz")
+    members = tarfile.open(sdist).getnames()
+    assert any(m.endswith("/kernels/terngrad.cu") for m in members), members

@@ -3,9 +3,9 @@
 Every backend implements ``Backend`` (``base.py``: prepare / encode / decode) and declares its optional
 capabilities, e.g. ``SHARDED_SUMS``; ask with ``has_capability``.  ``for_device(device)`` picks one by itself:
 
-* CPU tensors -> the fused C path (``cpu.py``, ``native/terngrad_cpu.c``) when it builds, else the torch
+* CPU tensors -> the fused C path (``cpu.py``, ``kernels/terngrad_cpu.c``) when it builds, else the torch
   reference (``reference.py``);
-* CUDA tensors -> the CuPy kernels of ``native/terngrad.cu`` (``cuda.py``) when CuPy imports and works,
+* CUDA tensors -> the CuPy kernels of ``kernels/terngrad.cu`` (``cuda.py``) when CuPy imports and works,
   else (with one warning) the torch reference, which runs on the GPU with plain torch ops.
 
 ``HOROVOD_TERNGRAD_BACKEND=torch`` forces the reference everywhere (for comparisons).  The fused C codec

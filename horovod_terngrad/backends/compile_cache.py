@@ -1,4 +1,9 @@
-"""On-disk cache of the shared objects that backends compile from ``backends/native`` at run time.
+"""Where the native sources are, and the on-disk cache of the shared objects backends compile from them.
+
+The native sources (C, C++, CUDA) live in ``kernels/`` at the top of the repository, beside the package.
+``setup.py`` installs them as package data at ``horovod_terngrad/kernels``, and in a checkout (or an
+editable install) ``horovod_terngrad/kernels`` is a symbolic link to ``../kernels``, so ``KERNEL_DIR`` is one
+path, the same in every install: no search, no fallback.
 
 Objects live under ``$HOROVOD_TERNGRAD_CACHE/cpu`` (default ``~/.cache/horovod-terngrad/cpu``), named by
 a hash of their sources, flags and anything else the caller says they depend on, and are written under a
@@ -11,6 +16,18 @@ import hashlib
 import os
 import subprocess
 import tempfile
+
+#: The native sources: ``horovod_terngrad/kernels`` (package data from ``kernels/``; a link to it in a checkout).
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
+
+def kernel_source(name: str) -> str:
+    """Path of the native source ``name`` (e.g. ``"terngrad.cu"``); raises if an install lacks it."""
+    path = os.path.join(KERNEL_DIR, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"horovod-terngrad: native source {path} is missing (kernels/ is installed as "
+                                "package data at horovod_terngrad/kernels; reinstall the package)")
+    return path
 
 
 def cache_dir() -> str:

@@ -1,4 +1,4 @@
-"""Fused CPU backend: ``native/terngrad_cpu.c`` compiled once with the system C compiler, called via ctypes.
+"""Fused CPU backend: ``kernels/terngrad_cpu.c`` compiled once with the system C compiler, called via ctypes.
 
 One pass per stage and no tensor-sized temporaries besides the output; OpenMP threads follow
 ``torch.get_num_threads()``.  The shared object goes to the compile cache (``compile_cache.py``) keyed by
@@ -23,10 +23,10 @@ from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
 from .base import SHARDED_SUMS
-from .compile_cache import compile_cached
+from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
 log = logging.getLogger("horovod_terngrad")
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "terngrad_cpu.c")
+SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
 ABI_VERSION = 6
 
@@ -52,7 +52,8 @@ def build(cc: str | None = None) -> str:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     flags = CFLAGS + (["-fopenmp"] if _has_openmp(cc) else []) + ["-lm"]
-    return compile_cached(cc, flags, SOURCE, [SOURCE], "terngrad_cpu",
+    src = kernel_source("terngrad_cpu.c")
+    return compile_cached(cc, flags, src, [src], "terngrad_cpu",
                           repr((ver, platform.machine(), _cpu_model())))
 
 

@@ -1,4 +1,4 @@
-"""CUDA backend: the kernels of ``native/terngrad.cu`` compiled by CuPy and driven by ``KernelBackend``.
+"""CUDA backend: the kernels of ``kernels/terngrad.cu`` compiled by CuPy and driven by ``KernelBackend``.
 
 * ``KernelBackend`` implements the backend interface on any kernel set, i.e. any object with a
   ``device`` and a ``launch(name, work, args)`` (``KernelLauncher``).  It never synchronizes with the
@@ -21,8 +21,8 @@ from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
+from .compile_cache import KERNEL_DIR, kernel_source
 
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
 NVCC_OPTIONS = ("--fmad=false", "-std=c++14")
 THREADS = 256
@@ -38,7 +38,7 @@ SIGNATURES = {
 
 
 class KernelLauncher(Protocol):
-    """A build of ``native/terngrad.cu`` whose kernels (``SIGNATURES``) can be launched."""
+    """A build of ``kernels/terngrad.cu`` whose kernels (``SIGNATURES``) can be launched."""
 
     device: str   # "cuda" or "cpu": where the tensors passed to ``launch`` live
 
@@ -56,7 +56,7 @@ class CupyKernels:
         import cupy
         import numpy as np
         self.cupy, self.np = cupy, np
-        with open(SOURCE) as f:
+        with open(kernel_source("terngrad.cu")) as f:
             self.module = cupy.RawModule(code=f.read(), options=NVCC_OPTIONS)
         self.functions = {name: self.module.get_function(name) for name in SIGNATURES}
         sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

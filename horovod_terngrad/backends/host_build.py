@@ -1,4 +1,4 @@
-"""Host build of the CUDA kernels: ``native/terngrad.cu`` compiled by g++ with ``native/host_shim.h``.
+"""Host build of the CUDA kernels: ``kernels/terngrad.cu`` compiled by g++ with ``kernels/host_shim.h``.
 
 ``HostKernels`` is a kernel set for ``cuda.KernelBackend`` whose launches run as loops over blocks and
 threads on the CPU.  It lets the CUDA source, and the driver of ``cuda.py``, be tested on a machine without
@@ -12,18 +12,18 @@ import shutil
 
 import torch
 
-from .compile_cache import compile_cached
-from .cuda import KERNEL_DIR, SIGNATURES
+from .compile_cache import compile_cached, kernel_source
+from .cuda import SIGNATURES
 
 HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
 
 
 def build_host(cxx: str | None = None) -> str:
-    """Compile ``native/host_launch.cpp`` into a cached shared object; returns its path."""
+    """Compile ``kernels/host_launch.cpp`` into a cached shared object; returns its path."""
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    srcs = [os.path.join(KERNEL_DIR, f) for f in ("host_launch.cpp", "host_shim.h", "terngrad.cu")]
+    srcs = [kernel_source(f) for f in ("host_launch.cpp", "host_shim.h", "terngrad.cu")]
     return compile_cached(cxx, HOST_CXXFLAGS, srcs[0], srcs, "terngrad_hostkernels")
 
 

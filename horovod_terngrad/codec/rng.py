@@ -3,7 +3,7 @@
 Every uniform draw is a pure function of ``(seed, step, tensor_id, rank, element)``: no state, no
 generator object, nothing that depends on thread scheduling or device.  Any rank's ternary vector can
 therefore be recomputed exactly after the fact (tests do this), and the CPU and CUDA backends
-(``backends/native/terngrad.cu``) produce the same bits.
+(``kernels/terngrad.cu``) produce the same bits.
 
 Construction
 ------------
