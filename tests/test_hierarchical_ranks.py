@@ -177,7 +177,7 @@ def test_two_emulated_hosts_of_two_ranks_horovodrun_gloo(tmp_path):
         env = rank_env()
         env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
         env.pop("OMPI_MCA_plm_rsh_agent", None)
-        cmd = [NETNS, "exec", h0, os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--gloo", "-np", "4",
+        cmd = [NETNS, "exec", h0, os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--gloo", "--gloo-timeout-seconds", "120", "-np", "4",
                "-H", f"{h0}:2,{h1}:2", "--network-interface", "eth0", "--start-timeout", "60",
                sys.executable, WORKER, str(tmp_path), "-", "exact"]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
@@ -187,3 +187,37 @@ def test_two_emulated_hosts_of_two_ranks_horovodrun_gloo(tmp_path):
     ranks = load_results(tmp_path, "exact", 4)
     assert all(r["hierarchical"] and r["nodes"] == [[0, 1], [2, 3]] for r in ranks)
     check_against_reference(ranks, fused=False)
+
+
+@pytest.mark.parametrize("hosts", ["h0,h0,h1,h1", "h0,h1,h0,h1"], ids=["contiguous", "interleaved"])
+def test_ddp_hook_node_aware_under_torchrun(tmp_path, hosts):
+    worker = os.path.join(HERE, "workers", "ddp_hier.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", worker,
+           str(tmp_path), hosts]
+    try:
+        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung:\n{e.stdout}\n{e.stderr}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"ddp_hier.rank{r}.pt", weights_only=False) for r in range(4)]
+    assert not [r["crash"] for r in ranks if "crash" in r], [r["crash"] for r in ranks if "crash" in r][0]
+    want_nodes = [list(n) for n in Topology.from_hosts(hosts.split(",")).nodes]
+    assert all(r["hierarchical"] and r["nodes"] == want_nodes for r in ranks)
+    assert all(torch.equal(a, b) for r in ranks[1:] for a, b in zip(ranks[0]["params"], r["params"]))
+    cfg, topo = ranks[0]["config"], Topology(tuple(tuple(n) for n in want_nodes))
+    inputs = [by_name_and_step(r["inputs"]) for r in ranks]
+    outputs = [by_name_and_step(r["outputs"]) for r in ranks]
+    groups = ranks[0]["groups"]
+    assert len(groups) >= 6 and all(r["groups"] == groups for r in ranks)      # several buckets, 3 steps
+    ref_steps, seen, checked = {}, {}, 0
+    for group in groups:
+        step = seen.get(group[0], 0)
+        for n in group:
+            seen[n] = step + 1
+        want = expected_hierarchical([[inputs[r][(n, step)] for n in group] for r in range(4)], group, topo, cfg,
+                                     ref_steps)
+        for r in range(4):
+            for n, w in zip(group, want):
+                assert torch.equal(outputs[r][(n, step)], w), (n, step, r)
+                checked += 1
+    assert checked >= 4 * 3 * len(ranks[0]["params"])

@@ -19,9 +19,10 @@ n_1..n_k is averaged in three stages, every local rank using the network at once
 
 Result: unbiased, E[out] = mean_r clip(g_r) up to clipping, which now applies to the node means.  Each
 element is ternarized once per node (of the node mean) instead of once per rank: the ternary variance
-s·|x| - x² is paid M times, not N times, but on an average over G ranks whose scaler s is no smaller,
-so with decoding by 1/M² instead of 1/N² the variance of the average grows by up to about G
-(docs/cluster.md measures it).  Bytes crossing a node's link per step: G·(M-1)·P(n/G) for the allgather
+s·|x| - x² is paid M times, not N times, and divided by M² instead of N², so the variance of the average
+grows by up to G (exactly G for ranks of a node with equal gradients and equal scalers); less where the
+ranks' gradients differ (|mean| < mean |g|) and because each piece's scaler is the max over the piece only
+(examples/study_node_variance.py measures it: docs/study/node_variance).  Bytes crossing a node's link per step: G·(M-1)·P(n/G) for the allgather
 exchange, against G·(N-1)·P(n/N·...) flat, i.e. about (M-1)/(N-1) of the flat exchange's.
 
 Joins (Horovod's ``hvd.join()``): the first group of a step asks the whole world, as the per-rank
@@ -122,9 +123,15 @@ class HierarchicalExchange:
         "auto" and the cost model finds it cheaper than the flat exchange)."""
         if self.config.hierarchical is True:
             return True
+        # the same exchange flat and across nodes, as configured ("auto": the cheaper on each side), and the
+        # 4-byte world allreduces this engine adds to a step (presence check, end-of-step sync) charged to it
+        exchange = self.config.exchange
         return cost.hierarchy_for(numels, self.M, self.G, self.config.packing, self.config.bucket_size,
                                   network=cost.configured_network(self.G),
-                                  shared_scaler=self.config.scaler_shared_for("allgather"))
+                                  shared_scaler=self.config.scaler_shared_for(
+                                      "sharded" if exchange == "sharded" else "allgather"),
+                                  exchange=None if exchange == "auto" else exchange,
+                                  step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync))
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
         if not items:
@@ -149,6 +156,15 @@ class HierarchicalExchange:
             tk.index = len(tickets)
             tickets.append(tk)
         plan = topology.shard_plan(numels, self.G)
+        # Every rank counts the steps of every piece, also those other local ranks own (the cross engine
+        # counts this rank's own when it starts them): a piece's stream then depends on how often the piece
+        # was exchanged, never on which local rank happened to own it (DDP rebuilds its buckets, so a
+        # member's pieces can move between local ranks).
+        for j, pieces in enumerate(plan):
+            if j != self.local.rank:
+                for p in pieces:
+                    name = topology.piece_name(items[p.member][1], p, numels[p.member])
+                    self.steps[name] = self.steps.get(name, 0) + 1
         grp = HierarchicalGroup(group, tickets, plan, average)
         for tk in tickets:
             tk.hgroup = grp

@@ -1,6 +1,6 @@
 """PyTorch DDP frontend: TernGrad as a ``DistributedDataParallel`` communication hook.
 
-    from horovod_terngrad import ddp as tg_ddp      # (the same module as horovod_terngrad.frontends.ddp)
+    import horovod_terngrad.ddp as tg_ddp           # its public names (horovod_terngrad/ddp.py)
     model = torch.nn.parallel.DistributedDataParallel(model)
     state = tg_ddp.register(model, packing="2bit")   # any TernGradConfig setting
 
@@ -71,11 +71,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import TernGradConfig
-from ..errors import RankMismatchError, TernGradError
-from ..exchange import Exchange, ExchangeStats, Inspection
+from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
+from ..exchange import Exchange, ExchangeStats, Inspection, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
+from .hierarchy import dist_engine
 from .state import CompressorState, process_set_key
 
 STEPS_KEY = process_set_key(None)   # the key of the step counters and engine in CompressorState ("global")
@@ -145,7 +146,7 @@ class TernGradState:
 
     __slots__ = ("config", "names", "process_group", "collectives", "state", "enabled", "asynchronous",
                  "dedicated_group", "last_error", "_named", "_ready", "_setup_error", "_model", "_lock",
-                 "_handoff", "_queue", "_worker", "_inflight", "__weakref__")
+                 "_handoff", "_queue", "_worker", "_inflight", "_warned_nonfinite", "__weakref__")
 
     def __init__(self, named_parameters=None, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
@@ -178,6 +179,7 @@ class TernGradState:
         self._queue = queue.Queue()
         self._worker = None
         self._inflight = None
+        self._warned_nonfinite = set()      # full-precision tensors zeroed by on_nonfinite='zero' and warned about
 
     def _bind(self, named_parameters) -> None:
         if isinstance(named_parameters, torch.nn.Module):
@@ -206,6 +208,10 @@ class TernGradState:
                                     "TernGradState(model.named_parameters(), ...) or install it with register()")
             self._setup_groups()
             self._check_agreement()
+            # the engine, with the node-aware subgroups where they apply (frontends/hierarchy.py), made here on
+            # DDP's thread at the first bucket, after the settings agree: discovering the topology and
+            # ``dist.new_group`` are collective, so no rank may make them later or on another thread
+            self.engine  # noqa: B018
         except Exception as e:
             self._setup_error = self.last_error = e
             raise
@@ -214,8 +220,8 @@ class TernGradState:
     def _setup_groups(self) -> None:
         """Every process group TernGrad uses, made here and only here, in one order on every rank
         (``dist.new_group`` is collective over the members): the hook's group (``process_group``, default
-        WORLD) and TernGrad's own group with the same ranks.  Groups that more exchanges need (intra- and
-        inter-node subgroups) are made here too, after these, on every rank alike."""
+        WORLD) and TernGrad's own group with the same ranks.  The node-aware subgroups (intra- and inter-node)
+        are made with the engine, right after the agreement check (``_ensure_ready``)."""
         if self.process_group is None:
             self.process_group = dist.group.WORLD
         group = self.process_group
@@ -273,7 +279,23 @@ class TernGradState:
     @property
     def engine(self) -> Exchange:
         """The exchange engine (made on first use, and again after ``reset()``)."""
-        return self.state.engine(None, self.config, lambda _: self.collectives)   # kept under STEPS_KEY
+        return self.state.engine(None, self.config, lambda _: self.collectives,   # kept under STEPS_KEY
+                                 hierarchy=self._node_aware)
+
+    def _node_aware(self, flat: Exchange):
+        """The node-aware engine over ``flat`` where the topology allows it (frontends/hierarchy.py): made at
+        the first bucket, on every rank alike, with subgroups of the hook's group on its backend."""
+        members = dist.get_process_group_ranks(self.process_group)
+        backend = dist.get_backend(self.process_group)
+
+        def make(ranks, intra_node):
+            group = dist.new_group(ranks=[members[r] for r in ranks], backend=backend)
+            if group == dist.GroupMember.NON_GROUP_MEMBER:
+                return None
+            # inside a node the shards differ in size (the engine passes them); across nodes every rank of
+            # a cross group sends the same pieces, so payload sizes agree as on the hook's own group
+            return DistCollectives(group, equal_sizes=not intra_node)
+        return dist_engine(flat, make)
 
     def state_dict(self) -> dict:
         """Step counters of the random streams and counters (plain values); waits for the worker."""
@@ -397,9 +419,15 @@ class TernGradState:
             try:
                 summed = self.collectives.synchronize(job.plain_handle).div_(N)
                 off = 0
-                for _, g in job.plain:
-                    g.copy_(summed[off:off + g.numel()].view(g.shape))
+                for name, g in job.plain:
+                    part = summed[off:off + g.numel()]
                     off += g.numel()
+                    if self.enabled:    # on_nonfinite covers the tensors sent at full precision too
+                        try:
+                            settle_full_precision(part, name, self.config, self.state.stats, self._warned_nonfinite)
+                        except NonFiniteGradientError as e:
+                            job.error = job.error or e
+                    g.copy_(part.view(g.shape))
             except Exception as e:  # noqa: BLE001
                 job.error = job.error or e
         job.tickets = job.plain = []

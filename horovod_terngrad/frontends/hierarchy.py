@@ -86,16 +86,17 @@ def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
 
 
 def dist_engine(flat: Exchange, make_collectives) -> Exchange | HierarchicalExchange:
-    """The DDP hook's engine: ``flat`` or the hierarchical one; ``make_collectives(ranks)`` makes a
-    ``DistCollectives`` on a new subgroup of those global ranks (called for every group, on every rank,
-    in the same order: ``dist.new_group`` is collective)."""
+    """The DDP hook's engine: ``flat`` or the hierarchical one; ``make_collectives(ranks, intra_node)``
+    makes a ``DistCollectives`` on a new subgroup of those ranks of the hook's group (called for every
+    group, on every rank, in the same order: ``dist.new_group`` is collective)."""
     if flat.config.hierarchical is False or flat.coll.size < 2:
         return flat
     topo = discover(flat.coll)
     reason = topo.flat_reason()
     if reason is not None:
         return _flat(flat, reason)
-    made = {g: make_collectives(list(g)) for g in topo.local_groups() + topo.cross_groups()}
+    made = {g: make_collectives(list(g), True) for g in topo.local_groups()}
+    made.update({g: make_collectives(list(g), False) for g in topo.cross_groups()})
     me = flat.coll.rank
     _said_on(flat, topo)
     return HierarchicalExchange(flat, made[topo.local_ranks_of(me)], made[topo.cross_ranks_of(me)], topo)
