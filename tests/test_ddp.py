@@ -28,7 +28,7 @@ EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "sync_on_ddps_gr
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16", "compiled"]
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
          "twin_exact_per_rank_bpps2": "exact_per_rank_bpps2"}
-OTHER = ["join_uneven", "join_uneven_sharded", "collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "resume", "register",
+OTHER = ["join_uneven", "join_uneven_sharded", "collectives", "nan_raise", "nan_raise_per_rank", "nan_zero", "nan_then_continue", "fp_inf_raise", "fp_inf_zero", "resume", "register",
          "sparse", "mismatch", "auto_off"]
 
 
@@ -283,6 +283,18 @@ def test_nan_zero_policy_and_training_on_after_an_error(ddp2):
         assert torch.equal(a, b)
 
 
+def test_inf_in_a_full_precision_tensor_follows_on_nonfinite(ddp2):
+    """Every tensor under min_numel goes through the hook's plain fp32 allreduce: rank 1's Inf reaches both
+    ranks' sums, so both raise naming the tensor (raise), or both zero that average and train on (zero)."""
+    for res in ddp2["fp_inf_raise"]:
+        assert res["error"] and "'body.weight'" in res["error"] and "full precision" in res["error"], res
+        assert res["last_error"] == "NonFiniteGradientError"
+    a, b = ddp2["fp_inf_zero"]
+    assert a["error"] is None and a["zeroed"] == b["zeroed"] == 1 and a["uncompressed"] > 0
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y) and torch.isfinite(x).all()
+
+
 def test_state_dict_resumes_the_same_random_streams(ddp2):
     for res in ddp2["resume"]:
         for a, b in zip(res["straight"], res["resumed"]):
@@ -316,9 +328,24 @@ def test_ranks_with_different_settings_fail_together(ddp2):
 def test_package_loads_the_ddp_frontend_lazily():
     code = ("import sys, horovod_terngrad as tg\n"
             "assert 'horovod_terngrad.frontends.ddp' not in sys.modules\n"
+            "assert tg.ddp.register and 'horovod_terngrad.ddp' in sys.modules\n"
             "from horovod_terngrad import ddp\n"
             "import horovod_terngrad.ddp as again\n"
-            "assert ddp is again and ddp.register and ddp.TernGradState and ddp.terngrad_hook\n"
+            "assert ddp is again is tg.ddp and ddp.register and ddp.TernGradState and ddp.terngrad_hook\n"
+            "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=rank_env())
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+@pytest.mark.parametrize("statement", ["import horovod_terngrad.ddp as m",
+                                       "from horovod_terngrad.ddp import register, TernGradState, terngrad_hook"])
+def test_horovod_terngrad_ddp_is_a_module_path(statement):
+    """README's module path works as the first import of a fresh process, as a module and by name."""
+    code = (f"{statement}\n"
+            "import horovod_terngrad.frontends.ddp as f, horovod_terngrad.ddp as m\n"
+            "assert m.register is f.register and m.TernGradState is f.TernGradState\n"
+            "assert m.terngrad_hook is f.terngrad_hook and m.find_ddp is f.find_ddp\n"
+            "assert m.__name__ == 'horovod_terngrad.ddp' and m.__file__.endswith('ddp.py')\n"
             "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=rank_env())
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

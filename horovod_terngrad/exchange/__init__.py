@@ -11,10 +11,10 @@
 """
 from .collectives import CollectiveError, Collectives
 from .dist_collectives import DistCollectiveError, DistCollectives
-from .engine import Exchange, Ticket, check_gradient
+from .engine import Exchange, Ticket, check_gradient, settle_full_precision
 from .hvd_collectives import HorovodCollectives
 from .stats import ExchangeStats, Inspection, LayerRecord
 from .thread_collectives import ThreadCollectives, ThreadWorld, run_ranks
 
-__all__ = ["Exchange", "Ticket", "ExchangeStats", "Inspection", "LayerRecord", "check_gradient",
+__all__ = ["Exchange", "Ticket", "ExchangeStats", "Inspection", "LayerRecord", "check_gradient", "settle_full_precision",
            "CollectiveError", "Collectives", "DistCollectives", "DistCollectiveError", "HorovodCollectives", "ThreadCollectives", "ThreadWorld", "run_ranks"]

@@ -63,6 +63,27 @@ def check_gradient(tensor: torch.Tensor, name: str) -> None:
                         "needs a floating-point tensor (float16, bfloat16, float32 or float64)")
 
 
+def settle_full_precision(out: torch.Tensor, name: str, config: TernGradConfig, stats: ExchangeStats,
+                          warned: set) -> torch.Tensor:
+    """Apply ``config.on_nonfinite`` to a tensor that travelled at full precision (under ``min_numel``, by
+    ``exclude``, with compression off or not paying): ``out`` is the reduced result, which the allreduce gives
+    every rank byte for byte, so a NaN/Inf on any rank is seen on every rank and every rank decides alike with
+    no further collective.  Raises ``NonFiniteGradientError``, or zeroes ``out`` in place (counted, warned once
+    per tensor).  Costs one pass over the result (and, on a GPU, one synchronization)."""
+    if out.numel() == 0 or bool(torch.isfinite(out).all()):
+        return out
+    msg = (f"TernGrad: gradient '{name}' (sent at full precision) is NaN/Inf after the allreduce: at least one "
+           "rank's gradient held NaN or Inf")
+    if config.on_nonfinite == "raise":
+        raise NonFiniteGradientError(msg)
+    stats.nonfinite_zeroed += 1
+    if name not in warned:
+        warned.add(name)
+        log.warning("%s; its averaged gradient is set to zero on every rank this step (on_nonfinite='zero'; "
+                    "warned once per tensor)", msg)
+    return out.zero_()
+
+
 class Ticket:
     """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
 

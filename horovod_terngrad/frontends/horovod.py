@@ -38,7 +38,8 @@ import torch
 
 from ..config import TernGradConfig
 from ..errors import TernGradError
-from ..exchange import Exchange, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient
+from ..exchange import (Exchange, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient,
+                        settle_full_precision)
 from ..exchange.hvd_collectives import horovod_world
 from . import naming
 from .cpu_threads import warn_if_oversubscribed
@@ -50,13 +51,14 @@ log = logging.getLogger("horovod_terngrad")
 
 
 class Passthrough:
-    """ctx of a tensor that travels uncompressed."""
+    """ctx of a tensor that travels uncompressed (``checked``: on_nonfinite applies to its result)."""
 
-    __slots__ = ("dtype", "name")
+    __slots__ = ("dtype", "name", "checked")
 
-    def __init__(self, dtype, name):
+    def __init__(self, dtype, name, checked=True):
         self.dtype = dtype
         self.name = name
+        self.checked = checked
 
 
 class Scaled:
@@ -89,6 +91,7 @@ class TernGradCompressor:
         self._lock = threading.Lock()
         self._warned_noname = False
         self._warned_partial = False
+        self._warned_nonfinite: set = set()     # tensors sent at full precision, zeroed and warned about
         self._threads_checked = False
 
     def configure(self, **settings) -> "TernGradCompressor":
@@ -167,9 +170,12 @@ class TernGradCompressor:
             if (not self.enabled or not self.config.compresses(name, tensor.numel())
                     or not self.engine(process_set).compression_pays(tensor.device)):
                 st.uncompressed_elements += tensor.numel()
+                # on_nonfinite covers these tensors too (decompress checks the reduced result); with
+                # HOROVOD_TERNGRAD=0 every tensor travels exactly as with Compression.none, unchecked
+                ctx = Passthrough(tensor.dtype, name, checked=self.enabled)
                 if tensor.dtype in (torch.float16, torch.bfloat16):
-                    return tensor.to(torch.float32), Passthrough(tensor.dtype, name)
-                return tensor, Passthrough(tensor.dtype, name)
+                    return tensor.to(torch.float32), ctx
+                return tensor, ctx
             empty = torch.empty(0, dtype=torch.float32, device=tensor.device)
             batch = self._fused_batch(optimizer, name, tensor)
             if batch is not None:
@@ -242,6 +248,10 @@ class TernGradCompressor:
         if ctx is None:      # Horovod's sparse allreduce (sparse_as_dense=False) passes no ctx: not compressed
             return tensor
         if isinstance(ctx, Passthrough):
+            if ctx.checked:
+                with self._lock:
+                    tensor = settle_full_precision(tensor, ctx.name, self.config, self.state.stats,
+                                                   self._warned_nonfinite)
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
         scale = 1.0
         if isinstance(ctx, Scaled):

@@ -296,6 +296,30 @@ def sc_nan(policy, **settings):
     return res
 
 
+def sc_fp_inf(policy):
+    """An Inf in rank 1's gradient of 'body.weight' at step 1; with the default min_numel (4096) every tensor of
+    the model (at most 1776 elements) goes through the plain fp32 allreduce, which on_nonfinite covers too."""
+    model = Scrambled()
+    calls = []
+
+    def poison(g):
+        calls.append(None)
+        if len(calls) == 2 and RANK == 1:
+            g = g.clone()
+            g[2, 3] = float("inf")
+        return g
+    model.body.weight.register_hook(poison)
+    res = {}
+    try:
+        ddp, rec, _ = train(model, {"min_numel": 4096, "on_nonfinite": policy}, steps=3, bucket_cap_mb=0.002)
+        res.update(error=None, zeroed=rec.state.stats.nonfinite_zeroed, params=params(ddp.module),
+                   uncompressed=rec.state.state.uncompressed_elements)
+    except Exception as e:  # noqa: BLE001 - what each rank sees is the result
+        res["error"] = str(e)
+        res["last_error"] = type(LAST_STATE[0].last_error).__name__
+    return res
+
+
 def sc_nan_then_continue():
     """After a NaN step raised (on every rank), the same DDP model trains on: the next step's exchange works."""
     model = Scrambled()
@@ -417,6 +441,8 @@ def run(name):
         return sc_nan("zero")
     if name == "nan_raise_per_rank":
         return sc_nan("raise", shared_scaler=False)
+    if name in ("fp_inf_raise", "fp_inf_zero"):
+        return sc_fp_inf(name[len("fp_inf_"):])
     if name == "nan_then_continue":
         return sc_nan_then_continue()
     if name == "resume":

@@ -107,6 +107,46 @@ def scenario_auto(codec_s_per_element):
         return scenario_exact({"exchange": "auto", "seed": 3})
 
 
+FP_INF_CASES = {   # why the 32x32 weight "2.weight" (1024 elements) travels at full precision
+    "min_numel": {},                                             # the defaults: under min_numel (4096)
+    "exclude": {"min_numel": 0, "exclude": (r"\.2\.weight$",)},  # excluded by name
+    "auto_off": {"min_numel": 0, "exchange": "auto"},             # exchange="auto": compression does not pay
+}
+
+
+def scenario_fp_inf(case):
+    """Rank 1's gradient of "2.weight" holds an Inf at step 1; the library's compressor (not the tests'
+    min_numel=0 one) with ``on_nonfinite`` raise (``<case>``) or zero (``<case>_zero``)."""
+    zero = case.endswith("_zero")
+    settings = dict(FP_INF_CASES[case[:-len("_zero")] if zero else case], on_nonfinite="zero" if zero else "raise")
+    comp = LibraryCompressor(**settings)
+    model = mlp()
+    prefix = f"fp_inf_{case}."
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=comp,
+                                   named_parameters=[(prefix + n, p) for n, p in model.named_parameters()])
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    res = {"error": None}
+    step = 0
+
+    def poison(g):   # a tensor hook: runs before the gradient is accumulated and handed to Horovod
+        if step == 1 and hvd.rank() == 1:
+            g = g.clone()
+            g[3, 5] = float("inf")
+        return g
+    model[2].weight.register_hook(poison)
+    try:
+        with link_codec_cost(1e-3):
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+                opt.step()
+    except tg.NonFiniteGradientError as e:
+        res["error"] = str(e)
+    res.update(zeroed=comp.stats.nonfinite_zeroed, uncompressed=comp.uncompressed_elements,
+               params=[p.detach().clone() for p in model.parameters()])
+    return res
+
+
 def sim_setup():
     """Model, data and optimizer shared by the real run and the simulator (tests/test_simulate.py)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -173,6 +213,8 @@ def run(name):
         model = train_steps(comp, steps=3, inject=(1, 1))
         return {"zeroed": comp.stats.nonfinite_zeroed,
                 "params": [p.detach().clone() for p in model.parameters()]}
+    if name.startswith("fp_inf_"):       # an Inf in a gradient that travels at full precision
+        return scenario_fp_inf(name[len("fp_inf_"):])
     if name == "mismatch":
         out = {}
         try:
