@@ -19,9 +19,10 @@ setup(
     # torch and horovod are not listed: torch must be the build matching the user's hardware and
     # horovod must be built against it; scripts/setup.sh installs both. Listing them would let pip
     # pull a multi-GB CUDA torch or an unbuildable horovod sdist.
-    install_requires=["numpy"],
+    install_requires=["numpy", "tqdm"],
     extras_require={
         "cuda": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "mpi4py"],
+        "mpi": ["mpi4py"],
     },
 )

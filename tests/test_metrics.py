@@ -6,7 +6,7 @@ import torch
 
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.exchange import Exchange, run_ranks
-from horovod_terngrad.operations.metrics import ProgressBar, TernGradMetrics
+from horovod_terngrad.operations.metrics import TernGradMetrics, progress_bar
 
 
 class Writer:
@@ -52,10 +52,20 @@ def test_metrics_per_step_and_layer():
         assert "terngrad/zero_fraction/fc.bias" in w.scalars
 
 
-def test_progress_bar_renders():
+def test_progress_bar_is_tqdm_on_rank_0_and_only_on_a_terminal():
+    from tqdm import tqdm
     out = io.StringIO()
-    bar = ProgressBar(4, "epoch 1 ", width=8, stream=out)
+    bar = progress_bar(4, "epoch 1", file=out, enabled=True)
+    assert isinstance(bar, tqdm)
     for _ in range(4):
-        bar.update(1, "x")
+        bar.update(1)
+        bar.set_postfix_str("12 KiB sent")
     bar.close()
-    assert "[########] 4/4" in out.getvalue() and out.getvalue().endswith("\n")
+    text = out.getvalue()
+    assert "epoch 1" in text and "4/4" in text and "12 KiB sent" in text
+    for kwargs in ({"rank": 1, "enabled": True}, {"enabled": False}, {}):   # {}: stderr here is not a terminal
+        quiet = io.StringIO()
+        bar = progress_bar(4, "epoch 1", file=quiet, **kwargs)
+        bar.update(4)
+        bar.close()
+        assert bar.disable and quiet.getvalue() == "", kwargs

@@ -1,12 +1,12 @@
 """Training metrics of TernGrad: traffic per step, compression against fp32, and per layer the
-fraction of zeros and the scaler; a console progress bar; optional TensorBoard scalars and histograms
+fraction of zeros and the scaler; the console progress bar (tqdm); optional TensorBoard scalars and histograms
 of the float, clipped, ternary and averaged gradients (the paper's Fig. 2).
 
     metrics = TernGradMetrics(compressor, world_size=hvd.size(), log_layers=True)
     for step ...:
         ...; opt.step()
         row = metrics.step()                        # dict of this step's figures
-        bar.update(1, metrics.summary(row))
+        bar.update(1); bar.set_postfix_str(metrics.summary(row))
     metrics.to_tensorboard(writer, global_step)     # any object with add_scalar / add_histogram
 
 Per-layer figures cost a pass over each tensor's packed codes, so they are recorded only while
@@ -16,7 +16,6 @@ Per-layer figures cost a pass over each tensor's packed codes, so they are recor
 from __future__ import annotations
 
 import sys
-import time
 
 from ..exchange import cost
 
@@ -118,28 +117,11 @@ def tensorboard_writer(logdir: str):
     return SummaryWriter(logdir)
 
 
-class ProgressBar:
-    """A one-line console progress bar (no dependency): [####....] 40/100 3.2 it/s, <text>."""
-
-    def __init__(self, total: int, label: str = "", width: int = 30, stream=None, enabled: bool = True):
-        self.total, self.label, self.width = total, label, width
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.n = 0
-        self.t0 = time.perf_counter()
-
-    def update(self, k: int = 1, text: str = "") -> None:
-        self.n += k
-        if not self.enabled:
-            return
-        frac = min(1.0, self.n / self.total) if self.total else 1.0
-        filled = int(frac * self.width)
-        rate = self.n / max(1e-9, time.perf_counter() - self.t0)
-        self.stream.write(f"\r{self.label}[{'#' * filled}{'.' * (self.width - filled)}] {self.n}/{self.total} "
-                          f"{rate:.1f} it/s {text}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+def progress_bar(total: int, desc: str = "", rank: int = 0, enabled: bool | None = None, **tqdm_kwargs):
+    """The console progress bar of a training loop: tqdm (which transformers and Lightning bring anyway),
+    shown on rank 0 only and, unless ``enabled`` says otherwise, only when stderr is a terminal (logs of
+    batch jobs stay free of carriage returns).  ``bar.set_postfix_str(metrics.summary(row))`` adds the
+    step's traffic; a disabled bar costs nothing."""
+    from tqdm import tqdm
+    show = (sys.stderr.isatty() if enabled is None else bool(enabled)) and rank == 0
+    return tqdm(total=total, desc=desc, disable=not show, dynamic_ncols=True, leave=True, **tqdm_kwargs)
