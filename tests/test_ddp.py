@@ -179,6 +179,16 @@ def test_the_worker_thread_ends_when_idle_and_a_new_one_finishes_the_bucket_in_f
         assert res["workers"] >= 3
 
 
+def test_the_worker_thread_is_stopped_at_interpreter_exit(ddp2):
+    """The atexit handler ends a running worker thread (the state leaves the running set), so no daemon
+    thread is left for the interpreter's finalization to kill (that can abort a rank at exit)."""
+    for res in ddp2["shared_allgather_2bit"]:
+        assert res["running_before_exit"] == (True, True)
+        assert res["running_after_exit"] == (False, False, False)
+    for res in ddp2["shared_allgather_2bit_sync"]:     # asynchronous=False: no thread at all
+        assert res["running_before_exit"] == (False, False)
+
+
 def test_sync_and_async_hooks_give_the_same_bits(ddp2):
     a, s = ddp2["shared_allgather_2bit"], ddp2["shared_allgather_2bit_sync"]
     for r in range(NP):

@@ -60,6 +60,7 @@ on zero buckets, in bucket order, so it issues the same collectives as the train
 always divided by the group's size N (as PyTorch's ``allreduce_hook``), whatever DDP's
 ``divide_by_initial_world_size``.  ``torch.compile(ddp_model)`` leaves the hook to DDP's reducer, unchanged.
 """
+import atexit
 import os
 import queue
 import threading
@@ -81,6 +82,22 @@ from .state import CompressorState, process_set_key
 
 STEPS_KEY = process_set_key(None)   # the key of the step counters and engine in CompressorState ("global")
 IDLE_EXIT_S = 5.0          # the worker thread ends after this long without a bucket
+EXIT_JOIN_S = 10.0         # at interpreter exit, how long to wait for a worker thread to end
+
+# States whose worker thread runs.  At exit they are stopped before the interpreter finalizes: a daemon
+# thread still alive then is ended by pthread_exit when it next wants the GIL, and that forced unwind
+# aborts the process ("terminate called without an active exception") if it meets C++ frames, which a
+# rank's last moments (torch, gloo) can put on its stack.  A thread stuck in a collective (a peer died) is
+# not waited for beyond EXIT_JOIN_S.
+_RUNNING: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _stop_workers_at_exit() -> None:
+    for state in list(_RUNNING):
+        state.close(timeout=EXIT_JOIN_S)
+
+
+atexit.register(_stop_workers_at_exit)
 
 
 class _Job:
@@ -312,15 +329,17 @@ class TernGradState:
             self._inflight = None
             self.state.reset()
 
-    def close(self) -> None:
-        """Stop the worker thread now (it also ends by itself after IDLE_EXIT_S without buckets; the next
-        bucket starts another)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker thread now, waiting for the bucket it exchanges (at most ``timeout`` seconds).  It
+        also ends by itself after IDLE_EXIT_S without buckets, and at interpreter exit; the next bucket
+        starts another."""
         with self._handoff:
             worker, self._worker = self._worker, None
             if worker is not None:
                 self._queue.put(None)
+            _RUNNING.discard(self)
         if worker is not None:
-            worker.join()
+            worker.join(timeout)
 
     # -- the hook's work ---------------------------------------------------------------------------
     def submit(self, bucket) -> torch.futures.Future:
@@ -341,6 +360,7 @@ class TernGradState:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, daemon=True, name="terngrad-ddp")
                 self._worker.start()
+                _RUNNING.add(self)
         return job.result
 
     def _work(self) -> None:
@@ -354,6 +374,7 @@ class TernGradState:
                 with self._handoff:
                     if self._queue.empty():
                         self._worker = None
+                        _RUNNING.discard(self)
                         return
                 continue
             if job is None:

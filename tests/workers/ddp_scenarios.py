@@ -229,6 +229,13 @@ def sc_exact(name):
         tg_ddp.IDLE_EXIT_S, tg_ddp.TernGradState._step = idle, step
     res["workers"] = len(workers)
     res["dtype"] = str(kw.get("dtype", torch.float32))
+    # what atexit does before the interpreter finalizes: the worker thread that has just run the buckets ends
+    state = LAST_STATE[0]
+    thread = state._worker
+    res["running_before_exit"] = (thread is not None and thread.is_alive(), state in tg_ddp._RUNNING)
+    tg_ddp._stop_workers_at_exit()
+    res["running_after_exit"] = (thread is not None and thread.is_alive(), state in tg_ddp._RUNNING,
+                                 state._worker is not None)
     return res
 
 
