@@ -66,6 +66,7 @@ def test_profiles_set_the_network_settings(tmp_path):
     assert "export NCCL_IB_DISABLE=0" in p.stdout and "--bind-to none" in p.stdout
     # the node-aware exchange's process sets are added after hvd.init(): dynamic sets, and the node's link
     assert "export HOROVOD_DYNAMIC_PROCESS_SETS=1" in p.stdout and "export HOROVOD_TERNGRAD_INTRA_GBPS=160" in p.stdout
+    assert "export HOROVOD_TERNGRAD_INTRA_LINKS=3" in p.stdout          # NVLink: fully connected node of 4
     if not launcher.active_ib_devices():   # this machine: no IB, so a loud warning and TCP
         assert "no ACTIVE InfiniBand port" in p.stderr and "--mca pml ob1" in p.stdout
     p = run([LAUNCH, "--dry-run", "-np", "4", "-H", "n1:2,n2:2", "--network", "ethernet", "--iface", "eno1",

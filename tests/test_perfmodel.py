@@ -10,6 +10,7 @@ from horovod_terngrad.operations import perfmodel as pm
 
 # A flat network with round numbers: alpha = 1 ms, beta = 1 us/byte (1 MB/s), one rank per NIC.
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)
+RING = FLAT.with_allreduce("ring")      # the same link, every allreduce charged as a ring
 
 
 def flat(net):
@@ -32,50 +33,138 @@ def test_payload_and_sum_bits_by_hand():
 
 
 def test_fp32_and_fp16_ring_allreduce_by_hand():
-    # N = 4, n = 1000: fp32 moves 2·3/4·4000 = 6000 bytes per rank in 2·3 = 6 messages.
-    c = pm.fp32_allreduce_cost(1000, 4, FLAT)
+    # the ring (allreduce="ring"): N = 4, n = 1000: fp32 moves 2·3/4·4000 = 6000 bytes per rank in 2·3 = 6 messages.
+    c = pm.fp32_allreduce_cost(1000, 4, RING)
     assert c.bytes_received == pytest.approx(6000)
     assert c.messages == 6
     assert c.time_s == pytest.approx(6 * 1e-3 + 6000 * 1e-6)        # 0.012 s
     assert c.bits_per_element == pytest.approx(48.0)                 # 2(N-1)/N·32
-    h = pm.fp16_allreduce_cost(1000, 4, FLAT)
+    h = pm.fp16_allreduce_cost(1000, 4, RING)
     assert h.bytes_received == pytest.approx(3000)
     assert h.time_s == pytest.approx(6e-3 + 3000e-6)
     # N = 2: 2·1/2·4n = 4n bytes, 2 messages.
+    c2 = pm.fp32_allreduce_cost(1000, 2, RING)
+    assert (c2.bytes_received, c2.messages, c2.time_s) == (pytest.approx(4000), 2, pytest.approx(2e-3 + 4e-3))
+
+
+def test_allreduce_is_the_cheaper_of_ring_and_tree_by_hand():
+    """The default (allreduce="auto"): min(ring 2(N-1)·alpha + 2(N-1)/N·B·beta, tree 2·ceil(log2 N)·alpha
+    + 2·B·beta), the tree receiving 2B in 2·ceil(log2 N) messages."""
+    assert FLAT.allreduce == "auto" and pm.Network.from_gbps("x", 1, 1).allreduce == "auto"
+    # fp32, N = 4, n = 1000 (B = 4000): ring 6 ms + 6 ms, tree 4 ms + 8 ms: a tie goes to the ring
+    c = pm.fp32_allreduce_cost(1000, 4, FLAT)
+    assert (c.time_s, c.bytes_received, c.messages) == (pytest.approx(12e-3), pytest.approx(6000), 6)
+    # fp16 (B = 2000): ring 6 ms + 3 ms = 9 ms, tree 4 ms + 4 ms = 8 ms: the tree, 2B = 4000 bytes received
+    h = pm.fp16_allreduce_cost(1000, 4, FLAT)
+    assert (h.time_s, h.bytes_received, h.messages) == (pytest.approx(8e-3), pytest.approx(4000), 4)
+    assert pm.allreduce_algorithm(2000, 4, FLAT) == "tree" and pm.allreduce_algorithm(4000, 4, FLAT) == "ring"
+    # N = 5: ceil(log2 5) = 3; B = 20: ring 8 ms + 2·4/5·20 us = 8.032 ms, tree 6 ms + 40 us = 6.04 ms
+    t5 = pm.allreduce_cost(5, 5, FLAT)
+    assert (t5.time_s, t5.bytes_received, t5.messages) == (pytest.approx(6.04e-3), pytest.approx(40), 6)
+    assert pm.allreduce_time(20, 5, RING) == pytest.approx(8.032e-3) == pm.ring_allreduce_time(20, 5, FLAT)
+    assert pm.tree_allreduce_time(20, 5, FLAT) == pytest.approx(6.04e-3)
+    assert pm.allreduce_time(4000, 4, FLAT.with_allreduce("tree")) == pytest.approx(12e-3)
+    # N = 2: the tree (2 alpha + 2B beta) never beats the ring (2 alpha + B beta)
     c2 = pm.fp32_allreduce_cost(1000, 2, FLAT)
     assert (c2.bytes_received, c2.messages, c2.time_s) == (pytest.approx(4000), 2, pytest.approx(2e-3 + 4e-3))
+    assert pm.allreduce_algorithm(0, 2, FLAT) == "ring"
+    with pytest.raises(ValueError, match="allreduce"):
+        pm.Network("x", 1e-3, 1e6, allreduce="butterfly")
+
+
+def test_allreduce_crossover_tree_for_small_messages_at_many_ranks_ring_for_large_buffers():
+    """ring - tree = 2(N-1-ceil(log2 N))·alpha - 2B/N·beta: the tree is chosen iff
+    B < N·(N-1-ceil(log2 N))·alpha/beta."""
+    ib, eth = pm.INFINIBAND_100G, pm.ETHERNET_1G
+    # the 4-byte presence check at N = 512 on InfiniBand: tree, 2·9·5 us + 8 bytes·beta, against the
+    # ring's 2·511·5 us = 5.11 ms
+    assert pm.allreduce_algorithm(4, 512, ib) == "tree"
+    p = pm.presence_cost(512, ib)
+    assert p.time_s == pytest.approx(18 * 5e-6 + 8 / 12.5e9)
+    assert (p.messages, p.bytes_received, p.elements) == (18, pytest.approx(8), 0)
+    ring = pm.presence_cost(512, ib.with_allreduce("ring"))
+    assert ring.time_s == pytest.approx(1022 * 5e-6 + 2 * 511 / 512 * 4 / 12.5e9) and ring.messages == 1022
+    # a large buffer at small N: the ring (VGG-A's 128 MiB fp32 buffer on 8 ranks of 1 GbE)
+    assert pm.allreduce_algorithm(128 * 2**20, 8, eth) == "ring"
+    assert pm.fp32_allreduce_cost(32 * 2**20, 8, eth).messages == 14
+    for N in (8, 64, 512):
+        x = N * (N - 1 - math.ceil(math.log2(N))) * eth.alpha / eth.beta
+        assert pm.allreduce_algorithm(0.99 * x, N, eth) == "tree", N
+        assert pm.allreduce_algorithm(1.01 * x, N, eth) == "ring", N
+        assert pm.allreduce_algorithm(0.99 * x, N, eth.with_allreduce("ring")) == "ring", N
+
+
+def test_fully_connected_node_reaches_its_peers_over_separate_links():
+    """peer_links = K: L = min(K, N-1) peers at once; allgather/alltoall ceil((N-1)/L)·alpha +
+    (N-1)/L·(P or c)·beta, allreduce on L link-disjoint rings (bandwidth term / L)."""
+    from dataclasses import replace
+
+    from horovod_terngrad.exchange import cost, topology
+    port = pm.Network("port", 1e-3, 1e6)
+    quad = pm.Network("quad", 1e-3, 1e6, peer_links=3)
+    assert pm.NVLINK.peer_links == 3 and pm.PCIE_SWITCH.peer_links == 1      # the paper's nodes
+    assert pm.alltoall_time(100, 4, port, 4) == pytest.approx(3e-3 + 300e-6)
+    assert pm.alltoall_time(100, 4, quad, 4) == pytest.approx(1e-3 + 100e-6)
+    assert pm.ring_allgather_time(100, 4, port) == pytest.approx(3e-3 + 300e-6)
+    assert pm.ring_allgather_time(100, 4, quad) == pytest.approx(1e-3 + 100e-6)
+    assert pm.ring_allgather_time(100, 3, quad) == pytest.approx(1e-3 + 100e-6)      # 2 peers, 2 links
+    assert pm.ring_allgather_time(100, 2, quad) == pytest.approx(1e-3 + 100e-6) == pm.ring_allgather_time(100, 2, port)
+    two = replace(quad, peer_links=2)                  # 3 peers over 2 links: 2 stages, 1.5 chunks per link
+    assert pm.ring_allgather_time(100, 4, two) == pytest.approx(2e-3 + 150e-6)
+    assert pm.ring_allreduce_time(6000, 4, quad) == pytest.approx(6e-3 + 1.5 * 6000e-6 / 3)
+    assert pm.tree_allreduce_time(6000, 4, quad) == pytest.approx(4e-3 + 2 * 6000e-6 / 3)
+    assert pm.terngrad_allgather_cost(1000, 4, quad, shared_scaler=False).messages == 1
+    # the node-aware exchange's stages inside a node of 4 on each: (G-1) stages through one port, 1 over 3 links
+    ns = [100_000, 3000]
+    c, P = topology.intra_node_bytes(ns, 4)
+    one = cost.hierarchical_cost(ns, 3, 4, pm.Network("net", 1e-3, 1e6, ranks_per_node=4, intra_node=INTRA))
+    three = cost.hierarchical_cost(ns, 3, 4, pm.Network("net", 1e-3, 1e6, ranks_per_node=4,
+                                                          intra_node=replace(INTRA, peer_links=3)))
+    assert one.time_s - three.time_s == pytest.approx((3 - 1) * 2 * 1e-4 + (3 - 1) * (c + P) / 1e8, rel=1e-9)
+    assert one.messages - three.messages == 2 * (3 - 1)
+    with pytest.raises(ValueError, match="peer_links"):
+        pm.Network("x", 1e-3, 1e6, peer_links=0)
 
 
 def test_terngrad_allgather_by_hand():
     # N = 4, n = 1000, 2bit: P = 24 + 250 = 274; ring allgather 3·274 = 822 bytes, 3 messages;
-    # handshake allreduce of 72 bytes: 2·3/4·72 = 108 bytes, 6 messages.
+    # handshake allreduce of 72 bytes: ring 6 ms + 2·3/4·72 us = 6.108 ms, tree 4 ms + 144 us = 4.144 ms:
+    # the tree, 2·72 = 144 bytes, 4 messages (ring only: 108 bytes, 6 messages)
     c = pm.terngrad_allgather_cost(1000, 4, FLAT)
-    assert c.bytes_received == pytest.approx(822 + 108)
-    assert c.messages == 3 + 6
-    assert c.time_s == pytest.approx((3e-3 + 822e-6) + (6e-3 + 108e-6))
+    assert c.bytes_received == pytest.approx(822 + 144)
+    assert c.messages == 3 + 4
+    assert c.time_s == pytest.approx((3e-3 + 822e-6) + (4e-3 + 144e-6))
+    r = pm.terngrad_allgather_cost(1000, 4, RING)
+    assert (r.bytes_received, r.messages) == (pytest.approx(822 + 108), 3 + 6)
+    assert r.time_s == pytest.approx((3e-3 + 822e-6) + (6e-3 + 108e-6))
     # base3: P = 24 + 200 = 224
     b = pm.terngrad_allgather_cost(1000, 4, FLAT, "base3")
-    assert b.bytes_received == pytest.approx(3 * 224 + 108)
+    assert b.bytes_received == pytest.approx(3 * 224 + 144)
     # a fused buffer of two tensors: two payloads in one message, one compact handshake of
-    # 32 + 2·24 = 80 bytes (what exchange/allgather.py sends: tests/test_exchange.py) -> 2·3/4·80 = 120
+    # 32 + 2·24 = 80 bytes (what exchange/allgather.py sends: tests/test_exchange.py) -> tree, 2·80 = 160
     assert pm.handshake_bytes(1) == 72 and pm.handshake_bytes(2) == 80
     f = pm.terngrad_allgather_cost([1000, 1000], 4, FLAT)
-    assert f.bytes_received == pytest.approx(3 * 548 + 120)
-    assert f.messages == 9
-    assert f.time_s == pytest.approx((3e-3 + 3 * 548e-6) + (6e-3 + 120e-6))
+    assert f.bytes_received == pytest.approx(3 * 548 + 160)
+    assert f.messages == 7
+    assert f.time_s == pytest.approx((3e-3 + 3 * 548e-6) + (4e-3 + 160e-6))
 
 
 def test_terngrad_sharded_by_hand():
     # N = 4, n = 1000, 2bit: m = ceil(250/20)·20 = 260 (shards on byte boundaries of both packings);
     # alltoall chunk c = ceil(260/4) = 65 bytes to each of 3 peers (no header); L = ceil(log2 9) = 4,
-    # sums P_sum = 260·4/8 = 130 bytes, ring allgather 3·130; handshake 2·3/4·72 = 108.
+    # sums P_sum = 260·4/8 = 130 bytes, ring allgather 3·130; handshake by tree (see the allgather):
+    # 2·72 = 144 bytes, 4 ms + 144 us (ring only: 2·3/4·72 = 108 bytes, 6 ms + 108 us).
     assert sizes.SHARD_ALIGN == 20                    # the engine shards with codec/sizes.py too
     assert pm.shard_numel(1000, 4) == max(hi - lo for lo, hi in sizes.shard_bounds(1000, 4)) == 260
     c = pm.terngrad_sharded_cost(1000, 4, FLAT)
-    assert c.bytes_received == pytest.approx(3 * 65 + 3 * 130 + 108)      # 693
-    assert c.messages == 3 + 3 + 6
-    assert c.time_s == pytest.approx((3e-3 + 195e-6) + (3e-3 + 390e-6) + (6e-3 + 108e-6))
-    # N = 3, n = 10: the first shard (20 elements, capped at 10) holds everything: c = 3, L = 3 -> P_sum = 4
+    assert c.bytes_received == pytest.approx(3 * 65 + 3 * 130 + 144)      # 729
+    assert c.messages == 3 + 3 + 4
+    assert c.time_s == pytest.approx((3e-3 + 195e-6) + (3e-3 + 390e-6) + (4e-3 + 144e-6))
+    r = pm.terngrad_sharded_cost(1000, 4, RING)
+    assert (r.bytes_received, r.messages) == (pytest.approx(3 * 65 + 3 * 130 + 108), 3 + 3 + 6)
+    assert r.time_s == pytest.approx((3e-3 + 195e-6) + (3e-3 + 390e-6) + (6e-3 + 108e-6))
+    # N = 3, n = 10: the first shard (20 elements, capped at 10) holds everything: c = 3, L = 3 -> P_sum = 4;
+    # handshake: ring 4 ms + 2·2/3·72 us beats tree 4 ms + 144 us
     assert pm.shard_numel(10, 3) == max(hi - lo for lo, hi in sizes.shard_bounds(10, 3)) == 10
     u = pm.terngrad_sharded_cost(10, 3, FLAT)
     assert u.bytes_received == pytest.approx(2 * 3 + 2 * 4 + 2 * 2 / 3 * 72)
@@ -94,8 +183,10 @@ def test_alltoall_shares_the_node_nic_and_intra_node_link_is_used_inside_a_node(
     fast = pm.Network("fast", 0.0, 1e9)
     net = pm.Network("slow", 1e-3, 1e6, ranks_per_node=4, intra_node=fast)
     assert net.link_for(4) is fast and net.link_for(5) is net
-    assert pm.fp32_allreduce_cost(1000, 4, net).time_s == pytest.approx(6000 / 1e9)
-    assert pm.fp32_allreduce_cost(1000, 8, net).time_s == pytest.approx(14e-3 + 2 * 7 / 8 * 4000e-6)
+    assert pm.fp32_allreduce_cost(1000, 4, net).time_s == pytest.approx(6000 / 1e9)      # ring: 6000 < 8000 bytes
+    # N = 8 on the slow link: ring 14 ms + 7 ms, tree 2·3 ms + 8 ms = 14 ms
+    assert pm.fp32_allreduce_cost(1000, 8, net).time_s == pytest.approx(6e-3 + 2 * 4000e-6)
+    assert pm.fp32_allreduce_cost(1000, 8, net.with_allreduce("ring")).time_s == pytest.approx(14e-3 + 2 * 7 / 8 * 4000e-6)
 
 
 def test_fusion_groups_consecutive_tensors_up_to_the_threshold():
@@ -114,24 +205,32 @@ def test_sharded_receives_at_most_10_bits_per_element_at_64_workers_headers_incl
     for n in (10**6, 25 * 10**6, sum(pm.MODELS["alexnet"].sizes)):
         bits = pm.terngrad_sharded_cost(n, 64, pm.ETHERNET_1G).bits_per_element
         assert 63 / 64 * (2 + 8) < bits <= 10.0, (n, bits)            # 9.84 + handshake
-    # while the allgather receives (N-1)·2 = 126 bits, and fp32 allreduce 2·63/64·32 = 63
+    # while the allgather receives (N-1)·2 = 126 bits, and fp32 allreduce 2·63/64·32 = 63 by ring; 4 MB at
+    # N = 64 on 1 GbE goes by tree (under 64·(63-6)·6250 bytes), which receives 2·32 = 64
     assert pm.terngrad_allgather_cost(10**6, 64, pm.ETHERNET_1G).bits_per_element > 126
-    assert pm.fp32_allreduce_cost(10**6, 64, pm.ETHERNET_1G).bits_per_element == pytest.approx(63.0)
+    assert pm.fp32_allreduce_cost(10**6, 64, pm.ETHERNET_1G.with_allreduce("ring")).bits_per_element == pytest.approx(63.0)
+    assert pm.fp32_allreduce_cost(10**6, 64, pm.ETHERNET_1G).bits_per_element == pytest.approx(64.0)
 
 
 @pytest.mark.parametrize("net", [pm.ETHERNET_1G, pm.INFINIBAND_100G], ids=["ethernet", "infiniband"])
-def test_allgather_beats_fp32_allreduce_up_to_31_workers_for_large_tensors(net):
+def test_allgather_beats_fp32_allreduce_up_to_32_workers_for_large_tensors(net):
+    # bandwidth terms equal at N = 32 (2-bit) and 40 (base3); there the allgather's (N-1) + 2·ceil(log2 N)
+    # latency terms (its 72-byte handshake by tree) beat the fp32 ring's 2(N-1); ring-only: 31 and 39
     n, link = 25_000_000, flat(net)
-    for N in range(2, 32):
+    for N in range(2, 33):
         assert pm.terngrad_allgather_cost(n, N, link).time_s < pm.fp32_allreduce_cost(n, N, link).time_s, N
-    for N in (32, 33, 64, 512):
+    for N in (33, 34, 64, 512):
         assert pm.terngrad_allgather_cost(n, N, link).time_s > pm.fp32_allreduce_cost(n, N, link).time_s, N
-    assert pm.max_workers_where_allgather_wins(n, link, max_workers=600) == 31
-    assert pm.max_workers_where_allgather_wins(n, link, "base3", max_workers=600) == 39
+    assert pm.max_workers_where_allgather_wins(n, link, max_workers=600) == 32
+    assert pm.max_workers_where_allgather_wins(n, link, "base3", max_workers=600) == 40
+    ring = link.with_allreduce("ring")
+    assert pm.max_workers_where_allgather_wins(n, ring, max_workers=600) == 31
+    assert pm.max_workers_where_allgather_wins(n, ring, "base3", max_workers=600) == 39
 
 
 def test_allgather_never_beats_allreduce_for_a_small_tensor_on_infiniband():
-    # n·(8/N - 1/4) > alpha/beta + 24 + 144/N needs n > 62,500·... : a 10k tensor is latency-bound.
+    # alpha/beta = 62,500 bytes: a 10k tensor (40 kB) is latency-bound, and its fp32 allreduce pays
+    # 2(N-1)·alpha by ring (N <= 4) or 2·ceil(log2 N)·alpha by tree, the allgather (N-1)·alpha + its handshake.
     assert pm.max_workers_where_allgather_wins(10_000, flat(pm.INFINIBAND_100G), max_workers=64) == 1
 
 
@@ -227,17 +326,18 @@ def test_paper_alexnet_8_gpus_on_1g_ethernet():
     """Paper §5: TernGrad gives 3.04x for AlexNet on 8 GPUs on the 1 Gbit/s Ethernet cluster.
 
     Not reproduced exactly (see docs/perfmodel.md): with the default GTX 1080 compute time (79.7 ms per
-    batch of 128) the flat allgather exchange gives 3.73x, the chooser (per fused group, as exchange="auto")
-    5.85x.  With a ring the speedup of the flat allgather at N = 8 is bounded by the bandwidth ratio
-    2·7/8·32 / (7·2) = 4, and it equals 3.04 only if compute takes 0.40 s per iteration (5x the published
-    GPU time).  With the node-aware exchange (hierarchical="auto", the default: 2 nodes x 4) 14.50x.
+    batch of 128) the flat allgather exchange gives 3.74x, the chooser (per fused group, as exchange="auto")
+    5.87x.  With a ring (fp32's 244 MB at N = 8 is one) the speedup of the flat allgather at N = 8 is
+    bounded by the bandwidth ratio 2·7/8·32 / (7·2) = 4, and it equals 3.04 only if compute takes 0.40 s
+    per iteration (5x the published GPU time).  With the node-aware exchange (hierarchical="auto", the
+    default: 2 nodes x 4) 14.58x.
     """
     alex, eth = pm.MODELS["alexnet"], pm.CLUSTERS["ethernet"]
     assert alex.compute_s["gtx1080"] == pytest.approx(0.0797, abs=5e-4)
     r = pm.predict_scaling(alex, eth, [8], hierarchical=False)[0]
     ag, best = r["terngrad_allgather"].speedup_vs_fp32, r["terngrad"].speedup_vs_fp32
-    assert ag == pytest.approx(3.73, abs=0.02)
-    assert best == pytest.approx(5.85, abs=0.02)
+    assert ag == pytest.approx(3.736, abs=0.002)
+    assert best == pytest.approx(5.871, abs=0.002)
     assert 3.04 < ag < 4.0
     assert abs(ag / 3.04 - 1) < 0.25                       # stated tolerance: within 25% (+23%)
     flat = dict(hierarchical=False)
@@ -248,7 +348,7 @@ def test_paper_alexnet_8_gpus_on_1g_ethernet():
     # the default: node-aware where it pays (issue #24's goal: stay at 3.04x or better)
     d = pm.predict_scaling(alex, eth, [8], flat_too=True)[0]
     assert set(d["terngrad"].exchanges) == {"fp32", "terngrad_hierarchical"}
-    assert d["terngrad"].speedup_vs_fp32 == pytest.approx(14.50, abs=0.02) and d["terngrad"].speedup_vs_fp32 >= 3.04
+    assert d["terngrad"].speedup_vs_fp32 == pytest.approx(14.58, abs=0.01) and d["terngrad"].speedup_vs_fp32 >= 3.04
     assert d["terngrad_flat"].speedup_vs_fp32 == pytest.approx(best, rel=1e-12)
 
 
@@ -351,11 +451,11 @@ def test_model_charges_exactly_the_bytes_the_engine_sends(exchange, N, packing, 
         received = [r[k][2] for r in res]
         H = sizes.handshake_size([sizes.num_buckets(n, bucket_size) for n in ns])
         assert hs == [H] * N                                   # 8·(8 + B) alone, 8·(4 + 2k + ΣB) fused
-        hs_received = 2 * (N - 1) / N * H                       # the ring allreduce's share of the model
+        hs_received = 2 * (N - 1) / N * H       # the model's share of the handshake as a ring allreduce (RING)
         if exchange == "allgather":
             P = sum(sizes.payload_size(n, packing, bucket_size) for n in ns)
             assert sent == [P] * N and received == [(N - 1) * P] * N
-            model = cost.terngrad_allgather_cost(ns, N, FLAT, packing, bucket_size)
+            model = cost.terngrad_allgather_cost(ns, N, RING, packing, bucket_size)
             assert model.bytes_received == pytest.approx((N - 1) * P + hs_received, rel=1e-12)
             continue
         # sharded: each rank sends every member's codes (alltoall) and its own sums (allgather), and
@@ -367,7 +467,7 @@ def test_model_charges_exactly_the_bytes_the_engine_sends(exchange, N, packing, 
         assert per_peer == [sum(sizes.shard_code_bytes(n, N, packing)[r] for n in ns) for r in range(N)]
         c, p_sum = cost.sharded_bytes(ns, N, packing)           # every member sharded on its own
         assert (c, p_sum) == (max(per_peer), max(own_sums))
-        model = cost.terngrad_sharded_cost(ns, N, FLAT, packing, bucket_size)
+        model = cost.terngrad_sharded_cost(ns, N, RING, packing, bucket_size)
         assert model.bytes_received == pytest.approx((N - 1) * (c + p_sum) + hs_received, rel=1e-12)
         assert model.bytes_received >= max(received) + hs_received      # the slowest rank sets the time
         if k == 0 and N == 3:   # a fused group is not one vector: sharding the sum of the sizes differs
@@ -459,8 +559,9 @@ def test_per_rank_scalers_pay_no_handshake_per_group_but_one_presence_check_per_
     own = pm.terngrad_allgather_cost(group, 4, FLAT, shared_scaler=False)
     P = sum(wire.payload_size(n, "2bit", 0) for n in group)
     assert own.messages == 3 and own.bytes_received == 3 * P
-    assert shared.messages == 3 + 6
-    assert shared.time_s - own.time_s == pytest.approx(pm.ring_allreduce_time(wire.handshake_size([1, 1]), 4, FLAT))
+    assert shared.messages == 3 + 4                       # the 80-byte handshake by tree: 2·ceil(log2 4)
+    assert shared.time_s - own.time_s == pytest.approx(pm.allreduce_time(wire.handshake_size([1, 1]), 4, FLAT))
+    assert shared.time_s - own.time_s == pytest.approx(4e-3 + 2 * 80e-6)
     # a plan of three allgather groups: per-rank pays one presence check in all; shared pays three handshakes
     sizes, names = [5000, 6000, 7000], ["a", "b", "c"]
     for shared_scaler in (False, True):
@@ -553,17 +654,22 @@ def test_hierarchy_for_weighs_the_flat_exchange_and_the_step_overhead():
     # a given exchange is compared with the same exchange: at 2 x 4 on Ethernet the node-aware allgather
     # beats the flat allgather
     assert cost.hierarchy_for(big, 2, 4, network=eth, exchange="allgather")
-    # the step's extra allreduces (Horovod: presence check, end-of-step sync) must be saved by the group
+    # the step's extra allreduces (Horovod: presence check, end-of-step sync) must be saved by the group;
+    # charged as rings (2·63·5 us each) they cost more than a small group saves
     small = [5000]
-    gain = (cost.choose_exchange(small, 64, pm.INFINIBAND_100G, shared_scaler=False).cost.time_s
-            - cost.hierarchical_cost(small, 16, 4, pm.INFINIBAND_100G).time_s)
-    overhead = cost.presence_cost(64, pm.INFINIBAND_100G).time_s
+    ib = pm.INFINIBAND_100G.with_allreduce("ring")
+    gain = (cost.choose_exchange(small, 64, ib, shared_scaler=False).cost.time_s
+            - cost.hierarchical_cost(small, 16, 4, ib).time_s)
+    overhead = cost.presence_cost(64, ib).time_s
     assert 0 < gain < 2 * overhead
-    assert cost.hierarchy_for(small, 16, 4, network=pm.INFINIBAND_100G)
-    assert not cost.hierarchy_for(small, 16, 4, network=pm.INFINIBAND_100G, step_allreduces=2)
+    assert cost.hierarchy_for(small, 16, 4, network=ib)
+    assert not cost.hierarchy_for(small, 16, 4, network=ib, step_allreduces=2)
     # a whole step: the winning groups go node-aware only if together they save the overhead
-    assert cost.hierarchy_plan([small, small], 16, 4, network=pm.INFINIBAND_100G, step_allreduces=2) == [
-        gain * 2 > 2 * overhead] * 2
+    assert cost.hierarchy_plan([small, small], 16, 4, network=ib, step_allreduces=2) == [gain * 2 > 2 * overhead] * 2
+    # as trees (2·6·5 us each, the default) they do not
+    tree = cost.presence_cost(64, pm.INFINIBAND_100G).time_s
+    assert tree == pytest.approx(12 * 5e-6 + 8 / 12.5e9)
+    assert cost.hierarchy_for(small, 16, 4, network=pm.INFINIBAND_100G, step_allreduces=2)
     assert cost.hierarchy_plan([small, big], 16, 4, network=eth, step_allreduces=2) == [
         cost.hierarchy_for(g, 16, 4, network=eth) for g in (small, big)]
     assert cost.hierarchy_plan([big], 1, 4, network=eth) == [False]
@@ -572,16 +678,18 @@ def test_hierarchy_for_weighs_the_flat_exchange_and_the_step_overhead():
 def test_configured_network_has_the_link_inside_a_node(monkeypatch):
     from horovod_terngrad.exchange import cost
     for k in ("HOROVOD_TERNGRAD_GBPS", "HOROVOD_TERNGRAD_ALPHA_US", "HOROVOD_TERNGRAD_INTRA_GBPS",
-              "HOROVOD_TERNGRAD_INTRA_ALPHA_US"):
+              "HOROVOD_TERNGRAD_INTRA_ALPHA_US", "HOROVOD_TERNGRAD_INTRA_LINKS"):
         monkeypatch.delenv(k, raising=False)
     net = cost.configured_network(4)
     assert (net.bandwidth_Bps, net.ranks_per_node) == (1e9 / 8, 4) and net.latency_s == pytest.approx(50e-6)
     assert net.intra_node.bandwidth_Bps == 100e9 / 8 and net.intra_node.latency_s == pytest.approx(5e-6)
+    assert net.intra_node.peer_links == 1 and net.allreduce == net.intra_node.allreduce == "auto"
     monkeypatch.setenv("HOROVOD_TERNGRAD_INTRA_GBPS", "400")
     monkeypatch.setenv("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "2")
+    monkeypatch.setenv("HOROVOD_TERNGRAD_INTRA_LINKS", "3")
     net = cost.configured_network(8)
     assert (net.intra_node.bandwidth_Bps, net.ranks_per_node) == (400e9 / 8, 8)
-    assert net.intra_node.latency_s == pytest.approx(2e-6)
+    assert net.intra_node.latency_s == pytest.approx(2e-6) and net.intra_node.peer_links == 3
 
 
 def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
@@ -629,14 +737,40 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
 
 
 def test_issue_24_goals_as_the_model_states_them():
-    """The figures docs/perfmodel.md reports (defaults: hierarchical="auto"), so a change shows here."""
-    def row(model, cluster, N):
-        return pm.predict_scaling(pm.MODELS[model], pm.CLUSTERS[cluster], [N], flat_too=True)[0]
+    """The figures docs/perfmodel.md reports (defaults: hierarchical="auto"), so a change shows here; and
+    the same before the allreduce choice and the NVLink links (ring-only, one port per GPU in the node)."""
+    from dataclasses import replace
+
+    def row(model, cluster, N, before=False, **kw):
+        cl = pm.CLUSTERS[cluster]
+        if before:
+            net = cl.network.with_allreduce("ring")
+            cl = replace(cl, network=replace(net, intra_node=replace(net.intra_node, peer_links=1)))
+        return pm.predict_scaling(pm.MODELS[model], cl, [N], flat_too=True, **kw)[0]
     vgg, alex = row("vgga", "infiniband", 512), row("alexnet", "infiniband", 512)
-    assert vgg["terngrad"].scaling_efficiency == pytest.approx(0.738, abs=0.002)      # goal 0.85: missed
-    assert alex["terngrad"].scaling_efficiency == pytest.approx(0.568, abs=0.002)     # goal 0.85: missed
-    assert vgg["terngrad_flat"].scaling_efficiency == pytest.approx(0.658, abs=0.002)
+    assert vgg["terngrad"].scaling_efficiency == pytest.approx(0.842, abs=0.001)      # goal 0.85: missed
+    assert alex["terngrad"].scaling_efficiency == pytest.approx(0.777, abs=0.001)     # goal 0.85: missed
+    assert vgg["fp32"].scaling_efficiency == pytest.approx(0.705, abs=0.001)
+    assert alex["fp32"].scaling_efficiency == pytest.approx(0.628, abs=0.001)
+    assert vgg["terngrad_flat"].scaling_efficiency == pytest.approx(0.760, abs=0.001)
+    vgg0, alex0 = row("vgga", "infiniband", 512, before=True), row("alexnet", "infiniband", 512, before=True)
+    assert vgg0["terngrad"].scaling_efficiency == pytest.approx(0.738, abs=0.001)
+    assert alex0["terngrad"].scaling_efficiency == pytest.approx(0.568, abs=0.001)
+    assert vgg0["terngrad_flat"].scaling_efficiency == pytest.approx(0.658, abs=0.001)
+    # VGG-A misses 0.85 only by fusion_numel's default: in groups of 8M elements it reaches it; AlexNet
+    # does not, even as one group
+    assert row("vgga", "infiniband", 512, fusion_numel=1 << 23)["terngrad"].scaling_efficiency >= 0.85
+    assert row("alexnet", "infiniband", 512, fusion_numel=10**9)["terngrad"].scaling_efficiency == pytest.approx(
+        0.822, abs=0.001)
     assert row("alexnet", "ethernet", 8)["terngrad"].speedup_vs_fp32 >= 3.04
+    # no model, cluster or N below fp32 (GoogLeNet on InfiniBand was from N = 64, 0.93x at 512)
+    for model in pm.MODELS:
+        for cluster in pm.CLUSTERS:
+            rows = pm.predict_scaling(pm.MODELS[model], pm.CLUSTERS[cluster])
+            assert min(r["terngrad"].speedup_vs_fp32 for r in rows) >= 1.0, (model, cluster)
+    goog = row("googlenet", "infiniband", 512)
+    assert goog["terngrad"].speedup_vs_fp32 == pytest.approx(1.0007, abs=0.0002)
+    assert row("googlenet", "infiniband", 512, before=True)["terngrad"].speedup_vs_fp32 == pytest.approx(0.93, abs=0.005)
     # the node-aware exchange is never slower than the flat one at 512 on these clusters
     for model in pm.MODELS:
         for cluster in pm.CLUSTERS:

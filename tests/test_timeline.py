@@ -6,13 +6,15 @@ from horovod_terngrad.operations import perfmodel as pm
 from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
 
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)      # alpha 1 ms, 1 MB/s
+# allreduces are charged as exchange/cost.py picks them: the ring or, where faster, the tree
+# (2·ceil(log2 N)·alpha + 2·B·beta: the 4-byte presence check and the handshakes at N >= 4 here)
 
 
 def test_fp32_one_tensor_waits_for_backward_then_one_allreduce():
     # one tensor: its gradient is ready when backward ends, so nothing overlaps
     n, N, compute = 1000, 4, 0.5
     t = timeline_step([n], compute, N, FLAT, "fp32")
-    assert t.step_s == pytest.approx(compute + pm.ring_allreduce_time(4 * n, N, FLAT))
+    assert t.step_s == pytest.approx(compute + pm.allreduce_time(4 * n, N, FLAT))
     assert t.rounds == 1
 
 
@@ -20,7 +22,7 @@ def test_fp32_last_layer_overlaps_backward_of_the_others():
     # two equal tensors, no fusion: the last layer's allreduce (issued halfway through backward) hides
     # under the other half of backward when the link is fast enough
     n, N, compute = 1000, 2, 3.0       # backward = 2 s, 1 s per tensor; one allreduce = 2 ms + 4 ms
-    one = pm.ring_allreduce_time(4 * n, N, FLAT)
+    one = pm.allreduce_time(4 * n, N, FLAT)
     t = timeline_step([n, n], compute, N, FLAT, "fp32", fusion_bytes=0)
     assert t.step_s == pytest.approx(compute + one)          # only the first layer's allreduce is exposed
     additive = pm.predict_step([n, n], compute, N, FLAT, "fp32", fusion_bytes=0).step_s
@@ -34,8 +36,8 @@ def test_fp32_tensors_ready_while_the_channel_is_busy_fuse_into_one_round():
     sizes, N, compute = [1000, 1000, 1000, 1_000_000], 2, 0.003
     t = timeline_step(sizes, compute, N, FLAT, "fp32")
     assert t.rounds == 2
-    assert t.channel_busy_s == pytest.approx(pm.ring_allreduce_time(4_000_000, N, FLAT)
-                                             + pm.ring_allreduce_time(12_000, N, FLAT))
+    assert t.channel_busy_s == pytest.approx(pm.allreduce_time(4_000_000, N, FLAT)
+                                             + pm.allreduce_time(12_000, N, FLAT))
 
 
 RATES = CodecRates(prepare=1e-8, encode=2e-8, decode_base=1e-8, decode_per_payload=1e-9, owner_sum=1e-9,
@@ -47,7 +49,8 @@ def test_per_rank_scalers_send_one_presence_check_and_encode_in_the_hook():
     # and its hook waits for it, then encodes and sends the payload; one tensor: nothing to overlap with
     n, N, compute = 100_000, 4, 0.01
     t = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0)
-    presence = pm.ring_allreduce_time(4, N, FLAT)
+    presence = pm.allreduce_time(4, N, FLAT)
+    assert presence == pytest.approx(2 * 2 * 1e-3 + 2 * 4e-6)         # the tree (ring: 6 ms + 6 us)
     ag = pm.ring_allgather_time(pm.payload_bytes(n), N, FLAT)
     codec = (1e-8 + 2e-8 + 1e-8 + 4e-9) * n
     assert t.codec_s == pytest.approx(codec)
@@ -67,7 +70,8 @@ def test_shared_scaler_sends_a_handshake_per_group_and_encodes_after_backward():
     n, N, compute = 100_000, 4, 0.01
     cfg = TernGradConfig(shared_scaler=True)
     t = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0, config=cfg)
-    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    hs = pm.allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    assert hs == pytest.approx(4e-3 + 2 * 72e-6)                      # 72 bytes by tree
     ag = pm.ring_allgather_time(pm.payload_bytes(n), N, FLAT)
     codec = (1e-8 + 2e-8 + 1e-8 + 4e-9) * n
     assert t.step_s == pytest.approx(compute + codec + hs + ag)
@@ -75,7 +79,7 @@ def test_shared_scaler_sends_a_handshake_per_group_and_encodes_after_backward():
     assert t.issued == ("terngrad.hs.0", "terngrad.ag.0")
     # the per-rank schedule is shorter by the handshake less the presence check
     per_rank = timeline_step([n], compute, N, FLAT, "terngrad_allgather", codec=RATES, fusion_numel=0)
-    assert t.step_s - per_rank.step_s == pytest.approx(hs - pm.ring_allreduce_time(4, N, FLAT))
+    assert t.step_s - per_rank.step_s == pytest.approx(hs - pm.allreduce_time(4, N, FLAT))
 
 
 GROUPS5 = [100_000] * 5        # with fusion_numel=0: five groups, group g = tensor 4 - g (backward order)
@@ -145,8 +149,8 @@ def test_tensors_under_min_numel_travel_by_horovods_allreduce():
     t = timeline_step(sizes, 0.01, N, FLAT, "terngrad_allgather")
     assert t.issued == ("terngrad.presence.0", "terngrad.ag.0")
     assert t.rounds == 4
-    assert t.channel_busy_s == pytest.approx(2 * pm.ring_allreduce_time(4 * 100, N, FLAT)
-                                             + pm.ring_allreduce_time(4, N, FLAT)
+    assert t.channel_busy_s == pytest.approx(2 * pm.allreduce_time(4 * 100, N, FLAT)
+                                             + pm.allreduce_time(4, N, FLAT)
                                              + pm.ring_allgather_time(pm.payload_bytes(100_000), N, FLAT))
     every = timeline_step(sizes, 0.01, N, FLAT, "terngrad_allgather", config=TernGradConfig(min_numel=0))
     assert every.issued == ("terngrad.presence.0", "terngrad.ag.0") and every.rounds == 2   # one fused group
@@ -168,7 +172,7 @@ def test_collectives_submitted_together_share_one_round():
     shared = timeline_step(sizes, 0.001, 8, FLAT, "terngrad_allgather", fusion_numel=0,
                            config=every.replace(shared_scaler=True))
     assert shared.collectives == 100
-    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), 8, FLAT)
+    hs = pm.allreduce_time(pm.handshake_bytes(1), 8, FLAT)
     assert shared.backward_end_s > 40 * hs > 10 * t.backward_end_s
 
 
@@ -178,8 +182,11 @@ def test_sharded_schedule_has_alltoall_then_sums_allgather():
     m = pm.shard_numel(n, N)
     a2a = pm.alltoall_time(pm.packed_bytes(m), N, FLAT)
     sums = pm.ring_allgather_time(-(-m * pm.sum_bits(N) // 8), N, FLAT)
-    hs = pm.ring_allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    hs = pm.allreduce_time(pm.handshake_bytes(1), N, FLAT)
+    assert hs == pytest.approx(2 * 3 * 1e-3 + 2 * 72e-6)              # by tree (ring: 14 ms + 126 us)
     assert t.step_s == pytest.approx(0.01 + hs + a2a + sums)
+    ring = timeline_step([n], 0.01, N, FLAT.with_allreduce("ring"), "terngrad_sharded", fusion_numel=0)
+    assert ring.step_s - t.step_s == pytest.approx((14e-3 + 2 * 7 / 8 * 72e-6) - hs)
     assert t.rounds == 3
 
 
@@ -244,20 +251,22 @@ def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_f
     t = timeline_step(numels, 0.01, N, FLAT, "terngrad_sharded", config=TernGradConfig(min_numel=0))
     c, p_sum = cost.sharded_bytes(numels, N, "2bit")
     assert t.rounds == 3
-    assert t.channel_busy_s == pytest.approx(pm.ring_allreduce_time(sizes.handshake_size([1, 1, 1]), N, FLAT)
+    assert t.channel_busy_s == pytest.approx(pm.allreduce_time(sizes.handshake_size([1, 1, 1]), N, FLAT)
                                              + pm.alltoall_time(c, N, FLAT) + pm.ring_allgather_time(p_sum, N, FLAT))
     # a config's exclude: that tensor goes through Horovod's fp32 allreduce, the rest as a group of two
     cfg = TernGradConfig(exclude=("fc3",), min_numel=0, shared_scaler=True)
     t = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg,
                       names=["a.weight", "a.bias", "fc3.weight"])
-    fp32 = pm.ring_allreduce_time(4 * 1000, 4, FLAT)
-    hs = pm.ring_allreduce_time(sizes.handshake_size([1, 1]), 4, FLAT)
+    fp32 = pm.allreduce_time(4 * 1000, 4, FLAT)
+    assert fp32 == pytest.approx(12e-3)              # ring 6 ms + 6 ms = tree 4 ms + 8 ms: the ring
+    hs = pm.allreduce_time(sizes.handshake_size([1, 1]), 4, FLAT)
+    assert hs == pytest.approx(4e-3 + 160e-6)        # 80 bytes by tree
     ag = pm.ring_allgather_time(sizes.payload_size(10, "2bit") + sizes.payload_size(1000, "2bit"), 4, FLAT)
     assert t.rounds == 3
     assert t.channel_busy_s == pytest.approx(fp32 + hs + ag)
     per_rank = timeline_step([1000, 10, 1000], 0.01, 4, FLAT, "terngrad_allgather", config=cfg.replace(shared_scaler=None),
                              names=["a.weight", "a.bias", "fc3.weight"])
-    assert per_rank.channel_busy_s == pytest.approx(fp32 + pm.ring_allreduce_time(4, 4, FLAT) + ag)
+    assert per_rank.channel_busy_s == pytest.approx(fp32 + pm.allreduce_time(4, 4, FLAT) + ag)
 
 
 def test_node_aware_plans_are_refused_not_scheduled_as_flat():

@@ -5,9 +5,22 @@ and the performance model (operations/perfmodel.py) and the timeline build on it
 A message of m bytes over one link costs alpha + m·beta (alpha: latency per message, beta = 1/bandwidth).
 For N ranks and one buffer ("bytes" is what crosses each rank's link in each direction):
 
-* ring allreduce of B bytes:            T = 2(N-1)·alpha + 2(N-1)/N · B · beta
-* ring allgather of P bytes per rank:   T = (N-1)·alpha + (N-1) · P · beta
+* allreduce of B bytes: the cheaper of two algorithms (``Network.allreduce`` "auto", the default), as the
+  libraries pick per message size (NCCL >= 2.4: ring or double binary tree; Open MPI's tuned allreduce:
+  recursive doubling for small messages; gloo: halving-doubling):
+      ring:  T = 2(N-1)·alpha + 2(N-1)/N · B · beta            (received 2(N-1)/N·B, 2(N-1) messages)
+      tree:  T = 2·ceil(log2 N)·alpha + 2 · B · beta           (received 2B, 2·ceil(log2 N) messages)
+  the tree's bandwidth term is a conservative one (never better than the ring's); ``allreduce="ring"``
+  charges the ring only (the model before this choice; also what a gloo ring runs);
+* allgather of P bytes per rank:        T = (N-1)·alpha + (N-1) · P · beta
 * pairwise alltoall, c bytes per peer:  T = (N-1)·alpha + max(N-1, G·(N-G)) · c · beta  (G ranks share a NIC)
+
+``Network.peer_links`` = K: independent links from each rank to its peers inside a fully connected node
+(1: one port, as a GPU's x16 port into a PCIe switch; 3: four P100s fully connected by NVLink).  With
+N <= K+1 ranks on such a link, L = min(K, N-1) peers are reached at once: the allgather and the alltoall
+take ceil((N-1)/L) stages, T = ceil((N-1)/L)·alpha + (N-1)/L · P · beta, and an allreduce runs L
+link-disjoint rings (K4 decomposes into 3 directed Hamiltonian cycles; NCCL builds several channels), its
+bandwidth term divided by L.  K = 1 gives the formulas above.
 
 TernGrad exchanges of a group of tensors n_1..n_k, with every size from ``codec.sizes`` (the one place
 they are computed, so this model charges exactly the bytes the engine sends):
@@ -30,12 +43,14 @@ takes it where :func:`hierarchy_for` finds it cheaper than the flat exchange on 
 
 Network for ``exchange="auto"`` and ``hierarchical="auto"`` at run time: HOROVOD_TERNGRAD_GBPS (default 1)
 and HOROVOD_TERNGRAD_ALPHA_US (default 50), which the launcher's profiles set, and inside a node
-HOROVOD_TERNGRAD_INTRA_GBPS (default 100) and HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 5).  Cost of this
-module: O(tensors) per decision (O(tensors·G) for the hierarchy).
+HOROVOD_TERNGRAD_INTRA_GBPS (default 100), HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 5) and
+HOROVOD_TERNGRAD_INTRA_LINKS (default 1; 3 for four NVLink-connected GPUs).  Cost of this module:
+O(tensors) per decision (O(tensors·G) for the hierarchy).
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -55,13 +70,23 @@ TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
 HOROVOD_FUSION_BYTES = 128 * 1024 * 1024
 TERNGRAD_FUSION_NUMEL = 1 << 22            #: TernGradConfig.fusion_numel's default
 
+ALLREDUCE_AUTO = "auto"    #: an allreduce is charged the cheaper of the ring and the tree (the default)
+ALLREDUCE_RING = "ring"    #: ring only
+ALLREDUCE_TREE = "tree"    #: tree (latency-optimal: double binary tree, recursive doubling) only
+ALLREDUCE_ALGORITHMS = (ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE)
+
 
 @dataclass(frozen=True)
 class Network:
     """Alpha-beta link: ``latency_s`` = alpha (s per message), ``bandwidth_Bps`` = 1/beta (bytes/s).
 
     ``ranks_per_node`` ranks share one NIC; ``intra_node`` is the link used when all ranks fit in one
-    node (N <= ranks_per_node), or None to use this link there too.
+    node (N <= ranks_per_node), or None to use this link there too.  ``allreduce``: which allreduce
+    algorithm the library runs on this link, "auto" (the cheaper of ring and tree per message, as NCCL,
+    Open MPI and gloo choose; the default), "ring" or "tree" (:func:`allreduce_terms`).  ``peer_links``:
+    independent links from each rank to its peers (1: one port, every message through it; 3: four GPUs
+    fully connected by NVLink), used by every collective among ranks of this link (see the module
+    docstring); bandwidth_Bps is one link's.
     """
 
     name: str
@@ -70,6 +95,24 @@ class Network:
     ranks_per_node: int = 1
     intra_node: "Network | None" = None
     efficiency: tuple = ()   #: ((collective, factor), ...): measured fraction of the link rate it reaches
+    allreduce: str = ALLREDUCE_AUTO
+    peer_links: int = 1
+
+    def __post_init__(self):
+        if self.allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"allreduce must be one of {ALLREDUCE_ALGORITHMS}, got {self.allreduce!r}")
+        if int(self.peer_links) < 1:
+            raise ValueError("peer_links must be >= 1")
+
+    def with_allreduce(self, algorithm: str) -> "Network":
+        """This network, and its intra-node link, charging allreduces with ``algorithm`` ("ring": the
+        ring-only model)."""
+        intra = replace(self.intra_node, allreduce=algorithm) if self.intra_node is not None else None
+        return replace(self, allreduce=algorithm, intra_node=intra)
+
+    def lanes(self, workers: int) -> int:
+        """Links a rank uses at once among ``workers`` ranks of this link: min(peer_links, N-1), at least 1."""
+        return max(1, min(int(self.peer_links), int(workers) - 1))
 
     def eff(self, collective: str) -> float:
         """Fraction of ``bandwidth_Bps`` that ``collective`` ("allreduce", "allgather", "alltoall")
@@ -91,11 +134,13 @@ class Network:
 
     @classmethod
     def from_gbps(cls, name: str, bandwidth_gbps: float, latency_us: float, ranks_per_node: int = 1,
-                  intra_node: "Network | None" = None) -> "Network":
-        """Build from Gbit/s (10^9 bit/s) and microseconds."""
+                  intra_node: "Network | None" = None, *, allreduce: str = ALLREDUCE_AUTO,
+                  peer_links: int = 1) -> "Network":
+        """Build from Gbit/s (10^9 bit/s, of one link) and microseconds."""
         if bandwidth_gbps <= 0 or latency_us < 0:
             raise ValueError("bandwidth must be > 0 and latency >= 0")
-        return cls(name, latency_us * 1e-6, bandwidth_gbps * 1e9 / 8, ranks_per_node, intra_node)
+        return cls(name, latency_us * 1e-6, bandwidth_gbps * 1e9 / 8, ranks_per_node, intra_node,
+                   allreduce=allreduce, peer_links=int(peer_links))
 
     def link_for(self, workers: int) -> "Network":
         """The link a job of ``workers`` ranks runs on: ``intra_node`` when it fits in one node."""
@@ -107,9 +152,14 @@ class Network:
         s = f"{self.name}: {self.bandwidth_Bps * 8 / 1e9:g} Gbit/s, alpha {self.latency_s * 1e6:g} us"
         if self.ranks_per_node > 1:
             s += f", {self.ranks_per_node} ranks per node"
+        if self.peer_links > 1:
+            s += f", {self.peer_links} links per rank"
         if self.intra_node is not None:
-            s += (f" (inside a node: {self.intra_node.name}, {self.intra_node.bandwidth_Bps / 1e9:g} GB/s, "
+            links = f" x {self.intra_node.peer_links} links per rank" if self.intra_node.peer_links > 1 else ""
+            s += (f" (inside a node: {self.intra_node.name}, {self.intra_node.bandwidth_Bps / 1e9:g} GB/s{links}, "
                   f"alpha {self.intra_node.latency_s * 1e6:g} us)")
+        if self.allreduce != ALLREDUCE_AUTO:
+            s += f"; allreduce: {self.allreduce} only"
         return s
 
 
@@ -121,40 +171,113 @@ def ring_allreduce_bytes(nbytes: float, workers: int) -> float:
     return 2 * (workers - 1) / workers * nbytes if workers > 1 else 0.0
 
 
+def tree_allreduce_bytes(nbytes: float, workers: int) -> float:
+    """Bytes one rank receives in a tree allreduce of ``nbytes``, as charged: 2B (a double binary tree's
+    rank receives its two children's halves and its parent's half in the tree where it is inner, and its
+    parent's half in the other: 2B at most; recursive doubling receives B·log2 N, which the libraries run
+    only for messages where latency dominates)."""
+    return 2.0 * nbytes if workers > 1 else 0.0
+
+
 def ring_allgather_bytes(bytes_per_rank: float, workers: int) -> float:
     """Bytes one rank sends (= receives) in a ring allgather of ``bytes_per_rank`` each: (N-1)·P."""
     return (workers - 1) * bytes_per_rank if workers > 1 else 0.0
 
 
 def ring_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
-    """2(N-1)·alpha + 2(N-1)/N·B·beta  (0 for N = 1)."""
+    """The ring: 2(N-1)·alpha + 2(N-1)/N·B·beta/L  (0 for N = 1; L = ``link.lanes(N)`` rings on
+    link-disjoint paths, 1 unless the link has several ``peer_links``)."""
     N = workers
     if N <= 1:
         return 0.0
-    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta / link.eff("allreduce")
+    return 2 * (N - 1) * link.alpha + 2 * (N - 1) / N * nbytes * link.beta / (link.eff("allreduce") * link.lanes(N))
+
+
+def tree_allreduce_time(nbytes: float, workers: int, link: Network) -> float:
+    """The tree: 2·ceil(log2 N)·alpha + 2·B·beta/L  (0 for N = 1): log-depth latency (reduce up, broadcast
+    down: NCCL's double binary tree; Open MPI's recursive doubling, gloo's halving-doubling), with a
+    bandwidth term never better than the ring's."""
+    N = workers
+    if N <= 1:
+        return 0.0
+    return (2 * math.ceil(math.log2(N)) * link.alpha
+            + 2 * nbytes * link.beta / (link.eff("allreduce") * link.lanes(N)))
+
+
+def allreduce_terms(nbytes: float, workers: int, link: Network) -> tuple[str, float, float]:
+    """(algorithm, latency part, bandwidth part) of an allreduce of ``nbytes`` on ``link``: the ring
+    or the tree as ``link.allreduce`` says; "auto" takes the tree where it is strictly faster (small
+    messages, many ranks), else the ring."""
+    N = workers
+    if N <= 1:
+        return ALLREDUCE_RING, 0.0, 0.0
+    ring_lat = ring_allreduce_time(0, N, link)
+    ring = (ALLREDUCE_RING, ring_lat, ring_allreduce_time(nbytes, N, link) - ring_lat)
+    if link.allreduce == ALLREDUCE_RING:
+        return ring
+    tree_lat = tree_allreduce_time(0, N, link)
+    tree = (ALLREDUCE_TREE, tree_lat, tree_allreduce_time(nbytes, N, link) - tree_lat)
+    if link.allreduce == ALLREDUCE_TREE or tree[1] + tree[2] < ring[1] + ring[2]:
+        return tree
+    return ring
+
+
+def allreduce_algorithm(nbytes: float, workers: int, link: Network) -> str:
+    """"ring" or "tree": the algorithm :func:`allreduce_time` charges for this message."""
+    return allreduce_terms(nbytes, workers, link)[0]
+
+
+def allreduce_time(nbytes: float, workers: int, link: Network) -> float:
+    """An allreduce of ``nbytes`` as the library runs it (:func:`allreduce_terms`): min(ring, tree) by default."""
+    _, lat, bw = allreduce_terms(nbytes, workers, link)
+    return lat + bw
+
+
+def _stages(workers: int, link: Network) -> int:
+    """Latency terms of an allgather or alltoall among ``workers`` ranks of ``link``: N-1, or
+    ceil((N-1)/L) with L peer links."""
+    return -(-(int(workers) - 1) // link.lanes(workers)) if workers > 1 else 0
+
+
+def _allreduce(nbytes: float, workers: int, link: Network) -> tuple[float, float, int]:
+    """(time, bytes received per rank, messages) of one allreduce, with the algorithm it is charged."""
+    N = workers
+    if N <= 1:
+        return 0.0, 0.0, 0
+    algo, lat, bw = allreduce_terms(nbytes, N, link)
+    if algo == ALLREDUCE_TREE:
+        return lat + bw, tree_allreduce_bytes(nbytes, N), 2 * math.ceil(math.log2(N))
+    return lat + bw, ring_allreduce_bytes(nbytes, N), 2 * (N - 1)
 
 
 def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> float:
-    """(N-1)·alpha + (N-1)·P·beta  (0 for N = 1)."""
+    """(N-1)·alpha + (N-1)·P·beta  (0 for N = 1).  On a link with L = ``link.lanes(N)`` > 1 peer links
+    (a fully connected node) each rank sends its P to L peers at once: ceil((N-1)/L)·alpha + (N-1)/L·P·beta."""
     N = workers
     if N <= 1:
         return 0.0
-    return (N - 1) * link.alpha + (N - 1) * bytes_per_rank * link.beta / link.eff("allgather")
+    L = link.lanes(N)
+    return -(-(N - 1) // L) * link.alpha + (N - 1) / L * bytes_per_rank * link.beta / link.eff("allgather")
 
 
 def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_node: int = 1) -> float:
     """(N-1)·alpha + beta·max((N-1)·c, G·(N-G)·c), G = min(ranks_per_node, N) ranks sharing a NIC.
 
     With G = 1 (one NIC per rank) this is (N-1)·alpha + (N-1)·c·beta.  Within one node (G = N) the second
-    term vanishes and the first, (N-1)·c, applies on the intra-node link.
+    term vanishes and the first, (N-1)·c, applies on the intra-node link; with L = ``link.lanes(N)`` > 1
+    peer links (a fully connected node) L peers are reached at once: ceil((N-1)/L)·alpha + (N-1)/L·c·beta.
     """
     N = workers
     if N <= 1:
         return 0.0
     G = max(1, min(int(ranks_per_node), N))
-    return (N - 1) * link.alpha + max(N - 1, G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall")
+    L = link.lanes(N)
+    return (-(-(N - 1) // L) * link.alpha
+            + max((N - 1) / L, G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall"))
 
 
+# calibration fits one large message of each collective: for the allreduce that is the ring (the tree is
+# chosen only where latency dominates), whose bandwidth term the efficiency then scales for both algorithms
 _COLLECTIVE_TIME = {"allreduce": ring_allreduce_time, "allgather": ring_allgather_time, "alltoall": alltoall_time}
 
 
@@ -212,40 +335,40 @@ def _sizes(sizes: int | Sequence[int]) -> list[int]:
 
 def presence_cost(workers: int, network: Network) -> ExchangeCost:
     """The per-rank scalers' presence check: one allreduce-sum of a 4-byte int32 per step (the engine asks
-    it in the step's first per-rank group, whatever the number of groups).  It carries no gradient elements."""
+    it in the step's first per-rank group, whatever the number of groups).  It carries no gradient elements.
+    Latency-bound: charged as the tree where the network's libraries have one (2·ceil(log2 N)·alpha)."""
     return replace(allreduce_cost(1, workers, network, 4), method=TERNGRAD_ALLGATHER, elements=0)
 
 
 def _handshake(ns: list, bucket_size: int, workers: int, link: Network) -> tuple[float, float, int]:
     """Shared-scaler handshake: one allreduce of the group's handshake vector."""
     nbytes = wire.handshake_size([wire.num_buckets(n, bucket_size) for n in ns])
-    N = workers
-    return (ring_allreduce_time(nbytes, N, link), 2 * (N - 1) / N * nbytes, 2 * (N - 1))
+    return _allreduce(nbytes, workers, link)
 
 
 def allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network,
                    bytes_per_element: int = 4) -> ExchangeCost:
-    """Ring allreduce of one buffer: T = 2(N-1)·alpha + 2(N-1)/N·(bytes_per_element·n)·beta.
-
-    Received (= sent) bytes per rank: 2(N-1)/N·bytes_per_element·n; messages 2(N-1).
+    """Allreduce of one buffer of B = bytes_per_element·n bytes (:func:`allreduce_terms`): the ring,
+    T = 2(N-1)·alpha + 2(N-1)/N·B·beta (received 2(N-1)/N·B per rank, 2(N-1) messages), or, where the
+    network's ``allreduce`` setting allows it and it is faster, the tree, T = 2·ceil(log2 N)·alpha + 2·B·beta
+    (received 2B, 2·ceil(log2 N) messages).
     """
     ns = _sizes(sizes)
     n, N = sum(ns), int(workers)
     method = {4: FP32, 2: FP16}.get(bytes_per_element, f"allreduce{8 * bytes_per_element}")
     if N <= 1:
         return ExchangeCost(method, 0.0, 0.0, 0, n)
-    link = network.link_for(N)
-    B = bytes_per_element * n
-    return ExchangeCost(method, ring_allreduce_time(B, N, link), 2 * (N - 1) / N * B, 2 * (N - 1), n)
+    t, received, messages = _allreduce(bytes_per_element * n, N, network.link_for(N))
+    return ExchangeCost(method, t, received, messages, n)
 
 
 def fp32_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
-    """fp32 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·4n·beta."""
+    """fp32 allreduce: min(ring 2(N-1)·alpha + 2(N-1)/N·4n·beta, tree 2·ceil(log2 N)·alpha + 2·4n·beta)."""
     return allreduce_cost(sizes, workers, network, 4)
 
 
 def fp16_allreduce_cost(sizes: int | Sequence[int], workers: int, network: Network) -> ExchangeCost:
-    """fp16 ring allreduce: 2(N-1)·alpha + 2(N-1)/N·2n·beta."""
+    """fp16 allreduce: min(ring 2(N-1)·alpha + 2(N-1)/N·2n·beta, tree 2·ceil(log2 N)·alpha + 2·2n·beta)."""
     return allreduce_cost(sizes, workers, network, 2)
 
 
@@ -254,8 +377,10 @@ def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: N
                             shared_scaler: bool = True) -> ExchangeCost:
     """TernGrad allgather exchange of one group of tensors n_1..n_k.
 
-    P = sum_i payload_size(n_i);  T = (N-1)·alpha + (N-1)·P·beta + 2(N-1)·alpha + 2(N-1)/N·H·beta,
-    H = the group's handshake bytes.  Received bytes per rank: (N-1)·P + 2(N-1)/N·H.  Messages: 3(N-1).
+    P = sum_i payload_size(n_i);  T = (N-1)·alpha + (N-1)·P·beta + the handshake, an allreduce of H = the
+    group's handshake bytes (:func:`allreduce_terms`; ring: 2(N-1)·alpha + 2(N-1)/N·H·beta, received
+    2(N-1)/N·H; tree, which the small H gets at large N: 2·ceil(log2 N)·alpha + 2·H·beta, received 2H).
+    Received bytes per rank: (N-1)·P + the handshake's.  Messages: (N-1) + the handshake's (ring: 2(N-1)).
     ``shared_scaler=False`` (per-rank scalers): no handshake terms, T = (N-1)·alpha + (N-1)·P·beta.
     """
     ns = _sizes(sizes)
@@ -266,7 +391,7 @@ def terngrad_allgather_cost(sizes: int | Sequence[int], workers: int, network: N
     P = sum(wire.payload_size(x, packing, bucket_size) for x in ns)
     hs_t, hs_b, hs_m = _handshake(ns, bucket_size, N, link) if shared_scaler else (0.0, 0.0, 0)
     return ExchangeCost(TERNGRAD_ALLGATHER, ring_allgather_time(P, N, link) + hs_t, (N - 1) * P + hs_b,
-                        (N - 1) + hs_m, n)
+                        _stages(N, link) + hs_m, n)
 
 
 def sharded_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit") -> tuple[int, int]:
@@ -285,8 +410,10 @@ def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Net
     """TernGrad sharded exchange (reduce-scatter by alltoall, then allgather of L-bit sums).
 
     Every member of the group is sharded on its own, as the engine does (:func:`sharded_bytes`);
-    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (2(N-1)·alpha + 2(N-1)/N·H·beta).
-    Received bytes per rank: (N-1)·(c + P_sum) + 2(N-1)/N·H ~ (N-1)/N·n·(b + L)/8.  Messages: 4(N-1).
+    T = alltoall(c) + (N-1)·alpha + (N-1)·P_sum·beta + handshake (an allreduce of H bytes: ring
+    2(N-1)·alpha + 2(N-1)/N·H·beta, or the tree where it is faster, as :func:`allreduce_terms`).
+    Received bytes per rank: (N-1)·(c + P_sum) + the handshake's ~ (N-1)/N·n·(b + L)/8.  Messages: 2(N-1)
+    + the handshake's (ring: 4(N-1) in all).
     """
     ns = _sizes(sizes)
     n, N = sum(ns), int(workers)
@@ -297,7 +424,7 @@ def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Net
     hs_t, hs_b, hs_m = _handshake(ns, bucket_size, N, link)
     G = network.ranks_per_node if link is network else N
     t = alltoall_time(c, N, link, G) + ring_allgather_time(P_sum, N, link) + hs_t
-    return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * (N - 1) + hs_m, n)
+    return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * _stages(N, link) + hs_m, n)
 
 
 _COST_FUNCTIONS = {
@@ -381,7 +508,8 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
     * c, P = ``topology.intra_node_bytes``: the largest fp32 shard each rank sends each local peer, and
       the largest averaged shard plus one status word per piece; alltoall and allgather on G ranks of
       ``network.intra_node`` (``network`` itself if None): (G-1)·alpha + (G-1)·c·beta and
-      (G-1)·alpha + (G-1)·P·beta;
+      (G-1)·alpha + (G-1)·P·beta through one port; with L = min(peer_links, G-1) links per rank (a fully
+      connected node) ceil((G-1)/L)·alpha + (G-1)/L·c·beta and the same with P;
     * T_cross: the TernGrad exchange of local rank j's pieces (each its own tensor: payload_size per
       piece) among the M ranks of its cross group, on :func:`cross_network` (the inter-node link at a G-th
       of its bandwidth: all G local ranks cross the node's link at once); ``cross`` "allgather" (scaler
@@ -390,7 +518,8 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
 
     Bytes received: the slowest local rank's cross exchange (what it takes of the node's link; the node's
     link carries G times that); the fp32 bytes inside the node are ``topology.intra_node_bytes``'s.
-    Messages: 2(G-1) inside the node plus the cross exchange's.  With M < 2 or G < 2 the hierarchy does
+    Messages (latency terms): 2(G-1) inside the node (2·ceil((G-1)/L) with L peer links) plus the cross
+    exchange's.  With M < 2 or G < 2 the hierarchy does
     not apply (topology.Topology.flat_reason) and the runtime exchanges flat on all M·G ranks: this returns
     that flat exchange's cost (``cross`` picks it).  Per step, the Horovod frontend adds two 4-byte
     allreduces on every rank (:func:`presence_cost`: the presence check and the end-of-step sync)."""
@@ -415,15 +544,15 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
         if worst is None or cost_j.time_s > worst.time_s:
             worst = cost_j
     return ExchangeCost(TERNGRAD_HIERARCHICAL, t_local + worst.time_s, worst.bytes_received,
-                        2 * (G - 1) + worst.messages, n)
+                        2 * _stages(G, intra) + worst.messages, n)
 
 
 def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packing: str = "2bit",
                   bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
                   exchange: str | None = None, step_allreduces: int = 0) -> bool:
     """``hierarchical="auto"``: whether the node-aware exchange (:func:`hierarchical_cost`) is cheaper
-    than the flat TernGrad exchange on all N = M·G ranks (G of them per node sharing its link: ring
-    formulas on the inter-node link, the alltoall's G·(N-G) bytes per link) for a group of these sizes.
+    than the flat TernGrad exchange on all N = M·G ranks (G of them per node sharing its link: the
+    collectives' formulas on the inter-node link, the alltoall's G·(N-G) bytes per link) for a group of these sizes.
     ``exchange``: the config's exchange, used both flat and across nodes ("allgather", "sharded"; None or
     "auto": the cheaper of the two on each side).  ``network``: the inter-node link with its
     ``intra_node`` link (default: :func:`configured_network`).  ``step_allreduces``: the 4-byte allreduces
@@ -467,8 +596,9 @@ def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: 
 
 @functools.lru_cache(maxsize=8)
 def _network(gbps: float, alpha_us: float, ranks_per_node: int = 1, intra_gbps: float = 0.0,
-             intra_alpha_us: float = 0.0) -> Network:
-    intra = Network.from_gbps("configured intra-node", intra_gbps, intra_alpha_us) if intra_gbps else None
+             intra_alpha_us: float = 0.0, intra_links: int = 1) -> Network:
+    intra = (Network.from_gbps("configured intra-node", intra_gbps, intra_alpha_us, peer_links=intra_links)
+             if intra_gbps else None)
     return Network.from_gbps("configured", gbps, alpha_us, ranks_per_node, intra)
 
 
@@ -476,11 +606,14 @@ def configured_network(ranks_per_node: int = 1) -> Network:
     """The network ``exchange="auto"`` and ``hierarchical="auto"`` assume: HOROVOD_TERNGRAD_GBPS /
     HOROVOD_TERNGRAD_ALPHA_US between nodes (default 1 Gbit/s, 50 us), and inside a node
     HOROVOD_TERNGRAD_INTRA_GBPS / HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 100 Gbit/s, a PCIe-class
-    switch or shared memory, and 5 us)."""
+    switch or shared memory, and 5 us) per link, and HOROVOD_TERNGRAD_INTRA_LINKS links from each GPU to
+    its peers (``Network.peer_links``; default 1, one port; 3 for four GPUs fully connected by NVLink).
+    Allreduces are charged the cheaper of ring and tree (``Network.allreduce`` "auto")."""
     return _network(float(os.environ.get("HOROVOD_TERNGRAD_GBPS", "1")),
                     float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")), int(ranks_per_node),
                     float(os.environ.get("HOROVOD_TERNGRAD_INTRA_GBPS", "100")),
-                    float(os.environ.get("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "5")))
+                    float(os.environ.get("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "5")),
+                    int(os.environ.get("HOROVOD_TERNGRAD_INTRA_LINKS", "1")))
 
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,

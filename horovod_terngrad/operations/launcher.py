@@ -137,10 +137,12 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
         # what exchange='auto' assumes about the network (horovod_terngrad/exchange/cost.py)
         "HOROVOD_TERNGRAD_GBPS": "100" if profile == "infiniband" else "1",
         "HOROVOD_TERNGRAD_ALPHA_US": "5" if profile == "infiniband" else "50",
-        # the link inside a node, for hierarchical="auto" (the performance model's: NVLink ring ~20 GB/s,
-        # PCIe 3.0 switch ~10 GB/s)
+        # the link inside a node, for hierarchical="auto" (the performance model's: NVLink ~20 GB/s per
+        # link, 3 links from each GPU to its peers in a fully connected node of 4; PCIe 3.0 switch ~10 GB/s
+        # through each GPU's one port)
         "HOROVOD_TERNGRAD_INTRA_GBPS": "160" if profile == "infiniband" else "80",
         "HOROVOD_TERNGRAD_INTRA_ALPHA_US": "5" if profile == "infiniband" else "10",
+        "HOROVOD_TERNGRAD_INTRA_LINKS": "3" if profile == "infiniband" else "1",
         # the node-aware exchange adds its intra- and inter-node process sets after hvd.init(); Horovod
         # 0.28.1 allows that only with dynamic process sets (import horovod_terngrad sets it too, but a
         # script may call hvd.init() before importing it)

@@ -33,10 +33,16 @@ A message of m bytes over one link costs alpha + m·beta (alpha: latency per mes
 1/bandwidth in s/byte).  For N ranks and one buffer (per rank; every rank sends as many bytes as it
 receives, so "bytes" below is what crosses each rank's link in each direction):
 
-* ring allreduce of B bytes:       T = 2(N-1)·alpha + 2(N-1)/N · B · beta
+* allreduce of B bytes, the cheaper of (as NCCL, Open MPI and gloo pick per message size; the network's
+  ``allreduce="ring"`` charges the ring only):
+      ring:  T = 2(N-1)·alpha + 2(N-1)/N · B · beta
+      tree:  T = 2·ceil(log2 N)·alpha + 2 · B · beta      (a bandwidth term never better than the ring's)
       fp32: B = 4n;  fp16: B = 2n.
 * ring allgather of P bytes/rank:  T = (N-1)·alpha + (N-1) · P · beta
 * pairwise alltoall, c bytes to each peer:  T = (N-1)·alpha + (N-1) · c · beta
+* inside a fully connected node (``Network.peer_links`` = K links per rank, NVLink: 3) L = min(K, N-1)
+  peers are reached at once: the allgather and alltoall take ceil((N-1)/L)·alpha + (N-1)/L·(P or c)·beta,
+  an allreduce runs L link-disjoint rings (bandwidth term / L).
 
 TernGrad exchanges of a group of tensors of n_1..n_k elements (a lone tensor: k = 1), packing of b bits
 per element (b = 2 for "2bit", 4 codes a byte; b = 1.6 for "base3", 5 codes a byte), B_i scalers per
@@ -48,7 +54,7 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
 * allgather exchange (``exchange/allgather.py``): each rank's payload is
       P = sum_i payload_size(n_i) = sum_i (20 + 4·B_i + ceil(n_i·b/8))   (header, fp32 scalers, codes)
   sent by ring allgather, plus the handshake if the scaler is shared:
-      T = (N-1)·alpha + (N-1)·P·beta  +  2(N-1)·alpha + 2(N-1)/N · H · beta
+      T = (N-1)·alpha + (N-1)·P·beta  +  allreduce(H)   (ring 2(N-1)·alpha + 2(N-1)/N·H·beta, or tree)
   With per-rank scalers (the allgather's default: each payload carries its scaler) there is no handshake;
   the step pays one 4-byte presence allreduce instead, whatever the number of groups.
   Received bits per element ~ (N-1)·b: grows with N.
@@ -65,7 +71,8 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
   (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
-crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link.
+crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link
+(a tree among nodes, likewise: NCCL chains the ranks of a node and builds its trees among nodes).
 An alltoall pushes G·(N-G)·c bytes through each node's NIC, so its bandwidth term is
 beta·max((N-1)·c, G·(N-G)·c).  When N <= G every hop is inside one node and the ``intra_node`` link
 (PCIe switch, NVLink) is used instead, if given.  Switches are non-blocking; no congestion, no
@@ -77,9 +84,12 @@ exclude / min_numel: the tensors the policy keeps at full precision travel as fp
 each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) the one
 ``exchange.cost.exchange_for`` picks for it, exactly as the engine decides.
 
-Crossovers these formulas give (one large tensor, 2-bit): allgather is cheaper than fp32 ring allreduce
-iff  n·(8/N - 1/4) > alpha/beta + 24 + 144/N,  so for large n it wins for N <= 31 and loses for N >= 32
-(bandwidth terms equal at N = 32: (N-1)·2 bits vs 2(N-1)/N·32 bits); with base3 up to N = 39.  Sharded
+Crossovers these formulas give (one large tensor, 2-bit, shared scaler: fp32 by ring, the 72-byte
+handshake by tree from N = 4 on): allgather is cheaper than the fp32 allreduce iff
+n·(8/N - 1/4) > -alpha/beta·(1 - 2·ceil(log2 N)/(N-1)) + 24 + 144/(N-1),  so for large n it wins for
+N <= 32 and loses for N >= 33 (bandwidth terms equal at N = 32: (N-1)·2 bits vs 2(N-1)/N·32 bits, where the
+allgather has fewer latency terms); with base3 up to N = 40.  Rings only (``allreduce="ring"``):
+n·(8/N - 1/4) > alpha/beta + 24 + 144/N, N <= 31 (base3 39).  Sharded
 receives fewer bits than allgather from N = 3 on (b + L < N·b) but pays one more round of (N-1)·alpha, so
 :func:`choose_exchange` picks allgather for small tensors or few workers and sharded for large N.
 
@@ -105,16 +115,22 @@ from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
     _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, TERNGRAD_ALLGATHER, TERNGRAD_BEST,
     TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL, TERNGRAD_SHARDED, ExchangeChoice,
-    ExchangeCost, Network, allreduce_cost, alltoall_time, calibrated_efficiency, choose_exchange,
+    ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
+    allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
+    choose_exchange,
     configured_network, cross_network, exchange_cost, exchange_for, fp16_allreduce_cost, fp32_allreduce_cost,
     hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost, sharded_bytes,
-    terngrad_allgather_cost, terngrad_sharded_cost)
+    terngrad_allgather_cost, terngrad_sharded_cost, tree_allreduce_time)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
-# 1 GbE, ~5 us for MPI over InfiniBand, ~10 GB/s through a PCIe 3.0 x16 switch, ~20 GB/s NVLink ring).
+# 1 GbE, ~5 us for MPI over InfiniBand, ~10 GB/s through a PCIe 3.0 x16 switch, 20 GB/s per direction
+# of one NVLink 1.0 link).  Inside an Ethernet node every GPU has one x16 port into the PCIe switch, which
+# serializes its sends (peer_links 1); the InfiniBand node's four P100s are fully connected by NVLink
+# (4 links per P100, one to each of the 3 others at least, as a DGX-1 quad), so a GPU reaches its 3
+# peers over 3 links at once (peer_links 3).
 PCIE_SWITCH = Network("pcie-switch", 10e-6, 10e9)
-NVLINK = Network("nvlink", 5e-6, 20e9)
+NVLINK = Network("nvlink", 5e-6, 20e9, peer_links=3)
 ETHERNET_1G = Network.from_gbps("ethernet", 1.0, 50.0, ranks_per_node=4, intra_node=PCIE_SWITCH)
 INFINIBAND_100G = Network.from_gbps("infiniband", 100.0, 5.0, ranks_per_node=4, intra_node=NVLINK)
 
@@ -730,7 +746,8 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
                                      max_workers: int = 4096) -> int:
     """Largest N (>= 2) at which the TernGrad allgather of one tensor is cheaper than fp32 allreduce.
 
-    Returns 1 if it never is.  With the formulas above, for large n: 31 (2bit), 39 (base3).
+    Returns 1 if it never is.  With the formulas above, for large n: 32 (2bit), 40 (base3); with rings
+    only (``network.with_allreduce("ring")``) 31 and 39.
     """
     best = 1
     for N in range(2, max_workers + 1):
@@ -764,6 +781,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--intra-gbps", type=float, help="custom cluster: the link inside a node, Gbit/s "
                    "(default: none, the inter-node link is used inside a node too)")
     p.add_argument("--intra-latency-us", type=float, default=5.0, help="custom cluster: its alpha, us")
+    p.add_argument("--intra-links", type=int, default=None,
+                   help="links from each GPU to its peers inside a node (Network.peer_links): default the "
+                        "cluster's (InfiniBand: 3, NVLink fully connected; Ethernet: 1, one PCIe port; custom: 1)")
+    p.add_argument("--allreduce", choices=ALLREDUCE_ALGORITHMS, default=ALLREDUCE_AUTO,
+                   help="allreduce algorithm charged: auto (default: the cheaper of ring and tree per message, "
+                        "as NCCL/Open MPI/gloo pick), ring (ring only) or tree")
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
     p.add_argument("--codec-gelems", type=float, default=None,
                    help="codec rate in 10^9 elements/s (default: codec not modelled)")
@@ -774,17 +797,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if a.max_workers < 1:
         p.error("--max-workers must be >= 1")
+    if a.intra_links is not None and a.intra_links < 1:
+        p.error("--intra-links must be >= 1")
     if a.cluster == "custom":
         if a.bandwidth_gbps is None or a.latency_us is None:
             p.error("--cluster custom needs --bandwidth-gbps and --latency-us")
-        intra = (Network.from_gbps("custom intra-node", a.intra_gbps, a.intra_latency_us)
-                 if a.intra_gbps else None)
+        intra = (Network.from_gbps("custom intra-node", a.intra_gbps, a.intra_latency_us,
+                                   peer_links=a.intra_links or 1) if a.intra_gbps else None)
         net = Network.from_gbps("custom", a.bandwidth_gbps, a.latency_us, a.ranks_per_node, intra)
         clusters = {"custom": Cluster("custom", net, a.gpu, "command line")}
     elif a.cluster == "both":
         clusters = dict(CLUSTERS)
     else:
         clusters = {a.cluster: CLUSTERS[a.cluster]}
+    for key, cl in clusters.items():
+        net = cl.network.with_allreduce(a.allreduce)
+        if a.intra_links is not None and net.intra_node is not None:
+            net = replace(net, intra_node=replace(net.intra_node, peer_links=a.intra_links))
+        clusters[key] = replace(cl, network=net)
     model_keys = list(MODELS) if a.model == "all" else [a.model]
     if a.compute_ms is not None and len(model_keys) > 1:
         p.error("--compute-ms needs a single --model")

@@ -34,8 +34,9 @@ of its last member hands it over:
   Horovod's fp32 allreduce as they become ready and are waited for in their turn.  (Horovod's allreduce
   of the empty tensor TernGrad's compress hands it is not charged.)
 
-Collective times are exchange/cost.py's alpha-beta formulas (ring allreduce, ring allgather, pairwise
-alltoall; with the network's calibrated efficiencies), on the bytes codec/sizes.py gives: a group's
+Collective times are exchange/cost.py's alpha-beta formulas (allreduce: the ring or, where faster and
+the network's ``allreduce`` setting allows it, the tree; ring allgather, pairwise alltoall; with the
+network's calibrated efficiencies), on the bytes codec/sizes.py gives: a group's
 handshake (``handshake_size``), its payloads (``payload_size``), and for the sharded exchange every
 member's shard on its own (``exchange.cost.sharded_bytes``: the slowest rank's bytes to each peer and
 sums).  Step time = when the main thread has decoded the last gradient (TernGrad) or the last allreduce
@@ -167,7 +168,11 @@ class _Channel:
 
 
 def _split(fn, nbytes: float, workers: int, link: pm.Network, *extra) -> tuple[float, float]:
-    """(latency part, bandwidth part) of a perfmodel collective time."""
+    """(latency part, bandwidth part) of a perfmodel collective time (an allreduce: of the algorithm,
+    ring or tree, that ``allreduce_time`` charges for this size)."""
+    if fn is pm.allreduce_time:
+        _, lat, bw = pm.allreduce_terms(nbytes, workers, link)
+        return lat, bw
     lat = fn(0, workers, link, *extra)
     return lat, fn(nbytes, workers, link, *extra) - lat
 
@@ -252,7 +257,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                     j == k or nbytes + width * sizes[order[j]] <= fusion_bytes):
                 nbytes += width * sizes[order[j]]
                 j += 1
-            lat, bw = _split(pm.ring_allreduce_time, nbytes, N, link)
+            lat, bw = _split(pm.allreduce_time, nbytes, N, link)
             chan.ops.append(["allreduce", start, bw, lat, order[k:j]])
             t_free = last_done = start + lat + bw
             k = j
@@ -330,7 +335,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     for i in order:
         main += bwd * sizes[i] / total
         if i in plain:                   # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
-            lat, bw = _split(pm.ring_allreduce_time, 4 * sizes[i], N, link)
+            lat, bw = _split(pm.allreduce_time, 4 * sizes[i], N, link)
             chan.submit(main, "allreduce_fp32", ("ar", i), lat, bw)
         g = last_member.get(i)
         if g is None:
@@ -339,11 +344,11 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         if not cfg.scaler_shared_for(TERNGRAD_METHODS[kinds[g]]):   # per-rank ("auto": its allgather groups)
             if joins and not presence_sent:   # the presence check goes out with the step's first such group
                 presence_sent = True
-                submit("allreduce_i32", "presence", g, pm.ring_allreduce_time, 4)
+                submit("allreduce_i32", "presence", g, pm.allreduce_time, 4)
                 wait("presence", g)
             encode_and_send(g)           # payloads leave from the hook, with each rank's own scalers
         else:
-            submit("allreduce_max", "hs", g, pm.ring_allreduce_time, handshake[g])
+            submit("allreduce_max", "hs", g, pm.allreduce_time, handshake[g])
             advance(started[:-1])        # ordered start: every group before the previous one, waiting
             started = started[-1:] + [g]
     backward_end = main
