@@ -57,11 +57,11 @@ class HierarchicalGroup:
     """One fused group on its way through the three stages."""
 
     __slots__ = ("name", "members", "plan", "average", "a2a", "pieces", "node_mean", "ag", "gathered",
-                 "error", "unfinished", "cross_started", "local_mismatch", "device")
+                 "error", "unfinished", "cross_started", "local_mismatch", "device", "outbox", "sent")
 
     def __init__(self, name, members, plan, average):
         self.name, self.members, self.plan, self.average = name, members, plan, average
-        self.a2a = self.ag = self.gathered = self.error = self.node_mean = None
+        self.a2a = self.ag = self.gathered = self.error = self.node_mean = self.outbox = self.sent = None
         self.pieces: list = []          # this rank's cross tickets, in plan order
         self.unfinished = len(members)
         self.cross_started = False
@@ -95,6 +95,7 @@ class HierarchicalExchange:
         self._a2a_queue: list = []        # groups whose intra-node alltoall is out
         self._cross_queue: list = []      # groups in their cross-node exchange
         self._previous = None
+        self._outboxes: dict = {}         # group name -> its last step's allgather buffer, to reuse
         self._presence = None             # this step's: whether every rank takes part
         # Horovod: a rank that returns from its step's last intra-node allgather and shuts Horovod down
         # (hvd.shutdown(), or at exit) aborts the other nodes' intra-node ops still in flight.  With
@@ -198,12 +199,24 @@ class HierarchicalExchange:
         try:
             self.progress(block=True)
             if grp.ag is None and grp.error is None:
-                self._finish_cross(grp)
+                # this group's intra-node allgather and those of every group started before it, issued
+                # together (one Horovod cycle, not one round trip each); later groups stay in flight
+                at = self._cross_queue.index(grp) if grp in self._cross_queue else -1
+                for earlier in self._cross_queue[:at + 1]:
+                    if earlier.ag is None and earlier.error is None:
+                        self._finish_cross(earlier)
+                self._cross_queue = self._cross_queue[at + 1:]
+                if grp.ag is None:        # (not in the queue: its cross exchange never started)
+                    self._finish_cross(grp)
             out = self._member_result(tk)
         finally:
             grp.unfinished -= 1
             if grp.unfinished == 0:
-                grp.members, grp.gathered, grp.node_mean, grp.pieces = [], None, None, []
+                if grp.gathered is not None and grp.sent is not None:
+                    # its allgather is complete: the buffer serves this group again next step (a fresh
+                    # buffer of tens of MB costs its page faults every step, on the cores that compute)
+                    self._outboxes[grp.name] = grp.sent
+                grp.members, grp.gathered, grp.node_mean, grp.pieces, grp.sent = [], None, None, [], None
                 self._live -= 1
                 if self._live == 0 and self.end_of_step_sync:
                     self._step_done(grp)
@@ -239,6 +252,7 @@ class HierarchicalExchange:
         self.cross_engine.reset()
         self._a2a_queue, self._cross_queue = [], []
         self._previous = self._presence = None
+        self._outboxes = {}
 
     # -- stages -----------------------------------------------------------------------------------
     def _step_done(self, grp: HierarchicalGroup) -> None:
@@ -279,6 +293,12 @@ class HierarchicalExchange:
                 waiting.append(grp)
         self._a2a_queue = waiting
 
+    def _spare_outbox(self, name: str, numel: int, device) -> torch.Tensor:
+        spare = self._outboxes.pop(name, None)
+        if spare is not None and spare.numel() == numel and spare.device == device:
+            return spare
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
     def _start_cross(self, grp: HierarchicalGroup) -> None:
         """Node sum of this rank's shard (local-rank order), then its pieces' exchange across nodes."""
         j = self.local.rank
@@ -299,11 +319,19 @@ class HierarchicalExchange:
             # other nodes wait for it), on NaN values, so that every node hears of it; every rank of this
             # node reports the mismatch through the statuses of the intra-node allgather.
             grp.local_mismatch = True
-            node = torch.full((shard,), float("nan"), dtype=torch.float32, device=received.device)
+            grp.outbox = torch.full((shard + len(pieces),), float("nan"), dtype=torch.float32, device=received.device)
+            node = grp.outbox[:shard]
         else:
+            # the node sum goes straight into the buffer the intra-node allgather sends (the shard, then one
+            # status word per piece): no copy of the shard later
+            grp.outbox = self._spare_outbox(grp.name, shard + len(pieces), received.device)
+            node = grp.outbox[:shard]
             parts = received.view(self.G, shard)
-            node = parts[0].clone()
-            for r in range(1, self.G):   # in local-rank order: the same bits on every node and in the reference
+            if self.G > 1:
+                torch.add(parts[0], parts[1], out=node)
+            else:
+                node.copy_(parts[0])
+            for r in range(2, self.G):   # in local-rank order: the same bits on every node and in the reference
                 node += parts[r]
             if grp.average:
                 node /= self.G
@@ -329,11 +357,10 @@ class HierarchicalExchange:
         j = self.local.rank
         pieces = grp.plan[j]
         status = torch.zeros(len(pieces), dtype=torch.float32)
-        shard = grp.node_mean
         if grp.error is not None or not grp.cross_started:
             status.fill_(STATUS_FAILED)
-            shard = torch.zeros(sum(p.numel for p in pieces), dtype=torch.float32,
-                                device=grp.members[0].g32.device)
+            grp.outbox = torch.zeros(sum(p.numel for p in pieces) + len(pieces), dtype=torch.float32,
+                                     device=grp.members[0].g32.device)
         else:
             for i, ptk in enumerate(grp.pieces):
                 try:
@@ -349,7 +376,9 @@ class HierarchicalExchange:
                     grp.error = grp.error or e
             if grp.local_mismatch:
                 status.fill_(STATUS_MISMATCH)
-        data = torch.cat([shard, status.to(shard.device)])
+        data, grp.outbox = grp.outbox, None
+        grp.sent = data
+        data[data.numel() - len(pieces):] = status.to(data.device)
         sizes = [sum(p.numel for p in grp.plan[r]) + len(grp.plan[r]) for r in range(self.G)]
         name = f"terngrad.h.ag.{grp.name}"
         if getattr(self.local, "takes_sizes", False):
