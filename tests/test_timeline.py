@@ -269,16 +269,212 @@ def test_fused_sharded_group_charges_per_member_shards_and_excluded_tensors_go_f
     assert per_rank.channel_busy_s == pytest.approx(fp32 + pm.allreduce_time(4, 4, FLAT) + ag)
 
 
-def test_node_aware_plans_are_refused_not_scheduled_as_flat():
-    """Nodes of 4 on 1 Gbit/s: the default plan (hierarchical="auto") sends groups node-aware, which the
-    schedule does not model; it says so instead of charging another plan; hierarchical=False schedules
-    the flat exchange as before (the additive model charges the node-aware one)."""
-    net = pm.ETHERNET_1G
+# -- node-aware groups (exchange/hierarchical.py) --------------------------------------------------------
+def nodes(gbps=1.0, ranks_per_node=2, intra_gbps=100.0):
+    """Nodes of ``ranks_per_node`` ranks on a ``gbps`` link (alpha 50 us), ``intra_gbps`` inside (alpha 5 us)."""
+    return pm.Network.from_gbps("nodes", gbps, 50.0, ranks_per_node,
+                                pm.Network.from_gbps("intra", intra_gbps, 5.0))
+
+
+ENGINE_SIZES = [300, 700, 40, 900, 500, 1000, 60]
+
+
+@pytest.mark.parametrize("cfg,shape,joins", [
+    (TernGradConfig(min_numel=100, fusion_numel=0, hierarchical=True), (2, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=1500, hierarchical=True), (2, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=0, hierarchical=True), (2, 2), False),
+    (TernGradConfig(min_numel=100, fusion_numel=0, shared_scaler=True, hierarchical=True), (2, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=1500, shared_scaler=True, hierarchical=True), (2, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=0, exchange="sharded", hierarchical=True), (2, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded", hierarchical=True), (3, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=0, exchange="auto", hierarchical=True), (2, 3), True),
+], ids=["per-rank", "per-rank-fused", "per-rank-ddp", "shared", "shared-fused", "sharded", "sharded-fused-3x2",
+        "auto-2x3"])
+def test_node_aware_schedule_issues_what_the_hierarchical_engine_issues(cfg, shape, joins):
+    """The node-aware engine on M x G thread-ranks with subgroups (the Horovod frontend's: presence check and
+    end-of-step sync; joins=False: the DDP hook's, neither), started group by group and finished in hook
+    order: every local rank's collectives (world, node and cross group, in one list as issued) have the names,
+    order and count the timeline schedules for that local rank."""
+    import torch
+    from test_exchange import KindCounting
+    from test_hierarchical import run_hier
+
+    from horovod_terngrad.exchange import Exchange
+    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange.topology import Topology
+    M, G = shape
+    N, net, sizes = M * G, nodes(ranks_per_node=G), ENGINE_SIZES
+    topo = Topology.contiguous(N, G)
+    method = method_of(cfg)
+    plan = pm.plan_buffers(method, sizes, N, net, config=cfg)
+    groups = [b.members for b in plan if b.exchange != "fp32"]
+    assert {b.exchange for b in plan} == {"terngrad_hierarchical", "fp32"}
+
+    def body(c, local, cross):
+        issued = []
+        recs = [KindCounting(x) for x in (c, local, cross)]
+        for rec in recs:
+            rec.issued = issued            # one list: the order across the three sets of collectives
+        flat = Exchange(recs[0], cfg, joins=joins)
+        ex = HierarchicalExchange(flat, recs[1], recs[2], topo, end_of_step_sync=joins)
+        tickets = []
+        for g, members in enumerate(groups):
+            tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
+        for tk in tickets:
+            ex.finish(tk)
+        return issued, ex.stats.collectives
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * N, errs
+    for r in range(N):
+        t = timeline_step(sizes, 0.05, N, net, method, config=cfg, joins=joins, local_rank=topo.local_rank(r))
+        issued, count = res[r]
+        assert issued == list(t.issued), r
+        assert t.collectives == count
+        assert sum(x.startswith("terngrad.h.a2a.") for x in issued) == len(groups)
+        assert sum(x.startswith(("terngrad.presence.", "terngrad.h.done.")) for x in issued) == (2 if joins else 0)
+
+
+def test_node_aware_and_flat_groups_in_one_step_issue_what_the_engine_issues(monkeypatch):
+    """hierarchical="auto" on 2 x 2 thread-ranks: the engine decides each group on the configured network
+    (the environment's defaults), the timeline on the same network passed as ``auto_network``: the large
+    groups go node-aware, the small ones flat (the flat engine's own presence check), one under min_numel
+    by Horovod's allreduce; the same names in the same order."""
+    import torch
+    from test_exchange import KindCounting
+    from test_hierarchical import run_hier
+
+    from horovod_terngrad.exchange import Exchange, cost
+    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange.topology import Topology
+    for var in ("GBPS", "ALPHA_US", "INTRA_GBPS", "INTRA_ALPHA_US", "INTRA_LINKS"):
+        monkeypatch.delenv(f"HOROVOD_TERNGRAD_{var}", raising=False)
+    sizes, N, topo = [200_000, 5000, 100, 150_000, 6000], 4, Topology.contiguous(4, 2)
+    for cfg in (TernGradConfig(fusion_numel=0), TernGradConfig(fusion_numel=0, shared_scaler=True)):
+        kw = dict(config=cfg, auto_network=cost.configured_network())
+        t = timeline_step(sizes, 0.05, N, nodes(), "terngrad_allgather", **kw)
+        plan = pm.plan_buffers("terngrad_allgather", sizes, N, cost.configured_network(), config=cfg,
+                               step_allreduces=pm.HOROVOD_STEP_ALLREDUCES, ranks_per_node=2)
+        assert [b.exchange for b in plan] == ["terngrad_allgather", "terngrad_hierarchical", "terngrad_allgather",
+                                              "terngrad_hierarchical", "fp32"]
+        groups = [b.members for b in plan if b.exchange != "fp32"]
+
+        def body(c, local, cross):
+            issued = []
+            recs = [KindCounting(x) for x in (c, local, cross)]
+            for rec in recs:
+                rec.issued = issued
+            ex = HierarchicalExchange(Exchange(recs[0], cfg), recs[1], recs[2], topo, end_of_step_sync=True)
+            tickets = []
+            for g, members in enumerate(groups):
+                tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
+            for tk in tickets:
+                ex.finish(tk)
+            return issued, ex.stats.collectives
+
+        res, errs = run_hier(topo, body)
+        assert errs == [None] * N, errs
+        for r in range(N):
+            mine = timeline_step(sizes, 0.05, N, nodes(), "terngrad_allgather", local_rank=r % 2, **kw)
+            assert res[r] == (list(mine.issued), mine.collectives), r
+        assert "terngrad.h.a2a.1" in t.issued and "terngrad.h.a2a.0" not in t.issued
+
+
+@pytest.mark.parametrize("cfg,shape", [
+    (TernGradConfig(hierarchical=True, fusion_numel=0), (2, 2)),
+    (TernGradConfig(hierarchical=True, fusion_numel=0, shared_scaler=True), (2, 4)),
+    (TernGradConfig(hierarchical=True, fusion_numel=0, exchange="sharded"), (3, 2)),
+    (TernGradConfig(hierarchical=True, fusion_numel=0, exchange="auto"), (4, 2)),
+], ids=["per-rank-2x2", "shared-2x4", "sharded-3x2", "auto-4x2"])
+def test_node_aware_communication_is_the_cost_models_at_most(cfg, shape):
+    """No compute, no codec: one node-aware group costs what exchange.cost.hierarchical_cost says (its
+    intra-node alltoall and allgather on the intra-node channel, the slowest local rank's cross exchange on a
+    G-th of the node's link) plus the two 4-byte world allreduces (none for the DDP hook); several groups
+    at most the additive model's sum, less where one group's intra-node stages overlap another's cross
+    exchange; with compute, at most compute + that sum."""
+    from horovod_terngrad.exchange import cost, topology
+    M, G = shape
+    N, net, method = M * G, nodes(ranks_per_node=G), method_of(cfg)
+    n = 1_000_003                               # shards of unequal size: the slowest local rank sets the time
+    one = cost.hierarchical_cost([n], M, G, net, cfg.packing, cfg.bucket_size, cfg.scaler_shared_for("allgather"),
+                                 None if cfg.exchange == "auto" else cfg.exchange)
+    presence = cost.presence_cost(N, net).time_s
+    t = timeline_step([n], 0.0, N, net, method, config=cfg)
+    assert t.step_s == pytest.approx(one.time_s + 2 * presence, rel=1e-12)
+    assert t.collectives == len(t.issued) and t.issued[0] == "terngrad.presence.0"
+    c, P = topology.intra_node_bytes([n], G)
+    assert t.intra_busy_s == pytest.approx(pm.alltoall_time(c, G, net.intra_node, G)
+                                           + pm.ring_allgather_time(P, G, net.intra_node))
+    assert t.channel_busy_s == pytest.approx(t.step_s - t.intra_busy_s)    # nothing overlaps in one group
+    ddp = timeline_step([n], 0.0, N, net, method, config=cfg, joins=False)
+    assert ddp.step_s == pytest.approx(one.time_s, rel=1e-12)
+    assert t.step_s == max(timeline_step([n], 0.0, N, net, method, config=cfg, local_rank=j).step_s for j in range(G))
+    # several groups: the additive model charges them one after another
+    sizes = [n, 700_001, 300_000, 1_200_000]
+    additive = pm.model_exchange_cost(method, sizes, N, net, config=cfg, fusion_numel=0)[0].time_s
+    assert additive == pytest.approx(sum(cost.hierarchical_cost([x], M, G, net, cfg.packing, 0,
+                                                                cfg.scaler_shared_for("allgather"),
+                                                                None if cfg.exchange == "auto" else cfg.exchange).time_s
+                                         for x in sizes) + 2 * presence)
+    many = timeline_step(sizes, 0.0, N, net, method, config=cfg)
+    assert many.step_s <= additive * (1 + 1e-12)
+    # every collective once (collectives fused into one round pay one latency term)
+    assert additive - 4 * 50e-6 * many.collectives < many.intra_busy_s + many.channel_busy_s <= additive * (1 + 1e-12)
+    assert many.step_s < additive - 0.5 * many.intra_busy_s     # the intra-node stages mostly hide
+    busy = timeline_step(sizes, 0.2, N, net, method, config=cfg)
+    assert busy.step_s <= 0.2 + additive and busy.step_s < 0.2 + many.step_s
+
+
+def test_node_aware_codec_stages_run_where_the_engine_runs_them():
+    """One tensor of n elements on 2 x 2: the hook sends the presence check (waited for) and the intra-node
+    alltoall, nothing else; after backward the node sum (G passes over the n/G shard), the statistics and
+    encoding of the shard, its decode from M payloads, and the copy of the member out of the gathered shards."""
+    n, compute = 100_000, 0.01
+    rates = CodecRates(prepare=1e-8, encode=2e-8, decode_base=1e-8, decode_per_payload=1e-9, owner_sum=1e-9,
+                       decode_sums=1e-8, cast=1e-9, add=3e-9)
+    net = nodes()
+    t = timeline_step([n], compute, 4, net, "terngrad_allgather", codec=rates, fusion_numel=0,
+                      config=TernGradConfig(hierarchical=True))
+    presence = pm.allreduce_time(4, 4, net)
+    assert t.backward_end_s == pytest.approx(compute + presence)
+    shard = n // 2
+    codec = 2 * 3e-9 * shard + (1e-8 + 2e-8 + 1e-8 + 2 * 1e-9) * shard + 3e-9 * n
+    assert t.codec_s == pytest.approx(codec)
+    free = timeline_step([n], compute, 4, net, "terngrad_allgather", fusion_numel=0,
+                         config=TernGradConfig(hierarchical=True))
+    assert t.step_s == pytest.approx(free.step_s + codec)
+    # a calibration from before ``add`` was measured: one fp32 pass is charged as a cast
+    old = CodecRates(*[getattr(rates, f) for f in ("prepare", "encode", "decode_base", "decode_per_payload",
+                                                   "owner_sum", "decode_sums", "cast")])
+    assert old.add is None and old.fp32_pass == 1e-9 and old.slowed(2).fp32_pass == 2e-9
+    with pytest.raises(ValueError, match="local_rank"):
+        timeline_step([n], compute, 4, net, "terngrad_allgather", config=TernGradConfig(hierarchical=True),
+                      local_rank=2)
+
+
+def test_node_aware_schedule_beats_flat_on_a_slow_link_and_auto_follows_hierarchy_for():
+    """1.5 Gbit/s between nodes of 2 ranks, 100 Gbit/s inside: a 6.25M-element layer's group is faster
+    node-aware than flat; hierarchical="auto" sends a group node-aware exactly where
+    exchange.cost.hierarchy_for does, with the Horovod frontend's two 4-byte world allreduces weighed
+    (``step_allreduces``), without them for the DDP hook; the default plan on the paper's Ethernet cluster
+    (nodes of 4) is scheduled, not refused."""
+    from horovod_terngrad.exchange import cost
+    net = nodes(gbps=1.5)
+    big = [6_250_000]
+    flat = timeline_step(big, 0.1, 4, net, "terngrad", hierarchical=False)
+    aware = timeline_step(big, 0.1, 4, net, "terngrad", hierarchical=True)
+    assert "terngrad.h.a2a.0" in aware.issued and not any(".h." in x for x in flat.issued)
+    assert aware.step_s - 0.1 < 0.6 * (flat.step_s - 0.1)      # what the step adds to compute: about half
+    sizes = [1_000_000, 50_000, 3_000_000, 20_000]
+    for joins, allreduces in ((True, pm.HOROVOD_STEP_ALLREDUCES), (False, 0)):
+        t = timeline_step(sizes, 0.1, 4, net, "terngrad_allgather", fusion_numel=0, joins=joins)
+        want = [cost.hierarchy_for([x], 2, 2, network=net, step_allreduces=allreduces) for x in sizes[::-1]]
+        assert [f"terngrad.h.a2a.{g}" in t.issued for g in range(len(sizes))] == want
+        assert want == ([False, True, False, True] if joins else [True] * 4)     # groups in backward order
+    eth = pm.ETHERNET_1G                              # 8 ranks: 2 nodes of 4 on 1 Gbit/s, PCIe inside
     sizes = [1_000_000, 4096, 300_000]
-    with pytest.raises(NotImplementedError, match="node-aware"):
-        timeline_step(sizes, 0.1, 8, net, "terngrad_allgather")
-    flat = timeline_step(sizes, 0.1, 8, net, "terngrad_allgather", hierarchical=False)
-    assert flat.step_s > 0.1 and flat.collectives > 0
-    one_nic = pm.Network("flat", net.latency_s, net.bandwidth_Bps)          # one rank per node: flat anyway
-    assert timeline_step(sizes, 0.1, 8, one_nic, "terngrad_allgather").step_s > 0.1
-    assert pm.predict_step(sizes, 0.1, 8, net, "terngrad_allgather").exchanges[0] == "terngrad_hierarchical"
+    t = timeline_step(sizes, 0.1, 8, eth, "terngrad_allgather")
+    assert pm.predict_step(sizes, 0.1, 8, eth, "terngrad_allgather").exchanges[0] == "terngrad_hierarchical"
+    assert "terngrad.h.a2a.0" in t.issued and t.local_rank in range(4)
+    flat = timeline_step(sizes, 0.1, 8, eth, "terngrad_allgather", hierarchical=False)
+    assert 0.1 < t.step_s < flat.step_s

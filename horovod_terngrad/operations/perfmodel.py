@@ -228,7 +228,8 @@ class PlannedBuffer:
 
 #: 4-byte allreduces of all ranks that the node-aware engine adds to a step under the Horovod frontend
 #: (its presence check and end-of-step sync), charged once per step that has a node-aware group.  (The
-#: engine decides per group, ``hierarchy_for`` without them; ``exchange.cost.hierarchy_plan`` weighs them.)
+#: engine decides per group with them, ``hierarchy_for(step_allreduces=...)``, as ``timeline_step`` plans;
+#: ``plan_buffers`` weighs them when given ``step_allreduces``; ``exchange.cost.hierarchy_plan`` per step.)
 HOROVOD_STEP_ALLREDUCES = 2
 
 # the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
@@ -247,8 +248,15 @@ def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
 def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
                  packing: str | None = None, fusion_bytes: int = HOROVOD_FUSION_BYTES,
                  fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
-                 names: Sequence[str] | None = None, hierarchical=None) -> list[PlannedBuffer]:
-    """:func:`exchange_plan` with the tensors of each buffer (see there)."""
+                 names: Sequence[str] | None = None, hierarchical=None, step_allreduces: int = 0,
+                 ranks_per_node: int | None = None) -> list[PlannedBuffer]:
+    """:func:`exchange_plan` with the tensors of each buffer (see there).
+
+    ``step_allreduces``: the 4-byte world allreduces the node-aware engine adds to a step, which
+    ``hierarchical="auto"`` weighs per group as the engine does (``exchange.cost.hierarchy_for``; the
+    Horovod frontend's engine: :data:`HOROVOD_STEP_ALLREDUCES`, the DDP hook's: 0; default 0).
+    ``ranks_per_node``: the job's nodes (default ``network.ranks_per_node``), where ``network`` is only
+    what the engine decides with (``timeline_step``'s ``auto_network``)."""
     sizes = [int(x) for x in tensor_sizes]
     if method in (FP32, FP16):
         width = 4.0 if method == FP32 else 2.0
@@ -259,7 +267,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     cfg = terngrad_config(config, packing, fusion_numel)
     if hierarchical is not None:
         cfg = cfg.replace(hierarchical=hierarchical)
-    shape = node_shape(workers, network) if cfg.hierarchical is not False else None
+    nodes = network if ranks_per_node is None else replace(network, ranks_per_node=int(ranks_per_node))
+    shape = node_shape(workers, nodes) if cfg.hierarchical is not False else None
     shared = cfg.scaler_shared_for("allgather")
     names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
     if len(names) != len(sizes) or len(set(names)) != len(names):
@@ -272,7 +281,7 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         numels = [sizes[i] for i in members]
         if shape is not None and (cfg.hierarchical is True or hierarchy_for(
                 numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
-                exchange=_SETTING[method])):      # node-aware, as the engine decides for this group
+                exchange=_SETTING[method], step_allreduces=step_allreduces)):   # node-aware, as the engine decides
             out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), _SETTING[method]))
             continue
         if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group

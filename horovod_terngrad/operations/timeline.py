@@ -4,7 +4,8 @@
 fraction).  That over-charges real steps in two ways that the emulated-cluster measurements showed
 (docs/cluster.md): Horovod starts a gradient's collective while backward is still running, and
 collectives submitted while the network is busy are fused into one round, so latency is paid per round,
-not per buffer.  This module simulates one step on one worker instead, with two resources:
+not per buffer.  This module simulates one step on one worker instead, with two resources (three with
+node-aware groups, below):
 
 * the **main thread** (a CPU core): forward; backward, one tensor after the other in reverse layer order,
   each taking a share of the backward time proportional to its size; the work the compressor does on
@@ -14,7 +15,8 @@ not per buffer.  This module simulates one step on one worker instead, with two 
   is later.  An allreduce or allgather submitted before the last queued one of its kind has started
   joins it (Horovod's tensor fusion): one latency term for the round, the bandwidth terms added.  (Only
   the last queued round is joined, alltoalls never fuse, and allreduces of different dtypes or ops
-  (fp32 sums, the int32 presence check, fp64 handshake maxima) do not fuse, as in Horovod.)
+  (fp32 sums, the int32 presence check, fp64 handshake maxima) do not fuse, as in Horovod; nor do
+  collectives of different process sets, the world's and a cross group's.)
 
 TernGrad, as the engine runs a group (its ``ordered`` start, the Horovod default) when the backward hook
 of its last member hands it over:
@@ -34,6 +36,43 @@ of its last member hands it over:
   Horovod's fp32 allreduce as they become ready and are waited for in their turn.  (Horovod's allreduce
   of the empty tensor TernGrad's compress hands it is not charged.)
 
+**Node-aware groups** (exchange/hierarchical.py; the plan's ``terngrad_hierarchical`` groups, on M nodes of
+G = ``network.ranks_per_node`` ranks), as that engine runs them on local rank j (``local_rank``; by default
+every j in turn, and the slowest one's step is returned), with a third resource, the **intra-node
+channel** (``network.intra_node``, or ``network`` if None; its own queue: intra-node collectives never wait
+behind inter-node ones, nor the other way round):
+
+* **hook**: the step's first node-aware group sends the world's presence check (4-byte allreduce-sum,
+  ``terngrad.presence.<group>``, inter-node channel) and waits for it (Horovod frontend, ``joins``); a fused
+  group's members are laid end to end (one fp32 pass); the fp32 alltoall of the G shards goes out on the
+  intra-node channel (``terngrad.h.a2a.<group>``); then, one group of slack as the engine's ``ordered``
+  start, every node-aware group before the previous one goes on across nodes (next item), waiting for its
+  alltoall;
+* **across nodes** (``_start_cross``): the node sum (G fp32 passes over the shard: G-1 adds and the
+  division), then the cross engine on local rank j's pieces among the M ranks of its cross group, on the
+  inter-node channel at ``exchange.cost.cross_network``'s rate (a G-th of the node's link; every local rank
+  crosses at once): the statistics of the pieces, then per-rank scalers encode and allgather at once
+  (``terngrad.ag.<group>.x<j>``; no presence check of its own), a shared scaler sends its handshake
+  (``terngrad.hs.<group>.x<j>``) and advances the cross groups before its previous one as the flat engine
+  does (sharded: ``terngrad.a2a.<group>.x<j>``, the owners' sums, ``terngrad.sg.<group>.x<j>``).  The
+  exchange is the config's, or for ``"auto"`` ``exchange.cost.exchange_for`` on that G-th of the link;
+* **synchronize**, at a node-aware group's first member: every node-aware group still waiting for its
+  alltoall goes across, every cross group is advanced; then this group and every earlier one not finished
+  yet: each waits for its cross exchange, decodes its pieces (M payloads, or the gathered sums) and sends
+  its fp32 allgather of the averaged shard + a status word per piece (``terngrad.h.ag.<group>``, intra-node
+  channel); each member then waits for its group's allgather and is copied out (one fp32 pass).  After the
+  step's last node-aware member the end-of-step sync (4-byte allreduce-sum, ``terngrad.h.done.<group>``) is
+  waited for (Horovod frontend).
+
+Sizes are ``exchange.topology``'s (``shard_plan``, ``intra_node_bytes``: the largest shard, as the
+collective's slowest member) and ``codec/sizes.py``'s for the pieces; times the formulas of
+``exchange.cost.hierarchical_cost`` (which the schedule equals for one group without compute and codec, the
+two 4-byte allreduces aside).  Which groups go node-aware is ``perfmodel.plan_buffers``'s decision
+(``exchange.cost.hierarchy_for`` per group, as the engine decides, weighing the two 4-byte allreduces of
+the Horovod frontend; none for the DDP hook, ``joins=False``).  Simplification: each local rank is
+scheduled on its own, with its node's peers assumed as fast as itself where they meet (the intra-node
+collectives); the slowest one's step is the prediction.
+
 Collective times are exchange/cost.py's alpha-beta formulas (allreduce: the ring or, where faster and
 the network's ``allreduce`` setting allows it, the tree; ring allgather, pairwise alltoall; with the
 network's calibrated efficiencies), on the bytes codec/sizes.py gives: a group's
@@ -47,7 +86,8 @@ the channel frees up); for TernGrad the groups and exchanges of ``perfmodel.plan
 frontend's ``exchange.fusion`` cut with a TernGradConfig, each group's exchange as the engine picks it).
 
 Codec work is charged from :class:`CodecRates` (seconds per element of each stage, measured on the
-machine with :func:`measure_codec_rates`); None = free.  Cost: O(tensors) per prediction.
+machine with :func:`measure_codec_rates`); None = free.  Cost: O(tensors) per prediction (O(G·tensors)
+with node-aware groups).
 """
 from __future__ import annotations
 
@@ -56,6 +96,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..codec import sizes as wire
+from ..exchange import cost, topology
 from . import perfmodel as pm
 
 
@@ -66,7 +107,10 @@ class CodecRates:
     prepare: statistics, clip threshold and scaler, per gradient element (in the backward hook);
     encode: ternarize + pack, per element; decode_base + decode_per_payload·N: allgather decode of N
     payloads, per output element; owner_sum: per code an owner adds (sharded: N·n/N = n per step);
-    decode_sums: per element of the gathered sums; cast: one fp32<->fp16 cast, per element.
+    decode_sums: per element of the gathered sums; cast: one fp32<->fp16 cast, per element; add: one
+    fp32 pass over a vector, per element (an add of two into a third, a division, a copy: the node-aware
+    exchange's node sum, its fused group's concatenation and its members' copy out of the intra-node
+    allgather); None (calibrations from before it was measured): charged as ``cast``, also one pass.
     """
 
     prepare: float
@@ -76,10 +120,17 @@ class CodecRates:
     owner_sum: float
     decode_sums: float
     cast: float
+    add: float | None = None
+
+    @property
+    def fp32_pass(self) -> float:
+        """Seconds per element of one fp32 pass (``add``, else ``cast``)."""
+        return self.cast if self.add is None else self.add
 
     def slowed(self, factor: float) -> "CodecRates":
         """Every stage ``factor`` times slower (ranks sharing a core)."""
-        return CodecRates(*(factor * getattr(self, f) for f in self.__dataclass_fields__))
+        return CodecRates(*(None if getattr(self, f) is None else factor * getattr(self, f)
+                            for f in self.__dataclass_fields__))
 
 
 def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str = "best") -> CodecRates:
@@ -132,7 +183,9 @@ def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str 
         dsums = per_element(lambda: sharded.decode_gathered(sums, N * m, N, one, 0, float(N), out=out[:N * m])) * numel / (N * m)
         half = torch.empty(numel, dtype=torch.float16)
         cast = per_element(lambda: half.copy_(g))
-        return CodecRates(prepare, encode, max(0.0, dec[1] - per_payload), per_payload, owner, dsums, cast)
+        other = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+        add = per_element(lambda: torch.add(g, other, out=out))
+        return CodecRates(prepare, encode, max(0.0, dec[1] - per_payload), per_payload, owner, dsums, cast, add)
     finally:
         torch.set_num_threads(old)
 
@@ -186,11 +239,13 @@ class Timeline:
     step_s: float
     compute_s: float
     backward_end_s: float     # when backward (with the hooks' codec work) is done on the main thread
-    channel_busy_s: float     # total time the channel spent in collectives
+    channel_busy_s: float     # total time the (inter-node) channel spent in collectives
     codec_s: float            # codec work on the main thread
-    rounds: int               # collective rounds after fusion
+    rounds: int               # collective rounds after fusion (both channels)
     collectives: int = 0      # TernGrad's own collectives (the engine's ``stats.collectives`` per step)
     issued: tuple = ()        # their names in the order the engine issues them (terngrad.<kind>.<group index>)
+    intra_busy_s: float = 0.0   # total time the intra-node channel spent in collectives (node-aware groups)
+    local_rank: int | None = None   # node-aware groups: the local rank scheduled (its shard, its cross group)
 
 
 # the engine's ``exchange`` setting behind each TernGrad method of the performance model
@@ -207,20 +262,25 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                   packing: str | None = None, fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
                   fusion_numel: int | None = None, cycle_s: float = 0.0, config: pm.TernGradConfig | None = None,
                   names: Sequence[str] | None = None, joins: bool = True,
-                  auto_network: pm.Network | None = None, hierarchical=None) -> Timeline:
+                  auto_network: pm.Network | None = None, hierarchical=None,
+                  local_rank: int | None = None) -> Timeline:
     """Simulate one step (see the module docstring).  ``tensor_sizes`` (and ``names``) in layer (forward)
     order; ``packing``, ``fusion_numel``, ``config`` and ``names`` cut TernGrad's groups as
     ``perfmodel.exchange_plan`` does; ``config``'s scaler setting (``shared_scaler``) with the method's
-    exchange decides between the per-rank and the shared-scaler schedule.  ``joins``: the collectives may
-    have a rank in ``hvd.join()`` (Horovod), so per-rank scalers send the step's presence check; False for
-    torch.distributed.  ``auto_network``: the network the engine's ``exchange="auto"`` decides with
-    (``exchange.cost.configured_network()`` in the job's environment); default ``network``.
+    exchange decides between the per-rank and the shared-scaler schedule.  ``joins``: the Horovod frontend
+    (a rank may be in ``hvd.join()``): per-rank scalers send the step's presence check, and a step with
+    node-aware groups its presence check and end-of-step sync; False for torch.distributed (the DDP hook),
+    which sends none of them.  ``auto_network``: the network the engine's ``exchange="auto"`` and
+    ``hierarchical="auto"`` decide with (``exchange.cost.configured_network()`` in the job's environment);
+    default ``network``.
 
-    Flat exchange only: where the plan (``hierarchical``, default ``config.hierarchical``, on the nodes of
-    ``network.ranks_per_node``) sends a group node-aware, this raises NotImplementedError rather than
-    schedule it as something else; ``perfmodel.predict_step`` charges that plan (additively).  What the
-    schedule lacks for it: the intra-node alltoall and allgather on the intra-node link, the node sum, and
-    the cross engine's own queue on a G-th of the node's link with each local rank's pieces."""
+    Node-aware groups: where the plan (``hierarchical``, default ``config.hierarchical``, on the nodes of
+    ``network.ranks_per_node``, contiguous placement, as ``perfmodel.plan_buffers``) sends a group node-aware,
+    the schedule runs the transport's stages on a second channel for ``network.intra_node`` and the cross
+    exchange on the inter-node channel at ``exchange.cost.cross_network``'s rate (module docstring).
+    ``local_rank``: the local rank whose shard (pieces, cross group, collective names ``...x<j>``) is
+    scheduled; None: every local rank in turn, and the slowest one's step is returned (``Timeline.local_rank``
+    says which)."""
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError("backward_fraction must be in [0, 1]")
     sizes = [int(s) for s in tensor_sizes]
@@ -229,17 +289,17 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     link = network.link_for(N)
     fwd = compute_s * (1 - backward_fraction)
     bwd = compute_s * backward_fraction
-    zero = CodecRates(0, 0, 0, 0, 0, 0, 0)
+    zero = CodecRates(0, 0, 0, 0, 0, 0, 0, 0)
     c = codec or zero
-    chan = _Channel(cycle_s)
-    main = fwd
-    codec_s = 0.0
     order = list(range(len(sizes)))[::-1]         # backward: last layer first
-    ready = {}
     if N <= 1:
         return Timeline(method, N, compute_s, compute_s, compute_s, 0.0, 0.0, 0)
 
     if method in (pm.FP32, pm.FP16):
+        chan = _Channel(cycle_s)
+        main = fwd
+        codec_s = 0.0
+        ready = {}
         width = 4 if method == pm.FP32 else 2
         for i in order:
             main += bwd * sizes[i] / total
@@ -271,20 +331,20 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
 
     if method not in TERNGRAD_METHODS:
         raise ValueError(f"method must be one of {pm.METHODS}, got {method!r}")
-    # the groups as the frontend cuts them (exchange.fusion), each with the engine's exchange; members in
-    # backward order; every size from codec/sizes.py and exchange/cost.py
+    # the groups as the frontend cuts them (exchange.fusion), each with the engine's exchange or node-aware;
+    # members in backward order; every size from codec/sizes.py, exchange/topology.py and exchange/cost.py
     cfg = pm.terngrad_config(config, packing)
     # the scaler the engine uses with this exchange (config.shares_scaler; a per-rank scaler with the
     # sharded exchange is refused there, as TernGradConfig refuses it)
     cfg = cfg.replace(exchange=TERNGRAD_METHODS[method])
-    plan = pm.plan_buffers(method, sizes, N, auto_network or network, cfg.packing, fusion_bytes, fusion_numel,
-                           config=cfg, names=names, hierarchical=hierarchical)
-    if any(b.exchange == pm.TERNGRAD_HIERARCHICAL for b in plan):
-        raise NotImplementedError("timeline_step schedules the flat exchange only: this plan sends groups "
-                                  "node-aware (pass hierarchical=False for the flat schedule, or use "
-                                  "perfmodel.predict_step)")
-    groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES]
-    plain = {i for b in plan if b.exchange not in pm.TERNGRAD_EXCHANGES for i in b.members}   # kept at fp32
+    decide_on = auto_network or network
+    plan = pm.plan_buffers(method, sizes, N, decide_on, cfg.packing, fusion_bytes, fusion_numel,
+                           config=cfg, names=names, hierarchical=hierarchical,
+                           step_allreduces=pm.HOROVOD_STEP_ALLREDUCES if joins else 0,
+                           ranks_per_node=network.ranks_per_node)
+    node_aware = pm.TERNGRAD_HIERARCHICAL
+    groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES or b.exchange == node_aware]
+    plain = {i for b in plan if b.exchange == pm.FP32 for i in b.members}   # kept at fp32
     group_of = {i: g for g, b in enumerate(groups) for i in b.members}
     last_member = {b.members[-1]: g for g, b in enumerate(groups)}
     kinds = [b.exchange for b in groups]
@@ -294,79 +354,205 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
     shard = [pm.sharded_bytes(b.sizes, N, cfg.packing) if k == pm.TERNGRAD_SHARDED else (0, 0)
              for b, k in zip(groups, kinds)]
-    issued = []                                   # TernGrad's collectives, in the order the engine issues them
+    hier = [g for g, k in enumerate(kinds) if k == node_aware]
+    M = G = 1
+    if hier:
+        M, G = pm.node_shape(N, network)
+        if local_rank is not None and not 0 <= int(local_rank) < G:
+            raise ValueError(f"local_rank must be in [0, {G}), got {local_rank!r}")
+    intra = network.intra_node or network          # exchange.cost.hierarchical_cost's links
+    xlink = cost.cross_network(network, G)
+    # the intra-node stages' bytes: the largest shard to each local peer, the largest shard + status words
+    intra_bytes = {g: topology.intra_node_bytes(groups[g].sizes, G) for g in hier}
+    split = {g: topology.shard_plan(groups[g].sizes, G) for g in hier}
 
-    def work(seconds: float) -> None:
-        nonlocal main, codec_s
-        main += seconds
-        codec_s += seconds
+    def cross_of(g: int, j: int) -> dict:
+        """Local rank j's cross exchange of node-aware group g: its pieces among the M ranks of its cross
+        group, with the exchange the transport gives them (the config's, or for "auto" exchange_for on a
+        G-th of the node's link, as hierarchical._start_cross decides)."""
+        pieces = [p.numel for p in split[g][j]]
+        mode = groups[g].cross
+        if mode is None:
+            mode = cost.exchange_for(pieces, M, cfg.packing, cfg.bucket_size,
+                                     network=cost.cross_network(decide_on, G),
+                                     shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
+        return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
+                "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
+                "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
+                "sharded": cost.sharded_bytes(pieces, M, cfg.packing) if mode == "sharded" else (0, 0)}
 
-    def submit(kind: str, name: str, g, fn, nbytes: float, *extra) -> None:
-        lat, bw = _split(fn, nbytes, N, link, *extra)
-        chan.submit(main, kind, (name, g), lat, bw)
-        issued.append(f"terngrad.{name}.{g}")
+    def schedule(j: int | None) -> Timeline:
+        chan, local = _Channel(cycle_s), _Channel(cycle_s)     # inter-node channel, intra-node channel
+        main, codec_s = fwd, 0.0
+        issued = []                               # TernGrad's collectives, in the order the engine issues them
+        hx = {g: cross_of(g, j) for g in hier}
 
-    def wait(name: str, g) -> None:
-        nonlocal main
-        main = max(main, chan.finish_time((name, g)))
+        def work(seconds: float) -> None:
+            nonlocal main, codec_s
+            main += seconds
+            codec_s += seconds
 
-    def encode_and_send(g: int) -> None:          # engine: _send_per_rank / _after_handshake
-        work(c.encode * numel[g])
-        if kinds[g] == pm.TERNGRAD_SHARDED:
-            submit("alltoall", "a2a", g, pm.alltoall_time, shard[g][0],
-                   network.ranks_per_node if link is network else N)
-        else:
-            submit("allgather", "ag", g, pm.ring_allgather_time, payload[g])
+        def submit(ch: _Channel, kind: str, label: str, fn, nbytes: float, ranks: int, lk: pm.Network,
+                   *extra) -> None:
+            lat, bw = _split(fn, nbytes, ranks, lk, *extra)
+            ch.submit(main, kind, label, lat, bw)
+            issued.append(f"terngrad.{label}")
 
-    def advance(pending: list) -> None:
-        """The engine's progress(block=True) over ``pending`` groups (in start order): every handshake,
-        then every alltoall that this queued (sharded: the owners' sums and their allgather)."""
-        for g in pending:
-            wait("hs", g)
-            encode_and_send(g)
-        for g in pending:
+        def wait(ch: _Channel, label) -> None:
+            nonlocal main
+            main = max(main, ch.finish_time(label))
+
+        # -- the flat engine (exchange/engine.py) --------------------------------------------------
+        def encode_and_send(g: int) -> None:          # engine: _send_per_rank / _after_handshake
+            work(c.encode * numel[g])
             if kinds[g] == pm.TERNGRAD_SHARDED:
-                wait("a2a", g)
-                work(c.owner_sum * numel[g])
-                submit("allgather", "sg", g, pm.ring_allgather_time, shard[g][1])
+                submit(chan, "alltoall", f"a2a.{g}", pm.alltoall_time, shard[g][0], N, link,
+                       network.ranks_per_node if link is network else N)
+            else:
+                submit(chan, "allgather", f"ag.{g}", pm.ring_allgather_time, payload[g], N, link)
 
-    started = []                                  # shared scaler: groups whose handshake is out, not advanced
-    presence_sent = False
-    for i in order:
-        main += bwd * sizes[i] / total
-        if i in plain:                   # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
-            lat, bw = _split(pm.allreduce_time, 4 * sizes[i], N, link)
-            chan.submit(main, "allreduce_fp32", ("ar", i), lat, bw)
-        g = last_member.get(i)
-        if g is None:
-            continue
-        work(c.prepare * numel[g])       # start_group: the statistics of every member, in the hook
-        if not cfg.scaler_shared_for(TERNGRAD_METHODS[kinds[g]]):   # per-rank ("auto": its allgather groups)
-            if joins and not presence_sent:   # the presence check goes out with the step's first such group
-                presence_sent = True
-                submit("allreduce_i32", "presence", g, pm.allreduce_time, 4)
-                wait("presence", g)
-            encode_and_send(g)           # payloads leave from the hook, with each rank's own scalers
-        else:
-            submit("allreduce_max", "hs", g, pm.allreduce_time, handshake[g])
-            advance(started[:-1])        # ordered start: every group before the previous one, waiting
-            started = started[-1:] + [g]
-    backward_end = main
-    # the optimizer's synchronize: tensors in hook order; the first TernGrad finish advances every group
-    for i in order:
-        if i in plain:
-            wait("ar", i)
-            continue
-        g = group_of[i]
-        if started:
-            advance(started)
-            started = []
-        wait("ag" if kinds[g] != pm.TERNGRAD_SHARDED else "sg", g)
-        work((c.decode_sums if kinds[g] == pm.TERNGRAD_SHARDED else c.decode_base + c.decode_per_payload * N)
-             * sizes[i])
-    busy = sum(op[2] + op[3] for op in chan.ops)
-    return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds(), len(issued),
-                    tuple(issued))
+        def advance(pending: list) -> None:
+            """The engine's progress(block=True) over ``pending`` groups (in start order): every handshake,
+            then every alltoall that this queued (sharded: the owners' sums and their allgather)."""
+            for g in pending:
+                wait(chan, f"hs.{g}")
+                encode_and_send(g)
+            for g in pending:
+                if kinds[g] == pm.TERNGRAD_SHARDED:
+                    wait(chan, f"a2a.{g}")
+                    work(c.owner_sum * numel[g])
+                    submit(chan, "allgather", f"sg.{g}", pm.ring_allgather_time, shard[g][1], N, link)
+
+        # -- the node-aware engine (exchange/hierarchical.py) and its cross engine, local rank j ----------
+        def x_send(q: int) -> None:                   # the cross engine: encode the pieces, send them
+            x = hx[q]
+            work(c.encode * x["shard"])
+            if x["mode"] == "sharded":
+                submit(chan, "alltoall", f"a2a.{q}.x{j}", pm.alltoall_time, x["sharded"][0], M, xlink, 1)
+            else:
+                submit(chan, "allgather@cross", f"ag.{q}.x{j}", pm.ring_allgather_time, x["payload"], M, xlink)
+
+        def x_advance(pending: list) -> None:         # the cross engine's progress(block=True)
+            for q in pending:
+                wait(chan, f"hs.{q}.x{j}")
+                x_send(q)
+            for q in pending:
+                x = hx[q]
+                if x["mode"] == "sharded":
+                    wait(chan, f"a2a.{q}.x{j}")
+                    work(c.owner_sum * x["shard"])
+                    submit(chan, "allgather@cross", f"sg.{q}.x{j}", pm.ring_allgather_time, x["sharded"][1], M, xlink)
+
+        a2a_queue, previous, cross_queue, x_started = [], None, [], []
+        crossed, gathered, live = set(), set(), 0
+        unfinished = {g: len(groups[g].members) for g in hier}
+
+        def start_cross(q: int) -> None:              # hierarchical._start_cross
+            nonlocal x_started
+            wait(local, f"h.a2a.{q}")
+            x = hx[q]
+            work(c.fp32_pass * G * x["shard"])        # node sum: G-1 adds of the shard, then / G
+            cross_queue.append(q)
+            if not x["pieces"]:
+                return
+            work(c.prepare * x["shard"])              # the cross engine's statistics of every piece
+            if not x["shared"]:
+                x_send(q)                             # per-rank scalers: no presence check of its own
+            else:
+                submit(chan, "allreduce_max@cross", f"hs.{q}.x{j}", pm.allreduce_time, x["handshake"], M, xlink)
+                x_advance(x_started[:-1])             # its ordered start: every group before the previous one
+                x_started = x_started[-1:] + [q]
+
+        def finish_cross(q: int) -> None:             # hierarchical._finish_cross
+            x = hx[q]
+            if x["pieces"]:
+                wait(chan, f"{'sg' if x['mode'] == 'sharded' else 'ag'}.{q}.x{j}")
+                work((c.decode_sums if x["mode"] == "sharded" else c.decode_base + c.decode_per_payload * M)
+                     * x["shard"])
+            submit(local, "allgather", f"h.ag.{q}", pm.ring_allgather_time, intra_bytes[q][1], G, intra)
+            crossed.add(q)
+
+        started = []                                  # flat shared scaler: handshake out, not advanced
+        presence_sent = h_presence_sent = False
+        for i in order:
+            main += bwd * sizes[i] / total
+            if i in plain:               # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
+                lat, bw = _split(pm.allreduce_time, 4 * sizes[i], N, link)
+                chan.submit(main, "allreduce_fp32", ("ar", i), lat, bw)
+            g = last_member.get(i)
+            if g is None:
+                continue
+            if kinds[g] == node_aware:   # hierarchical.start_group, in the hook
+                if joins and not h_presence_sent:     # its own presence check, at the step's first such group
+                    h_presence_sent = True
+                    submit(chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, N, link)
+                    wait(chan, f"presence.{g}")
+                if len(groups[g].members) > 1:
+                    work(c.fp32_pass * numel[g])      # the members laid end to end
+                submit(local, "alltoall", f"h.a2a.{g}", pm.alltoall_time, intra_bytes[g][0], G, intra, G)
+                live += 1
+                for q in a2a_queue:      # ordered: one group of slack, earlier groups go on across nodes
+                    if q != previous:
+                        start_cross(q)
+                a2a_queue = [q for q in a2a_queue if q == previous] + [g]
+                previous = g
+                continue
+            work(c.prepare * numel[g])       # start_group: the statistics of every member, in the hook
+            if not cfg.scaler_shared_for(TERNGRAD_METHODS[kinds[g]]):   # per-rank ("auto": its allgather groups)
+                if joins and not presence_sent:   # the presence check goes out with the step's first such group
+                    presence_sent = True
+                    submit(chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, N, link)
+                    wait(chan, f"presence.{g}")
+                encode_and_send(g)           # payloads leave from the hook, with each rank's own scalers
+            else:
+                submit(chan, "allreduce_max", f"hs.{g}", pm.allreduce_time, handshake[g], N, link)
+                advance(started[:-1])        # ordered start: every group before the previous one, waiting
+                started = started[-1:] + [g]
+        backward_end = main
+        # the optimizer's synchronize: tensors in hook order; the first flat TernGrad finish advances every
+        # flat group, a node-aware finish every node-aware one (each engine its own queues)
+        for i in order:
+            if i in plain:
+                wait(chan, ("ar", i))
+                continue
+            g = group_of[i]
+            if kinds[g] == node_aware:   # hierarchical.finish
+                if g not in crossed:
+                    for q in a2a_queue:
+                        start_cross(q)
+                    a2a_queue = []
+                    x_advance(x_started)
+                    x_started = []
+                    at = cross_queue.index(g)   # its intra-node allgather and every earlier group's
+                    for q in cross_queue[:at + 1]:
+                        finish_cross(q)
+                    cross_queue = cross_queue[at + 1:]
+                if g not in gathered:
+                    wait(local, f"h.ag.{g}")
+                    gathered.add(g)
+                work(c.fp32_pass * sizes[i])            # the member's values out of the gathered shards
+                unfinished[g] -= 1
+                if unfinished[g] == 0:
+                    live -= 1
+                    if live == 0 and joins:             # the end-of-step sync (Horovod frontend)
+                        submit(chan, "allreduce_i32", f"h.done.{g}", pm.allreduce_time, 4, N, link)
+                        wait(chan, f"h.done.{g}")
+                continue
+            if started:
+                advance(started)
+                started = []
+            wait(chan, f"ag.{g}" if kinds[g] != pm.TERNGRAD_SHARDED else f"sg.{g}")
+            work((c.decode_sums if kinds[g] == pm.TERNGRAD_SHARDED else c.decode_base + c.decode_per_payload * N)
+                 * sizes[i])
+        busy = sum(op[2] + op[3] for op in chan.ops)
+        intra_busy = sum(op[2] + op[3] for op in local.ops)
+        return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds() + local.rounds(),
+                        len(issued), tuple(issued), intra_busy, j)
+
+    if not hier:
+        return schedule(None)
+    ranks = range(G) if local_rank is None else [int(local_rank)]
+    return max((schedule(j) for j in ranks), key=lambda t: t.step_s)    # ties: the lowest local rank
 
 
 __all__ = ["CodecRates", "TERNGRAD_METHODS", "Timeline", "measure_codec_rates", "method_of", "timeline_step"]
