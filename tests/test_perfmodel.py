@@ -347,8 +347,10 @@ def test_paper_alexnet_8_gpus_on_1g_ethernet():
     assert check == pytest.approx(3.04, rel=1e-9)
     # the default: node-aware where it pays (issue #24's goal: stay at 3.04x or better)
     d = pm.predict_scaling(alex, eth, [8], flat_too=True)[0]
-    assert set(d["terngrad"].exchanges) == {"fp32", "terngrad_hierarchical"}
-    assert d["terngrad"].speedup_vs_fp32 == pytest.approx(14.58, abs=0.01) and d["terngrad"].speedup_vs_fp32 >= 3.04
+    # (each group decided as the Horovod engine decides it, charged the step's two 4-byte allreduces: one
+    # small group saves less than that and stays flat)
+    assert set(d["terngrad"].exchanges) == {"fp32", "terngrad_hierarchical", "terngrad_allgather"}
+    assert d["terngrad"].speedup_vs_fp32 == pytest.approx(14.54, abs=0.01) and d["terngrad"].speedup_vs_fp32 >= 3.04
     assert d["terngrad_flat"].speedup_vs_fp32 == pytest.approx(best, rel=1e-12)
 
 
@@ -754,9 +756,13 @@ def test_issue_24_goals_as_the_model_states_them():
     assert alex["fp32"].scaling_efficiency == pytest.approx(0.628, abs=0.001)
     assert vgg["terngrad_flat"].scaling_efficiency == pytest.approx(0.760, abs=0.001)
     vgg0, alex0 = row("vgga", "infiniband", 512, before=True), row("alexnet", "infiniband", 512, before=True)
-    assert vgg0["terngrad"].scaling_efficiency == pytest.approx(0.738, abs=0.001)
-    assert alex0["terngrad"].scaling_efficiency == pytest.approx(0.568, abs=0.001)
+    # ring-only, each group decided as the Horovod engine decides it (charged the step's two 4-byte ring
+    # allreduces, 5.1 ms each at N = 512): no group pays for them, so "auto" stays flat there (docs/perfmodel.md
+    # quotes 0.738 / 0.568 for that model without the weighing)
+    assert vgg0["terngrad"].scaling_efficiency == pytest.approx(0.658, abs=0.001)
+    assert alex0["terngrad"].scaling_efficiency == pytest.approx(0.505, abs=0.001)
     assert vgg0["terngrad_flat"].scaling_efficiency == pytest.approx(0.658, abs=0.001)
+    assert "terngrad_hierarchical" not in vgg0["terngrad"].exchanges
     # VGG-A misses 0.85 only by fusion_numel's default: in groups of 8M elements it reaches it; AlexNet
     # does not, even as one group
     assert row("vgga", "infiniband", 512, fusion_numel=1 << 23)["terngrad"].scaling_efficiency >= 0.85
@@ -770,7 +776,7 @@ def test_issue_24_goals_as_the_model_states_them():
             assert min(r["terngrad"].speedup_vs_fp32 for r in rows) >= 1.0, (model, cluster)
     goog = row("googlenet", "infiniband", 512)
     assert goog["terngrad"].speedup_vs_fp32 == pytest.approx(1.0007, abs=0.0002)
-    assert row("googlenet", "infiniband", 512, before=True)["terngrad"].speedup_vs_fp32 == pytest.approx(0.93, abs=0.005)
+    assert row("googlenet", "infiniband", 512, before=True)["terngrad"].speedup_vs_fp32 == pytest.approx(0.913, abs=0.005)
     # the node-aware exchange is never slower than the flat one at 512 on these clusters
     for model in pm.MODELS:
         for cluster in pm.CLUSTERS:

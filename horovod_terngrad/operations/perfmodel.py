@@ -322,7 +322,8 @@ def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, networ
     """
     return [(b.exchange, list(b.sizes)) for b in plan_buffers(method, tensor_sizes, workers, network, packing,
                                                                fusion_bytes, fusion_numel, config=config, names=names,
-                                                               hierarchical=hierarchical)]
+                                                               hierarchical=hierarchical,
+                                                               step_allreduces=HOROVOD_STEP_ALLREDUCES)]
 
 
 def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
@@ -345,7 +346,8 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
     shared = cfg.scaler_shared_for("allgather")
     total, used = None, []
     for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
-                          config=config, names=names, hierarchical=hierarchical):
+                          config=config, names=names, hierarchical=hierarchical,
+                          step_allreduces=HOROVOD_STEP_ALLREDUCES):     # decided as the Horovod engine does
         if b.exchange == TERNGRAD_HIERARCHICAL:
             M, G = node_shape(workers, network)
             cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross)
@@ -444,6 +446,7 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
     plan_kw = dict(config=config, names=names, hierarchical=hierarchical)
     cost, used = model_exchange_cost(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
                                      **plan_kw)
+    plan_kw["step_allreduces"] = HOROVOD_STEP_ALLREDUCES
     codec = 0.0
     if codec_elements_per_s:
         cfg = terngrad_config(config, packing)
