@@ -692,6 +692,16 @@ def test_configured_network_has_the_link_inside_a_node(monkeypatch):
     net = cost.configured_network(8)
     assert (net.intra_node.bandwidth_Bps, net.ranks_per_node) == (400e9 / 8, 8)
     assert net.intra_node.latency_s == pytest.approx(2e-6) and net.intra_node.peer_links == 3
+    # a bad value is named, not a bare int()/float() error
+    for var, bad in (("HOROVOD_TERNGRAD_INTRA_LINKS", "three"), ("HOROVOD_TERNGRAD_INTRA_LINKS", "0"),
+                     ("HOROVOD_TERNGRAD_GBPS", "0"), ("HOROVOD_TERNGRAD_ALPHA_US", "-1"),
+                     ("HOROVOD_TERNGRAD_INTRA_GBPS", "nan")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            cost.configured_network(8)
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOROVOD_TERNGRAD_INTRA_LINKS", "3")
+    assert cost.configured_network(8).intra_node.peer_links == 3
 
 
 def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():

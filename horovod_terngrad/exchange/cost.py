@@ -609,11 +609,25 @@ def configured_network(ranks_per_node: int = 1) -> Network:
     switch or shared memory, and 5 us) per link, and HOROVOD_TERNGRAD_INTRA_LINKS links from each GPU to
     its peers (``Network.peer_links``; default 1, one port; 3 for four GPUs fully connected by NVLink).
     Allreduces are charged the cheaper of ring and tree (``Network.allreduce`` "auto")."""
-    return _network(float(os.environ.get("HOROVOD_TERNGRAD_GBPS", "1")),
-                    float(os.environ.get("HOROVOD_TERNGRAD_ALPHA_US", "50")), int(ranks_per_node),
-                    float(os.environ.get("HOROVOD_TERNGRAD_INTRA_GBPS", "100")),
-                    float(os.environ.get("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "5")),
-                    int(os.environ.get("HOROVOD_TERNGRAD_INTRA_LINKS", "1")))
+    return _network(_env_number("HOROVOD_TERNGRAD_GBPS", "1", float, 0.0, positive=True),
+                    _env_number("HOROVOD_TERNGRAD_ALPHA_US", "50", float, 0.0), int(ranks_per_node),
+                    _env_number("HOROVOD_TERNGRAD_INTRA_GBPS", "100", float, 0.0),
+                    _env_number("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "5", float, 0.0),
+                    _env_number("HOROVOD_TERNGRAD_INTRA_LINKS", "1", int, 1))
+
+
+def _env_number(name: str, default: str, kind, least, positive: bool = False):
+    """A number from the environment, or a ValueError that names the variable and what it takes."""
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or value != value or value < least or (positive and value <= 0):
+        what = "an integer" if kind is int else "a number"
+        bound = "> 0" if positive else f">= {least:g}"
+        raise ValueError(f"TernGrad: {name}={raw!r} is not {what} {bound}")
+    return value
 
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
