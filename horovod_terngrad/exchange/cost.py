@@ -256,8 +256,7 @@ def ring_allgather_time(bytes_per_rank: float, workers: int, link: Network) -> f
     N = workers
     if N <= 1:
         return 0.0
-    L = link.lanes(N)
-    return -(-(N - 1) // L) * link.alpha + (N - 1) / L * bytes_per_rank * link.beta / link.eff("allgather")
+    return _stages(N, link) * link.alpha + (N - 1) / link.lanes(N) * bytes_per_rank * link.beta / link.eff("allgather")
 
 
 def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_node: int = 1) -> float:
@@ -271,9 +270,8 @@ def alltoall_time(bytes_per_peer: float, workers: int, link: Network, ranks_per_
     if N <= 1:
         return 0.0
     G = max(1, min(int(ranks_per_node), N))
-    L = link.lanes(N)
-    return (-(-(N - 1) // L) * link.alpha
-            + max((N - 1) / L, G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall"))
+    return (_stages(N, link) * link.alpha
+            + max((N - 1) / link.lanes(N), G * (N - G)) * bytes_per_peer * link.beta / link.eff("alltoall"))
 
 
 # calibration fits one large message of each collective: for the allreduce that is the ring (the tree is
