@@ -93,7 +93,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..codec import sizes as wire
 from ..exchange import cost, topology
@@ -257,6 +257,20 @@ def method_of(config: pm.TernGradConfig) -> str:
     return {v: k for k, v in TERNGRAD_METHODS.items()}[config.exchange]
 
 
+class _Payload(NamedTuple):
+    """One TernGrad exchange as the engine sends it: a flat group on all N ranks, or a local rank's pieces
+    of a node-aware group among the M ranks of its cross group."""
+    key: str                  # the collectives' name suffix: "<group>" or "<group>.x<j>"
+    elements: int
+    sharded: bool
+    payload: float            # allgather: packed bytes per rank
+    sharded_bytes: tuple      # sharded: (bytes per peer in the alltoall, bytes per rank of the sums)
+    ranks: int
+    link: pm.Network
+    ranks_per_nic: int        # the alltoall's G
+    allgather_kind: str       # fusion kind: a cross group's allgathers never fuse with the world's
+
+
 def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: pm.Network,
                   method: str = pm.FP32, *, codec: CodecRates | None = None, backward_fraction: float = 2 / 3,
                   packing: str | None = None, fusion_bytes: int = pm.HOROVOD_FUSION_BYTES,
@@ -402,46 +416,37 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
             nonlocal main
             main = max(main, ch.finish_time(label))
 
-        # -- the flat engine (exchange/engine.py) --------------------------------------------------
-        def encode_and_send(g: int) -> None:          # engine: _send_per_rank / _after_handshake
-            work(c.encode * numel[g])
-            if kinds[g] == pm.TERNGRAD_SHARDED:
-                submit(chan, "alltoall", f"a2a.{g}", pm.alltoall_time, shard[g][0], N, link,
-                       network.ranks_per_node if link is network else N)
+        # -- the engine's payload stages (exchange/engine.py), for the flat groups and, as the node-aware
+        # transport reuses that engine among the M ranks of its cross group, for local rank j's pieces
+        def exchange_of(g: int) -> _Payload:
+            return _Payload(str(g), numel[g], kinds[g] == pm.TERNGRAD_SHARDED, payload[g], shard[g], N, link,
+                            network.ranks_per_node if link is network else N, "allgather")
+
+        def cross_exchange_of(q: int) -> _Payload:
+            x = hx[q]
+            return _Payload(f"{q}.x{j}", x["shard"], x["mode"] == "sharded", x["payload"], x["sharded"], M, xlink,
+                            1, "allgather@cross")
+
+        def send(e: _Payload) -> None:               # engine: _send_per_rank / _after_handshake
+            work(c.encode * e.elements)
+            if e.sharded:
+                submit(chan, "alltoall", f"a2a.{e.key}", pm.alltoall_time, e.sharded_bytes[0], e.ranks, e.link,
+                       e.ranks_per_nic)
             else:
-                submit(chan, "allgather", f"ag.{g}", pm.ring_allgather_time, payload[g], N, link)
+                submit(chan, e.allgather_kind, f"ag.{e.key}", pm.ring_allgather_time, e.payload, e.ranks, e.link)
 
         def advance(pending: list) -> None:
-            """The engine's progress(block=True) over ``pending`` groups (in start order): every handshake,
+            """The engine's progress(block=True) over ``pending`` exchanges (in start order): every handshake,
             then every alltoall that this queued (sharded: the owners' sums and their allgather)."""
-            for g in pending:
-                wait(chan, f"hs.{g}")
-                encode_and_send(g)
-            for g in pending:
-                if kinds[g] == pm.TERNGRAD_SHARDED:
-                    wait(chan, f"a2a.{g}")
-                    work(c.owner_sum * numel[g])
-                    submit(chan, "allgather", f"sg.{g}", pm.ring_allgather_time, shard[g][1], N, link)
-
-        # -- the node-aware engine (exchange/hierarchical.py) and its cross engine, local rank j ----------
-        def x_send(q: int) -> None:                   # the cross engine: encode the pieces, send them
-            x = hx[q]
-            work(c.encode * x["shard"])
-            if x["mode"] == "sharded":
-                submit(chan, "alltoall", f"a2a.{q}.x{j}", pm.alltoall_time, x["sharded"][0], M, xlink, 1)
-            else:
-                submit(chan, "allgather@cross", f"ag.{q}.x{j}", pm.ring_allgather_time, x["payload"], M, xlink)
-
-        def x_advance(pending: list) -> None:         # the cross engine's progress(block=True)
-            for q in pending:
-                wait(chan, f"hs.{q}.x{j}")
-                x_send(q)
-            for q in pending:
-                x = hx[q]
-                if x["mode"] == "sharded":
-                    wait(chan, f"a2a.{q}.x{j}")
-                    work(c.owner_sum * x["shard"])
-                    submit(chan, "allgather@cross", f"sg.{q}.x{j}", pm.ring_allgather_time, x["sharded"][1], M, xlink)
+            for e in pending:
+                wait(chan, f"hs.{e.key}")
+                send(e)
+            for e in pending:
+                if e.sharded:
+                    wait(chan, f"a2a.{e.key}")
+                    work(c.owner_sum * e.elements)
+                    submit(chan, e.allgather_kind, f"sg.{e.key}", pm.ring_allgather_time, e.sharded_bytes[1],
+                           e.ranks, e.link)
 
         a2a_queue, previous, cross_queue, x_started = [], None, [], []
         crossed, gathered, live = set(), set(), 0
@@ -457,10 +462,10 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                 return
             work(c.prepare * x["shard"])              # the cross engine's statistics of every piece
             if not x["shared"]:
-                x_send(q)                             # per-rank scalers: no presence check of its own
+                send(cross_exchange_of(q))            # per-rank scalers: no presence check of its own
             else:
                 submit(chan, "allreduce_max@cross", f"hs.{q}.x{j}", pm.allreduce_time, x["handshake"], M, xlink)
-                x_advance(x_started[:-1])             # its ordered start: every group before the previous one
+                advance([cross_exchange_of(p) for p in x_started[:-1]])   # its ordered start: every group before the previous one
                 x_started = x_started[-1:] + [q]
 
         def finish_cross(q: int) -> None:             # hierarchical._finish_cross
@@ -503,10 +508,10 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                     presence_sent = True
                     submit(chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, N, link)
                     wait(chan, f"presence.{g}")
-                encode_and_send(g)           # payloads leave from the hook, with each rank's own scalers
+                send(exchange_of(g))         # payloads leave from the hook, with each rank's own scalers
             else:
                 submit(chan, "allreduce_max", f"hs.{g}", pm.allreduce_time, handshake[g], N, link)
-                advance(started[:-1])        # ordered start: every group before the previous one, waiting
+                advance([exchange_of(p) for p in started[:-1]])   # ordered start: every group before the previous one, waiting
                 started = started[-1:] + [g]
         backward_end = main
         # the optimizer's synchronize: tensors in hook order; the first flat TernGrad finish advances every
@@ -521,7 +526,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                     for q in a2a_queue:
                         start_cross(q)
                     a2a_queue = []
-                    x_advance(x_started)
+                    advance([cross_exchange_of(p) for p in x_started])
                     x_started = []
                     at = cross_queue.index(g)   # its intra-node allgather and every earlier group's
                     for q in cross_queue[:at + 1]:
@@ -539,7 +544,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                         wait(chan, f"h.done.{g}")
                 continue
             if started:
-                advance(started)
+                advance([exchange_of(p) for p in started])
                 started = []
             wait(chan, f"ag.{g}" if kinds[g] != pm.TERNGRAD_SHARDED else f"sg.{g}")
             work((c.decode_sums if kinds[g] == pm.TERNGRAD_SHARDED else c.decode_base + c.decode_per_payload * N)
