@@ -279,6 +279,36 @@ def nodes(gbps=1.0, ranks_per_node=2, intra_gbps=100.0):
 ENGINE_SIZES = [300, 700, 40, 900, 500, 1000, 60]
 
 
+def engine_issued(topo, cfg, groups, sizes, joins):
+    """Run one step of the real hierarchical engine on thread ranks of ``topo`` (groups of tensor indices,
+    started in order, then finished): per global rank, the names it issued on the world, local and cross
+    collectives (one list, in issue order) and its ``stats.collectives``."""
+    import torch
+    from test_exchange import KindCounting
+    from test_hierarchical import run_hier
+
+    from horovod_terngrad.exchange import Exchange
+    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+
+    def body(c, local, cross):
+        issued = []
+        recs = [KindCounting(x) for x in (c, local, cross)]
+        for rec in recs:
+            rec.issued = issued            # one list: the order across the three sets of collectives
+        ex = HierarchicalExchange(Exchange(recs[0], cfg, joins=joins), recs[1], recs[2], topo,
+                                  end_of_step_sync=joins)
+        tickets = []
+        for g, members in enumerate(groups):
+            tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
+        for tk in tickets:
+            ex.finish(tk)
+        return issued, ex.stats.collectives
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    return res
+
+
 @pytest.mark.parametrize("cfg,shape,joins", [
     (TernGradConfig(min_numel=100, fusion_numel=0, hierarchical=True), (2, 2), True),
     (TernGradConfig(min_numel=100, fusion_numel=1500, hierarchical=True), (2, 2), True),
@@ -295,12 +325,6 @@ def test_node_aware_schedule_issues_what_the_hierarchical_engine_issues(cfg, sha
     end-of-step sync; joins=False: the DDP hook's, neither), started group by group and finished in hook
     order: every local rank's collectives (world, node and cross group, in one list as issued) have the names,
     order and count the timeline schedules for that local rank."""
-    import torch
-    from test_exchange import KindCounting
-    from test_hierarchical import run_hier
-
-    from horovod_terngrad.exchange import Exchange
-    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
     from horovod_terngrad.exchange.topology import Topology
     M, G = shape
     N, net, sizes = M * G, nodes(ranks_per_node=G), ENGINE_SIZES
@@ -310,22 +334,7 @@ def test_node_aware_schedule_issues_what_the_hierarchical_engine_issues(cfg, sha
     groups = [b.members for b in plan if b.exchange != "fp32"]
     assert {b.exchange for b in plan} == {"terngrad_hierarchical", "fp32"}
 
-    def body(c, local, cross):
-        issued = []
-        recs = [KindCounting(x) for x in (c, local, cross)]
-        for rec in recs:
-            rec.issued = issued            # one list: the order across the three sets of collectives
-        flat = Exchange(recs[0], cfg, joins=joins)
-        ex = HierarchicalExchange(flat, recs[1], recs[2], topo, end_of_step_sync=joins)
-        tickets = []
-        for g, members in enumerate(groups):
-            tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
-        for tk in tickets:
-            ex.finish(tk)
-        return issued, ex.stats.collectives
-
-    res, errs = run_hier(topo, body)
-    assert errs == [None] * N, errs
+    res = engine_issued(topo, cfg, groups, sizes, joins)
     for r in range(N):
         t = timeline_step(sizes, 0.05, N, net, method, config=cfg, joins=joins, local_rank=topo.local_rank(r))
         issued, count = res[r]
@@ -340,12 +349,7 @@ def test_node_aware_and_flat_groups_in_one_step_issue_what_the_engine_issues(mon
     (the environment's defaults), the timeline on the same network passed as ``auto_network``: the large
     groups go node-aware, the small ones flat (the flat engine's own presence check), one under min_numel
     by Horovod's allreduce; the same names in the same order."""
-    import torch
-    from test_exchange import KindCounting
-    from test_hierarchical import run_hier
-
-    from horovod_terngrad.exchange import Exchange, cost
-    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange import cost
     from horovod_terngrad.exchange.topology import Topology
     for var in ("GBPS", "ALPHA_US", "INTRA_GBPS", "INTRA_ALPHA_US", "INTRA_LINKS"):
         monkeypatch.delenv(f"HOROVOD_TERNGRAD_{var}", raising=False)
@@ -358,22 +362,7 @@ def test_node_aware_and_flat_groups_in_one_step_issue_what_the_engine_issues(mon
         assert [b.exchange for b in plan] == ["terngrad_allgather", "terngrad_hierarchical", "terngrad_allgather",
                                               "terngrad_hierarchical", "fp32"]
         groups = [b.members for b in plan if b.exchange != "fp32"]
-
-        def body(c, local, cross):
-            issued = []
-            recs = [KindCounting(x) for x in (c, local, cross)]
-            for rec in recs:
-                rec.issued = issued
-            ex = HierarchicalExchange(Exchange(recs[0], cfg), recs[1], recs[2], topo, end_of_step_sync=True)
-            tickets = []
-            for g, members in enumerate(groups):
-                tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
-            for tk in tickets:
-                ex.finish(tk)
-            return issued, ex.stats.collectives
-
-        res, errs = run_hier(topo, body)
-        assert errs == [None] * N, errs
+        res = engine_issued(topo, cfg, groups, sizes, joins=True)
         for r in range(N):
             mine = timeline_step(sizes, 0.05, N, nodes(), "terngrad_allgather", local_rank=r % 2, **kw)
             assert res[r] == (list(mine.issued), mine.collectives), r
