@@ -80,12 +80,13 @@ def test_peer_loss_ends_the_job_with_an_error_not_a_hang(tmp_path, kind):
         p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{kind}: the survivor hung after its peer died:\n{e.stdout}\n{e.stderr}")
+    # Guaranteed: the job ends, with an error and not a hang, in bounded time.  Whether the survivor saves
+    # its record first is not: the launcher (horovodrun or mpirun) may end it as soon as its peer's exit is
+    # seen, before it wrote the file (seen once under gloo on a loaded machine).  If it did save, its error
+    # is Horovod's own, which elastic recovery catches.
     assert p.returncode != 0
     saved = tmp_path / "peer_loss.terngrad.rank0.pt"
-    if kind == "gloo":     # mpirun may kill the survivor first (its own way of ending the job)
-        res = torch.load(saved, weights_only=False)
-        assert "HorovodInternalError" in res["error_type"], res
-    elif saved.exists():
+    if saved.exists():
         assert "HorovodInternalError" in torch.load(saved, weights_only=False)["error_type"]
 
 
