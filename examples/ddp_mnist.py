@@ -18,6 +18,11 @@ runs its buckets one after another, see horovod_terngrad/operations/ddp_hooks.py
 ``--json``) with the first and last losses, the accuracy, ms per step, whether every rank holds bit-identical
 parameters (checked with an all_gather of their checksums), and TernGrad's counters (elements ternarized, bits per
 element sent, elements sent uncompressed).
+
+``--amp fp16`` runs forward and loss under ``torch.autocast`` in fp16 with a ``torch.amp.GradScaler``
+(``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``; examples/mixed_precision.py) and prints beside
+the loss the steps the scaler skipped so far and the loss scale (``--init-scale`` sets its first one); ``--amp
+bf16``: autocast in bf16, no scaler.  Works with every ``--hook``.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mixed_precision  # noqa: E402 (--amp: autocast, GradScaler's recipe, skipped steps)
 from mnist_lenet import LeNet  # noqa: E402 (the Horovod example's model: the same network on both frontends)
 
 HOOKS = ("terngrad", "fp16", "powersgd", "none")     # horovod_terngrad/operations/ddp_hooks.py
@@ -59,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", default="", help="write rank 0's result to this file")
+    mixed_precision.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -119,13 +126,15 @@ def main(argv=None):
                                                  if args.hook == "terngrad" else {}))
     tg_state = state if args.hook == "terngrad" else None
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    amp = mixed_precision.MixedPrecision(args.amp, device.type, args.init_scale)
     steps_per_epoch = len(xtr) // args.batch_size
     if args.max_steps:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     if rank == 0:
         print(f"LeNet ({nparams} parameters) on MNIST, DDP ({dist.get_backend()}), {size} ranks, "
-              f"batch {args.batch_size}/rank, hook={args.hook}" + (f" ({tg_state.config})" if tg_state else ""),
-              flush=True)
+              f"batch {args.batch_size}/rank, hook={args.hook}" + (f" ({tg_state.config})" if tg_state else "")
+              + (f", amp {args.amp}" + (f" (initial loss scale {args.init_scale:g})" if args.amp == "fp16" else "")
+                 if amp.enabled else ""), flush=True)
     g = torch.Generator().manual_seed(args.seed + rank)
     losses, accs = [], []
     t_train = 0.0
@@ -136,23 +145,25 @@ def main(argv=None):
         for step in range(steps_per_epoch):
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
             opt.zero_grad()
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            opt.step()
+            with amp.autocast():
+                loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            amp.step(loss, opt)                 # loss.backward(); opt.step() (with --amp fp16: GradScaler's recipe)
             losses.append(loss.item())
             if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
                 k = args.log_every
-                print(f"epoch {epoch} step {step + 1}/{steps_per_epoch}: loss {sum(losses[-k:]) / k:.4f}", flush=True)
+                print(f"epoch {epoch} step {step + 1}/{steps_per_epoch}: loss {sum(losses[-k:]) / k:.4f}"
+                      + (f"  {amp.summary()}" if amp.enabled else ""), flush=True)
         t_train += time.perf_counter() - t0
         accs.append(accuracy(model.module, xte.to(device), yte.to(device)))
         if rank == 0:
-            print(f"epoch {epoch}: test accuracy {100 * accs[-1]:.2f}%", flush=True)
+            print(f"epoch {epoch}: test accuracy {100 * accs[-1]:.2f}%" + (f"  {amp.summary()}" if amp.enabled else ""),
+                  flush=True)
     same = identical_across_ranks(model.module)
     k = max(1, min(20, len(losses) // 4))
     result = {"hook": args.hook, "ranks": size, "steps": len(losses), "loss_first": sum(losses[:k]) / k,
               "loss_last": sum(losses[-k:]) / k, "test_acc": accs[-1] if accs else None,
               "ms_per_step": 1000 * t_train / max(1, len(losses)), "params_identical": same, "params": nparams,
-              "host": os.uname().nodename}
+              "host": os.uname().nodename, **amp.record()}
     if tg_state is not None:
         st = tg_state.stats
         result["terngrad"] = {"elements": st.elements, "tensors": st.tensors,
@@ -162,6 +173,13 @@ def main(argv=None):
     hosts = [None] * size
     dist.all_gather_object(hosts, result["host"])
     result["hosts"] = hosts
+    if amp.scaler is not None:
+        # every rank saw the same averaged gradients, so every rank skipped the same steps
+        per_rank = [None] * size
+        dist.all_gather_object(per_rank, amp.skipped)
+        result["skipped_steps_per_rank"] = per_rank
+        if rank == 0:
+            print(f"{amp.summary()} (initial {args.init_scale:g}); steps skipped on each rank: {per_rank}", flush=True)
     if rank == 0:
         print("result: " + json.dumps(result), flush=True)
         if args.json:

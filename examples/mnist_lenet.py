@@ -8,6 +8,12 @@ measured on the 10k test images.  Per epoch rank 0 prints test accuracy, through
 ranks) and the bytes one rank sends per step on the wire (ring allgather: N-1 payloads), beside what
 fp32 ring-allreduce sends (2·(N-1)/N·4 bytes per element), and the bits per element it hands to
 collectives.
+
+    horovodrun -np 2 -H localhost:2 python examples/mnist_lenet.py --amp fp16     # mixed precision (fp16, GradScaler)
+
+``--amp fp16`` runs forward and loss under ``torch.autocast`` in fp16 with a ``torch.amp.GradScaler`` and Horovod's
+AMP recipe (examples/mixed_precision.py); each epoch's line then also shows the steps the scaler skipped so far and
+the loss scale.  ``--amp bf16``: autocast in bf16, no scaler.
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mixed_precision  # noqa: E402 (examples/mixed_precision.py: --amp, autocast, GradScaler's recipes)
 
 
 class LeNet(nn.Module):
@@ -56,6 +65,7 @@ def parse_args(argv=None):
                    help="tqdm progress bar on rank 0, with the per-step traffic under TernGrad (default: when "
                         "stderr is a terminal)")
     p.add_argument("--tensorboard", default="", help="log scalars and gradient histograms here (needs tensorboard)")
+    mixed_precision.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -91,6 +101,7 @@ def main(argv=None):
                   "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    amp = mixed_precision.MixedPrecision(args.amp, "cpu", args.init_scale, horovod=True)
 
     fp32_ring_bytes = wire_bytes(size, 0, 0, nparams)
     steps_per_epoch = len(xtr) // args.batch_size
@@ -98,8 +109,9 @@ def main(argv=None):
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     if rank == 0:
         print(f"LeNet ({nparams} parameters) on MNIST, {size} ranks, batch {args.batch_size}/rank, "
-              f"compression={args.compression}" + (f" ({args.packing})" if args.compression == "terngrad" else ""),
-              flush=True)
+              f"compression={args.compression}" + (f" ({args.packing})" if args.compression == "terngrad" else "")
+              + (f", amp {args.amp}" + (f" (initial loss scale {args.init_scale:g})" if args.amp == "fp16" else "")
+                 if amp.enabled else ""), flush=True)
     g = torch.Generator().manual_seed(args.seed + rank)
     history = []
     metrics = writer = None
@@ -119,9 +131,9 @@ def main(argv=None):
         for step in range(steps_per_epoch):
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
             opt.zero_grad()
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            opt.step()
+            with amp.autocast():
+                loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            amp.step(loss, opt)                 # loss.backward(); opt.step() (with --amp fp16: GradScaler's recipe)
             loss_sum += loss.item()
             bar.update(1)
             if metrics:
@@ -143,7 +155,7 @@ def main(argv=None):
             sent, bits, timing = fp32_ring_bytes, 32.0, ""
         rec = {"epoch": epoch, "test_acc": acc, "loss": loss_sum / steps_per_epoch, "images_per_s": ips,
                "step_ms": step_ms, "bytes_sent_per_step": sent, "fp32_allreduce_bytes_per_step": fp32_ring_bytes,
-               "bits_per_element": bits, "ranks": size, "compression": args.compression}
+               "bits_per_element": bits, "ranks": size, "compression": args.compression, **amp.record()}
         if metrics and compressor.inspection.layers:
             rec["layers"] = {n: vars(r) for n, r in compressor.inspection.layers.items()}
         history.append(rec)
@@ -151,13 +163,20 @@ def main(argv=None):
             ratio = fp32_ring_bytes / sent if sent else math.inf
             print(f"epoch {epoch}: test acc {100 * acc:.2f}%  loss {rec['loss']:.4f}  {ips:.0f} images/s  "
                   f"{step_ms:.1f} ms/step  sends {sent / 1024:.1f} KiB/step on the wire vs fp32 allreduce "
-                  f"{fp32_ring_bytes / 1024:.1f} KiB/step ({ratio:.1f}x less, {bits:.2f} bits/element){timing}",
-                  flush=True)
+                  f"{fp32_ring_bytes / 1024:.1f} KiB/step ({ratio:.1f}x less, {bits:.2f} bits/element){timing}"
+                  + (f"  {amp.summary()}" if amp.enabled else ""), flush=True)
             for name, layer in rec.get("layers", {}).items():
                 print(f"  {name:14s} {layer['elements']:7d} elements: {100 * layer['zero_fraction']:5.1f}% zeros, "
                       f"scaler {layer['scaler']:.3e}", flush=True)
     if writer is not None:
         writer.close()
+    if amp.scaler is not None:
+        # every rank saw the same averaged gradients, so every rank skipped the same steps
+        per_rank = hvd.allgather_object(amp.skipped)
+        if history:
+            history[-1]["skipped_steps_per_rank"] = per_rank
+        if rank == 0:
+            print(f"{amp.summary()} (initial {args.init_scale:g}); steps skipped on each rank: {per_rank}", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(history, f, indent=1)

@@ -15,6 +15,12 @@ gradient element handed to collectives: over the ternarized elements (2.0 for 2b
 headers) and over every gradient element (the small tensors under ``min_numel`` travel in fp32).  At the end:
 the held-out loss, whether every rank holds bit-identical parameters, and one ``result: {...}`` JSON line (also
 written to ``--json``).
+
+``--amp fp16`` runs forward and loss under ``torch.autocast`` in fp16 with a ``torch.amp.GradScaler``, in each
+frontend's recipe (Horovod: ``synchronize``, ``unscale_``, ``step`` under ``skip_synchronize``; DDP: ``step``; see
+examples/mixed_precision.py); the log lines then show the steps the scaler skipped so far and the loss scale
+(``--init-scale`` sets its first one), and the result gives both and every rank's count.  ``--amp bf16``: autocast
+in bf16, no scaler.  ``--compression none`` takes them too (the baseline).  The held-out loss is computed in fp32.
 """
 from __future__ import annotations
 
@@ -23,9 +29,13 @@ import json
 import math
 import os
 import time
+import sys
 import zlib
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mixed_precision  # noqa: E402 (--amp: autocast, GradScaler's recipes, skipped steps)
 
 
 def parse_args(argv=None):
@@ -45,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    mixed_precision.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -152,12 +163,15 @@ def main(argv=None):
     train, held_out, what = load_corpus(args.corpus)
     model = make_model(args)
     front = Frontend(args, model)
+    amp = mixed_precision.MixedPrecision(args.amp, "cpu", args.init_scale, horovod=args.frontend == "horovod")
     rank, size = front.rank, front.size
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"GPT-2 ({args.n_layer} layers, {args.n_embd} wide, {nparams} parameters, byte vocabulary) on {what}; "
               f"{size} ranks, {args.frontend} frontend, compression={args.compression}"
-              + (f" ({args.packing})" if args.compression == "terngrad" else ""), flush=True)
+              + (f" ({args.packing})" if args.compression == "terngrad" else "")
+              + (f", amp {args.amp}" + (f" (initial loss scale {args.init_scale:g})" if args.amp == "fp16" else "")
+                 if amp.enabled else ""), flush=True)
     gen = torch.Generator().manual_seed(1000 + args.seed + rank)
     tokens_per_step = args.batch_size * args.seq_len * size
     losses, t_start, t_log, last_log = [], time.perf_counter(), time.perf_counter(), 0
@@ -165,16 +179,17 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         x = windows(train, args.batch_size, args.seq_len, gen)
         front.opt.zero_grad()
-        loss = front.forward(input_ids=x, labels=x).loss
-        loss.backward()
-        front.opt.step()
+        with amp.autocast():
+            loss = front.forward(input_ids=x, labels=x).loss
+        amp.step(loss, front.opt)          # loss.backward(); opt.step() (with --amp fp16: GradScaler's recipe)
         losses.append(loss.item())
         if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()
             tern, overall = bits(front)
             print(f"step {step}: loss {sum(losses[last_log:]) / (step - last_log):.3f}  "
                   f"{tokens_per_step * (step - last_log) / (now - t_log):.0f} tokens/s  "
-                  f"{tern:.2f} bits/element ternarized, {overall:.2f} over all gradient elements", flush=True)
+                  f"{tern:.2f} bits/element ternarized, {overall:.2f} over all gradient elements"
+                  + (f"  {amp.summary()}" if amp.enabled else ""), flush=True)
             t_log, last_log = now, step
     elapsed = time.perf_counter() - t_start
     model.eval()
@@ -189,13 +204,18 @@ def main(argv=None):
               "params": nparams, "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k,
               "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,
-              "bits_per_element_overall": overall, "params_identical": same}
+              "bits_per_element_overall": overall, "params_identical": same, **amp.record()}
+    if amp.scaler is not None:       # every rank saw the same averaged gradients, so every rank skipped the same steps
+        result["skipped_steps_per_rank"] = front.gather(amp.skipped)
     if front.counters is not None:
         result["elements_ternarized"] = front.counters.stats.elements
         result["elements_uncompressed"] = front.uncompressed()
     if rank == 0:
         print(f"held-out loss {held:.3f} ({held / math.log(2):.2f} bits/byte); {result['tokens_per_s']:.0f} tokens/s; "
               f"parameters identical on every rank: {same}", flush=True)
+        if amp.scaler is not None:
+            print(f"{amp.summary()} (initial {args.init_scale:g}); steps skipped on each rank: "
+                  f"{result['skipped_steps_per_rank']}", flush=True)
         print("result: " + json.dumps(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:
