@@ -12,18 +12,9 @@ Layers (docs/design.md): ``codec`` (math on one tensor, and every size), ``backe
 fast), ``exchange`` (how payloads travel), ``frontends`` (Horovod, DDP), ``operations`` (benchmarks,
 models, launch; never imported from here).
 """
-import os as _os
-
-# The node-aware exchange adds Horovod process sets after hvd.init(), which Horovod allows only when this
-# is set as hvd.init() runs; importing TernGrad before hvd.init() (as a training script does) sets the
-# default, so compression=TernGrad stays a one-line change (frontends/hierarchy.py).  Not under elastic
-# (its resets drop process sets; the exchange stays flat there) nor when the user decided either way.
-if _os.environ.get("HOROVOD_ELASTIC", "0") in ("", "0"):
-    _os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-
-from .config import TernGradConfig  # noqa: E402
-from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: E402
-from .frontends.horovod import TernGradCompressor  # noqa: E402
+from .config import TernGradConfig
+from .errors import NonFiniteGradientError, RankMismatchError, TernGradError
+from .frontends.horovod import TernGradCompressor
 
 __version__ = "0.1.0"
 

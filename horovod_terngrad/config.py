@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from .codec.sizes import FORMATS
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
-NONFINITE_POLICIES = ("raise", "zero")
+NONFINITE_POLICIES = ("propagate", "raise", "zero")
 EXCHANGES = ("allgather", "sharded", "auto")
 HIERARCHICAL = ("auto", True, False)
 
@@ -41,8 +41,15 @@ class TernGradConfig:
                    applies.  Per-rank scalers cost one 4-byte allreduce per step (is any rank in
                    hvd.join()?); in a step where one is, the groups take the handshake with the max
                    over the active ranks.
-    on_nonfinite:  "raise" = NonFiniteGradientError on every rank; "zero" = the tensor's averaged
-                   gradient is zero on every rank this step (counted in the stats, warned once).
+    on_nonfinite:  what a NaN/Inf in a gradient on any rank does to that tensor's average, decided on
+                   every rank alike.  "propagate" (default) = the average is NaN on every rank, bit for bit
+                   (as Horovod's uncompressed allreduce propagates it): a GradScaler (fp16 AMP) sees the
+                   overflow on every rank and every rank skips the same step and lowers the scale, and
+                   no host synchronization is added on a GPU.  "raise" = NonFiniteGradientError on every
+                   rank (for fp32/bf16 training without a loss scaler, where a NaN is a bug; on a GPU it
+                   costs one synchronization per tensor sent at full precision); "zero" = the tensor's
+                   averaged gradient is zero on every rank this step (counted in the stats, warned once;
+                   it hides overflows from a GradScaler, whose scale then never comes down).
     exchange:      "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
                    nearly constant in N; needs shared_scaler) or "auto" (measures the link once,
@@ -71,7 +78,7 @@ class TernGradConfig:
     exclude: tuple = field(default_factory=tuple)
     seed: int = 0
     shared_scaler: bool | None = None
-    on_nonfinite: str = "raise"
+    on_nonfinite: str = "propagate"
     exchange: str = "allgather"
     fusion_numel: int = 1 << 22
     hierarchical: object = "auto"

@@ -105,7 +105,7 @@ def test_integer_gradient_is_a_clear_error(dtype):
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_on_one_rank_raises_on_every_rank(shared, bad):
-    cfg = TernGradConfig(shared_scaler=shared)
+    cfg = TernGradConfig(shared_scaler=shared, on_nonfinite="raise")
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -125,6 +125,36 @@ def test_nonfinite_on_one_rank_raises_on_every_rank(shared, bad):
     for err, after in res:
         assert err is not None and "'fc1.weight'" in err and "rank" in err and "2" in err
         assert torch.equal(after, res[0][1])
+
+
+@pytest.mark.parametrize("exchange,shared", [("allgather", False), ("allgather", True), ("sharded", True)],
+                         ids=["per-rank", "shared", "sharded"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_propagates_by_default_the_same_nan_on_every_rank(exchange, shared, bad):
+    """The default (on_nonfinite="propagate"): a NaN/Inf on one rank makes that tensor's average NaN on every
+    rank, byte for byte (what GradScaler needs to skip the step everywhere); the fused neighbours and the
+    next step are untouched; counted in the stats; the step counters advance as in any step."""
+    cfg = TernGradConfig(exchange=exchange, shared_scaler=shared)
+    assert cfg.on_nonfinite == "propagate"
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        items = [(grad((64,), c.rank, i), f"w{i}") for i in range(3)]
+        if c.rank == 2:
+            items[1][0][5] = bad
+        outs = [ex.finish(tk) for tk in ex.start_group(items, "g")]
+        after = ex.allreduce(grad((8,), c.rank), "fc2.weight")
+        return outs, after, ex.stats.nonfinite_propagated, dict(ex.steps)
+
+    res = run_ranks(3, body, timeout=30)
+    for outs, after, count, steps in res:
+        assert torch.isnan(outs[1]).all() and outs[1].shape == (64,)
+        assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[2]).all()
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, res[0][0]))
+        assert torch.equal(after, res[0][1]) and count == 1
+        assert steps == {"w0": 1, "w1": 1, "w2": 1, "fc2.weight": 1}
+    want, _ = expected_average([grad((64,), r, 0) for r in range(3)], "w0", 0, cfg)
+    assert torch.equal(res[0][0][0], want)
 
 
 def test_nonfinite_zero_policy_is_agreed():
@@ -386,7 +416,7 @@ def test_a_finished_group_lets_go_of_its_gradients_without_the_cycle_collector(e
         assert all(freed)
 
 
-@pytest.mark.parametrize("policy", ["raise", "zero"])
+@pytest.mark.parametrize("policy", ["propagate", "raise", "zero"])
 @pytest.mark.parametrize("backend", ["fused-c", "torch"])
 def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     if backend == "torch":
@@ -413,6 +443,8 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     for r in res:
         if policy == "raise":
             assert isinstance(r[1], str) and "'w1'" in r[1] and "rank 1" in r[1]
+        elif policy == "propagate":
+            assert torch.isnan(r[1]).all()
         else:
             assert torch.equal(r[1], torch.zeros(30))
 

@@ -11,6 +11,7 @@ from horovod_terngrad.exchange import Exchange, ThreadWorld
 from horovod_terngrad.exchange.collectives import CollectiveError
 from horovod_terngrad.exchange.hierarchical import HierarchicalExchange, HierarchicalTicket
 from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
+from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
 from horovod_terngrad.exchange.topology import Piece, Topology, piece_name, shard_bounds, shard_plan  # noqa: F401
 
 
@@ -19,15 +20,19 @@ def grad(shape, rank, tensor=0):
     return torch.randn(shape, generator=gen) * (rank + 1)
 
 
-def run_hier(topo: Topology, fn, timeout=120.0):
-    """``fn(engine, global_collectives)`` on every rank of ``topo`` (threads); results by global rank."""
+def run_hier(topo: Topology, fn, timeout=120.0, world_groups=False):
+    """``fn(global_collectives, local, cross)`` on every rank of ``topo`` (threads); results by global rank.
+    ``world_groups``: local and cross are carried by the world's collectives (exchange/world_groups.py)
+    instead of subgroups of their own."""
     world = ThreadWorld(topo.size)
-    sub = hierarchical_collectives(topo)
+    sub = None if world_groups else hierarchical_collectives(topo)
     results, errors = [None] * topo.size, [None] * topo.size
 
     def body(c):
         try:
-            results[c.rank] = fn(c, *sub[c.rank])
+            groups = sub[c.rank] if sub else (WorldGroupCollectives(c, topo.local_ranks_of(c.rank)),
+                                              WorldGroupCollectives(c, topo.cross_ranks_of(c.rank)))
+            results[c.rank] = fn(c, *groups)
         except BaseException as e:  # noqa: BLE001 - collected below
             errors[c.rank] = e
 
@@ -121,6 +126,90 @@ def test_every_rank_gets_the_recomputed_hierarchical_average_bit_for_bit(topo, c
         assert res[r][1] == ref_steps, r
 
 
+@pytest.mark.parametrize("topo", list(TOPOS), ids=list(TOPOS))
+@pytest.mark.parametrize("cfg", ["default", "buckets", "auto"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "alone"])
+def test_world_groups_give_the_subgroups_bits(topo, cfg, fused):
+    """The node and cross groups carried by world alltoalls (no process sets): the same average, bit for bit,
+    as the reference; a tensor of fewer elements than a node has ranks goes flat there (some local rank would
+    own nothing and post nothing); the cross collectives are named alike in every cross group."""
+    topo = TOPOS[topo]
+    cfg = (CONFIGS[cfg] if cfg != "auto" else TernGradConfig(hierarchical=True, exchange="auto")).replace()
+    names = [f"layer{i}" for i in range(len(SHAPES))]
+    posted = []
+
+    def body(c, local, cross):
+        assert local.spans_world and cross.spans_world
+        ex = engine(cfg, c, local, cross, topo)
+        outs = []
+        for step in range(2):
+            gs = [grad(s, c.rank, i + 10 * step) for i, s in enumerate(SHAPES)]
+            if fused:
+                tickets = ex.start_group(list(zip(gs, names)), "g0")
+            else:
+                tickets = [ex.start(g, n) for g, n in zip(gs, names)]
+            outs.append([ex.finish(t) for t in tickets])
+        return outs, dict(ex.steps)
+
+    world_post = ThreadWorld.post
+
+    def spy(self, kind, name, rank, tensor, splits=None):
+        posted.append((kind, name, rank))
+        return world_post(self, kind, name, rank, tensor, splits)
+
+    ThreadWorld.post = spy
+    try:
+        res, errs = run_hier(topo, body, world_groups=True)
+    finally:
+        ThreadWorld.post = world_post
+    assert errs == [None] * topo.size, errs
+    ref_steps: dict = {}
+    for step in range(2):
+        per_rank = [[grad(s, r, i + 10 * step) for i, s in enumerate(SHAPES)] for r in range(topo.size)]
+        if fused:
+            want = reference(per_rank, names, topo, cfg, ref_steps)
+        else:
+            want = []
+            for i, shape in enumerate(SHAPES):
+                one = [[per_rank[r][i]] for r in range(topo.size)]
+                if per_rank[0][i].numel() < topo.ranks_per_node:      # flat: every rank's own stream
+                    want.append(expected_average([o[0] for o in one], names[i], step, cfg)[0])
+                else:
+                    want.append(reference(one, [names[i]], topo, cfg, ref_steps)[0])
+        for r in range(topo.size):
+            for i in range(len(SHAPES)):
+                assert torch.equal(res[r][0][step][i], want[i]), (step, i, r)
+    # every collective was posted by every rank of the world under one name (world ops only)
+    by_name: dict = {}
+    for kind, name, rank in posted:
+        by_name.setdefault((kind, name), set()).add(rank)
+    assert by_name and all(ranks == set(range(topo.size)) for ranks in by_name.values()), by_name
+    assert any(".x." in n or n.endswith(".x") for _, n in by_name), sorted(by_name)
+
+
+def test_world_group_collectives_allgather_alltoall_and_allreduce():
+    topo = Topology.from_hosts(["a", "b", "b", "a", "c", "c"])     # nodes (0, 3), (1, 2), (4, 5)
+
+    def body(c, local, cross):
+        me = torch.tensor([float(c.rank)] * (c.rank % 2 + 1))
+        ag = local.synchronize(local.allgather_async(me, "ag"))
+        a2a = local.synchronize(local.alltoall_async(torch.arange(2, dtype=torch.float32) + 10 * c.rank, [1, 1], "a2a"))
+        mx = cross.synchronize(cross.allreduce_max_async(torch.tensor([c.rank, -c.rank], dtype=torch.float64), "mx"))
+        sm = cross.synchronize(cross.allreduce_sum_async(torch.tensor([1, c.rank], dtype=torch.int32), "sm"))
+        return local.rank, local.size, cross.rank, cross.size, ag, a2a, mx, sm
+
+    res, errs = run_hier(topo, body, world_groups=True)
+    assert errs == [None] * 6, errs
+    for r, (lr, ls, cr, cs, ag, a2a, mx, sm) in enumerate(res):
+        node = topo.local_ranks_of(r)
+        group = topo.cross_ranks_of(r)
+        assert (lr, ls, cr, cs) == (node.index(r), 2, group.index(r), 3)
+        assert ag.tolist() == [float(q) for q in node for _ in range(q % 2 + 1)]
+        assert a2a.tolist() == [10.0 * q + node.index(r) for q in node]
+        assert mx.tolist() == [max(group), -min(group)]
+        assert sm.tolist() == [3, sum(group)]
+
+
 def test_steps_leave_nothing_queued_and_reuse_the_intra_node_buffer():
     """A long run must not accumulate finished groups (the queue held every group of every step), and the
     allgather's send buffer of a group serves it again the next step (no fresh tens of MB per step)."""
@@ -179,8 +268,9 @@ def test_resume_draws_the_streams_of_an_uninterrupted_run():
         assert torch.equal(whole[r][0][1], resumed[r][0][0]) and torch.equal(whole[r][0][2], resumed[r][0][1])
 
 
-@pytest.mark.parametrize("policy", ["raise", "zero"])
-def test_nan_on_one_rank_of_one_node_reaches_every_rank(policy):
+@pytest.mark.parametrize("world_groups", [False, True], ids=["subgroups", "world-groups"])
+@pytest.mark.parametrize("policy", ["propagate", "raise", "zero"])
+def test_nan_on_one_rank_of_one_node_reaches_every_rank(policy, world_groups):
     topo = TOPOS["2x2"]
     cfg = TernGradConfig(hierarchical=True, on_nonfinite=policy)
 
@@ -200,11 +290,13 @@ def test_nan_on_one_rank_of_one_node_reaches_every_rank(policy):
         after = ex.finish(ex.start(grad((40,), c.rank, 2), "w"))
         return outs, after
 
-    res, errs = run_hier(topo, body)
+    res, errs = run_hier(topo, body, world_groups=world_groups)
     assert errs == [None] * 4
     for outs, after in res:
         if policy == "raise":
             assert isinstance(outs[0], NonFiniteGradientError) and "'w'" in str(outs[0])
+        elif policy == "propagate":    # NaN on every rank, the same bits (all NaN), as an allreduce would give
+            assert outs[0].shape == (40,) and torch.isnan(outs[0]).all()
         else:
             assert torch.equal(outs[0], torch.zeros(40))
         assert isinstance(outs[1], torch.Tensor) and torch.isfinite(outs[1]).all()

@@ -87,7 +87,7 @@ def test_policy_keeps_excluded_and_small_tensors_in_fp32(exchange):
 
 def test_simulated_nonfinite_and_mismatch():
     from horovod_terngrad import NonFiniteGradientError, RankMismatchError
-    sim = Simulator(torch.nn.Linear(3, 2), 3)
+    sim = Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(on_nonfinite="raise"))
     good = [torch.randn(2, 3) for _ in range(3)]
     bad = list(good)
     bad[1] = good[1].clone()
@@ -95,6 +95,7 @@ def test_simulated_nonfinite_and_mismatch():
     with pytest.raises(NonFiniteGradientError, match=r"'w'.*rank.*1"):
         sim.average_tensor(bad, "w")
     zero = Simulator(torch.nn.Linear(3, 2), 3, TernGradConfig(on_nonfinite="zero"))
+    assert torch.isnan(Simulator(torch.nn.Linear(3, 2), 3).average_tensor(bad, "w")).all()   # the default
     assert torch.equal(zero.average_tensor(bad, "w"), torch.zeros(2, 3)) and zero.stats.nonfinite_zeroed == 1
     with pytest.raises(RankMismatchError, match="'w'"):
         sim.average_tensor([good[0], good[1], torch.randn(3, 2)], "w")

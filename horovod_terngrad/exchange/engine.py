@@ -68,9 +68,10 @@ def settle_full_precision(out: torch.Tensor, name: str, config: TernGradConfig, 
     """Apply ``config.on_nonfinite`` to a tensor that travelled at full precision (under ``min_numel``, by
     ``exclude``, with compression off or not paying): ``out`` is the reduced result, which the allreduce gives
     every rank byte for byte, so a NaN/Inf on any rank is seen on every rank and every rank decides alike with
-    no further collective.  Raises ``NonFiniteGradientError``, or zeroes ``out`` in place (counted, warned once
-    per tensor).  Costs one pass over the result (and, on a GPU, one synchronization)."""
-    if out.numel() == 0 or bool(torch.isfinite(out).all()):
+    no further collective.  "propagate": ``out`` as it is (the allreduce propagated the NaN/Inf already; no
+    pass, no synchronization).  Else raises ``NonFiniteGradientError``, or zeroes ``out`` in place (counted,
+    warned once per tensor); that costs one pass over the result (and, on a GPU, one synchronization)."""
+    if config.on_nonfinite == "propagate" or out.numel() == 0 or bool(torch.isfinite(out).all()):
         return out
     msg = (f"TernGrad: gradient '{name}' (sent at full precision) is NaN/Inf after the allreduce: at least one "
            "rank's gradient held NaN or Inf")
@@ -88,7 +89,7 @@ class Ticket:
     """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
-                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "prep", "finished")
+                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished")
 
     def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place):
         self.engine, self.group = engine, None
@@ -101,6 +102,7 @@ class Ticket:
         self.payload_bytes = 0
         self.error = None          # raised by finish
         self.zero = False          # the result is zero (agreed empty, or zeroed NaN/Inf)
+        self.poisoned = False      # the result is NaN on every rank (NaN/Inf somewhere, on_nonfinite='propagate')
         self.prep = None           # the statistics (codec.Prepared): scalers, NaN flag, for the handshake
         self.finished = False      # finish() has returned its average or raised
 
@@ -263,8 +265,9 @@ class Exchange:
             out = self._receive(tk)
         finally:
             self._release(tk)
-        if out is None:   # agreed empty, or zeroed by on_nonfinite='zero'
-            out = torch.zeros(tk.g32.numel(), dtype=torch.float32, device=tk.g32.device)
+        if out is None:   # agreed empty, zeroed by on_nonfinite='zero', or NaN by 'propagate'
+            out = torch.full((tk.g32.numel(),), float("nan") if tk.poisoned else 0.0, dtype=torch.float32,
+                             device=tk.g32.device)
         self.inspection.record_average(tk.name, out)
         return out.view(tk.shape).to(tk.dtype)
 
@@ -306,7 +309,7 @@ class Exchange:
         or its group's payload collective has completed (for a driver that polls, see ``ordered``)."""
         for tk in tickets:
             grp = tk.group
-            if tk.error is not None or tk.zero or grp.gathered is not None or grp.gather_error is not None:
+            if tk.error is not None or tk.zero or tk.poisoned or grp.gathered is not None or grp.gather_error is not None:
                 continue
             if grp.ag is None or not self.coll.poll(grp.ag):
                 return False
@@ -324,7 +327,7 @@ class Exchange:
 
     def _receive(self, tk: Ticket):
         """The member's result from its transport, or None when it sent nothing or is zeroed."""
-        if tk.slot is None or tk.zero:
+        if tk.slot is None or tk.zero or tk.poisoned:
             return None
         return TRANSPORTS[tk.group.mode].receive(self, tk)
 
@@ -390,8 +393,14 @@ class Exchange:
         self._awaiting_alltoall.append(grp)
 
     def nonfinite(self, tk: Ticket, msg: str) -> None:
-        """A member held NaN/Inf on some rank: raise on every rank, or zero it (config.on_nonfinite)."""
-        if self.config.on_nonfinite == "raise":
+        """A member held NaN/Inf on some rank (every rank learns it from the same bytes: the handshake, the
+        payload headers' flags): its average is NaN on every rank, or every rank raises, or zeroes it
+        (config.on_nonfinite).  Decided from host values the exchange reads anyway: no synchronization added."""
+        policy = self.config.on_nonfinite
+        if policy == "propagate":
+            tk.poisoned = True
+            self.stats.nonfinite_propagated += 1
+        elif policy == "raise":
             tk.error = NonFiniteGradientError(msg)
         else:
             tk.zero = True

@@ -15,7 +15,8 @@ n_1..n_k is averaged in three stages, every local rank using the network at once
    or shared scaler; ``"auto"`` decides on the cross group's size and a G-th of the node's link).
 3. **Intra-node allgather** of every local rank's averaged shard in fp32 (``terngrad.h.ag.<group>``),
    followed by one status word per piece (ok, NaN/Inf, ranks disagree), so every local rank learns what
-   its peers' cross exchanges found: every rank of the job raises (or zeroes) the same members.
+   its peers' cross exchanges found: every rank of the job propagates (NaN), raises or zeroes the same
+   members (``on_nonfinite``), whether the NaN/Inf arrived inside a node or across nodes.
 
 Result: unbiased, E[out] = mean_r clip(g_r) up to clipping, which now applies to the node means.  Each
 element is ternarized once per node (of the node mean) instead of once per rank: the ternary variance
@@ -102,8 +103,24 @@ class HierarchicalExchange:
         # ``end_of_step_sync`` the finish that completes the last group in flight waits for a 4-byte
         # allreduce of the whole world, which no rank completes before every rank got there.
         self.end_of_step_sync = end_of_step_sync
+        # Group collectives carried by world collectives (world_groups.py): every cross group must post the
+        # same collectives under the same names, so the cross exchange is the per-rank allgather (one
+        # allgather per group, whatever the data: no handshake verdict can make one cross group skip a
+        # payload another sends), its groups are named without the local rank, and a group with fewer
+        # elements than G (some local rank would own no piece, and post nothing) goes flat.
+        self.spans_world = bool(getattr(local, "spans_world", False) or getattr(cross, "spans_world", False))
+        if self.spans_world and not self.world_groups_fit(self.config):
+            raise TernGradError("TernGrad: the node-aware exchange over world collectives needs per-rank scalers "
+                                "and the allgather exchange across nodes (shared_scaler=True or "
+                                "exchange='sharded' need process sets)")
         self._live = 0                    # hierarchical groups of this step not finished by every member
         self._step_open = False           # a group started since the last finish
+
+    @staticmethod
+    def world_groups_fit(config) -> bool:
+        """Whether ``config``'s cross-node exchange can run over world collectives: per-rank scalers with the
+        allgather transport (``exchange="auto"`` then keeps to the allgather across nodes)."""
+        return config.exchange in ("allgather", "auto") and not config.scaler_shared_for("allgather")
 
     # -- what the frontends call ------------------------------------------------------------------
     @property
@@ -122,6 +139,8 @@ class HierarchicalExchange:
     def uses_hierarchy(self, numels: list) -> bool:
         """Whether a group of these sizes goes through the node-aware plan (``hierarchical``: True, or
         "auto" and the cost model finds it cheaper than the flat exchange)."""
+        if self.spans_world and sum(numels) < self.G:
+            return False
         if self.config.hierarchical is True:
             return True
         # the same exchange flat and across nodes, as configured ("auto": the cheaper on each side), and the
@@ -342,13 +361,16 @@ class HierarchicalExchange:
             items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.g32.numel())))
             at += p.numel
         mode = None
-        if self.config.exchange == "auto":
+        if self.spans_world:
+            mode = "allgather"
+        elif self.config.exchange == "auto":
             net = cost.configured_network()
             shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link
             mode = cost.exchange_for([p.numel for p in pieces], self.M, self.config.packing, self.config.bucket_size,
                                      network=shared, shared_scaler=self.config.scaler_shared_for("allgather"))
         self.stats.codec_s += time.perf_counter() - t0
-        grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.x{j}", grp.average, in_place=True,
+        tag = "x" if self.spans_world else f"x{j}"
+        grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.{tag}", grp.average, in_place=True,
                                                    mode=mode) if items else []
         grp.cross_started = True
 
@@ -390,6 +412,9 @@ class HierarchicalExchange:
 
     def _member_result(self, tk: HierarchicalTicket) -> torch.Tensor:
         grp = tk.hgroup
+        if grp.ag is None and isinstance(grp.error, CollectiveError):
+            # its intra-node alltoall failed (a rank is gone): nothing was issued after it
+            raise grp.error.detailed(f"TernGrad: exchange of gradient '{tk.name}' failed")
         if grp.gathered is None:
             t0 = time.perf_counter()
             try:
@@ -433,7 +458,7 @@ class HierarchicalExchange:
             self.flat.nonfinite(tk, msg)
             if tk.error is not None:
                 raise tk.error
-            out.zero_()
+            out.fill_(float("nan") if tk.poisoned else 0.0)
         return out
 
 

@@ -19,6 +19,7 @@ class ExchangeStats:
     handshake_bytes_sent: int = 0
     bytes_received: int = 0
     nonfinite_zeroed: int = 0
+    nonfinite_propagated: int = 0     # tensors whose average was NaN on every rank (on_nonfinite='propagate')
     collectives: int = 0          # handshakes, allgathers and alltoalls launched (fusion lowers it)
     intra_node_bytes_sent: int = 0       # hierarchical exchange: fp32 bytes to the other ranks of this node
     intra_node_bytes_received: int = 0

@@ -127,6 +127,11 @@ class Topology:
             return "every node has one rank"
         return None
 
+    def single_node_or_rank(self) -> bool:
+        """One node, or one rank per node: nothing for a node-aware exchange to be aware of (its fallback
+        is expected, not worth a warning)."""
+        return len(self.nodes) < 2 or all(len(n) == 1 for n in self.nodes)
+
     def node_of(self, rank: int) -> int:
         for i, ranks in enumerate(self.nodes):
             if rank in ranks:

@@ -5,83 +5,132 @@ point): one allgather of host identities (``exchange.hierarchical.discover``) gi
 topology; then the intra-node and inter-node groups are made, every rank making all of them in the same
 order:
 
-* Horovod: process sets.  Sets the user registered at ``hvd.init(process_sets=[...])`` with the same
-  ranks are reused; others are added with ``hvd.add_process_set``, which needs
-  ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` when ``hvd.init()`` runs.  ``import horovod_terngrad`` sets that
-  default before a script's ``hvd.init()`` (and ``terngrad-launch`` and the sbatch scripts export it), so
-  ``compression=TernGrad`` stays a one-line change under plain ``horovodrun``/``mpirun``.
+* Horovod: by default the groups' collectives are carried by world collectives
+  (``exchange.world_groups``: one world alltoall with zero splits outside each rank's group).  That needs
+  nothing of ``hvd.init()``, so importing TernGrad before or after it makes no difference, it works under
+  elastic, and a dead rank ends the survivors with Horovod's ``HorovodInternalError`` as the flat exchange
+  does.  ``HOROVOD_TERNGRAD_NODE_GROUPS=process_sets`` uses Horovod process sets instead (those the user
+  registered at ``hvd.init(process_sets=[...])`` with the same ranks, others added with
+  ``hvd.add_process_set``, which Horovod allows only if ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set when
+  ``hvd.init()`` ran; whether it was is learned by trying, not from the variable).  A shared scaler or the
+  sharded exchange across nodes needs process sets (world_groups carries only the per-rank allgather).
 * torch.distributed (DDP): ``dist.new_group`` for every node and every cross group, on the hook's backend.
 
-Where the hierarchy cannot apply, the flat engine stays and rank 0 logs why, once per process and reason:
-one node, one rank per node, nodes with different rank counts, Horovod elastic (its reset re-initializes
-Horovod without process sets), process sets that cannot be added.  Every rank decides from the same
-allgathered list and the same environment, so no rank takes the hierarchy while another does not.
+Where the hierarchy cannot apply, the flat exchange runs and rank 0 says why, once per process and reason:
+at INFO where the job is one node or one rank per node (nothing to be node-aware about), else at WARNING,
+which Python shows without any logging setup.  ``hierarchical=True`` where a multi-node job cannot have it
+raises ``TernGradError`` on every rank, saying what to do.  Every rank decides from the same allgathered
+list, the same settings and the same outcome of Horovod's calls, so no rank takes the hierarchy while
+another does not.
 """
 from __future__ import annotations
 
 import logging
 import os
 
+from ..errors import TernGradError
 from ..exchange import Exchange
 from ..exchange.hierarchical import HierarchicalExchange, discover
+from ..exchange.world_groups import WorldGroupCollectives
 
 log = logging.getLogger("horovod_terngrad")
 _said: set = set()
 
+NODE_GROUPS_ENV = "HOROVOD_TERNGRAD_NODE_GROUPS"
+NODE_GROUPS = ("world", "process_sets")
 
-def _flat(flat: Exchange, reason: str) -> Exchange:
-    level = logging.WARNING if flat.config.hierarchical is True else logging.INFO
+
+def _flat(flat: Exchange, reason: str, quiet: bool = False) -> Exchange:
+    """The flat engine, saying why once (rank 0): INFO if ``quiet`` (one node, or one rank per node), else
+    WARNING.  ``hierarchical=True`` warns where ``quiet`` (a multi-node script run on one machine still runs)
+    and raises elsewhere, on every rank (every rank reaches the same reason)."""
+    if flat.config.hierarchical is True and not quiet:
+        raise TernGradError(f"TernGrad: hierarchical=True, but the node-aware exchange cannot run here: {reason}. "
+                            "Pass hierarchical='auto' (the default) or False to run the flat exchange")
     if reason not in _said:
         _said.add(reason)
         if flat.coll.rank == 0:
-            log.log(level, "TernGrad: node-aware exchange off (hierarchical=%r): %s; every rank exchanges "
-                    "with every other (flat)", flat.config.hierarchical, reason)
+            log.log(logging.INFO if quiet and flat.config.hierarchical is not True else logging.WARNING,
+                    "TernGrad: node-aware exchange off (hierarchical=%r): %s; every rank exchanges with every "
+                    "other (flat)", flat.config.hierarchical, reason)
     return flat
 
 
-def _said_on(flat, topo) -> None:
-    key = ("on", topo.describe())
+def _said_on(flat, topo, how: str) -> None:
+    key = ("on", topo.describe(), how)
     if key not in _said:
         _said.add(key)
         if flat.coll.rank == 0:
-            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s", flat.config.hierarchical, topo.describe())
+            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s", flat.config.hierarchical,
+                     topo.describe(), how)
+
+
+def node_groups_setting() -> str:
+    value = os.environ.get(NODE_GROUPS_ENV, "world").strip().lower() or "world"
+    if value not in NODE_GROUPS:
+        raise ValueError(f"{NODE_GROUPS_ENV}={value!r}: must be one of {NODE_GROUPS}")
+    return value
+
+
+def _horovod_process_sets(topo):
+    """The topology's process sets, reused where registered, added where Horovod allows it; a string
+    saying why not otherwise.  Every rank makes the same calls in the same order."""
+    import horovod.torch as hvd
+    from horovod.common import process_sets as ps_mod
+    existing = {tuple(sorted(r)): i for i, r in hvd.mpi_ops._basics._get_process_set_ids_and_ranks().items()}
+    sets = {}
+    for g in topo.local_groups() + topo.cross_groups():              # every rank, in the same order
+        key = tuple(sorted(g))
+        if key in existing:
+            sets[g] = ps_mod._temp_process_set_object(existing[key])
+            sets[g].ranks, sets[g].mpi_comm = list(key), None
+            continue
+        try:
+            sets[g] = hvd.add_process_set(list(key))
+        except ValueError as e:   # Horovod: dynamic process sets were off at hvd.init() (on every rank alike)
+            return (f"Horovod cannot add process sets ({e}); register the topology's groups at "
+                    "hvd.init(process_sets=...), or set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init()")
+        existing[key] = sets[g].process_set_id
+    return sets
 
 
 def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
     """The engine for Horovod's global process set: ``flat`` or the hierarchical one over it."""
     if flat.config.hierarchical is False or flat.coll.size < 2:
         return flat
-    if os.environ.get("HOROVOD_ELASTIC", "0") not in ("", "0"):
-        return _flat(flat, "Horovod elastic re-initializes Horovod without process sets at every reset")
     topo = discover(flat.coll)
     reason = topo.flat_reason()
     if reason is not None:
-        return _flat(flat, reason)
-    import horovod.torch as hvd
-    from horovod.common import process_sets as ps_mod
-
+        return _flat(flat, reason, quiet=topo.single_node_or_rank())
     from ..exchange import HorovodCollectives
-    existing = {tuple(sorted(r)): i for i, r in hvd.mpi_ops._basics._get_process_set_ids_and_ranks().items()}
-    wanted = topo.local_groups() + topo.cross_groups()
-    missing = [g for g in wanted if tuple(sorted(g)) not in existing]
-    dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")
-    if missing and not dynamic:
-        return _flat(flat, f"{len(missing)} process sets of the topology are not registered and "
-                           "HOROVOD_DYNAMIC_PROCESS_SETS was not set when hvd.init() ran (import horovod_terngrad "
-                           "before hvd.init(), or pass them to hvd.init(process_sets=...))")
-    sets = {}
-    for g in wanted:              # every rank, in the same order
-        key = tuple(sorted(g))
-        if key in existing:
-            sets[g] = ps_mod._temp_process_set_object(existing[key])
-            sets[g].ranks, sets[g].mpi_comm = list(key), None
-        else:
-            sets[g] = hvd.add_process_set(list(key))
-            existing[key] = sets[g].process_set_id
     me = flat.coll.rank
-    local = HorovodCollectives(sets[topo.local_ranks_of(me)])
-    cross = HorovodCollectives(sets[topo.cross_ranks_of(me)])
-    _said_on(flat, topo)
+    use = node_groups_setting()
+    if use == "world" and not HierarchicalExchange.world_groups_fit(flat.config):
+        use = "process_sets"      # a shared scaler or the sharded exchange across nodes
+    elastic = os.environ.get("HOROVOD_ELASTIC", "0") not in ("", "0")
+    if use == "process_sets":
+        if elastic:
+            return _flat(flat, "Horovod elastic re-initializes Horovod without process sets at every reset, and "
+                               "this configuration (shared_scaler=True or exchange='sharded') needs them")
+        sets = _horovod_process_sets(topo)
+        if isinstance(sets, str):
+            if HierarchicalExchange.world_groups_fit(flat.config):
+                use = "world"
+                if "process_sets.fallback" not in _said:
+                    _said.add("process_sets.fallback")
+                    if me == 0:
+                        log.warning("TernGrad: %s=process_sets: %s; the node-aware exchange runs over world "
+                                    "collectives instead", NODE_GROUPS_ENV, sets)
+            else:
+                return _flat(flat, sets)
+    if use == "world":
+        world = flat.coll
+        local = WorldGroupCollectives(world, topo.local_ranks_of(me))
+        cross = WorldGroupCollectives(world, topo.cross_ranks_of(me))
+    else:
+        local = HorovodCollectives(sets[topo.local_ranks_of(me)])
+        cross = HorovodCollectives(sets[topo.cross_ranks_of(me)])
+    _said_on(flat, topo, "over world collectives" if use == "world" else "over process sets")
     return HierarchicalExchange(flat, local, cross, topo, end_of_step_sync=True)
 
 
@@ -94,9 +143,9 @@ def dist_engine(flat: Exchange, make_collectives) -> Exchange | HierarchicalExch
     topo = discover(flat.coll)
     reason = topo.flat_reason()
     if reason is not None:
-        return _flat(flat, reason)
+        return _flat(flat, reason, quiet=topo.single_node_or_rank())
     made = {g: make_collectives(list(g), True) for g in topo.local_groups()}
     made.update({g: make_collectives(list(g), False) for g in topo.cross_groups()})
     me = flat.coll.rank
-    _said_on(flat, topo)
+    _said_on(flat, topo, "over torch.distributed subgroups")
     return HierarchicalExchange(flat, made[topo.local_ranks_of(me)], made[topo.cross_ranks_of(me)], topo)

@@ -330,7 +330,7 @@ def sc_fp_inf(policy):
 def sc_nan_then_continue():
     """After a NaN step raised (on every rank), the same DDP model trains on: the next step's exchange works."""
     model = Scrambled()
-    ddp, rec = wrap(model, {"seed": 2}, bucket_cap_mb=0.002)
+    ddp, rec = wrap(model, {"seed": 2, "on_nonfinite": "raise"}, bucket_cap_mb=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = batches()
     seen = []

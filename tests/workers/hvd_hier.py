@@ -15,14 +15,16 @@ import horovod.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hvd_scenarios import Recording, mlp, run_all, train_steps  # noqa: E402
-from horovod_terngrad import NonFiniteGradientError  # noqa: E402
+from horovod_terngrad import NonFiniteGradientError, TernGradError  # noqa: E402
 from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+from horovod_terngrad.exchange.world_groups import WorldGroupCollectives  # noqa: E402
 
 
 def engine_info(comp) -> dict:
     eng = comp.engine()
     hier = isinstance(eng, HierarchicalExchange)
     return {"hierarchical": hier, "nodes": [list(n) for n in eng.topology.nodes] if hier else None,
+            "world_groups": hier and isinstance(eng.local, WorldGroupCollectives),
             "stats": vars(comp.stats).copy()}
 
 
@@ -40,7 +42,7 @@ def scenario_exact(prefix, **cfg):
 
 def scenario_nan():
     """NaN in every gradient of rank 3 at step 1 (one rank of one node): every rank raises."""
-    comp = Recording(hierarchical=True)
+    comp = Recording(hierarchical=True, on_nonfinite="raise")
     try:
         train_steps(comp, steps=3, inject=(1, 3), prefix="nan.")
         return {"raised": None, **engine_info(comp)}
@@ -100,9 +102,15 @@ def scenario_resume():
 
 
 def scenario_fallback():
-    comp = Recording(hierarchical=True)
-    train_steps(comp, steps=2, prefix="fb.")
-    return {"outputs": comp.outputs, **engine_info(comp)}
+    """HIER_TEST_SETTING: the ``hierarchical`` setting ("auto" unless "true"); HIER_TEST_SHARED=1: shared
+    scaler (the node-aware exchange then needs process sets).  A TernGradError is the result too."""
+    setting = True if os.environ.get("HIER_TEST_SETTING") == "true" else "auto"
+    comp = Recording(hierarchical=setting, shared_scaler=True if os.environ.get("HIER_TEST_SHARED") else None)
+    try:
+        train_steps(comp, steps=2, prefix="fb.")
+    except TernGradError as e:
+        return {"error": str(e), "error_type": type(e).__name__, "hierarchical": False}
+    return {"outputs": comp.outputs, "error": None, **engine_info(comp)}
 
 
 def scenario_kill(outdir):

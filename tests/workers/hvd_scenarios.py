@@ -204,7 +204,7 @@ def run(name):
         return scenario_exact({}, dtype=torch.bfloat16)
     if name == "nan_raise":
         try:
-            train_steps(TernGradCompressor(), steps=3, inject=(1, 1), prefix="nan_raise.")
+            train_steps(TernGradCompressor(on_nonfinite="raise"), steps=3, inject=(1, 1), prefix="nan_raise.")
             return {"error": None}
         except tg.NonFiniteGradientError as e:
             return {"error": str(e)}
