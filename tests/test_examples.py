@@ -629,3 +629,157 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
     assert [c["model"] for c in ddp_benchmark.saved_cells(str(tmp_path))] == ["tiny"]
     footer = ddp_benchmark.plot(ddp_benchmark.saved_cells(str(tmp_path)), str(tmp_path / "steps.png"))
     assert (tmp_path / "steps.png").stat().st_size > 5000 and "steps.png" in footer[-1]
+
+
+# -- mixed precision (--amp) -----------------------------------------------------------------------
+# A loss scale far above what these models' fp16 gradients bear: the first steps overflow, GradScaler skips them
+# and halves the scale each time until a step fits, and training goes on.  Every rank must skip the same steps,
+# with TernGrad (on_nonfinite="propagate", the default: the NaN/Inf reaches every rank's average) as with the
+# uncompressed baseline.  Until the first step that fits, both runs hold the same parameters and see the same
+# local gradients, so they must skip exactly the same steps; after it their parameters differ (TernGrad's average
+# is not fp32's) and a later overflow near the scale's new level may come a few steps earlier or later in either.
+# So each run stops at its first trained step: the counts compared are the ones that must be equal.
+LENET_STEPS = 9          # at 2**26: steps 1-8 overflow (the scale falls to 2**18), step 9 trains
+LM_STEPS = 8             # the tiny GPT-2 at 2**24: steps 1-7 overflow (to 2**17), step 8 trains
+def _launch_ranks(cmd, what, timeout=300):
+    from test_horovod import rank_env
+    try:
+        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{what} hung for {timeout}s:\n{e.stdout}\n{e.stderr}")
+    assert p.returncode == 0, f"{what}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+def _hvd_cmd(script, *args):
+    return [os.path.join(BIN, "horovodrun"), "--gloo", "--gloo-timeout-seconds", "120", "-np", "2", "-H", "localhost:2",
+            sys.executable, os.path.join(ROOT, "examples", script), *map(str, args)]
+
+
+def _torchrun_cmd(script, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            os.path.join(ROOT, "examples", script), *map(str, args)]
+
+
+def _result_lines(stdout):
+    """The ``result: {...}`` objects printed (rank 0's), wherever they are in a line."""
+    dec, out, at = json.JSONDecoder(), [], stdout.find("result: {")
+    while at >= 0:
+        obj, end = dec.raw_decode(stdout, at + len("result: "))
+        out.append(obj)
+        at = stdout.find("result: {", end)
+    return out
+
+
+def _check_overflowed(rec, stdout, init_scale, steps):
+    """Some steps skipped, not all; the scale came down; every rank skipped alike; the count was printed."""
+    assert rec["amp"] == "fp16" and rec["init_scale"] == init_scale, rec
+    assert 0 < rec["skipped_steps"] < steps, rec                 # overflowed, then trained
+    assert rec["loss_scale"] < init_scale, rec
+    assert rec["skipped_steps_per_rank"] == [rec["skipped_steps"]] * 2, rec
+    assert f"amp fp16: {rec['skipped_steps']} steps skipped so far, loss scale {rec['loss_scale']:.6g}" in stdout
+    assert f"steps skipped on each rank: {rec['skipped_steps_per_rank']}" in stdout
+
+
+def test_mixed_precision_helper_counts_skipped_steps_and_parses_scales():
+    """examples/mixed_precision.py without ranks (the DDP recipe on a plain model): a huge scale overflows the
+    fp16 autocast gradients, each overflow is counted once and halves the scale, the parameters stay put while
+    steps are skipped; bf16 and off need no scaler; '2**40' is a scale."""
+    import argparse
+
+    import mixed_precision as mp
+    assert mp.scale_value("2**40") == 2.0 ** 40 and mp.scale_value("65536") == 65536.0
+    for bad in ("0", "-1", "inf", "two", "10**400"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            mp.scale_value(bad)
+    p = argparse.ArgumentParser()
+    mp.add_arguments(p)
+    a = p.parse_args([])
+    assert a.amp == "off" and a.init_scale == 2.0 ** 16
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = mp.MixedPrecision("fp16", "cpu", 2.0 ** 40)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    w0 = model[0].weight.detach().clone()
+    taken = []
+    for _ in range(40):
+        opt.zero_grad()
+        with amp.autocast():
+            out = model(x)
+            assert out.dtype == torch.float16
+            loss = F.cross_entropy(out, y)
+        taken.append(amp.step(loss, opt))
+        if not any(taken):
+            assert torch.equal(model[0].weight, w0)              # skipped: no update
+    first = taken.index(True)
+    assert 0 < first and not any(taken[:first]) and amp.skipped == taken.count(False) >= first
+    assert amp.scale == 2.0 ** 40 / 2 ** amp.skipped              # backoff 0.5 per skip, no growth in 40 steps
+    assert amp.record() == {"amp": "fp16", "init_scale": 2.0 ** 40, "skipped_steps": amp.skipped,
+                            "loss_scale": amp.scale}
+    assert f"{amp.skipped} steps skipped so far" in amp.summary()
+    bf = mp.MixedPrecision("bf16", "cpu")
+    with bf.autocast():
+        assert model(x).dtype == torch.bfloat16
+    assert bf.scaler is None and bf.record() == {"amp": "bf16"}
+    assert mp.MixedPrecision().summary() == "" and mp.MixedPrecision().record() == {"amp": "off"}
+
+
+def test_mnist_lenet_amp_fp16_terngrad_skips_the_steps_compression_none_skips(tmp_path):
+    """Horovod frontend (examples/mnist_lenet.py): with --amp fp16 and a huge initial scale, TernGrad (defaults)
+    and Compression.none skip the same number of steps, on both ranks, and the scale comes down."""
+    init, steps, recs = 2.0 ** 26, LENET_STEPS, {}
+    for comp in ("terngrad", "none"):
+        out = tmp_path / f"{comp}.json"
+        log = _launch_ranks(_hvd_cmd("mnist_lenet.py", "--epochs", 1, "--max-steps", steps, "--test-limit", 200,
+                                     "--compression", comp, "--amp", "fp16", "--init-scale", "2**26",
+                                     "--json", out), f"mnist_lenet.py --compression {comp} --amp fp16")
+        recs[comp] = rec = json.loads(out.read_text())[-1]
+        _check_overflowed(rec, log, init, steps)
+        assert np.isfinite(rec["loss"]) and rec["compression"] == comp
+    assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
+    assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
+
+
+def test_ddp_mnist_amp_fp16_terngrad_hook_skips_the_steps_plain_ddp_skips(tmp_path):
+    """DDP hook (examples/ddp_mnist.py): --amp fp16 with a huge initial scale: the TernGrad hook and no hook skip
+    the same number of steps, on both ranks, and every rank ends with the same parameters."""
+    init, steps, recs = 2.0 ** 26, LENET_STEPS, {}
+    for hook in ("terngrad", "none"):
+        log = _launch_ranks(_torchrun_cmd("ddp_mnist.py", "--hook", hook, "--max-steps", steps, "--test-limit", 200,
+                                          "--log-every", 3, "--amp", "fp16", "--init-scale", "2**26"),
+                            f"ddp_mnist.py --hook {hook} --amp fp16")
+        recs[hook] = rec = _result_lines(log)[-1]
+        _check_overflowed(rec, log, init, steps)
+        assert rec["params_identical"] and rec["steps"] == steps and np.isfinite(rec["loss_last"])
+    assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
+    assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
+
+
+@pytest.mark.parametrize("frontend", ["horovod", "ddp"])
+def test_transformers_lm_amp_fp16_terngrad_skips_the_steps_the_baseline_skips(frontend):
+    """examples/transformers_lm.py on either frontend, --amp fp16 with a huge initial scale: TernGrad and the
+    uncompressed baseline skip the same number of steps, on both ranks."""
+    pytest.importorskip("transformers")
+    init, steps, recs = 2.0 ** 24, LM_STEPS, {}
+    for comp in ("terngrad", "none"):
+        cmd = ("transformers_lm.py", "--frontend", frontend, "--compression", comp, "--steps", steps,
+               "--log-every", 4, "--n-embd", 64, "--n-head", 2, "--amp", "fp16", "--init-scale", "2**24")
+        log = _launch_ranks(_hvd_cmd(*cmd) if frontend == "horovod" else _torchrun_cmd(*cmd),
+                            f"transformers_lm.py --frontend {frontend} --compression {comp} --amp fp16")
+        recs[comp] = rec = _result_lines(log)[-1]
+        _check_overflowed(rec, log, init, steps)
+        assert rec["params_identical"] and rec["steps"] == steps and np.isfinite(rec["held_out_loss"])
+    assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
+    assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
+
+
+def test_mnist_lenet_amp_bf16_terngrad_trains(tmp_path):
+    """--amp bf16 (autocast, no scaler) with TernGrad on Horovod: completes with a finite, falling loss."""
+    out = tmp_path / "bf16.json"
+    log = _launch_ranks(_hvd_cmd("mnist_lenet.py", "--epochs", 2, "--max-steps", 20, "--test-limit", 200,
+                                 "--amp", "bf16", "--json", out), "mnist_lenet.py --amp bf16")
+    hist = json.loads(out.read_text())
+    assert [r["amp"] for r in hist] == ["bf16", "bf16"] and "skipped_steps" not in hist[-1]
+    assert all(np.isfinite(r["loss"]) for r in hist) and hist[-1]["loss"] < hist[0]["loss"], hist
+    assert "amp bf16" in log
