@@ -79,9 +79,10 @@ def test_nan_join_and_resume_on_real_ranks(tmp_path):
 
 @pytest.mark.parametrize("kind", ["gloo", "mpirun"])
 def test_a_killed_rank_ends_the_job_with_horovods_error(tmp_path, kind):
-    """Nobody hangs.  A survivor either gets Horovod's HorovodInternalError or is ended by Horovod itself:
-    under Gloo, Horovod 0.28.1's background thread aborts the process ("gloo::IoException ... Connection
-    closed by peer", uncaught in its process-set communicators), under MPI mpirun ends the job."""
+    """Nobody hangs: the job ends with an error.  A survivor that gets to save its record (the launcher may end
+    it first) raised Horovod's HorovodInternalError, as under the flat exchange: the node-aware exchange runs
+    on world collectives (world_groups.py).  (Over Horovod process sets, Gloo aborted the survivors from
+    Horovod's background thread instead: "gloo::IoException ... Connection closed by peer".)"""
     cmd = launcher(kind, 4) + [sys.executable, WORKER, str(tmp_path), "h0,h0,h1,h1", "kill"]
     try:
         p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)

@@ -18,6 +18,7 @@ assert "horovod_terngrad" not in sys.modules, "the point of this worker: TernGra
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hvd_scenarios import Recording  # noqa: E402  (imports horovod_terngrad: after hvd.init())
 
+from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
 from horovod_terngrad.exchange.world_groups import WorldGroupCollectives  # noqa: E402
 
@@ -26,7 +27,9 @@ WIDTH, DEPTH, STEPS = 512, 4, 3     # 4 x 262,144 weights (ternarized at the def
 
 def main():
     outdir, config = sys.argv[1], sys.argv[2]
-    comp = Recording() if config == "defaults" else Recording(hierarchical=False)
+    # (the tests' Recording ternarizes every tensor unless told: here the library's own defaults, all of them)
+    defaults = {f: getattr(TernGradConfig(), f) for f in TernGradConfig.__dataclass_fields__}
+    comp = Recording(**defaults) if config == "defaults" else Recording(**dict(defaults, hierarchical=False))
     torch.manual_seed(0)
     layers = []
     for _ in range(DEPTH):
@@ -34,7 +37,8 @@ def main():
     model = torch.nn.Sequential(*layers)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), compression=comp,
                                    named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # (no broadcast_parameters: every rank starts from the same seed, and the 4 MB broadcast from rank 0 would
+    # dwarf, on h0's link, the step traffic the test compares)
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     losses = []
     for _ in range(STEPS):
@@ -49,7 +53,8 @@ def main():
     res = {"size": hvd.size(), "config": comp.config, "inputs": comp.inputs, "outputs": comp.outputs,
            "hierarchical": hier, "world_groups": hier and isinstance(eng.local, WorldGroupCollectives),
            "nodes": [list(n) for n in eng.topology.nodes] if hier else None, "losses": losses,
-           "stats": vars(comp.stats).copy(), "groups": [list(g) for f in comp.state.fusions.values() for g in f.plan.fused], "params": [p.detach().clone() for p in model.parameters()]}
+           "stats": vars(comp.stats).copy(), "groups": [list(g) for f in comp.state.fusions.values() for g in f.plan.fused],
+           "names": [n for f in comp.state.fusions.values() for g in f.plan.fused for n in g], "params": [p.detach().clone() for p in model.parameters()]}
     torch.save(res, os.path.join(outdir, f"{config}.rank{hvd.rank()}.pt"))
     hvd.shutdown()
 
