@@ -250,6 +250,10 @@ def run_case(model: str, hosts: int, rate: str, args) -> dict:
            "--mca", "btl_vader_single_copy_mechanism", "none",
            "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
            "-x", "OMP_NUM_THREADS=1", "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", f"PYTHONPATH={ROOT}",
+           # how the node-aware exchange's groups run on Horovod (frontends/hierarchy.py): world collectives
+           # (the default) or process sets (added after hvd.init(): dynamic process sets on)
+           *(["-x", f"HOROVOD_TERNGRAD_NODE_GROUPS={args.node_groups}", "-x", "HOROVOD_DYNAMIC_PROCESS_SETS=1"]
+             if getattr(args, "node_groups", "") else []),
            "-x", "PATH", PY, "-m", "horovod_terngrad.operations.bench", "step",
            "--model", model, "--batch", str(args.batch), "--image", str(args.image),
            "--context", str(args.context), "--layers", str(args.layers),
@@ -516,6 +520,8 @@ def main(argv=None):
                         "(a ring visiting each host's ranks in turn), or every rank's (x ranks per host)")
     p.add_argument("--hierarchical", default="", metavar="auto,true,false",
                    help="add TernGrad with hierarchical=True / False (terngrad-hier, terngrad-flat; auto = terngrad)")
+    p.add_argument("--node-groups", default="", choices=["", "world", "process_sets"],
+                   help="HOROVOD_TERNGRAD_NODE_GROUPS for the ranks (default: the library's, world collectives)")
     p.add_argument("--prefix", default=PREFIX, help="name prefix of the emulated cluster's namespaces")
     p.add_argument("--compute-steps", type=int, default=7, help="timed steps of the compute-alone measurement")
     p.add_argument("--batch", type=int, default=8)

@@ -1,0 +1,70 @@
+"""On CUDA, on_nonfinite="propagate" (the default) adds no host synchronization: GradScaler keeps found_inf on
+the device so that its overflow checks cost no sync, and TernGrad must not add one per tensor or group.
+
+Checked with ``torch.cuda.set_sync_debug_mode("error")``, which turns every synchronizing call (``.item()``,
+``bool(t)``, a device-to-host copy) into an error.  Needs a GPU: skipped on CPU, where the same functions
+run in tests/test_exchange.py and tests/test_horovod.py (the propagate policy, its bits, every path).
+
+What "raise" costs there is shown too: it must read whether a full-precision result is finite on the host,
+one synchronization per tensor sent at full precision.
+"""
+import contextlib
+
+import pytest
+import torch
+
+from horovod_terngrad import NonFiniteGradientError, TernGradConfig
+from horovod_terngrad.exchange import ExchangeStats, settle_full_precision
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@contextlib.contextmanager
+def no_sync_allowed():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_full_precision_results_pass_through_without_a_sync():
+    out = torch.randn(1000, device="cuda")
+    out[7] = float("inf")
+    with no_sync_allowed():
+        got = settle_full_precision(out, "w", TernGradConfig(), ExchangeStats(), set())
+    assert got is out and torch.isinf(got[7]).item()
+
+
+def test_raise_reads_the_result_on_the_host_once():
+    out = torch.randn(1000, device="cuda")
+    out[7] = float("inf")
+    with no_sync_allowed(), pytest.raises(RuntimeError, match="synchroniz"):
+        settle_full_precision(out, "w", TernGradConfig(on_nonfinite="raise"), ExchangeStats(), set())
+    with pytest.raises(NonFiniteGradientError):
+        settle_full_precision(out, "w", TernGradConfig(on_nonfinite="raise"), ExchangeStats(), set())
+
+
+def test_horovod_frontend_passthrough_adds_no_sync(monkeypatch):
+    """decompress of a tensor Horovod allreduced at full precision (under min_numel): no sync under the default."""
+    from horovod_terngrad.frontends.horovod import Passthrough, TernGradCompressor
+    comp = TernGradCompressor()
+    reduced = torch.full((100,), float("nan"), device="cuda", dtype=torch.float32)
+    with no_sync_allowed():
+        out = comp.decompress(reduced, Passthrough(torch.float16, "b", checked=True))
+    assert out.dtype == torch.float16 and torch.isnan(out).all().item()
+
+
+def test_a_poisoned_member_is_filled_on_the_device():
+    """The result of a member flagged NaN/Inf (from host values the exchange read anyway: handshake or payload
+    headers) is made on the device, without a sync."""
+    from horovod_terngrad.exchange.engine import Exchange, Ticket
+    from horovod_terngrad.exchange.thread_collectives import ThreadWorld
+    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    g = torch.randn(50, device="cuda")
+    tk = Ticket(ex, "w", g.shape, g.dtype, g, None, None, 1, True, False)
+    with no_sync_allowed():
+        ex.nonfinite(tk, "w holds NaN")
+        out = ex.finish(tk)
+    assert torch.isnan(out).all().item() and ex.stats.nonfinite_propagated == 1
