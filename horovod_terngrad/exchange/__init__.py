@@ -1,7 +1,8 @@
 """Layer 3: how packed payloads travel between ranks, over a small collectives interface.
 
 * ``collectives``: the interface; ``hvd_collectives`` (Horovod), ``dist_collectives`` (torch.distributed, for
-  the DDP frontend) and ``thread_collectives`` (ranks in one process, for tests and the simulator) implement it.
+  the DDP frontend) and ``thread_collectives`` (ranks in one process, for tests and the simulator) implement it;
+  ``world_groups`` runs a group's collectives as world alltoalls (the node-aware exchange without process sets).
 * ``engine``: ``Exchange``, tickets and queues: the one place a gradient's path is driven.
 * ``handshake``: the shared-scaler handshake vector, built and read in one place.
 * ``allgather`` and ``sharded``: the two transports; ``joined``: the one used while a rank is in hvd.join().
