@@ -534,6 +534,27 @@ def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
     assert results[0][1][1] == 2 * 2 * 2 + (0 if cfg.shares_scaler else 2 * 2)
 
 
+@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(exchange="sharded")], ids=["per-rank", "sharded"])
+def test_nan_while_a_rank_is_joined_propagates_to_every_active_rank(cfg):
+    """A step with a rank in hvd.join() goes by the join transport; a NaN on one active rank still makes that
+    tensor's average NaN on every active rank (the default policy), and its fused neighbours stay exact."""
+    def body(c):
+        if c.rank == 2:
+            return c.join(), None
+        ex = Exchange(c, cfg)
+        items = [(grad((33,), c.rank, i), f"m{i}") for i in range(2)]
+        if c.rank == 1:
+            items[0][0][3] = float("inf")
+        outs = [ex.finish(tk) for tk in ex.start_group(items, "g")]
+        return c.join(), outs
+
+    results = run_ranks(3, body, timeout=60)
+    want, _ = expected_average([grad((33,), r, 1) for r in (0, 1)], "m1", 0, cfg.replace(shared_scaler=True),
+                               ranks=[0, 1], world=3)
+    for r in (0, 1):
+        assert torch.isnan(results[r][1][0]).all() and torch.equal(results[r][1][1], want)
+
+
 # -- the order of collectives --------------------------------------------------------------------------
 
 def issue_orders(cfg, ordered):
