@@ -61,7 +61,8 @@ def add_arguments(p) -> None:
 
 class MixedPrecision:
     """``autocast()`` for forward+loss, ``step(loss, opt)`` for backward+step with the frontend's recipe, and the
-    GradScaler's counters: ``skipped`` (steps skipped so far) and ``scale`` (the current loss scale)."""
+    GradScaler's counters: ``skipped`` (steps skipped so far), ``skipped_at`` (which, counting this object's
+    ``step`` calls from 1) and ``scale`` (the current loss scale)."""
 
     def __init__(self, mode: str = "off", device_type: str = "cpu", init_scale: float = DEFAULT_INIT_SCALE,
                  horovod: bool = False):
@@ -72,6 +73,7 @@ class MixedPrecision:
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale) if mode == "fp16" else None
         self.init_scale = init_scale if self.scaler is not None else None
         self.skipped = 0
+        self.skipped_at: list[int] = []              # the steps skipped (1 = the first step of the run)
         self.steps = 0
 
     @property
@@ -107,6 +109,7 @@ class MixedPrecision:
         scaler.update()
         if scaler.get_scale() < before:               # backoff: this step found inf/NaN and was skipped
             self.skipped += 1
+            self.skipped_at.append(self.steps)
             return False
         return True
 
@@ -120,5 +123,6 @@ class MixedPrecision:
         """For the examples' JSON results."""
         rec = {"amp": self.mode}
         if self.scaler is not None:
-            rec.update(init_scale=self.init_scale, skipped_steps=self.skipped, loss_scale=self.scale)
+            rec.update(init_scale=self.init_scale, skipped_steps=self.skipped, loss_scale=self.scale,
+                       skipped_at=list(self.skipped_at))
         return rec

@@ -639,7 +639,7 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
 # local gradients, so they must skip exactly the same steps; after it their parameters differ (TernGrad's average
 # is not fp32's) and a later overflow near the scale's new level may come a few steps earlier or later in either.
 # So each run stops at its first trained step: the counts compared are the ones that must be equal.
-LENET_STEPS = 9          # at 2**26: steps 1-8 overflow (the scale falls to 2**18), step 9 trains
+LENET_STEPS = 8          # LeNet at 2**26: steps 1-7 overflow (the scale falls to 2**19), step 8 trains
 LM_STEPS = 8             # the tiny GPT-2 at 2**24: steps 1-7 overflow (to 2**17), step 8 trains
 def _launch_ranks(cmd, what, timeout=300):
     from test_horovod import rank_env
@@ -675,6 +675,7 @@ def _check_overflowed(rec, stdout, init_scale, steps):
     """Some steps skipped, not all; the scale came down; every rank skipped alike; the count was printed."""
     assert rec["amp"] == "fp16" and rec["init_scale"] == init_scale, rec
     assert 0 < rec["skipped_steps"] < steps, rec                 # overflowed, then trained
+    assert rec["skipped_at"] == list(range(1, rec["skipped_steps"] + 1)), rec
     assert rec["loss_scale"] < init_scale, rec
     assert rec["skipped_steps_per_rank"] == [rec["skipped_steps"]] * 2, rec
     assert f"amp fp16: {rec['skipped_steps']} steps skipped so far, loss scale {rec['loss_scale']:.6g}" in stdout
@@ -715,8 +716,9 @@ def test_mixed_precision_helper_counts_skipped_steps_and_parses_scales():
     first = taken.index(True)
     assert 0 < first and not any(taken[:first]) and amp.skipped == taken.count(False) >= first
     assert amp.scale == 2.0 ** 40 / 2 ** amp.skipped              # backoff 0.5 per skip, no growth in 40 steps
+    assert amp.skipped_at == [i + 1 for i, t in enumerate(taken) if not t]
     assert amp.record() == {"amp": "fp16", "init_scale": 2.0 ** 40, "skipped_steps": amp.skipped,
-                            "loss_scale": amp.scale}
+                            "loss_scale": amp.scale, "skipped_at": amp.skipped_at}
     assert f"{amp.skipped} steps skipped so far" in amp.summary()
     bf = mp.MixedPrecision("bf16", "cpu")
     with bf.autocast():
@@ -738,6 +740,7 @@ def test_mnist_lenet_amp_fp16_terngrad_skips_the_steps_compression_none_skips(tm
         _check_overflowed(rec, log, init, steps)
         assert np.isfinite(rec["loss"]) and rec["compression"] == comp
     assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
+    assert recs["terngrad"]["skipped_at"] == recs["none"]["skipped_at"]
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
 
 
@@ -753,6 +756,7 @@ def test_ddp_mnist_amp_fp16_terngrad_hook_skips_the_steps_plain_ddp_skips(tmp_pa
         _check_overflowed(rec, log, init, steps)
         assert rec["params_identical"] and rec["steps"] == steps and np.isfinite(rec["loss_last"])
     assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
+    assert recs["terngrad"]["skipped_at"] == recs["none"]["skipped_at"]
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
 
 
@@ -771,6 +775,7 @@ def test_transformers_lm_amp_fp16_terngrad_skips_the_steps_the_baseline_skips(fr
         _check_overflowed(rec, log, init, steps)
         assert rec["params_identical"] and rec["steps"] == steps and np.isfinite(rec["held_out_loss"])
     assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
+    assert recs["terngrad"]["skipped_at"] == recs["none"]["skipped_at"]
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
 
 
