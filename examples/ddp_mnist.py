@@ -169,6 +169,7 @@ def main(argv=None):
         result["terngrad"] = {"elements": st.elements, "tensors": st.tensors,
                               "bits_per_element": st.bits_per_element(),
                               "uncompressed_elements": tg_state.state.uncompressed_elements,
+                              "nonfinite_propagated": st.nonfinite_propagated,     # ternarized tensors averaged to NaN
                               "collectives": st.collectives}
     hosts = [None] * size
     dist.all_gather_object(hosts, result["host"])

@@ -156,6 +156,8 @@ def main(argv=None):
         rec = {"epoch": epoch, "test_acc": acc, "loss": loss_sum / steps_per_epoch, "images_per_s": ips,
                "step_ms": step_ms, "bytes_sent_per_step": sent, "fp32_allreduce_bytes_per_step": fp32_ring_bytes,
                "bits_per_element": bits, "ranks": size, "compression": args.compression, **amp.record()}
+        if args.compression == "terngrad":      # this epoch's ternarized tensors whose average was NaN (fp16 overflow)
+            rec["nonfinite_propagated"] = compressor.stats.nonfinite_propagated
         if metrics and compressor.inspection.layers:
             rec["layers"] = {n: vars(r) for n, r in compressor.inspection.layers.items()}
         history.append(rec)

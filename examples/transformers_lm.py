@@ -210,6 +210,7 @@ def main(argv=None):
     if front.counters is not None:
         result["elements_ternarized"] = front.counters.stats.elements
         result["elements_uncompressed"] = front.uncompressed()
+        result["nonfinite_propagated"] = front.counters.stats.nonfinite_propagated   # ternarized, averaged to NaN
     if rank == 0:
         print(f"held-out loss {held:.3f} ({held / math.log(2):.2f} bits/byte); {result['tokens_per_s']:.0f} tokens/s; "
               f"parameters identical on every rank: {same}", flush=True)

@@ -739,6 +739,8 @@ def test_mnist_lenet_amp_fp16_terngrad_skips_the_steps_compression_none_skips(tm
         recs[comp] = rec = json.loads(out.read_text())[-1]
         _check_overflowed(rec, log, init, steps)
         assert np.isfinite(rec["loss"]) and rec["compression"] == comp
+        if comp == "terngrad":                      # the overflows reached the average through TernGrad's NaN
+            assert rec["nonfinite_propagated"] > 0, rec
     assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
     assert recs["terngrad"]["skipped_at"] == recs["none"]["skipped_at"]
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
@@ -755,6 +757,8 @@ def test_ddp_mnist_amp_fp16_terngrad_hook_skips_the_steps_plain_ddp_skips(tmp_pa
         recs[hook] = rec = _result_lines(log)[-1]
         _check_overflowed(rec, log, init, steps)
         assert rec["params_identical"] and rec["steps"] == steps and np.isfinite(rec["loss_last"])
+        if hook == "terngrad":
+            assert rec["terngrad"]["nonfinite_propagated"] > 0, rec
     assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
     assert recs["terngrad"]["skipped_at"] == recs["none"]["skipped_at"]
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
@@ -774,6 +778,8 @@ def test_transformers_lm_amp_fp16_terngrad_skips_the_steps_the_baseline_skips(fr
         recs[comp] = rec = _result_lines(log)[-1]
         _check_overflowed(rec, log, init, steps)
         assert rec["params_identical"] and rec["steps"] == steps and np.isfinite(rec["held_out_loss"])
+        if comp == "terngrad":
+            assert rec["nonfinite_propagated"] > 0, rec
     assert recs["terngrad"]["skipped_steps"] == recs["none"]["skipped_steps"]
     assert recs["terngrad"]["skipped_at"] == recs["none"]["skipped_at"]
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
