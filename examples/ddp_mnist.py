@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit", help="TernGrad's packing")
     p.add_argument("--exchange", choices=["allgather", "sharded", "auto"], default="allgather",
                    help="TernGrad's exchange")
+    p.add_argument("--on-nonfinite", choices=["propagate", "raise", "zero"], default=None,
+                   help="TernGrad's on_nonfinite (default: the library's, 'propagate')")
     p.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD's matrix_approximation_rank")
     p.add_argument("--powersgd-start", type=int, default=10,
                    help="PowerSGD's start_powerSGD_iter (plain allreduce before it; must be > 1)")
@@ -123,6 +125,7 @@ def main(argv=None):
     model = nn.parallel.DistributedDataParallel(module, device_ids=[local_rank] if use_cuda else None)
     state = ddp_hooks.install(model, args.hook, powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
                               seed=args.seed, **({"packing": args.packing, "exchange": args.exchange}
+                                                 | ({"on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {})
                                                  if args.hook == "terngrad" else {}))
     tg_state = state if args.hook == "terngrad" else None
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
@@ -170,6 +173,7 @@ def main(argv=None):
                               "bits_per_element": st.bits_per_element(),
                               "uncompressed_elements": tg_state.state.uncompressed_elements,
                               "nonfinite_propagated": st.nonfinite_propagated,     # ternarized tensors averaged to NaN
+                              "nonfinite_zeroed": st.nonfinite_zeroed,             # ... or zeroed (on_nonfinite='zero')
                               "collectives": st.collectives}
     hosts = [None] * size
     dist.all_gather_object(hosts, result["host"])

@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compression", choices=["terngrad", "none", "fp16"], default="terngrad")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
+    p.add_argument("--on-nonfinite", choices=["propagate", "raise", "zero"], default=None,
+                   help="TernGrad's on_nonfinite (default: the library's, 'propagate')")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per rank (paper: 64 in total)")
     p.add_argument("--lr", type=float, default=0.01)
@@ -97,7 +99,8 @@ def main(argv=None):
     nparams = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
-    compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed),
+    nonfinite = {"on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
+    compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed, **nonfinite),
                   "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -158,6 +161,7 @@ def main(argv=None):
                "bits_per_element": bits, "ranks": size, "compression": args.compression, **amp.record()}
         if args.compression == "terngrad":      # this epoch's ternarized tensors whose average was NaN (fp16 overflow)
             rec["nonfinite_propagated"] = compressor.stats.nonfinite_propagated
+            rec["nonfinite_zeroed"] = compressor.stats.nonfinite_zeroed
         if metrics and compressor.inspection.layers:
             rec["layers"] = {n: vars(r) for n, r in compressor.inspection.layers.items()}
         history.append(rec)
