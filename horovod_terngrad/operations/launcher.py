@@ -143,9 +143,9 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
         "HOROVOD_TERNGRAD_INTRA_GBPS": "160" if profile == "infiniband" else "80",
         "HOROVOD_TERNGRAD_INTRA_ALPHA_US": "5" if profile == "infiniband" else "10",
         "HOROVOD_TERNGRAD_INTRA_LINKS": "3" if profile == "infiniband" else "1",
-        # the node-aware exchange adds its intra- and inter-node process sets after hvd.init(); Horovod
-        # 0.28.1 allows that only with dynamic process sets (import horovod_terngrad sets it too, but a
-        # script may call hvd.init() before importing it)
+        # the node-aware exchange runs its groups as world collectives by default and needs no process sets;
+        # with HOROVOD_TERNGRAD_NODE_GROUPS=process_sets, a shared scaler or the sharded exchange it adds them
+        # after hvd.init(), which Horovod 0.28.1 allows only with dynamic process sets on at hvd.init()
         "HOROVOD_DYNAMIC_PROCESS_SETS": "1",
     }
     if profile == "infiniband":
