@@ -16,11 +16,13 @@ DDP (the comm hook has averaged the gradients when backward returns)::
     scaler.step(opt)
     scaler.update()
 
-A skipped step is counted when ``scaler.get_scale()`` went down in ``scaler.update()``: GradScaler multiplies the
-scale by ``backoff_factor`` (< 1) exactly when the step it just finished found inf/NaN (and skipped
-``optimizer.step()``), and otherwise leaves it alone or grows it by ``growth_factor`` (> 1).  This reads the
-scale, a documented value, not GradScaler's private per-optimizer state.  Every rank sees the same averaged
-gradients, so every rank skips the same steps; the examples check it by gathering every rank's count.
+A step counts as skipped when ``scaler.step(opt)`` did not run ``opt.step()``, which GradScaler does exactly when
+it found inf/NaN in the (averaged, unscaled) gradients.  It is seen through the optimizer's public step hook
+(``opt.register_step_post_hook``, fired whenever ``opt.step()`` runs), not GradScaler's private per-optimizer
+state.  Watching the scale instead (``get_scale()`` going down in ``update()``, the backoff on inf/NaN) gives the
+same count while the scale is positive, but misses the skips once it has underflowed to 0 (0 x 0.5 = 0), which a
+run that overflows at every step reaches after ~150 halvings.  Every rank sees the same averaged gradients, so
+every rank skips the same steps; the examples check it by gathering every rank's count.
 
 bf16 has fp32's exponent range, so it needs no loss scaling: autocast only, no scaler.
 """
@@ -75,6 +77,8 @@ class MixedPrecision:
         self.skipped = 0
         self.skipped_at: list[int] = []              # the steps skipped (1 = the first step of the run)
         self.steps = 0
+        self._hooked: set[int] = set()               # optimizers whose step hook is registered
+        self._stepped = False                        # set by the hook: opt.step() ran in this step
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +101,10 @@ class MixedPrecision:
             opt.step()
             return True
         scaler = self.scaler
+        if id(opt) not in self._hooked:
+            opt.register_step_post_hook(self._on_step)
+            self._hooked.add(id(opt))
+        self._stepped = False
         scaler.scale(loss).backward()
         if self.horovod:
             opt.synchronize()
@@ -105,13 +113,15 @@ class MixedPrecision:
                 scaler.step(opt)
         else:
             scaler.step(opt)
-        before = scaler.get_scale()
         scaler.update()
-        if scaler.get_scale() < before:               # backoff: this step found inf/NaN and was skipped
+        if not self._stepped:                         # GradScaler found inf/NaN and did not call opt.step()
             self.skipped += 1
             self.skipped_at.append(self.steps)
             return False
         return True
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        self._stepped = True
 
     def summary(self) -> str:
         """What the examples print beside the loss ('' without --amp)."""

@@ -685,7 +685,8 @@ def _check_overflowed(rec, stdout, init_scale, steps):
 def test_mixed_precision_helper_counts_skipped_steps_and_parses_scales():
     """examples/mixed_precision.py without ranks (the DDP recipe on a plain model): a huge scale overflows the
     fp16 autocast gradients, each overflow is counted once and halves the scale, the parameters stay put while
-    steps are skipped; bf16 and off need no scaler; '2**40' is a scale."""
+    steps are skipped; skips go on being counted once the scale has underflowed to 0; bf16 and off need no
+    scaler; '2**40' is a scale."""
     import argparse
 
     import mixed_precision as mp
@@ -720,6 +721,15 @@ def test_mixed_precision_helper_counts_skipped_steps_and_parses_scales():
     assert amp.record() == {"amp": "fp16", "init_scale": 2.0 ** 40, "skipped_steps": amp.skipped,
                             "loss_scale": amp.scale, "skipped_at": amp.skipped_at}
     assert f"{amp.skipped} steps skipped so far" in amp.summary()
+    # a NaN in every step (PowerSGD's poisoned state does this): the scale halves to 0 and stays there, and the
+    # steps skipped after that still count (the scale no longer goes down; opt.step() still does not run)
+    nan = mp.MixedPrecision("fp16", "cpu", 2.0 ** -148)
+    for _ in range(6):
+        opt.zero_grad()
+        with nan.autocast():
+            loss = F.cross_entropy(model(x * float("nan")), y)
+        assert nan.step(loss, opt) is False
+    assert nan.scale == 0.0 and nan.skipped == 6 and nan.skipped_at == [1, 2, 3, 4, 5, 6]
     bf = mp.MixedPrecision("bf16", "cpu")
     with bf.autocast():
         assert model(x).dtype == torch.bfloat16
