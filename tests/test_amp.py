@@ -13,13 +13,13 @@ so GradScaler must skip exactly the steps it skips with Horovod's Compression.no
 same launch on the same data from the same initial model.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from test_horovod import LAUNCH_TIMEOUT, launcher, load_results, rank_env
+from test_ddp import run_launch
+from test_horovod import launcher, load_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, "workers"))            # amp_common: the schedule the workers run
@@ -29,14 +29,6 @@ HVD_WORKER = os.path.join(HERE, "workers", "amp_hvd.py")
 DDP_WORKER = os.path.join(HERE, "workers", "amp_ddp.py")
 INJECTED = [SPIKE_STEP, TERN_INF_STEP, SMALL_NAN_STEP]
 PLAIN = ["bf16_autocast", "half_static", "bf16_params"]
-
-
-def run_launch(cmd, what):
-    try:
-        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
-    assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
 
 
 def launch_hvd(folder, np_, hosts, scenarios):

@@ -26,11 +26,12 @@ TIMEOUT = 240
 NP = 2
 
 
-def launch(cmd, what, cwd=None):
+def launch(cmd, what, cwd=None, timeout=TIMEOUT):
+    """Run a launcher command (ranks' environment); fails the test on a hang or a non-zero exit; its stdout."""
     try:
-        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd)
+        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what} hung for {TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
+        pytest.fail(f"{what} hung for {timeout}s:\n{e.stdout}\n{e.stderr}")
     assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
     return p.stdout
 

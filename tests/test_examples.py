@@ -641,14 +641,9 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
 # So each run stops at its first trained step: the counts compared are the ones that must be equal.
 LENET_STEPS = 8          # LeNet at 2**26: steps 1-7 overflow (the scale falls to 2**19), step 8 trains
 LM_STEPS = 8             # the tiny GPT-2 at 2**24: steps 1-7 overflow (to 2**17), step 8 trains
-def _launch_ranks(cmd, what, timeout=300):
-    from test_horovod import rank_env
-    try:
-        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what} hung for {timeout}s:\n{e.stdout}\n{e.stderr}")
-    assert p.returncode == 0, f"{what}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
-    return p.stdout
+def _launch_ranks(cmd, what):
+    from test_ecosystem import launch
+    return launch(cmd, what, cwd=ROOT, timeout=300)
 
 
 def _hvd_cmd(script, *args):

@@ -88,6 +88,21 @@ CONFIGS = {"default": TernGradConfig(hierarchical=True),
 SHAPES = [(20, 50), (37,), (7, 3, 3), (1,), (1001,)]
 
 
+def two_steps(ex, rank, names, fused):
+    """Two steps of SHAPES' gradients of ``rank`` through ``ex``, fused as one group or each alone: the
+    averages per step, and the classes of the tickets ``ex`` handed out."""
+    outs, kinds = [], set()
+    for step in range(2):
+        gs = [grad(s, rank, i + 10 * step) for i, s in enumerate(SHAPES)]
+        if fused:
+            tickets = ex.start_group(list(zip(gs, names)), "g0")
+        else:
+            tickets = [ex.start(g, n) for g, n in zip(gs, names)]
+        kinds |= {type(t) for t in tickets}
+        outs.append([ex.finish(t) for t in tickets])
+    return outs, kinds
+
+
 @pytest.mark.parametrize("topo", list(TOPOS), ids=list(TOPOS))
 @pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "alone"])
@@ -97,15 +112,8 @@ def test_every_rank_gets_the_recomputed_hierarchical_average_bit_for_bit(topo, c
 
     def body(c, local, cross):
         ex = engine(cfg, c, local, cross, topo)
-        outs = []
-        for step in range(2):
-            gs = [grad(s, c.rank, i + 10 * step) for i, s in enumerate(SHAPES)]
-            if fused:
-                tickets = ex.start_group(list(zip(gs, names)), "g0")
-            else:
-                tickets = [ex.start(g, n) for g, n in zip(gs, names)]
-            assert all(isinstance(t, HierarchicalTicket) for t in tickets)
-            outs.append([ex.finish(t) for t in tickets])
+        outs, kinds = two_steps(ex, c.rank, names, fused)
+        assert kinds == {HierarchicalTicket}
         return outs, dict(ex.steps)
 
     res, errs = run_hier(topo, body)
@@ -134,22 +142,14 @@ def test_world_groups_give_the_subgroups_bits(topo, cfg, fused):
     as the reference; a tensor of fewer elements than a node has ranks goes flat there (some local rank would
     own nothing and post nothing); the cross collectives are named alike in every cross group."""
     topo = TOPOS[topo]
-    cfg = (CONFIGS[cfg] if cfg != "auto" else TernGradConfig(hierarchical=True, exchange="auto")).replace()
+    cfg = CONFIGS[cfg] if cfg != "auto" else TernGradConfig(hierarchical=True, exchange="auto")
     names = [f"layer{i}" for i in range(len(SHAPES))]
     posted = []
 
     def body(c, local, cross):
         assert local.spans_world and cross.spans_world
         ex = engine(cfg, c, local, cross, topo)
-        outs = []
-        for step in range(2):
-            gs = [grad(s, c.rank, i + 10 * step) for i, s in enumerate(SHAPES)]
-            if fused:
-                tickets = ex.start_group(list(zip(gs, names)), "g0")
-            else:
-                tickets = [ex.start(g, n) for g, n in zip(gs, names)]
-            outs.append([ex.finish(t) for t in tickets])
-        return outs, dict(ex.steps)
+        return two_steps(ex, c.rank, names, fused)[0], dict(ex.steps)
 
     world_post = ThreadWorld.post
 

@@ -94,14 +94,25 @@ def _horovod_process_sets(topo):
     return sets
 
 
-def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
-    """The engine for Horovod's global process set: ``flat`` or the hierarchical one over it."""
+def _topology(flat: Exchange):
+    """The job's topology where a node-aware exchange may run over ``flat``'s ranks, else None (the flat
+    engine stays; where the topology is why, said by ``_flat``).  Every rank gets the same answer: one
+    allgather of host identities."""
     if flat.config.hierarchical is False or flat.coll.size < 2:
-        return flat
+        return None
     topo = discover(flat.coll)
     reason = topo.flat_reason()
     if reason is not None:
-        return _flat(flat, reason, quiet=topo.single_node_or_rank())
+        _flat(flat, reason, quiet=topo.single_node_or_rank())
+        return None
+    return topo
+
+
+def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
+    """The engine for Horovod's global process set: ``flat`` or the hierarchical one over it."""
+    topo = _topology(flat)
+    if topo is None:
+        return flat
     from ..exchange import HorovodCollectives
     me = flat.coll.rank
     use = node_groups_setting()
@@ -138,12 +149,9 @@ def dist_engine(flat: Exchange, make_collectives) -> Exchange | HierarchicalExch
     """The DDP hook's engine: ``flat`` or the hierarchical one; ``make_collectives(ranks, intra_node)``
     makes a ``DistCollectives`` on a new subgroup of those ranks of the hook's group (called for every
     group, on every rank, in the same order: ``dist.new_group`` is collective)."""
-    if flat.config.hierarchical is False or flat.coll.size < 2:
+    topo = _topology(flat)
+    if topo is None:
         return flat
-    topo = discover(flat.coll)
-    reason = topo.flat_reason()
-    if reason is not None:
-        return _flat(flat, reason, quiet=topo.single_node_or_rank())
     made = {g: make_collectives(list(g), True) for g in topo.local_groups()}
     made.update({g: make_collectives(list(g), False) for g in topo.cross_groups()})
     me = flat.coll.rank
