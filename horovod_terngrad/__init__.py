@@ -57,9 +57,9 @@ def allreduce(tensor, name: str, config: TernGradConfig | None = None, average: 
 
 
 def __getattr__(name):
-    """``horovod_terngrad.ddp`` as an attribute (``import horovod_terngrad as tg; tg.ddp.register(...)``): the
+    """``horovod_terngrad.ddp`` (and ``.fsdp``) as an attribute (``import horovod_terngrad as tg; tg.ddp.register(...)``): the
     submodule horovod_terngrad/ddp.py, imported on first use (``import horovod_terngrad`` does not load it)."""
-    if name == "ddp":
+    if name in ("ddp", "fsdp"):
         import importlib
         return importlib.import_module(__name__ + ".ddp")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
