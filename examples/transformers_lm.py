@@ -3,7 +3,15 @@ TernGrad, through Horovod or through PyTorch DDP's communication hook.
 
     horovodrun --gloo -np 2 -H localhost:2 python examples/transformers_lm.py --frontend horovod
     torchrun --standalone --nproc_per_node 2 examples/transformers_lm.py --frontend ddp
-    ... --compression none                       # the fp32 baseline (Horovod's allreduce / DDP's own)
+    torchrun --nnodes 2 --nproc_per_node 2 ... examples/transformers_lm.py --frontend fsdp
+    ... --compression none                       # the fp32 baseline (Horovod's allreduce / DDP's own / native HSDP)
+
+``--frontend fsdp`` is HSDP with FSDP2: a (replicate, shard) mesh of (nodes, ranks per node) (``--replicas``
+overrides the node count torchrun gives), every GPT2Block and the root an FSDP unit sharded inside the node, and
+the shards averaged across nodes by TernGrad (``horovod_terngrad.fsdp.register``); ``--compression none`` is
+native HSDP (``fully_shard`` on the 2-D mesh, fp32 all-reduce across nodes), ``--compression bf16`` native HSDP
+with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``.  "Parameters identical" then compares the replicas
+of every shard.
 
 The corpus is Python's reference documentation as CPython ships it (``pydoc_data.topics``: 79 topics, about
 465 KB of English prose with code, in every Python install; ``--corpus FILE`` takes any text file instead),
@@ -40,8 +48,11 @@ import mixed_precision  # noqa: E402 (--amp: autocast, GradScaler's recipes, ski
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frontend", choices=["horovod", "ddp"], default="horovod")
-    p.add_argument("--compression", choices=["terngrad", "none"], default="terngrad")
+    p.add_argument("--frontend", choices=["horovod", "ddp", "fsdp"], default="horovod")
+    p.add_argument("--compression", choices=["terngrad", "none", "bf16"], default="terngrad",
+                   help="bf16: --frontend fsdp only (native HSDP, bf16 reduce)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="fsdp: the mesh's replicate size (default: torchrun's nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
@@ -91,10 +102,21 @@ def windows(ids: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> to
 
 
 def checksum(model) -> int:
+    """Of this rank's parameters (under FSDP, of its local shards)."""
     code = 0
     for p in model.parameters():
-        code = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), code)
+        p = p.to_local() if hasattr(p, "to_local") else p
+        code = zlib.crc32(p.detach().cpu().contiguous().float().numpy().tobytes(), code)
     return code
+
+
+def replicas_identical(front, model) -> bool:
+    """Every rank's parameters equal every other's; under FSDP, every shard's replicas equal each other."""
+    codes = front.gather(checksum(model))
+    if front.kind != "fsdp":
+        return len(set(codes)) == 1
+    shard_of = front.gather(front.mesh.get_coordinate()[1])
+    return all(len({c for c, s in zip(codes, shard_of) if s == k}) == 1 for k in set(shard_of))
 
 
 class Frontend:
@@ -103,8 +125,13 @@ class Frontend:
 
     def __init__(self, args, model):
         self.kind = args.frontend
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         self.counters = None
+        if self.kind == "fsdp":
+            self._fsdp(args, model)
+            return
+        if args.compression == "bf16":
+            raise SystemExit("--compression bf16 is native HSDP's bf16 reduce: --frontend fsdp only")
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         if self.kind == "horovod":
             import horovod.torch as hvd
 
@@ -127,6 +154,30 @@ class Frontend:
             if args.compression == "terngrad":
                 self.counters = tg_ddp.register(self.forward, packing=args.packing, seed=args.seed)
             self.opt = opt
+
+    def _fsdp(self, args, model):
+        """HSDP: every GPT2Block and the root sharded inside the node; across nodes TernGrad or native HSDP."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from horovod_terngrad import fsdp as tg_fsdp
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        replicas = args.replicas or self.size // int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
+        if replicas < 1 or self.size % replicas:
+            raise SystemExit(f"--replicas {replicas} does not divide the {self.size} ranks")
+        self.mesh = init_device_mesh("cpu", (replicas, self.size // replicas), mesh_dim_names=("replicate", "shard"))
+        kw = {"mesh": self.mesh["shard"] if args.compression == "terngrad" else self.mesh}
+        if args.compression == "bf16":
+            kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+        for block in model.transformer.h:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        if args.compression == "terngrad":
+            self.counters = tg_fsdp.register(model, self.mesh, packing=args.packing, seed=args.seed)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        self.forward = model
 
     def uncompressed(self) -> int:
         c = self.counters
@@ -156,7 +207,7 @@ def main(argv=None):
     if args.frontend == "horovod":
         import horovod.torch as hvd
         hvd.init()
-    else:
+    else:      # ddp, fsdp
         import torch.distributed as dist
         dist.init_process_group("gloo")
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
@@ -197,7 +248,7 @@ def main(argv=None):
     with torch.no_grad():
         held = sum(model(input_ids=w, labels=w).loss.item()
                    for w in (windows(held_out, 16, args.seq_len, vgen) for _ in range(4))) / 4
-    same = len(set(front.gather(checksum(model)))) == 1
+    same = replicas_identical(front, model)
     tern, overall = bits(front)
     k = max(1, min(20, len(losses) // 4))
     result = {"frontend": args.frontend, "compression": args.compression, "ranks": size, "steps": len(losses),

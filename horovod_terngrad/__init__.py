@@ -61,7 +61,7 @@ def __getattr__(name):
     submodule horovod_terngrad/ddp.py, imported on first use (``import horovod_terngrad`` does not load it)."""
     if name in ("ddp", "fsdp"):
         import importlib
-        return importlib.import_module(__name__ + ".ddp")
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
