@@ -68,3 +68,33 @@ def test_a_poisoned_member_is_filled_on_the_device():
         ex.nonfinite(tk, "w holds NaN")
         out = ex.finish(tk)
     assert torch.isnan(out).all().item() and ex.stats.nonfinite_propagated == 1
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_fsdp_engine_decodes_without_a_sync(poison):
+    """The FSDP frontend's engines (``layout_known``: payloads decoded at offsets known from this rank's own sizes,
+    NaN/Inf flags combined on the device): a whole exchange, statistics, encode, allgather (two thread-ranks, the
+    tensors on the GPU) and decode, runs under sync-debug "error".  Its CPU twin, bit for bit against the header
+    walk: tests/test_exchange.py::test_known_layout_decodes_the_bits_the_header_walk_decodes."""
+    from horovod_terngrad.exchange.engine import Exchange
+    from horovod_terngrad.exchange.thread_collectives import run_ranks
+    cfg = TernGradConfig(min_numel=0)
+    grads = [torch.randn(3000, device="cuda", generator=torch.Generator("cuda").manual_seed(r)) for r in range(2)]
+    if poison:
+        grads[1][7] = float("nan")
+    exchanges = {}
+
+    def body(c):
+        ex = exchanges[c.rank] = Exchange(c, cfg, stream_rank=c.rank)
+        ex.layout_known = True
+        return ex.finish(ex.start(grads[c.rank].clone(), "w"))
+
+    run_ranks(2, body)                       # warm-up: kernels compiled, first-use allocations made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = run_ranks(2, body)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(outs[0], outs[1])
+    assert bool(torch.isnan(outs[0]).all()) == poison

@@ -630,3 +630,49 @@ def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
 
     results = run_ranks(3, body, timeout=60)
     assert [r[1] for r in results[:2]] == [(True, None)] * 2
+
+
+@pytest.mark.parametrize("policy", ["propagate", "zero"])
+@pytest.mark.parametrize("bucket_size", [0, 16])
+def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_size):
+    """``Exchange.layout_known`` (the FSDP frontend's engines): the allgather is decoded at offsets computed from
+    this rank's own payload sizes, NaN/Inf flags combined with tensor ops (no host read on a GPU).  The same
+    bits as the header walk, fused members and lone tensors; a flagged member NaN (or zero) on every rank, its
+    neighbours untouched."""
+    cfg = TernGradConfig(on_nonfinite=policy, bucket_size=bucket_size, min_numel=0)
+
+    def body(c, known):
+        ex = Exchange(c, cfg)
+        ex.layout_known = known
+        outs = []
+        for step in range(2):
+            items = [(grad((37 + 20 * i,), c.rank, 10 * step + i), f"w{i}") for i in range(3)]
+            if step == 1 and c.rank == 1:
+                items[1][0][5] = float("nan")
+            outs += [ex.finish(tk) for tk in ex.start_group(items, "g")]
+            outs.append(ex.allreduce(grad((50,), c.rank, step), "lone"))
+        return outs, ex.stats.nonfinite_propagated + ex.stats.nonfinite_zeroed
+
+    walked = run_ranks(3, body, False, timeout=30)
+    known = run_ranks(3, body, True, timeout=30)
+    for (w, wcount), (k, kcount) in zip(walked, known):
+        assert wcount == kcount == 1
+        for a, b in zip(w, k):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        flagged = k[5]
+        assert (torch.isnan(flagged).all() if policy == "propagate" else not flagged.any())
+        assert torch.isfinite(k[4]).all() and torch.isfinite(k[6]).all()
+
+
+def test_known_layout_catches_ranks_that_disagree_on_sizes():
+    def body(c):
+        ex = Exchange(c, TernGradConfig(min_numel=0))
+        ex.layout_known = True
+        try:
+            ex.allreduce(grad((40 + 8 * c.rank,), c.rank), "w")
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    for msg in run_ranks(2, body, timeout=30):
+        assert msg and "'w'" in msg and "disagree" in msg

@@ -179,6 +179,9 @@ class Exchange:
         self.ordered = ordered
         self._previous: Group | None = None     # the group started last (ordered: left in flight)
         self.link: link.LinkDecision | None = None   # exchange="auto": the measured link, once agreed
+        # the caller guarantees every rank sends the same members, sizes and settings (checked by the caller
+        # once): the allgather transport then decodes without reading headers on the host (no GPU sync)
+        self.layout_known = False
 
     def compression_pays(self, device: torch.device) -> bool:
         """Whether tensors the policy would ternarize should be (frontends ask before starting one).

@@ -168,6 +168,9 @@ class TernGradFSDPState:
         bucketed = self.config.replace(bucket_size=self.config.bucket_size or FALLBACK_BUCKET)
         self._bucket_engine = Exchange(coll, bucketed, self.state.stats, self.state.inspection, {}, joins=False,
                                        stream_rank=me)
+        # replicas agree on settings and layout (register's check), so payloads are decoded without reading
+        # their headers on the host: on a GPU the hook adds no host synchronization (exchange/allgather.py)
+        self.engine.layout_known = self._bucket_engine.layout_known = True
 
     # -- the hook ---------------------------------------------------------------------------------------
     def _members(self, unit: str, param_group, numel: int):
