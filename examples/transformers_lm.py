@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=0,
                    help="fsdp: the mesh's replicate size (default: torchrun's nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
+    p.add_argument("--bucket-size", type=int, default=0, help="TernGrad's bucket_size (0: one scaler per tensor)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -141,7 +142,8 @@ class Frontend:
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             comp = hvd.Compression.none
             if args.compression == "terngrad":
-                comp = self.counters = TernGrad.configure(packing=args.packing, seed=args.seed)
+                comp = self.counters = TernGrad.configure(packing=args.packing, seed=args.seed,
+                                                          bucket_size=args.bucket_size)
             self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
             self.forward = model
         else:
@@ -152,7 +154,8 @@ class Frontend:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             self.forward = torch.nn.parallel.DistributedDataParallel(model)    # broadcasts rank 0's weights
             if args.compression == "terngrad":
-                self.counters = tg_ddp.register(self.forward, packing=args.packing, seed=args.seed)
+                self.counters = tg_ddp.register(self.forward, packing=args.packing, seed=args.seed,
+                                                bucket_size=args.bucket_size)
             self.opt = opt
 
     def _fsdp(self, args, model):
@@ -175,7 +178,8 @@ class Frontend:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         if args.compression == "terngrad":
-            self.counters = tg_fsdp.register(model, self.mesh, packing=args.packing, seed=args.seed)
+            self.counters = tg_fsdp.register(model, self.mesh, packing=args.packing, seed=args.seed,
+                                             bucket_size=args.bucket_size)
         self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         self.forward = model
 
