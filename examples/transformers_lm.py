@@ -260,6 +260,8 @@ def main(argv=None):
               "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,
               "bits_per_element_overall": overall, "params_identical": same, **amp.record()}
+    if args.frontend == "fsdp":
+        result["replicas"] = front.mesh.size(0)          # the (replicate, shard) mesh's replicate size
     if amp.scaler is not None:       # every rank saw the same averaged gradients, so every rank skipped the same steps
         result["skipped_steps_per_rank"] = front.gather(amp.skipped)
     if front.counters is not None:

@@ -168,6 +168,32 @@ def test_ddp_sbatch_script_trains(slurm, tmp_path, launcher_name):
     assert "exit code 0" in open(os.path.join(logdir, "job.log")).read()
     shutil.rmtree(logdir)
 
+
+def test_fsdp_sbatch_script_trains(slurm, tmp_path):
+    """slurm/fsdp-terngrad.sbatch: srun starts one torchrun per node with --nproc_per_node = tasks per node, and
+    the example's arguments pass through.  One node here, so --replicas 2 makes the (replicate, shard) mesh
+    (2, 1): TernGrad between the two ranks; the job completes, ranks = nodes x tasks per node, replicas agree."""
+    e = dict(env(), **slurm.env)
+    e.update(SLURM_CONF=slurm.conf, TERNGRAD_REPO=ROOT, PYTHON=PY)
+    cmd = ["sbatch", "--parsable", "--wait", "-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
+           os.path.join(ROOT, "slurm", "fsdp-terngrad.sbatch"), "--replicas", "2", "--steps", "6", "--n-layer", "1",
+           "--n-embd", "32", "--seq-len", "32", "--batch-size", "2", "--log-every", "0"]
+    p = run(cmd, timeout=400, env=e, cwd=tmp_path)
+    job = p.stdout.strip().split(";")[0]
+    state = slurm.job_state(job) if job else "none"
+    out = tmp_path / f"fsdp-terngrad-{job}.out"
+    log = out.read_text() if out.exists() else ""
+    assert p.returncode == 0 and state == "COMPLETED", f"{state}\n{p.stderr}\n{log[-3000:]}\n{slurm.logs()}"
+    assert "launcher torchrun" in log and "--nnodes 1 --nproc_per_node 2" in log
+    res = json.loads(next(l for l in log.splitlines() if l.startswith("result: ")).split(": ", 1)[1])
+    assert res["frontend"] == "fsdp" and res["compression"] == "terngrad" and res["steps"] == 6
+    assert res["ranks"] == 1 * 2 and res["replicas"] == 2 and res["params_identical"]
+    assert res["elements_ternarized"] > 0
+    logdir = os.path.join(ROOT, "logs", f"fsdp-terngrad-{job}")
+    assert "exit code 0" in open(os.path.join(logdir, "job.log")).read()
+    shutil.rmtree(logdir)
+
+
 # -- emulated 2-host cluster ----------------------------------------------------------------------
 @pytest.fixture
 def cluster():
@@ -276,3 +302,33 @@ def test_ddp_torchrun_on_two_emulated_hosts(cluster, tmp_path):
     # fp32 allreduce would send (about 4 bytes per element per step at N=2)
     sent_by_h1 = counters(prefix)[f"{prefix}-h1"][0] - before[f"{prefix}-h1"][0]
     assert steps * 430000 * 2 / 8 <= sent_by_h1 < steps * 430000 * 1.0, sent_by_h1
+
+
+def test_fsdp_hsdp_on_two_emulated_hosts(tmp_path):
+    """examples/transformers_lm.py --frontend fsdp under launch/ddp-torchrun --netns: 2 hosts x 2 ranks, the mesh
+    (replicate, shard) = (2, 2) from torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE; each shard's TernGrad payloads
+    go to its replica on the other host.  A cluster of its own (prefix tgfl*, subnet 10.83.*), torn down after."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip, tc)")
+    prefix, subnet = f"tgfl{os.getpid() % 1000}", f"10.83.{os.getpid() % 250}"
+    h0, h1 = f"{prefix}-h0", f"{prefix}-h1"
+    p = run([NETNS, "up", "2", "--rate", "1gbit", "--prefix", prefix, "--subnet", subnet])
+    try:
+        assert p.returncode == 0, p.stderr
+        before = counters(prefix)
+        p = run([os.path.join(ROOT, "launch", "ddp-torchrun"), "--netns", prefix, "--nproc", "2", "--port", "29621",
+                 "--", os.path.join(ROOT, "examples", "transformers_lm.py"), "--frontend", "fsdp", "--steps", "6",
+                 "--n-layer", "1", "--n-embd", "32", "--seq-len", "32", "--batch-size", "2", "--log-every", "0"],
+                timeout=300, env=dict(env(), PYTHON=PY, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        after = counters(prefix)
+    finally:
+        run([NETNS, "down", "--prefix", prefix])
+    assert prefix + "-" not in run(["ip", "netns", "list"]).stdout
+    res = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("result: ")).split(": ", 1)[1])
+    assert res["frontend"] == "fsdp" and res["compression"] == "terngrad" and res["steps"] == 6
+    assert res["ranks"] == 4 and res["replicas"] == 2 and res["params_identical"]
+    # rank 0 (on h0) sent its ternarized shards to its replica, rank 2 on h1: at least its own payload bytes
+    payload = res["elements_ternarized"] * res["bits_per_element_ternarized"] / 8
+    assert payload > 0
+    assert after[h0][0] - before[h0][0] >= payload and after[h1][1] - before[h1][1] >= payload, (before, after)
