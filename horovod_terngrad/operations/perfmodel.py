@@ -97,12 +97,19 @@ Costs of this module itself: every function is O(number of tensors · number of 
 here touches the network.  torch is imported only by :func:`profile_compute` (and a module passed to
 :func:`tensor_sizes_of` brings its own); matplotlib only by ``operations/plots.py``.
 
+HSDP (issue #30): :func:`predict_hsdp_step` / :func:`predict_hsdp` price one step of a GPT
+(:data:`GPT3_1P3B`, every parameter tensor with its shape) under FSDP2 inside a node and fp32, bf16 or TernGrad
+averaging of each rank's shard across nodes (frontends/fsdp.py), with the same step formula and overlap (0 by
+default) as above; the math is in the comment at the head of that section.  CLI:
+``python -m horovod_terngrad.operations.perfmodel hsdp [--cluster ...] [--workers 8,16,...] [--markdown]``.
+
 CLI: ``python -m horovod_terngrad.operations.perfmodel [--cluster ethernet|infiniband|both|custom ...]
 [--model ...] [--max-workers 512] [--png docs/perfmodel/fig5.png]`` (see ``--help`` and docs/perfmodel.md).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -769,7 +776,392 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
     return best
 
 
+# --------------------------------------------------------------------------------------------------
+# HSDP (FSDP2 sharded inside a node, each rank's gradient shard averaged across nodes), issue #30
+#
+# The step of one rank of a job of N = R·G GPUs, R nodes of G GPUs (``network.ranks_per_node``), the model
+# sharded by FSDP2 on the G GPUs of a node (one FSDP unit per transformer block, plus the root unit holding
+# the embeddings and the final LayerNorm) and replicated across the R nodes:
+#
+#     T_step = T_compute + T_intra + T_cross + T_codec - min(T_intra + T_cross + T_codec, overlap · T_compute)
+#
+# the same step formula as :func:`predict_step` (overlap 0 by default: nothing hides under backward, as the
+# DDP/Horovod tables).  Per FSDP unit u with padded shard S_u = sum over its parameters of ceil(d0/G)·rest
+# elements (FSDP2 shards every parameter on dim 0 and pads each to ceil(d0/G) rows):
+#
+# * T_intra (intra-node link, ``network.intra_node``; L = min(peer_links, G-1) links per GPU):
+#     reduce-scatter of the gradients: (G-1)·alpha + (G-1)·w·S_u·beta/L   (ring; w = 4, or 2 for bf16 HSDP,
+#       whose MixedPrecisionPolicy(reduce_dtype=bf16) reduce-scatters in bf16 too),
+#     parameter all-gathers: a·(ceil((G-1)/L)·alpha + (G-1)/L·4·S_u·beta) (``ring_allgather_time``), with
+#       a = 2 for a block (forward, and again in backward: reshard_after_forward=None is True for non-root
+#       units) and 1 for the root; fp32 parameters, the same in all three configurations.
+# * T_cross: every rank averages its shard with the R-1 ranks of the same local index on the other nodes;
+#   the G ranks of a node do so at once through the node's one NIC, so each is charged on
+#   ``exchange.cost.cross_network`` (the inter-node link at a G-th of its bandwidth, as the node-aware
+#   exchange is):
+#     fp32 HSDP:  one allreduce of 4·S_u bytes among R ranks per unit (ring 2(R-1)·alpha + 2(R-1)/R·4·S_u·G·beta
+#                 with beta the node link's, or the tree where cheaper: ``exchange.cost.allreduce_cost``);
+#     bf16 HSDP:  the same with 2·S_u bytes;
+#     TernGrad (frontends/fsdp.py): the real part of each parameter's shard (ceil(d0/G) rows, fewer or none
+#                 on the last local ranks) is one tensor; those of at least ``min_numel`` elements are cut into
+#                 groups by ``exchange.fusion.cut`` in the unit's order (the frontend's own call), and each
+#                 group is one allgather among R ranks of P = sum_i ``codec.sizes.payload_size``(n_i) bytes per
+#                 rank (20-byte header + 4-byte scaler + ceil(n_i·b/8) codes): (R-1)·alpha + (R-1)·P·beta
+#                 (``exchange.cost.terngrad_allgather_cost``, per-rank scalers: no handshake; the FSDP engine
+#                 runs with joins=False, so no presence check either); the rest (LayerNorm weights and biases,
+#                 biases: all under 4096 elements per shard) is one fp32 allreduce per unit.  The slowest
+#                 local rank sets each unit's time.  ``exchange="sharded"`` (a setting the frontend passes to
+#                 its engine; modelled, not the default) charges ``terngrad_sharded_cost`` instead.
+# * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
+#   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
+#   sharded 3·n_c, bf16 2·S (cast out and back), fp32 0, over the given rate.
+#
+# Compute: forward + backward of ``sequences`` sequences of ``context`` tokens per GPU, at the Megatron-LM
+# count F = 72·s·l·h²·(1 + s/(6h) + V/(12·l·h)) FLOPs per sequence (Narayanan et al. 2021, eq. 3 without
+# activation recomputation: the matmuls of the blocks and the logits, 2 FLOPs a multiply-add, backward twice
+# forward), divided by the FLOP rate the model's own VGG-A time implies on that GPU (:func:`achieved_flops`:
+# 3·2·MACs of VGG-A's forward x 32 images / ``MODELS["vgga"].compute_s[gpu]``), i.e. a GPU runs the GPT's
+# dense fp32 matmuls as efficiently as the cuDNN convolutions behind the published VGG-A time.  Memory is not
+# modelled (a 1.3B model in fp32 with AdamW state sharded over 4 GPUs needs about 5.3 GB per GPU before
+# activations: the GTX 1080's 8 GB are tight).
+HSDP_FP32 = "hsdp_fp32"
+HSDP_BF16 = "hsdp_bf16"
+HSDP_TERNGRAD = "hsdp_terngrad"                  #: the frontend's default: allgather, per-rank scalers
+HSDP_TERNGRAD_SHARDED = "hsdp_terngrad_sharded"  #: TernGradConfig(exchange="sharded") across nodes (what-if)
+HSDP_METHODS = (HSDP_FP32, HSDP_BF16, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED)
+HSDP_WORKERS = (8, 16, 32, 64, 128, 256, 512)
+
+
+def _linear(name: str, n_in: int, n_out: int) -> list[tuple[str, tuple]]:
+    """A GPT-2 ``Conv1D``: weight (in, out), FSDP2 shards its dim 0 = in; bias (out,)."""
+    return [(f"{name}.weight", (n_in, n_out)), (f"{name}.bias", (n_out,))]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT in Hugging Face ``GPT2LMHeadModel``'s layout (pre-LN blocks, learned positions, Conv1D weights
+    stored (in, out), LM head tied to the token embedding)."""
+
+    name: str
+    layers: int
+    d_model: int
+    vocab: int
+    context: int
+    d_ff: int = 0            #: 0: 4·d_model
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def units(self) -> list[tuple[str, list[tuple[str, tuple]]]]:
+        """FSDP units as the frontend's example shards them (every block, then the root), each with its
+        parameters (name, shape) in registration order (the order FSDP2 lays out a unit's flat shard)."""
+        d = self.d_model
+        out = []
+        for i in range(self.layers):
+            p = f"transformer.h.{i}"
+            out.append((p, [(f"{p}.ln_1.weight", (d,)), (f"{p}.ln_1.bias", (d,))]
+                        + _linear(f"{p}.attn.c_attn", d, 3 * d) + _linear(f"{p}.attn.c_proj", d, d)
+                        + [(f"{p}.ln_2.weight", (d,)), (f"{p}.ln_2.bias", (d,))]
+                        + _linear(f"{p}.mlp.c_fc", d, self.ff) + _linear(f"{p}.mlp.c_proj", self.ff, d)))
+        out.append(("", [("transformer.wte.weight", (self.vocab, d)), ("transformer.wpe.weight", (self.context, d)),
+                         ("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]))
+        return out
+
+    def tensors(self) -> list[tuple[str, tuple]]:
+        """Every parameter tensor (name, shape), in ``GPT2LMHeadModel.named_parameters()``'s order."""
+        units = self.units()
+        return units[-1][1][:2] + [t for _, ts in units[:-1] for t in ts] + units[-1][1][2:]
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(s) for _, s in self.tensors())
+
+    def flops_per_sequence(self, context: int | None = None) -> float:
+        """Forward + backward FLOPs of one sequence of s tokens (Megatron-LM's count, 4h feed-forward):
+        72·s·l·h²·(1 + s/(6h) + V/(12·l·h)).  Cost: O(1)."""
+        s, l, h, V = int(context or self.context), self.layers, self.d_model, self.vocab
+        return 72.0 * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+#: GPT-3 1.3B ("GPT-3 XL", Brown et al. 2020, Table 2.1: 24 layers, d_model 2048, 16 heads, context 2048) with
+#: GPT-2's vocabulary of 50257 and layout: 1,315,723,264 parameters in 292 tensors.
+GPT3_1P3B = GPTConfig("GPT-3 1.3B", 24, 2048, 50257, 2048)
+GPT_MODELS = {"gpt3-1.3b": GPT3_1P3B}
+
+
+def vgga_forward_macs(image: int = 224) -> int:
+    """Multiply-adds of one VGG-A (VGG-11) forward pass on an image x image input: the 8 3x3 convolutions at
+    their feature-map sizes (a 2x2 pool after convolutions 1, 2, 4, 6 and 8) and the 3 fc layers
+    (7,609,090,048 at 224)."""
+    macs, c_in, hw = 0, 3, image
+    for i, c_out in enumerate((64, 128, 256, 256, 512, 512, 512, 512), 1):
+        macs += hw * hw * c_out * c_in * 9
+        c_in = c_out
+        if i in (1, 2, 4, 6, 8):
+            hw //= 2
+    return macs + c_in * hw * hw * 4096 + 4096 * 4096 + 4096 * 1000
+
+
+def achieved_flops(gpu: str) -> float:
+    """FLOP/s the model's compute assumptions give a GPU kind: VGG-A's training FLOPs (3 x 2 x forward
+    multiply-adds) per batch of 32 over ``MODELS["vgga"].compute_s[gpu]`` (GTX 1080: 5.98e12, 0.67 of its
+    8.9 TFLOP/s fp32 peak; P100: 1.2 times that, the model's P100/GTX 1080 ratio)."""
+    vgg = MODELS["vgga"]
+    return 6.0 * vgga_forward_macs() * vgg.batch_per_gpu / vgg.compute_s[gpu]
+
+
+def hsdp_compute_s(model: GPTConfig, gpu: str, sequences: int = 1) -> float:
+    """Forward + backward of ``sequences`` sequences of ``model.context`` tokens on one GPU of kind ``gpu``:
+    ``sequences · model.flops_per_sequence() / achieved_flops(gpu)``."""
+    return sequences * model.flops_per_sequence() / achieved_flops(gpu)
+
+
+def fsdp_shard_numel(shape: Sequence[int], G: int, local_rank: int) -> int:
+    """Elements of local rank j's real part of a parameter sharded by FSDP2 on dim 0 over G ranks:
+    rows min(d0, (j+1)·c) - j·c (at least 0), c = ceil(d0/G), times the other dimensions."""
+    d0, rest = int(shape[0]), math.prod(int(x) for x in shape[1:])
+    c = -(-d0 // G)
+    return max(0, min(d0, (local_rank + 1) * c) - local_rank * c) * rest
+
+
+def fsdp_padded_numel(shape: Sequence[int], G: int) -> int:
+    """Elements of every rank's padded shard of a parameter: ceil(d0/G)·(other dimensions)."""
+    return -(-int(shape[0]) // G) * math.prod(int(x) for x in shape[1:])
+
+
+@dataclass(frozen=True)
+class HSDPUnitShard:
+    """One FSDP unit as local rank ``local_rank`` of G sends it across nodes: ``padded`` = its flat shard's
+    elements (what FSDP reduce-scatters to it and native HSDP all-reduces), ``groups`` = the TernGrad groups
+    (``exchange.fusion.cut`` of the compressed real parts, in the unit's order; tuples of element counts),
+    ``plain`` = elements the policy keeps at fp32 (one allreduce)."""
+
+    name: str
+    local_rank: int
+    padded: int
+    groups: tuple
+    plain: int
+    root: bool = False
+
+    @property
+    def compressed(self) -> int:
+        return sum(sum(g) for g in self.groups)
+
+
+def hsdp_unit_shards(model: GPTConfig, G: int, local_rank: int,
+                     config: TernGradConfig | None = None) -> list[HSDPUnitShard]:
+    """Every unit of ``model`` on local rank j of G, cut as ``frontends/fsdp.py`` cuts it: empty real parts
+    skipped, ``config.compresses`` (min_numel, exclude) on each real part, ``fusion.cut`` of the rest."""
+    cfg = config or TernGradConfig()
+    out = []
+    units = model.units()
+    for k, (name, params) in enumerate(units):
+        real = [(n, fsdp_shard_numel(s, G, local_rank)) for n, s in params]
+        real = [(n, x) for n, x in real if x > 0]
+        plan = fusion.cut([fusion.TensorSpec(n, x) for n, x in real], cfg)
+        plain = set(plan.uncompressed)
+        out.append(HSDPUnitShard(name, local_rank, sum(fsdp_padded_numel(s, G) for _, s in params),
+                                 tuple(tuple(plan.numel[n] for n in g) for g in plan.groups),
+                                 sum(x for n, x in real if n in plain), k == len(units) - 1))
+    return out
+
+
+@dataclass(frozen=True)
+class HSDPStep:
+    """Predicted HSDP iteration of one rank (seconds).  ``cross_bytes``: bytes one rank receives across nodes
+    per step (the slowest local rank's; the node's link carries G times that), ``payload_bytes``: what that
+    rank puts in its TernGrad allgathers (sum of ``codec.sizes.payload_size``; 0 for fp32/bf16)."""
+
+    method: str
+    workers: int
+    gpus_per_node: int
+    compute_s: float
+    intra_s: float
+    cross_s: float
+    codec_s: float
+    step_s: float
+    cross_bytes: float
+    payload_bytes: int
+    shard_elements: int
+    tokens_per_worker: int
+    speedup_vs_bf16: float = float("nan")
+
+    @property
+    def nodes(self) -> int:
+        return self.workers // self.gpus_per_node
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.workers * self.tokens_per_worker / self.step_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.intra_s + self.cross_s
+
+
+def hsdp_intra_s(units: Sequence[HSDPUnitShard], G: int, network: Network, reduce_bytes: int = 4) -> float:
+    """Intra-node time of one step: per unit a ring reduce-scatter of the gradients,
+    (G-1)·alpha + (G-1)·reduce_bytes·S_u·beta/L (half a ring allreduce of the unpadded G·S_u), and 2 (a block)
+    or 1 (the root) fp32 parameter all-gathers, ``ring_allgather_time(4·S_u, G)``, on ``network.intra_node``."""
+    if G <= 1:
+        return 0.0
+    intra = network.intra_node or network
+    t = 0.0
+    for u in units:
+        t += ring_allreduce_time(reduce_bytes * u.padded * G, G, intra) / 2
+        t += (1 if u.root else 2) * ring_allgather_time(4 * u.padded, G, intra)
+    return t
+
+
+def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, network: Network,
+                    config: TernGradConfig | None = None) -> ExchangeCost:
+    """Cross-node exchange of one local rank's shards among R = ``replicas`` ranks, on ``network`` as its
+    cross link (the caller passes ``cross_network(network, G)``): the sum over units (see the section comment
+    above).  Returns the ``ExchangeCost`` sum (time, bytes received, messages, elements)."""
+    cfg = config or TernGradConfig()
+    R = int(replicas)
+    total = ExchangeCost(method, 0.0, 0.0, 0, 0)
+    for u in units:
+        if method in (HSDP_FP32, HSDP_BF16):
+            total = total + allreduce_cost(u.padded, R, network, 4 if method == HSDP_FP32 else 2)
+            continue
+        if method not in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED):
+            raise ValueError(f"method must be one of {HSDP_METHODS}, got {method!r}")
+        for g in u.groups:
+            if method == HSDP_TERNGRAD:
+                total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
+                                                        cfg.scaler_shared_for("allgather"))
+            else:
+                total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, cfg.bucket_size)
+        if u.plain:
+            total = total + allreduce_cost(u.plain, R, network, 4)
+    return replace(total, method=method)
+
+
+def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: str = HSDP_TERNGRAD, *,
+                      compute_s: float, sequences: int = 1, overlap: float = 0.0,
+                      codec_elements_per_s: float | None = None,
+                      config: TernGradConfig | None = None) -> HSDPStep:
+    """One HSDP step on N = ``workers`` GPUs in nodes of G = ``network.ranks_per_node`` (N a multiple of G;
+    R = N/G replicas).  T_step = T_compute + T_intra + T_cross + T_codec - min(T_intra + T_cross + T_codec,
+    overlap·T_compute), the terms of the section comment; the slowest local rank's T_cross + T_codec.
+    Cost: O(G · tensors)."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError("overlap must be in [0, 1]")
+    G = max(1, int(network.ranks_per_node))
+    N = int(workers)
+    if N < G or N % G:
+        raise ValueError(f"workers must be a multiple of the {G} GPUs of a node, got {N}")
+    R = N // G
+    cfg = config or TernGradConfig()
+    cross = cross_network(network, G)
+    worst = None
+    for j in range(G):
+        units = hsdp_unit_shards(model, G, j, cfg)
+        cost = hsdp_cross_cost(method, units, R, cross, cfg)
+        codec = 0.0
+        if codec_elements_per_s and R > 1:
+            n_c = sum(u.compressed for u in units)
+            work = {HSDP_FP32: 0.0, HSDP_BF16: codec_work_elements(FP16, sum(u.padded for u in units), R),
+                    HSDP_TERNGRAD: codec_work_elements(TERNGRAD_ALLGATHER, n_c, R),
+                    HSDP_TERNGRAD_SHARDED: codec_work_elements(TERNGRAD_SHARDED, n_c, R)}[method]
+            codec = work / codec_elements_per_s
+        payload = (sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
+                   if method == HSDP_TERNGRAD else 0)
+        if worst is None or cost.time_s + codec > worst[0].time_s + worst[1]:
+            worst = (cost, codec, payload, units)
+    cost, codec, payload, units = worst
+    intra = hsdp_intra_s(units, G, network, 2 if method == HSDP_BF16 else 4)
+    exposed = intra + cost.time_s + codec
+    step = compute_s + exposed - min(exposed, overlap * compute_s)
+    return HSDPStep(method, N, G, compute_s, intra, cost.time_s, codec, step, cost.bytes_received, payload,
+                    sum(u.padded for u in units), sequences * model.context)
+
+
+def predict_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HSDP_WORKERS,
+                 methods: Sequence[str] = HSDP_METHODS, sequences: int = 1, compute_s: float | None = None,
+                 **kwargs) -> list[dict[str, HSDPStep]]:
+    """For each N, {method: HSDPStep} with ``speedup_vs_bf16`` = T_step(bf16 HSDP) / T_step(method); compute
+    from :func:`hsdp_compute_s` on ``cluster.gpu`` unless given.  ``kwargs`` go to :func:`predict_hsdp_step`."""
+    c = hsdp_compute_s(model, cluster.gpu, sequences) if compute_s is None else compute_s
+    rows = []
+    for N in workers:
+        base = predict_hsdp_step(model, N, cluster.network, HSDP_BF16, compute_s=c, sequences=sequences, **kwargs)
+        row = {}
+        for m in methods:
+            p = base if m == HSDP_BF16 else predict_hsdp_step(model, N, cluster.network, m, compute_s=c,
+                                                                 sequences=sequences, **kwargs)
+            row[m] = replace(p, speedup_vs_bf16=base.step_s / p.step_s)
+        rows.append(row)
+    return rows
+
+
+def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, HSDPStep]],
+                      markdown: bool = False) -> str:
+    """GPUs x step time of fp32, bf16 and TernGrad HSDP (and TernGrad with the sharded exchange), TernGrad's
+    tokens/s, speedups over bf16 HSDP, and the cross-node MB one rank receives per step (bf16 / TernGrad)."""
+    first = rows[0][HSDP_BF16]
+    head = (f"HSDP {model.name} ({model.parameters / 1e9:.3f}B parameters in {len(model.tensors())} tensors) on "
+            f"{cluster.name} ({cluster.network.describe()}); {first.tokens_per_worker} tokens/GPU; compute "
+            f"{first.compute_s:.2f} s/iteration")
+    cols = ["GPUs", "nodes", "fp32 s", "bf16 s", "TG s", "TG-sh s", "TG tok/s", "TG vs bf16", "TG-sh vs bf16",
+            "intra s", "bf16 MB", "TG MB"]
+    out = []
+    for r in rows:
+        tg, sh, bf = r[HSDP_TERNGRAD], r.get(HSDP_TERNGRAD_SHARDED), r[HSDP_BF16]
+        out.append([f"{bf.workers}", f"{bf.nodes}", f"{r[HSDP_FP32].step_s:.2f}", f"{bf.step_s:.2f}",
+                    f"{tg.step_s:.2f}", f"{sh.step_s:.2f}" if sh else "-", f"{tg.tokens_per_s:,.0f}",
+                    f"{tg.speedup_vs_bf16:.2f}x", f"{sh.speedup_vs_bf16:.2f}x" if sh else "-",
+                    f"{tg.intra_s:.2f}", f"{bf.cross_bytes / 1e6:.0f}", f"{tg.cross_bytes / 1e6:.0f}"])
+    if markdown:
+        lines = [f"**{head}**", "", "| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
+        return "\n".join(lines + ["| " + " | ".join(v) + " |" for v in out])
+    width = [max(len(c), *(len(v[i]) for v in out)) for i, c in enumerate(cols)]
+    lines = [head, "  ".join(f"{c:>{w}}" for c, w in zip(cols, width))]
+    return "\n".join(lines + ["  ".join(f"{v:>{w}}" for v, w in zip(vals, width)) for vals in out])
+
+
+def hsdp_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m horovod_terngrad.operations.perfmodel hsdp [...]``: the HSDP tables."""
+    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.perfmodel hsdp",
+                                description="Predicted HSDP step time (FSDP2 inside a node) with fp32, bf16 and "
+                                            "TernGrad cross-node averaging, for a GPT on the paper's clusters.")
+    p.add_argument("--cluster", choices=("ethernet", "infiniband", "both"), default="both")
+    p.add_argument("--model", choices=sorted(GPT_MODELS), default="gpt3-1.3b")
+    p.add_argument("--workers", default=",".join(map(str, HSDP_WORKERS)),
+                   help="comma-separated GPU counts, multiples of the 4 GPUs of a node")
+    p.add_argument("--sequences", type=int, default=1, help="sequences of the model's context per GPU and step")
+    p.add_argument("--compute-s", type=float, help="override the compute time per iteration, seconds")
+    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
+    p.add_argument("--min-numel", type=int, default=TernGradConfig.min_numel)
+    p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL)
+    p.add_argument("--allreduce", choices=ALLREDUCE_ALGORITHMS, default=ALLREDUCE_AUTO)
+    p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
+    p.add_argument("--codec-gelems", type=float, default=None,
+                   help="codec rate in 10^9 elements/s (default: codec not modelled)")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables")
+    a = p.parse_args(argv)
+    workers = [int(w) for w in a.workers.split(",") if w.strip()]
+    cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel)
+    keys = list(CLUSTERS) if a.cluster == "both" else [a.cluster]
+    for key in keys:
+        cl = CLUSTERS[key]
+        cl = replace(cl, network=cl.network.with_allreduce(a.allreduce))
+        if any(w % cl.network.ranks_per_node for w in workers):
+            p.error(f"--workers must be multiples of {cl.network.ranks_per_node}")
+        rows = predict_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
+                            overlap=a.overlap, config=cfg,
+                            codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
+        print(format_hsdp_table(GPT_MODELS[a.model], cl, rows, markdown=a.markdown))
+        print()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "hsdp":
+        return hsdp_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.perfmodel",
                                 description="Predicted images/s vs workers with and without TernGrad "
                                             "(TernGrad paper §5, Fig. 5), alpha-beta network model.")
