@@ -19,7 +19,7 @@ from test_ddp import run_launch
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fsdp_scenarios.py")
-EXACT = ["exact", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]
+EXACT = ["exact", "exact_sharded", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]
 
 
 def launch(out, nproc, replicas, scenarios, what="torchrun"):
