@@ -13,6 +13,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "frontends": 4,
           "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
           "ddp": 4.5,        # horovod_terngrad.ddp: the DDP frontend's public names (frontends/ddp.py)
+          "fsdp": 4.5,       # horovod_terngrad.fsdp: the FSDP frontend's public names (frontends/fsdp.py)
           "operations": 5}
 TORCH_FREE = ("codec/sizes.py", "exchange/cost.py", "exchange/topology.py")
 
