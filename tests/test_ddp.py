@@ -40,11 +40,12 @@ def run_launch(cmd, what):
     assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
 
 
-def load(folder, scenario):
-    ranks = [torch.load(os.path.join(folder, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(NP)]
+def load(folder, scenario, nproc=NP):
+    """Every rank's saved record of a scenario, checked for a crash and for the world size."""
+    ranks = [torch.load(os.path.join(folder, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nproc)]
     for r, res in enumerate(ranks):
         assert "crash" not in res, f"{scenario} rank {r}:\n{res['crash']}"
-        assert res["size"] == NP
+        assert res["size"] == nproc
     return ranks
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import expected_average
-from test_ddp import run_launch
+from test_ddp import load, run_launch
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fsdp_scenarios.py")
@@ -25,14 +25,6 @@ EXACT = ["exact", "exact_sharded", "exact_bf16", "exact_bf16p", "accum", "frozen
 def launch(out, nproc, replicas, scenarios, what="torchrun"):
     run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 WORKER, str(out), str(replicas)] + scenarios, what)
-
-
-def load(folder, scenario, nproc):
-    ranks = [torch.load(os.path.join(folder, f"{scenario}.rank{r}.pt"), weights_only=False) for r in range(nproc)]
-    for r, res in enumerate(ranks):
-        assert "crash" not in res, f"{scenario} rank {r}:\n{res['crash']}"
-        assert res["size"] == nproc
-    return ranks
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,7 @@ from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
 from .hierarchy import dist_engine
-from .state import CompressorState, process_set_key
+from .state import CompressorState, compression_enabled, frontend_config, process_set_key
 
 STEPS_KEY = process_set_key(None)   # the key of the step counters and engine in CompressorState ("global")
 IDLE_EXIT_S = 5.0          # the worker thread ends after this long without a bucket
@@ -167,13 +167,11 @@ class TernGradState:
 
     def __init__(self, named_parameters=None, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
-        if config is not None and settings:
-            raise TypeError("pass either a TernGradConfig or keyword settings, not both")
+        self.config = frontend_config(config, settings)
         if asynchronous and not dedicated_group:
             raise ValueError("asynchronous=True needs dedicated_group=True: the worker thread's collectives "
                              "must not share a process group with DDP's own")
-        self.config = config if config is not None else TernGradConfig(**settings)
-        self.enabled = os.environ.get("HOROVOD_TERNGRAD", "1").strip().lower() not in ("0", "off", "false", "no")
+        self.enabled = compression_enabled()
         self.names: dict = {}               # id(parameter) -> (parameter, name)
         self._named = False                 # names given (constructor, register()) rather than made up
         if named_parameters is not None:

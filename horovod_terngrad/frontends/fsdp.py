@@ -77,7 +77,7 @@ from ..exchange import Exchange, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
-from .state import CompressorState
+from .state import CompressorState, compression_enabled, frontend_config
 
 log = logging.getLogger("horovod_terngrad")
 _said: set = set()
@@ -115,10 +115,8 @@ class TernGradFSDPState:
     """
 
     def __init__(self, config: TernGradConfig | None = None, **settings):
-        if config is not None and settings:
-            raise TypeError("pass either a TernGradConfig or keyword settings, not both")
-        self.config = config if config is not None else TernGradConfig(**settings)
-        self.enabled = os.environ.get("HOROVOD_TERNGRAD", "1").strip().lower() not in ("0", "off", "false", "no")
+        self.config = frontend_config(config, settings)
+        self.enabled = compression_enabled()
         self.state = CompressorState()
         self.unit_steps: dict[str, int] = {}    # unit name -> reductions so far (the streams' step word)
         self.layout: dict[str, str] = {}

@@ -31,7 +31,6 @@ call order (as Horovod's own unnamed ops are), which needs every rank to call in
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
@@ -45,7 +44,7 @@ from . import naming
 from .cpu_threads import warn_if_oversubscribed
 from .fusion_state import FusedMember, OptimizerFusion
 from .hierarchy import horovod_engine
-from .state import CompressorState
+from .state import CompressorState, compression_enabled, frontend_config
 
 log = logging.getLogger("horovod_terngrad")
 
@@ -81,12 +80,8 @@ class TernGradCompressor:
     """
 
     def __init__(self, config: TernGradConfig | None = None, **settings):
-        if config is not None and settings:
-            raise TypeError("pass either a TernGradConfig or keyword settings, not both")
-        self.config = config if config is not None else TernGradConfig(**settings)
-        # HOROVOD_TERNGRAD=0 turns compression off without touching the training script (the
-        # launcher's --no-terngrad sets it): every tensor then travels as with Compression.none.
-        self.enabled = os.environ.get("HOROVOD_TERNGRAD", "1").strip().lower() not in ("0", "off", "false", "no")
+        self.config = frontend_config(config, settings)
+        self.enabled = compression_enabled()
         self.state = CompressorState()
         self._lock = threading.Lock()
         self._warned_noname = False

@@ -17,11 +17,26 @@ saved: they are rebuilt from the next step on.  ``reset()`` forgets everything b
 """
 from __future__ import annotations
 
+import os
 import weakref
 
+from ..config import TernGradConfig
 from ..exchange import Exchange, ExchangeStats, Inspection
 
 STATE_VERSION = 1
+
+
+def frontend_config(config, settings: dict):
+    """A frontend's ``TernGradConfig``: the one given, or one made from keyword settings (not both)."""
+    if config is not None and settings:
+        raise TypeError("pass either a TernGradConfig or keyword settings, not both")
+    return config if config is not None else TernGradConfig(**settings)
+
+
+def compression_enabled() -> bool:
+    """``HOROVOD_TERNGRAD=0`` (or off/false/no) turns compression off without touching the training script (the
+    launcher's --no-terngrad sets it): every tensor then travels as with ``Compression.none``."""
+    return os.environ.get("HOROVOD_TERNGRAD", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def process_set_key(process_set) -> str:
