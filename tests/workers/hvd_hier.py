@@ -109,6 +109,10 @@ def scenario_fallback():
     try:
         train_steps(comp, steps=2, prefix="fb.")
     except TernGradError as e:
+        # every rank decides alone, from the same facts, with no collective; wait here until every rank has, so
+        # that no rank's shutdown (run_all's hvd.shutdown) stops Horovod under a rank still deciding (which then
+        # met "Horovod has not been initialized" instead of its TernGradError: a race on 2 shared cores)
+        hvd.barrier()
         return {"error": str(e), "error_type": type(e).__name__, "hierarchical": False}
     return {"outputs": comp.outputs, "error": None, **engine_info(comp)}
 
