@@ -93,11 +93,21 @@ class MixedPrecision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def step(self, loss: torch.Tensor, opt) -> bool:
-        """Backward and optimizer step; True when the step was taken, False when GradScaler skipped it."""
+    def step(self, loss: torch.Tensor, opt, clip=None) -> bool:
+        """Backward and optimizer step; True when the step was taken, False when GradScaler skipped it.  ``clip``
+        (e.g. a gradient-norm clip) runs on the averaged, unscaled gradients just before the step (Horovod:
+        after ``synchronize()``, the step under ``skip_synchronize()``)."""
         self.steps += 1
         if self.scaler is None:                       # fp32 or bf16: the plain step
             loss.backward()
+            if clip is not None and self.horovod:
+                opt.synchronize()
+                clip()
+                with opt.skip_synchronize():
+                    opt.step()
+                return True
+            if clip is not None:
+                clip()
             opt.step()
             return True
         scaler = self.scaler
@@ -109,9 +119,14 @@ class MixedPrecision:
         if self.horovod:
             opt.synchronize()
             scaler.unscale_(opt)
+            if clip is not None:
+                clip()
             with opt.skip_synchronize():
                 scaler.step(opt)
         else:
+            if clip is not None:
+                scaler.unscale_(opt)
+                clip()
             scaler.step(opt)
         scaler.update()
         if not self._stepped:                         # GradScaler found inf/NaN and did not call opt.step()

@@ -49,14 +49,32 @@ import mixed_precision  # noqa: E402 (--amp: autocast, GradScaler's recipes, ski
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frontend", choices=["horovod", "ddp", "fsdp"], default="horovod")
-    p.add_argument("--compression", choices=["terngrad", "none", "bf16"], default="terngrad",
-                   help="bf16: --frontend fsdp only (native HSDP, bf16 reduce)")
+    p.add_argument("--compression", choices=["terngrad", "none", "bf16", "fp16", "powersgd"], default="terngrad",
+                   help="bf16: --frontend fsdp only (native HSDP, bf16 reduce); fp16, powersgd: --frontend ddp only "
+                        "(PyTorch's fp16_compress_hook, PowerSGD with error feedback)")
+    p.add_argument("--optim", choices=["adamw", "tg-adamw"], default="adamw",
+                   help="torch.optim.AdamW, or horovod_terngrad.optim.AdamW (second moment from full-precision "
+                        "refreshes only; the same as torch's without TernGrad)")
+    p.add_argument("--refresh", default=None, metavar="W,I,K,M",
+                   help="tg-adamw's RefreshSchedule: warm-up W, first interval I, K refreshes per interval, "
+                        "max interval M (default: the library's)")
+    p.add_argument("--recipe", choices=["plain", "nanogpt"], default="plain",
+                   help="nanogpt: betas (0.9, 0.95), weight decay 0.1 on matrices, 100 warm-up steps then cosine "
+                        "decay to lr/10, gradient-norm clip 1.0, 16 sequences per rank (flags given override)")
+    p.add_argument("--beta2", type=float, default=None)
+    p.add_argument("--weight-decay", type=float, default=None, help="AdamW's, on parameters of 2+ dimensions")
+    p.add_argument("--warmup", type=int, default=None, help="linear lr warm-up steps")
+    p.add_argument("--cosine", action="store_true", default=None, help="cosine lr decay to lr/10 after warm-up")
+    p.add_argument("--clip-grad", type=float, default=None, help="gradient-norm clip (0: none)")
+    p.add_argument("--min-numel", type=int, default=None, help="TernGrad's min_numel (default: the library's)")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--powersgd-start", type=int, default=10, help="PowerSGD's start_powerSGD_iter")
     p.add_argument("--replicas", type=int, default=0,
                    help="fsdp: the mesh's replicate size (default: torchrun's nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
     p.add_argument("--bucket-size", type=int, default=0, help="TernGrad's bucket_size (0: one scaler per tensor)")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank and step (default 8)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
@@ -68,7 +86,49 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
     mixed_precision.add_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    recipe = RECIPES[args.recipe]
+    for k, v in recipe.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+RECIPES = {"plain": dict(batch_size=8, beta2=0.999, weight_decay=0.0, warmup=0, cosine=False, clip_grad=0.0),
+           # nanoGPT's (Karpathy's train_shakespeare_char, scaled): what users train small GPTs with
+           "nanogpt": dict(batch_size=16, beta2=0.95, weight_decay=0.1, warmup=100, cosine=True, clip_grad=1.0)}
+
+
+def lr_at(args, step: int) -> float:
+    """The learning rate of step ``step`` (1-based): linear warm-up, then constant or cosine to lr/10."""
+    if args.warmup and step <= args.warmup:
+        return args.lr * step / args.warmup
+    if not args.cosine:
+        return args.lr
+    done = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr / 10 + 0.5 * (args.lr - args.lr / 10) * (1 + math.cos(math.pi * min(1.0, done)))
+
+
+def make_optimizer(args, model):
+    """AdamW (torch's or TernGrad's) with weight decay on matrices only, as nanoGPT does."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    kw = dict(lr=args.lr, betas=(0.9, args.beta2))
+    if args.optim == "adamw":
+        return torch.optim.AdamW(groups, **kw)
+    from horovod_terngrad.optim import AdamW, RefreshSchedule
+    if args.refresh:
+        w, i, k, m = (int(x) for x in args.refresh.split(","))
+        kw["refresh"] = RefreshSchedule(warmup=w, interval=i, per_phase=k, max_interval=m)
+    return AdamW(groups, **kw)
+
+
+def terngrad_settings(args) -> dict:
+    kw = dict(packing=args.packing, seed=args.seed, bucket_size=args.bucket_size)
+    if args.min_numel is not None:
+        kw["min_numel"] = args.min_numel
+    return kw
 
 
 def load_corpus(path: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -102,6 +162,18 @@ def windows(ids: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> to
     return torch.stack([ids[s:s + seq_len] for s in starts.tolist()]).long()
 
 
+def held_out_loss(model, held_out: torch.Tensor, seq_len: int, batch: int = 64) -> float:
+    """Mean loss over every non-overlapping window of the held-out bytes (the same on every rank and run)."""
+    n = len(held_out) // seq_len
+    data = held_out[:n * seq_len].view(n, seq_len).long()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            w = data[i:i + batch]
+            total += model(input_ids=w, labels=w).loss.item() * len(w)
+    return total / n
+
+
 def checksum(model) -> int:
     """Of this rank's parameters (under FSDP, of its local shards)."""
     code = 0
@@ -132,7 +204,9 @@ class Frontend:
             return
         if args.compression == "bf16":
             raise SystemExit("--compression bf16 is native HSDP's bf16 reduce: --frontend fsdp only")
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        if args.compression in ("fp16", "powersgd") and self.kind != "ddp":
+            raise SystemExit(f"--compression {args.compression} is a DDP communication hook: --frontend ddp only")
+        opt = make_optimizer(args, model)
         if self.kind == "horovod":
             import horovod.torch as hvd
 
@@ -142,8 +216,7 @@ class Frontend:
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             comp = hvd.Compression.none
             if args.compression == "terngrad":
-                comp = self.counters = TernGrad.configure(packing=args.packing, seed=args.seed,
-                                                          bucket_size=args.bucket_size)
+                comp = self.counters = TernGrad.configure(**terngrad_settings(args))
             self.opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
             self.forward = model
         else:
@@ -154,8 +227,11 @@ class Frontend:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             self.forward = torch.nn.parallel.DistributedDataParallel(model)    # broadcasts rank 0's weights
             if args.compression == "terngrad":
-                self.counters = tg_ddp.register(self.forward, packing=args.packing, seed=args.seed,
-                                                bucket_size=args.bucket_size)
+                self.counters = tg_ddp.register(self.forward, **terngrad_settings(args))
+            elif args.compression in ("fp16", "powersgd"):
+                from horovod_terngrad.operations import ddp_hooks
+                ddp_hooks.install(self.forward, args.compression, powersgd_rank=args.powersgd_rank,
+                                  powersgd_start=args.powersgd_start, seed=args.seed)
             self.opt = opt
 
     def _fsdp(self, args, model):
@@ -178,9 +254,8 @@ class Frontend:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         if args.compression == "terngrad":
-            self.counters = tg_fsdp.register(model, self.mesh, packing=args.packing, seed=args.seed,
-                                             bucket_size=args.bucket_size)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+            self.counters = tg_fsdp.register(model, self.mesh, **terngrad_settings(args))
+        self.opt = make_optimizer(args, model)
         self.forward = model
 
     def uncompressed(self) -> int:
@@ -195,9 +270,18 @@ class Frontend:
         return out
 
 
-def bits(front) -> tuple[float, float]:
-    """(bits per ternarized element, bits per gradient element) handed to collectives so far."""
+def bits(front, args=None, model=None, steps: int = 0) -> tuple[float, float]:
+    """(bits per ternarized element, bits per gradient element) handed to collectives so far (full-precision
+    refreshes of tg-adamw count 32 bits per element; fp16's hook 16; PowerSGD 32 before its start, then its
+    factors' share)."""
     if front.counters is None:
+        if args is not None and args.compression == "fp16":
+            return 16.0, 16.0
+        if args is not None and args.compression == "powersgd" and steps:
+            from horovod_terngrad.operations.ddp_hooks import powersgd_bits
+            early = min(steps, args.powersgd_start)
+            low = powersgd_bits(model, args.powersgd_rank)
+            return low, (32.0 * early + low * (steps - early)) / steps
         return 32.0, 32.0
     st = front.counters.stats
     plain = front.uncompressed()
@@ -229,18 +313,25 @@ def main(argv=None):
                  if amp.enabled else ""), flush=True)
     gen = torch.Generator().manual_seed(1000 + args.seed + rank)
     tokens_per_step = args.batch_size * args.seq_len * size
+    clip = None
+    if args.clip_grad:
+        def clip():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
     losses, t_start, t_log, last_log = [], time.perf_counter(), time.perf_counter(), 0
     model.train()
     for step in range(1, args.steps + 1):
         x = windows(train, args.batch_size, args.seq_len, gen)
+        for group in front.opt.param_groups:
+            group["lr"] = lr_at(args, step)
         front.opt.zero_grad()
         with amp.autocast():
             loss = front.forward(input_ids=x, labels=x).loss
-        amp.step(loss, front.opt)          # loss.backward(); opt.step() (with --amp fp16: GradScaler's recipe)
+        # loss.backward(); [clip]; opt.step() (with --amp fp16: GradScaler's recipe)
+        amp.step(loss, front.opt, clip=clip)
         losses.append(loss.item())
         if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()
-            tern, overall = bits(front)
+            tern, overall = bits(front, args, model, step)
             print(f"step {step}: loss {sum(losses[last_log:]) / (step - last_log):.3f}  "
                   f"{tokens_per_step * (step - last_log) / (now - t_log):.0f} tokens/s  "
                   f"{tern:.2f} bits/element ternarized, {overall:.2f} over all gradient elements"
@@ -248,14 +339,12 @@ def main(argv=None):
             t_log, last_log = now, step
     elapsed = time.perf_counter() - t_start
     model.eval()
-    vgen = torch.Generator().manual_seed(7)       # the same held-out windows on every rank
-    with torch.no_grad():
-        held = sum(model(input_ids=w, labels=w).loss.item()
-                   for w in (windows(held_out, 16, args.seq_len, vgen) for _ in range(4))) / 4
+    held = held_out_loss(model, held_out, args.seq_len)
     same = replicas_identical(front, model)
-    tern, overall = bits(front)
+    tern, overall = bits(front, args, model, len(losses))
     k = max(1, min(20, len(losses) // 4))
-    result = {"frontend": args.frontend, "compression": args.compression, "ranks": size, "steps": len(losses),
+    result = {"frontend": args.frontend, "compression": args.compression, "optim": args.optim, "recipe": args.recipe,
+              "seed": args.seed, "ranks": size, "steps": len(losses),
               "params": nparams, "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k,
               "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,

@@ -11,6 +11,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 # part of the package -> layer; a module may import its own part or parts of strictly lower layers
 LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "frontends": 4,
+          "optim": 4,        # optimizers that know what the exchange did (beside the frontends, not above them)
           "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
           "ddp": 4.5,        # horovod_terngrad.ddp: the DDP frontend's public names (frontends/ddp.py)
           "fsdp": 4.5,       # horovod_terngrad.fsdp: the FSDP frontend's public names (frontends/fsdp.py)

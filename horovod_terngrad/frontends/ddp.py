@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from ..exchange import Exchange, ExchangeStats, Inspection, settle_full_precision
+from ..exchange import Exchange, ExchangeStats, Inspection, precision, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
@@ -406,9 +406,12 @@ class TernGradState:
             members = []
             for p, g in zip(job.params, job.grads):
                 name = self._name(p, job.index)
-                if self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device):
+                ternarize = self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device)
+                if ternarize and not precision.decide(p):     # horovod_terngrad.optim's refreshes (precision.py)
                     members.append((name, g))
                 else:
+                    if not ternarize:
+                        precision.record_full(p)
                     job.plain.append((name, g))
             if job.plain:
                 flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in job.plain])

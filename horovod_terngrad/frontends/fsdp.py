@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from ..exchange import Exchange, settle_full_precision
+from ..exchange import Exchange, precision, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
@@ -98,12 +98,13 @@ def _say(key, level: int, msg: str, *args) -> None:
 
 
 class _Member:
-    """One parameter's part of a unit's flat shard: where it lies and what it is called."""
+    """One parameter's part of a unit's flat shard: where it lies, what it is called, and the parameter (the
+    DTensor the optimizer holds; for the buckets fallback, the unit's parameters, which travel together)."""
 
-    __slots__ = ("name", "offset", "numel")
+    __slots__ = ("name", "offset", "numel", "params")
 
-    def __init__(self, name: str, offset: int, numel: int):
-        self.name, self.offset, self.numel = name, offset, numel
+    def __init__(self, name: str, offset: int, numel: int, params: tuple = ()):
+        self.name, self.offset, self.numel, self.params = name, offset, numel, params
 
 
 class TernGradFSDPState:
@@ -180,7 +181,8 @@ class TernGradFSDPState:
                 params = list(param_group.fsdp_params)
             members, off = [], 0
             for fp in params:
-                members.append(_Member(fp._param_fqn, off, int(torch.Size(fp.sharded_size).numel())))
+                members.append(_Member(fp._param_fqn, off, int(torch.Size(fp.sharded_size).numel()),
+                                       (getattr(fp, "sharded_param", None),)))
                 off += int(torch.Size(fp.padded_sharded_param_size).numel())
             if off == numel and all(m.numel <= numel - m.offset for m in members):
                 return members
@@ -206,7 +208,8 @@ class TernGradFSDPState:
         self.layout[unit] = "params" if members is not None else "buckets"
         if members is None:
             eng = self._bucket_engine
-            members = [_Member(f"{unit}.shard" if unit else "shard", 0, flat.numel())]
+            members = [_Member(f"{unit}.shard" if unit else "shard", 0, flat.numel(),
+                               tuple(getattr(fp, "sharded_param", None) for fp in param_group.fsdp_params))]
         else:
             eng = self.engine
         compressed, plain = [], []
@@ -214,9 +217,12 @@ class TernGradFSDPState:
             if m.numel == 0:
                 continue              # an empty shard (uneven first dimension): the same on every replica
             seg = flat[m.offset:m.offset + m.numel]
-            if self.enabled and cfg.compresses(m.name, m.numel) and eng.compression_pays(out.device):
+            ternarize = self.enabled and cfg.compresses(m.name, m.numel) and eng.compression_pays(out.device)
+            if ternarize and not precision.decide(*m.params):     # horovod_terngrad.optim's refreshes (precision.py)
                 compressed.append((m.name, seg))
             else:
+                if not ternarize:
+                    precision.record_full(*m.params)
                 plain.append((m.name, seg))
         plain_handle = None
         coll = eng.coll

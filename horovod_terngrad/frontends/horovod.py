@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 
 from ..config import TernGradConfig
 from ..errors import TernGradError
 from ..exchange import (Exchange, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient,
-                        settle_full_precision)
+                        precision, settle_full_precision)
 from ..exchange.hvd_collectives import horovod_world
 from . import naming
 from .cpu_threads import warn_if_oversubscribed
@@ -88,6 +89,7 @@ class TernGradCompressor:
         self._warned_partial = False
         self._warned_nonfinite: set = set()     # tensors sent at full precision, zeroed and warned about
         self._threads_checked = False
+        self._parameters = weakref.WeakKeyDictionary()    # DistributedOptimizer -> {name: parameter}
 
     def configure(self, **settings) -> "TernGradCompressor":
         """A new compressor with some settings changed, e.g. ``TernGrad.configure(packing='base3')``."""
@@ -162,8 +164,15 @@ class TernGradCompressor:
                 # (gradient_predivide_factor: Horovod's pre- and postscale multiply to 1 for Average)
                 average = naming.averages(naming.optimizer_op(optimizer, name), name)
                 process_set = getattr(optimizer, "process_set", None)
-            if (not self.enabled or not self.config.compresses(name, tensor.numel())
-                    or not self.engine(process_set).compression_pays(tensor.device)):
+            compressed = (self.enabled and self.config.compresses(name, tensor.numel())
+                          and self.engine(process_set).compression_pays(tensor.device))
+            param = self._parameter(optimizer, name)
+            if compressed:
+                # an optimizer of horovod_terngrad.optim may ask for a full-precision refresh (precision.py)
+                compressed = not precision.decide(param)
+            else:
+                precision.record_full(param)
+            if not compressed:
                 st.uncompressed_elements += tensor.numel()
                 # on_nonfinite covers these tensors too (decompress checks the reduced result); with
                 # HOROVOD_TERNGRAD=0 every tensor travels exactly as with Compression.none, unchecked
@@ -209,6 +218,16 @@ class TernGradCompressor:
         except (ImportError, ValueError, RuntimeError):    # Horovod absent or not initialized
             return
         warn_if_oversubscribed(local_ranks)
+
+    def _parameter(self, optimizer, name: str):
+        """The parameter a DistributedOptimizer's gradient belongs to (None for a direct hvd.allreduce)."""
+        if optimizer is None:
+            return None
+        by_name = self._parameters.get(optimizer)
+        if by_name is None:
+            names = getattr(optimizer, "_parameter_names", None) or {}
+            by_name = self._parameters[optimizer] = {n: p for p, n in names.items()}
+        return by_name.get(name)
 
     def _member_index(self, tensors, tensor) -> int:
         """Position of ``tensor`` in a direct hvd.grouped_allreduce call (members are named <name>.<i>)."""

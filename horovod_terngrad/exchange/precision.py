@@ -1,0 +1,89 @@
+"""What an exchange did with each parameter's gradient, for the optimizers that must know (horovod_terngrad.optim).
+
+An optimizer that treats ternary and exact gradients differently (TernGrad's Adam keeps ternary noise out of its
+second moment) *requests* a refresh schedule for its parameters.  Every frontend (Horovod's compressor, the DDP
+hook, the FSDP hook), when it exchanges the gradient of a parameter it would ternarize, asks ``decide`` whether
+this exchange is one of the schedule's full-precision refreshes, and *records* what it did.  The optimizer then
+reads the record of each gradient it applies.  So the two never disagree about which steps were full precision:
+the one who decided is the one who wrote it down, per exchange, whatever happened between the exchange and the
+optimizer's step (accumulation, a GradScaler's skipped step, Horovod's ``backward_passes_per_step``).
+
+The decision is a pure function of the schedule and of the requesting optimizer's step count of that parameter
+(its ``state[param]["step"]``): the same on every rank, restored by ``optimizer.load_state_dict`` on resume and
+by Horovod elastic's state sync, and not advanced by a step a GradScaler skips, so a skipped refresh is taken
+again at the next exchange.  Every exchange before one optimizer step (gradient accumulation without
+``no_sync``) decides alike.  Parameters nobody requested are never refreshed: without ``horovod_terngrad.optim``
+the exchanges are exactly what they were.
+
+Both maps are weak: a parameter that is gone takes its request and record with it.
+"""
+from __future__ import annotations
+
+import weakref
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..codec.schedule import RefreshSchedule
+
+TERNARY = "ternary"          # the gradient is TernGrad's unbiased ternary average
+REFRESH = "refresh"          # a scheduled full-precision exchange of a gradient that is otherwise ternarized
+FULL = "full"                # sent at full precision by policy (min_numel, exclude, a link where TernGrad does not pay)
+
+# keyed by identity: a tensor's == is elementwise
+_requests = WeakIdKeyDictionary()     # parameter -> (schedule, weakref(optimizer))
+_records = WeakIdKeyDictionary()      # parameter -> TERNARY | REFRESH | FULL
+
+
+def request(param, schedule: RefreshSchedule, optimizer) -> None:
+    """Ask every exchange of ``param``'s gradient to follow ``schedule``, counted in ``optimizer``'s steps of it
+    (an optimizer calls it for its parameters; the last optimizer to ask is the one counted)."""
+    if not isinstance(schedule, RefreshSchedule):
+        raise TypeError(f"schedule must be a RefreshSchedule, got {type(schedule).__name__}")
+    _requests[param] = (schedule, weakref.ref(optimizer))
+
+
+def withdraw(param) -> None:
+    _requests.pop(param, None)
+    _records.pop(param, None)
+
+
+def schedule_of(param) -> RefreshSchedule | None:
+    req = _requests.get(param) if param is not None else None
+    return None if req is None or req[1]() is None else req[0]
+
+
+def optimizer_step(optimizer, param) -> int:
+    """How many updates ``optimizer`` has applied to ``param`` (its state's ``step``; 0 before the first).  The
+    count lives on the host unless the optimizer is capturable or fused: then reading it synchronizes."""
+    state = optimizer.state.get(param)      # .get: the state is a defaultdict, and a lookup would add an entry
+    step = state.get("step") if state else None
+    return 0 if step is None else int(step)
+
+
+def decide(*params) -> bool:
+    """For a gradient the policy would ternarize (the gradients of ``params``, which travel together): whether this
+    exchange is a full-precision refresh, i.e. whether the schedule marks the step the requesting optimizer is
+    about to take (for any of them).  Records the answer (REFRESH or TERNARY) for the optimizer.  Parameters
+    without a request (or None) are always ternary and get no record."""
+    refresh, asked = False, []
+    for param in params:
+        req = _requests.get(param) if param is not None else None
+        optimizer = None if req is None else req[1]()
+        if optimizer is not None:
+            asked.append(param)
+            refresh = refresh or req[0].full_precision(optimizer_step(optimizer, param))
+    for param in asked:
+        _records[param] = REFRESH if refresh else TERNARY
+    return refresh
+
+
+def record_full(*params) -> None:
+    """The gradients of ``params`` went at full precision by policy this exchange."""
+    for param in params:
+        if param is not None and param in _requests:
+            _records[param] = FULL
+
+
+def record_of(param) -> str | None:
+    """What the last exchange of ``param``'s gradient was (None: never exchanged by TernGrad with a request)."""
+    return _records.get(param)

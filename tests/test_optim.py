@@ -1,0 +1,284 @@
+"""horovod_terngrad.optim (Adam/AdamW with the second moment from full-precision refreshes only) and the refresh
+schedule (codec/schedule.py) and ledger (exchange/precision.py) it rests on.
+
+One process: bit for bit torch.optim.Adam/AdamW wherever TernGrad is not in use (flags, param groups, lr
+schedulers, state_dict), the schedule's arithmetic, the update's math on a ternary step.  Real ranks
+(tests/workers/optim_scenarios.py): DDP (2 ranks), Horovod (2 ranks, horovodrun), FSDP2 (a (2, 2) mesh, 4
+ranks): the exchange and the optimizer agree on every step, a refresh carries the exact fp32 average, parameters
+sent at full precision take torch's update bit for bit, ranks (replicas) identical, accumulation, a GradScaler's
+skipped steps, resume from a torch.load'ed checkpoint.
+"""
+import copy
+import io
+import os
+import sys
+
+import pytest
+import torch
+
+from test_ddp import load, run_launch
+from test_horovod import launcher
+
+from horovod_terngrad.codec.schedule import RefreshSchedule
+from horovod_terngrad.exchange import precision
+from horovod_terngrad.optim import Adam, AdamW
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "optim_scenarios.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+import optim_scenarios as osc  # noqa: E402
+
+
+# -- the schedule --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sched", [RefreshSchedule(), RefreshSchedule(warmup=0),
+                                   RefreshSchedule(warmup=3, interval=2, per_phase=2, max_interval=8),
+                                   RefreshSchedule(warmup=1, interval=5, per_phase=1, max_interval=5)])
+def test_count_is_the_number_of_refreshes_among_the_first_n_exchanges(sched):
+    marks = [sched.full_precision(k) for k in range(600)]
+    assert all(sched.count(n) == sum(marks[:n]) for n in range(600))
+    assert marks[0]                                   # the first exchange is always exact: v starts from it
+    at = [k for k, m in enumerate(marks) if m]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert gaps == sorted(gaps) and max(gaps) == sched.max_interval      # spacing grows, then settles
+
+
+def test_the_default_schedule_and_its_bits():
+    s = RefreshSchedule()
+    assert [k for k in range(40) if s.full_precision(k)] == [0, 1, 2, 3, 4, 5, 6, 7, 11, 15, 19, 23, 31, 39]
+    assert s.bits_per_element(1000, 2.0) == pytest.approx((s.count(1000) * 32 + (1000 - s.count(1000)) * 2) / 1000)
+    assert s.steady_bits_per_element(2.0) == pytest.approx(2.0 + 30 / s.max_interval)
+    assert s.bits_per_element(10 ** 6, 2.0) == pytest.approx(s.steady_bits_per_element(2.0), abs=0.01)
+
+
+@pytest.mark.parametrize("bad", [dict(warmup=-1), dict(interval=0), dict(max_interval=2, interval=4),
+                                 dict(per_phase=1.5)])
+def test_a_bad_schedule_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="RefreshSchedule"):
+        RefreshSchedule(**bad)
+
+
+# -- one process: torch's optimizer, bit for bit ---------------------------------------------------------------------
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.LayerNorm(20), torch.nn.Linear(20, 3))
+
+
+def _train(model, opt, steps=6, sched=None):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 10, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+@pytest.mark.parametrize("ours,theirs,kw", [
+    (AdamW, torch.optim.AdamW, {}),
+    (AdamW, torch.optim.AdamW, dict(foreach=False, amsgrad=True, weight_decay=0.3, maximize=True)),
+    (AdamW, torch.optim.AdamW, dict(fused=True, betas=(0.8, 0.95), eps=1e-6)),
+    (Adam, torch.optim.Adam, dict(weight_decay=0.1)),
+    (Adam, torch.optim.Adam, dict(decoupled_weight_decay=True, weight_decay=0.1, foreach=True)),
+])
+def test_without_terngrad_it_is_torchs_optimizer_bit_for_bit(ours, theirs, kw):
+    a, b = _model(), _model()
+    groups = lambda m: [{"params": [m[0].weight, m[2].weight]},                       # noqa: E731
+                        {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0}]
+    oa, ob = theirs(groups(a), lr=1e-2, **kw), ours(groups(b), lr=1e-2, **kw)
+    sa = torch.optim.lr_scheduler.OneCycleLR(oa, max_lr=2e-2, total_steps=20)
+    sb = torch.optim.lr_scheduler.OneCycleLR(ob, max_lr=2e-2, total_steps=20)
+    _train(a, oa, sched=sa)
+    _train(b, ob, sched=sb)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    # state_dict round trip through torch.save / torch.load(weights_only=True), then on in step
+    buf = io.BytesIO()
+    torch.save(ob.state_dict(), buf)
+    buf.seek(0)
+    b2 = copy.deepcopy(b)
+    ob2 = ours(groups(b2), lr=1e-2, **kw)
+    ob2.load_state_dict(torch.load(buf, weights_only=True))
+    _train(a, oa, steps=3)
+    _train(b2, ob2, steps=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b2.parameters()))
+    assert set(ob.state_dict()["param_groups"][0]) - set(oa.state_dict()["param_groups"][0]) == {"refresh"}
+
+
+def test_the_signature_and_defaults_are_torchs():
+    import inspect
+    for ours, theirs in ((Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)):
+        mine = inspect.signature(ours.__init__).parameters
+        torch_params = inspect.signature(theirs.__init__).parameters
+        assert list(mine)[:len(torch_params)] == list(torch_params) or set(torch_params) <= set(mine)
+        for name, p in torch_params.items():
+            assert mine[name].default == p.default, name
+        assert list(mine)[-1] == "refresh"
+
+
+def test_a_ternary_step_updates_the_first_moment_only():
+    """The ledger says 'ternary' for one parameter: m moves, v and its count do not; the update divides by
+    v's refresh-count bias correction.  Recomputed here by hand."""
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = AdamW([w], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5, refresh=RefreshSchedule(warmup=1))
+    w.grad = torch.tensor([0.5, 0.5, -1.0])
+    precision._records[w] = precision.REFRESH
+    opt.step()                                       # torch's update (no ternary gradient yet)
+    m, v = opt.state[w]["exp_avg"].clone(), opt.state[w]["exp_avg_sq"].clone()
+    assert "v_steps" not in opt.state[w]
+    w0 = w.detach().clone()
+    g = torch.tensor([0.25, 0.0, -0.25])
+    w.grad = g.clone()
+    precision._records[w] = precision.TERNARY
+    opt.step()
+    st = opt.state[w]
+    assert int(st["step"]) == 2 and int(st["v_steps"]) == 1
+    assert torch.equal(st["exp_avg_sq"], v)
+    m2 = m * 0.9 + 0.1 * g
+    assert torch.allclose(st["exp_avg"], m2)
+    expect = w0 * (1 - 0.1 * 0.5) - 0.1 * (m2 / (1 - 0.9 ** 2)) / ((v / (1 - 0.99)).sqrt() + 1e-8)
+    assert torch.allclose(w.detach(), expect, rtol=1e-6, atol=0)
+    precision.withdraw(w)
+
+
+def test_fused_or_capturable_with_a_ternary_gradient_is_refused_with_a_reason():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = AdamW([w], fused=True)
+    w.grad = torch.ones(4)
+    precision._records[w] = precision.TERNARY
+    with pytest.raises(ValueError, match="fused=True is not supported.*shape \\(4,\\)"):
+        opt.step()
+    precision.withdraw(w)
+
+
+def test_a_bad_refresh_argument_is_a_clear_error():
+    with pytest.raises(TypeError, match="refresh must be a RefreshSchedule"):
+        AdamW([torch.nn.Parameter(torch.ones(2))], refresh=64)
+
+
+def test_the_ledger_decides_from_the_optimizers_own_step():
+    w = torch.nn.Parameter(torch.ones(3))
+    sched = RefreshSchedule(warmup=1, interval=2, per_phase=1, max_interval=2)   # refreshes at steps 0, 2, 4, ...
+    opt = AdamW([w], refresh=sched)
+    assert precision.schedule_of(w) == sched
+    seen = []
+    for _ in range(6):
+        seen.append(precision.decide(w))
+        w.grad = torch.ones(3)
+        opt.step()
+    assert seen == [True, False, True, False, True, False]
+    assert precision.decide(None) is False                 # a direct allreduce: no parameter, never refreshed
+    other = torch.nn.Parameter(torch.ones(3))
+    assert precision.decide(other) is False and precision.record_of(other) is None   # no request: untouched
+
+
+# -- real ranks -------------------------------------------------------------------------------------------------------
+
+def _agrees(steps, sched, ternarized, plain):
+    """The exchange's record and the optimizer's counts agree with the schedule at every step."""
+    for k, s in enumerate(steps):
+        for name in ternarized:
+            rec, step, _ = s["before"][name]
+            assert rec == (precision.REFRESH if sched.full_precision(step) else precision.TERNARY), (k, name)
+            _, step_after, v_after = s["after"][name]
+            assert step_after == step + 1
+            if v_after is not None:     # after the first ternary step: v counts the refreshes, never the rest
+                assert v_after == sched.count(step_after), (k, name)
+        for name in plain:
+            assert s["before"][name][0] == precision.FULL and s["after"][name][2] is None, (k, name)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("optim_ddp")
+    scenarios = ["train", "nosync", "twice", "amp", "resume", "plain"]
+    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
+                str(out), "ddp"] + scenarios, "torchrun (optim, ddp)")
+    return {sc: load(out, sc) for sc in scenarios}
+
+
+TERNARIZED = ["0.weight", "3.weight"]          # the MLP's weights of 5120 and 10240 elements
+PLAIN = ["0.bias", "1.weight", "1.bias", "3.bias", "5.weight", "5.bias"]
+
+
+@pytest.mark.parametrize("scenario", ["train", "nosync", "twice"])
+def test_ddp_exchange_and_optimizer_agree_and_ranks_are_identical(ddp_runs, scenario):
+    ranks = ddp_runs[scenario]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    for r in ranks:
+        _agrees(r["steps"], osc.SCHEDULE, TERNARIZED, PLAIN)
+        assert all(s["shadow_equal"] for s in r["steps"])      # full-precision parameters: torch's AdamW, bit for bit
+        assert sorted(r["small"]) == sorted(PLAIN)
+
+
+def test_ddp_a_refresh_carries_the_exact_average_and_a_ternary_step_does_not(ddp_runs):
+    for r in ddp_runs["train"]:
+        kinds = set()
+        for s in r["steps"]:
+            for name in TERNARIZED:
+                rec = s["before"][name][0]
+                kinds.add(rec)
+                assert s["refresh_exact"][name] == (rec == precision.REFRESH), name
+            assert all(s["refresh_exact"][n] for n in PLAIN)
+        assert kinds == {precision.REFRESH, precision.TERNARY}
+
+
+def test_gradscaler_skips_the_steps_it_skips_without_compression_and_no_refresh_is_lost(ddp_runs):
+    for r in ddp_runs["amp"]:
+        assert r["tg"]["skipped"] == r["baseline"]["skipped"] == [3, 7]
+        snaps = r["tg"]["snapshots"]
+        for k, snap in enumerate(snaps):
+            _, step, v_steps = snap["0.weight"]
+            assert step == k + 1 - sum(1 for s in (3, 7) if s <= k)     # skipped steps do not count
+            if v_steps is not None:
+                assert v_steps == osc.SCHEDULE.count(step)              # a skipped refresh is taken next time
+    assert ddp_runs["amp"][0]["tg"]["checksum"] == ddp_runs["amp"][1]["tg"]["checksum"]
+
+
+def test_ddp_resume_from_a_torch_load_checkpoint_is_bit_identical(ddp_runs):
+    for r in ddp_runs["resume"]:
+        assert r["resumed"] == r["straight"]
+        assert r["refresh"] == {"warmup": 2, "interval": 2, "per_phase": 2, "max_interval": 4}
+
+
+def test_ddp_without_a_hook_it_is_torch_adamw_bit_for_bit(ddp_runs):
+    assert all(r["equal"] for r in ddp_runs["plain"])
+
+
+@pytest.fixture(scope="module")
+def hvd_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("optim_hvd")
+    scenarios = ["train", "bpps2", "none"]
+    run_launch(launcher("gloo", 2) + [sys.executable, WORKER, str(out), "horovod"] + scenarios,
+               "horovodrun (optim)")
+    return {sc: load(out, sc) for sc in scenarios}
+
+
+@pytest.mark.parametrize("scenario", ["train", "bpps2"])
+def test_horovod_distributed_optimizer_with_synchronize_and_skip_synchronize(hvd_runs, scenario):
+    ranks = hvd_runs[scenario]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    for r in ranks:
+        _agrees(r["steps"], osc.SCHEDULE, TERNARIZED, PLAIN)
+        if scenario == "train":
+            for s in r["steps"]:
+                for name in TERNARIZED:
+                    assert s["refresh_exact"][name] == (s["before"][name][0] == precision.REFRESH)
+
+
+def test_horovod_with_compression_none_it_is_torch_adamw_bit_for_bit(hvd_runs):
+    for r in hvd_runs["none"]:
+        assert r["twin_equal"]
+        assert all(s["after"]["0.weight"][0] is None for s in r["steps"])     # nothing recorded
+
+
+def test_fsdp2_dtensor_parameters_replicas_identical_and_agreeing(tmp_path):
+    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER,
+                str(tmp_path), "fsdp", "train"], "torchrun (optim, fsdp)")
+    ranks = load(tmp_path, "train", nproc=4)
+    for shard in (0, 1):
+        codes = {r["checksum"] for r in ranks if r["shard"] == shard}
+        assert len(codes) == 1, f"replicas of shard {shard} differ"
+    for r in ranks:
+        assert set(r["layout"].values()) == {"params"}
+        # min_numel=2048 on the shards (half of each weight): the two weights ternarized, the rest full precision
+        _agrees(r["steps"], osc.SCHEDULE, TERNARIZED, PLAIN)
