@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import optimizers  # noqa: E402 (--optim)
 import mixed_precision  # noqa: E402 (--amp: autocast, GradScaler's recipe, skipped steps)
 from mnist_lenet import LeNet  # noqa: E402 (the Horovod example's model: the same network on both frontends)
 
@@ -57,7 +58,8 @@ def parse_args(argv=None):
                    help="PowerSGD's start_powerSGD_iter (plain allreduce before it; must be > 1)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=None, help="default: 0.01 for sgd, 0.001 for the Adams")
+    optimizers.add_arguments(p)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
@@ -128,7 +130,7 @@ def main(argv=None):
                                                  | ({"on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {})
                                                  if args.hook == "terngrad" else {}))
     tg_state = state if args.hook == "terngrad" else None
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    opt = optimizers.make(args, model.parameters())
     amp = mixed_precision.MixedPrecision(args.amp, device.type, args.init_scale)
     steps_per_epoch = len(xtr) // args.batch_size
     if args.max_steps:

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import optimizers  # noqa: E402 (--optim)
 import mixed_precision  # noqa: E402 (examples/mixed_precision.py: --amp, autocast, GradScaler's recipes)
 
 
@@ -55,7 +56,8 @@ def parse_args(argv=None):
                    help="TernGrad's on_nonfinite (default: the library's, 'propagate')")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per rank (paper: 64 in total)")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=None, help="default: 0.01 for sgd, 0.001 for the Adams")
+    optimizers.add_arguments(p)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
@@ -97,8 +99,7 @@ def main(argv=None):
 
     model = LeNet()
     nparams = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay)
+    opt = optimizers.make(args, model.parameters())
     nonfinite = {"on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
     compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed, **nonfinite),
                   "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]

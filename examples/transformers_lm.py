@@ -81,7 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--corpus", default=None, help="a text file (default: Python's pydoc_data.topics)")
+    p.add_argument("--corpus", default=None,
+                   help="a text file, or 'stdlib' (the top-level modules of Python's standard library, ~4.7 MB "
+                        "of code); default: Python's pydoc_data.topics")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
@@ -133,7 +135,13 @@ def terngrad_settings(args) -> dict:
 
 def load_corpus(path: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(train bytes, held-out bytes, description) as uint8 tensors."""
-    if path:
+    if path == "stdlib":
+        import glob
+        import sysconfig
+        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        data = b"".join(open(f, "rb").read() for f in files)
+        what = f"Python's standard library source ({len(files)} top-level modules)"
+    elif path:
         with open(path, "rb") as f:
             data, what = f.read(), os.path.basename(path)
     else:

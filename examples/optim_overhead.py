@@ -1,0 +1,122 @@
+"""What horovod_terngrad.optim.AdamW's step costs beside torch.optim.AdamW's, on GPT-2 shapes, against one rank's
+compute alone (forward + backward of its batch): the step of the calibrated-regime benchmarks is at least that.
+
+    OMP_NUM_THREADS=1 python examples/optim_overhead.py --json docs/adam/optim_overhead.json
+
+Models (transformers GPT2LMHeadModel built from a config): the HSDP benchmark's GPT-2 4 x 256 (byte vocabulary,
+context 64, examples/fsdp_benchmark.py) and issue 35's DDP benchmark's GPT-2 6 x 512 (vocabulary 16384).  For
+each, in ``--rounds`` interleaved rounds (so a slow spell of the machine lands on all of them), the median over
+``--steps`` steps of:
+
+  compute     forward + backward of ``--batch`` sequences of 64 tokens (one rank's batch)
+  torch       torch.optim.AdamW(foreach).step()
+  tg-ternary  horovod_terngrad.optim.AdamW.step() on a step whose gradients came ternary (m only)
+  tg-refresh  the same on a refresh step (m and v)
+
+The ledger's records are set as the exchange would set them (exchange/precision.py), so no exchange runs here.
+overhead = (tg - torch) / compute, for the ternary step and for the run's mix (the default schedule's share of
+refreshes over 1000 steps).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from horovod_terngrad.codec.schedule import RefreshSchedule
+from horovod_terngrad.exchange import precision
+from horovod_terngrad.optim import AdamW
+
+MODELS = {"gpt2-4x256": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=256),
+          "gpt2-6x512-v16384": dict(n_layer=6, n_embd=512, n_head=8, vocab_size=16384)}
+
+
+def build(spec):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **spec)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+def timed(fn, steps):
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure(name, spec, batch, steps, rounds):
+    model = build(spec)
+    params = [p for p in model.parameters()]
+    x = torch.randint(0, spec["vocab_size"], (batch, 64))
+
+    def compute():
+        model.zero_grad(set_to_none=False)
+        model(input_ids=x, labels=x).loss.backward()
+
+    compute()
+    grads = [p.grad.detach().clone() for p in params]
+    shadow = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for s, g in zip(shadow, grads):
+        s.grad = g.clone()
+    torch_opt = torch.optim.AdamW(shadow, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    tg_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for s, g in zip(tg_params, grads):
+        s.grad = g.clone()
+    tg_opt = AdamW(tg_params, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def tg_step(kind):
+        def run():
+            for p in tg_params:              # what every frontend records for a ternarized gradient
+                precision._records[p] = kind
+            tg_opt.step()
+        return run
+
+    torch_opt.step()
+    tg_step(precision.REFRESH)()           # the schedule's first step is a refresh
+    tg_step(precision.TERNARY)()
+    times = {"compute": [], "torch": [], "tg-ternary": [], "tg-refresh": []}
+    fns = {"compute": compute, "torch": torch_opt.step, "tg-ternary": tg_step(precision.TERNARY),
+           "tg-refresh": tg_step(precision.REFRESH)}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k] += timed(fn, steps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    share = RefreshSchedule().count(1000) / 1000
+    mix = (1 - share) * med["tg-ternary"] + share * med["tg-refresh"]
+    row = {"model": name, "params": sum(p.numel() for p in params), "tensors": len(params), "batch": batch,
+           **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+           "overhead_ternary": (med["tg-ternary"] - med["torch"]) / med["compute"],
+           "overhead_run_mix": (mix - med["torch"]) / med["compute"], "refresh_share": share}
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [measure(m, MODELS[m], a.batch, a.steps, a.rounds) for m in a.models.split(",")]
+    print("| model | params (tensors) | compute alone ms | torch AdamW ms | tg AdamW ternary ms | tg AdamW refresh ms "
+          "| overhead / compute, ternary step | over a 1000-step run |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M ({r['tensors']}) | {r['compute_ms']:.0f} | {r['torch_ms']:.1f} "
+              f"| {r['tg-ternary_ms']:.1f} | {r['tg-refresh_ms']:.1f} | {100 * r['overhead_ternary']:+.2f}% "
+              f"| {100 * r['overhead_run_mix']:+.2f}% |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
