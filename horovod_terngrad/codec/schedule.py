@@ -22,7 +22,7 @@ class RefreshSchedule:
     warmup: int = 8
     interval: int = 4
     per_phase: int = 4
-    max_interval: int = 64
+    max_interval: int = 128
 
     def __post_init__(self):
         for name in ("warmup", "interval", "per_phase", "max_interval"):

@@ -100,10 +100,13 @@ class _RefreshedAdam:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             plain, tern = [], []
+            on_host = not (group["fused"] or group["capturable"])     # else TernGrad's path is refused anyway
             for i, p in enumerate(params):
-                record = precision.record_of(p)
-                # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update)
-                (tern if record == precision.TERNARY or V_STEPS in self.state[p] else plain).append(i)
+                st = self.state[p]
+                # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update);
+                # after it, v has had fewer updates than m (v_steps < step) for good
+                ternary_before = on_host and V_STEPS in st and float(st[V_STEPS]) != float(st["step"])
+                (tern if precision.record_of(p) == precision.TERNARY or ternary_before else plain).append(i)
             if plain:
                 pick = (lambda xs: [xs[i] for i in plain])
                 torch_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
@@ -115,6 +118,14 @@ class _RefreshedAdam:
                            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
                            found_inf=getattr(self, "found_inf", None),
                            decoupled_weight_decay=group["decoupled_weight_decay"])
+                for i in plain:
+                    # v was updated with m: its count follows step.  Kept from the first step on, so that a
+                    # checkpoint template (torch.distributed.checkpoint loads only the keys a fresh state has) holds it
+                    st = self.state[params[i]]
+                    if V_STEPS in st:
+                        st[V_STEPS].copy_(st["step"])
+                    else:
+                        st[V_STEPS] = st["step"].clone()
             if tern:
                 amsgrad = group["amsgrad"]
                 self._terngrad_update(group, [params[i] for i in tern], [grads[i] for i in tern],
@@ -134,7 +145,7 @@ class _RefreshedAdam:
         by_kind: dict = {}
         for i, p in enumerate(params):
             state = self.state[p]
-            if V_STEPS not in state:      # v has had as many updates as steps so far (0, or torch's path before)
+            if V_STEPS not in state:      # a state from torch's AdamW: v has had as many updates as steps so far
                 state[V_STEPS] = state["step"].clone()
             refresh = precision.record_of(p) != precision.TERNARY
             if not refresh and float(state[V_STEPS]) == 0:

@@ -19,7 +19,8 @@ ddp:     train (DDP + tg_ddp.register), nosync (two micro-batches, the first und
          objects + 3), plain (no hook: tg AdamW against torch AdamW, bit for bit)
 horovod: train (DistributedOptimizer; synchronize(), clip, step under skip_synchronize()), bpps2
          (backward_passes_per_step=2), none (Compression.none: bit for bit torch AdamW)
-fsdp:    train (a (2, 2) mesh: fully_shard per layer on mesh["shard"], tg_fsdp.register, DTensor parameters)
+fsdp:    train (a (2, 2) mesh: fully_shard per layer on mesh["shard"], tg_fsdp.register, DTensor parameters),
+         resume (8 steps, against 4 + a DCP checkpoint of model, optimizer and TernGrad + 4)
 """
 import copy
 import os
@@ -348,6 +349,51 @@ def fsdp_train(dist, rank):
             "layout": dict(state.layout)}
 
 
+def fsdp_resume(dist, rank, folder):
+    """8 steps straight, against 4 steps, a DCP checkpoint (model, tg AdamW, TernGrad), fresh objects loaded from
+    it (the optimizer built with the default schedule: the checkpoint brings the saved one) and 4 more."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from horovod_terngrad import fsdp as tg_fsdp
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+    me = mesh.get_coordinate()[0] * 10 + mesh.get_coordinate()[1]
+
+    def fresh(refresh=SCHEDULE):
+        model = make_model()
+        for i in (0, 3, 5):
+            fully_shard(model[i], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        state = tg_fsdp.register(model, mesh, min_numel=2048)
+        return model, AdamW(model.parameters(), refresh=refresh, **HP), state
+
+    def train(model, opt, start, steps):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            loss_of(model, *batch(me, step)).backward()
+            opt.step()
+
+    model, opt, state = fresh()
+    train(model, opt, 0, 8)
+    straight = checksum(model.parameters())
+    model, opt, state = fresh()
+    train(model, opt, 0, 4)
+    msd, osd = get_state_dict(model, opt)
+    where = os.path.join(folder, "dcp")
+    dcp.save({"model": msd, "optim": osd, "terngrad": state.state_dict()}, checkpoint_id=where)
+    model, opt, state = fresh(refresh=None)
+    msd, osd = get_state_dict(model, opt)
+    loaded = {"model": msd, "optim": osd, "terngrad": state.state_dict()}
+    dcp.load(loaded, checkpoint_id=where)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    state.load_state_dict(loaded["terngrad"])
+    train(model, opt, 4, 4)
+    return {"straight": straight, "resumed": checksum(model.parameters()), "shard": mesh.get_coordinate()[1],
+            "refresh": opt.param_groups[0]["refresh"]}
+
+
 def run_fsdp(folder, scenarios):
     import torch.distributed as dist
     dist.init_process_group("gloo")
@@ -356,6 +402,8 @@ def run_fsdp(folder, scenarios):
         try:
             if sc == "train":
                 res = fsdp_train(dist, rank)
+            elif sc == "resume":
+                res = fsdp_resume(dist, rank, folder)
             else:
                 raise ValueError(sc)
         except Exception:  # noqa: BLE001
