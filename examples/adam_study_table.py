@@ -51,13 +51,57 @@ def table(runs: dict, baseline: str, tags=None) -> str:
     return "\n".join(lines)
 
 
+def bits_projection(model_args: list, min_numel: int, schedule=None, steps=(1000, 100_000)) -> dict:
+    """Bits per gradient element one rank hands to collectives, averaged over runs of ``steps`` steps, for
+    examples/transformers_lm.py's model: ternarized tensors' payloads (codec.sizes: 2-bit codes, scaler, header)
+    on ternary steps and 32 bits on the schedule's refreshes; tensors under ``min_numel`` at 32 bits always.
+    Also the steady state (every step past the spacing's growth) and the ternary step alone."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import transformers_lm as lm
+
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.codec.schedule import RefreshSchedule
+    from horovod_terngrad.codec.sizes import payload_size
+    schedule = schedule or RefreshSchedule()
+    cfg = TernGradConfig(min_numel=min_numel)
+    model = lm.make_model(lm.parse_args(model_args))
+    tern = plain = tern_bits = 0
+    for name, p in model.named_parameters():
+        if cfg.compresses(name, p.numel()):
+            tern += p.numel()
+            tern_bits += 8 * payload_size(p.numel(), cfg.packing, cfg.bucket_size)
+        else:
+            plain += p.numel()
+    total = tern + plain
+    per_tern = tern_bits / tern
+    out = {"elements": total, "ternarized_share": tern / total, "ternary_step": (tern_bits + 32 * plain) / total}
+    for n in steps:
+        out[f"run_{n}"] = (tern * schedule.bits_per_element(n, per_tern) + 32 * plain) / total
+    out["steady"] = (tern * schedule.steady_bits_per_element(per_tern) + 32 * plain) / total
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder")
     p.add_argument("--baseline", default="fp32")
     p.add_argument("--tags", default=None, help="comma-separated, in this order (default: all, sorted)")
+    p.add_argument("--bits", action="store_true",
+                   help="also the bits projection of the default schedule for the study's models (min_numel 0 and 4096)")
     a = p.parse_args(argv)
     print(table(load(a.folder), a.baseline, a.tags.split(",") if a.tags else None))
+    if a.bits:
+        print()
+        print("| model | min_numel | ternarized share | ternary step | 1000-step run | 100k-step run | steady |")
+        print("|---|---|---|---|---|---|---|")
+        for label, margs in (("GPT-2 4x128, bytes", ["--n-layer", "4"]), ("GPT-2 6x128, bytes", ["--n-layer", "6"]),
+                             ("GPT-2 12x768, 50257 vocab (GPT-2 small)",
+                              ["--n-layer", "12", "--n-embd", "768", "--n-head", "12"])):
+            for mn in (0, 4096):
+                b = bits_projection(margs + (["--vocab", "50257"] if "768" in margs else []), mn)
+                print(f"| {label} | {mn} | {100 * b['ternarized_share']:.2f}% | {b['ternary_step']:.3f} | "
+                      f"{b['run_1000']:.3f} | {b['run_100000']:.3f} | {b['steady']:.3f} |")
 
 
 if __name__ == "__main__":

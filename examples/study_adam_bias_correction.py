@@ -66,10 +66,11 @@ def main(argv=None):
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--floor", type=float, default=0.1, help="v_hat >= floor * v (0: only > 0)")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     args = lm.parse_args(["--recipe", "nanogpt", "--n-layer", str(a.n_layer), "--steps", str(a.steps),
-                          "--seed", str(a.seed)])
+                          "--seed", str(a.seed), "--lr", str(a.lr)])
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     train, held_out, _ = lm.load_corpus(None)
@@ -118,7 +119,7 @@ def main(argv=None):
     from horovod_terngrad.codec.sizes import payload_size
     sent = sum(8 * payload_size(q.numel(), cfg.packing, cfg.bucket_size) if cfg.compresses(n, q.numel())
                else 32 * q.numel() for n, q in zip(names, params))
-    result = {"study": "adam_bias_correction", "seed": args.seed, "steps": args.steps, "floor": a.floor,
+    result = {"study": "adam_bias_correction", "seed": args.seed, "steps": args.steps, "floor": a.floor, "lr": a.lr,
               "ranks": a.ranks, "held_out_loss": held,
               "bits_per_element_overall": sent / sum(q.numel() for q in params)}
     print(f"held-out loss {held:.4f}")

@@ -79,6 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256, help="the model's vocabulary (the data are bytes: 256)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--corpus", default=None,
@@ -157,7 +158,7 @@ def load_corpus(path: str | None = None) -> tuple[torch.Tensor, torch.Tensor, st
 
 def make_model(args, seq_len: int | None = None):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=256, n_positions=seq_len or args.seq_len, n_embd=args.n_embd,
+    cfg = GPT2Config(vocab_size=args.vocab, n_positions=seq_len or args.seq_len, n_embd=args.n_embd,
                      n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg)
@@ -352,7 +353,7 @@ def main(argv=None):
     tern, overall = bits(front, args, model, len(losses))
     k = max(1, min(20, len(losses) // 4))
     result = {"frontend": args.frontend, "compression": args.compression, "optim": args.optim, "recipe": args.recipe,
-              "seed": args.seed, "ranks": size, "steps": len(losses),
+              "seed": args.seed, "lr": args.lr, "ranks": size, "steps": len(losses),
               "params": nparams, "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k,
               "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,

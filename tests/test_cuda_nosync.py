@@ -98,3 +98,28 @@ def test_fsdp_engine_decodes_without_a_sync(poison):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(outs[0], outs[1])
     assert bool(torch.isnan(outs[0]).all()) == poison
+
+
+def test_terngrad_adamw_steps_without_a_sync():
+    """horovod_terngrad.optim.AdamW on CUDA parameters, on a refresh step, then ternary steps, and the ledger's
+    decision for the next exchange: no host synchronization (its step counts live on the host, as in torch's
+    non-capturable Adam).  On CPU the same update runs in tests/test_optim.py (by hand, and on DDP, Horovod and
+    FSDP2 ranks)."""
+    from horovod_terngrad.exchange import precision
+    from horovod_terngrad.optim import AdamW
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (5000, 300)]
+    opt = AdamW(params, lr=1e-3, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    precision.decide(*params)            # step 0: a refresh (the schedule's warm-up)
+    opt.step()
+    for p in params:
+        precision._records[p] = precision.TERNARY
+    opt.step()                            # warm up the kernels before the check
+    with no_sync_allowed():
+        for _ in range(3):
+            for p in params:
+                precision._records[p] = precision.TERNARY
+            opt.step()
+        assert precision.decide(*params) in (True, False)
+    assert all(int(opt.state[p]["v_steps"]) == 1 and int(opt.state[p]["step"]) == 5 for p in params)

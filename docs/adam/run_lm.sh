@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# One run of examples/transformers_lm.py on DDP, 2 gloo ranks, for the Adam study (docs/adam.md):
+# One run of examples/transformers_lm.py for the Adam study (docs/adam.md), --recipe nanogpt, GPT-2 4 x 128,
+# 1000 steps, one thread per rank:
 #   docs/adam/run_lm.sh TAG SEED [transformers_lm.py arguments...]
-# writes docs/adam/runs/TAG.s<SEED>.json and .log; skips a run whose JSON exists.
+# FRONTEND=ddp (default: torchrun, 2 gloo ranks) | fsdp (torchrun, 4 ranks, mesh (2, 2), 8 sequences per rank:
+# the same 32 per step) | horovod (horovodrun --gloo, 2 ranks).
+# Writes docs/adam/runs/TAG.s<SEED>.json and .log; skips a run whose JSON exists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tag=$1 seed=$2; shift 2
 out=docs/adam/runs/$tag.s$seed
 [ -f "$out.json" ] && exit 0
-port=$((29500 + RANDOM % 1000))
-OMP_NUM_THREADS=1 flock /tmp/cpu.lock .venv/bin/torchrun --nproc_per_node 2 --master_port $port \
-  examples/transformers_lm.py --frontend ddp --recipe nanogpt --n-layer 4 --steps 1000 --log-every 100 \
-  --seed "$seed" --json "$out.json" "$@" > "$out.log" 2>&1 || { echo "FAILED: $tag seed $seed" >&2; tail -5 "$out.log" >&2; }
+frontend=${FRONTEND:-ddp}
+common=(examples/transformers_lm.py --frontend "$frontend" --recipe nanogpt --n-layer 4 --steps 1000
+        --log-every 100 --seed "$seed" --json "$out.json")
+case "$frontend" in
+  ddp) cmd=(.venv/bin/torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 1000)) "${common[@]}") ;;
+  fsdp) cmd=(.venv/bin/torchrun --nproc_per_node 4 --master_port $((29500 + RANDOM % 1000)) "${common[@]}"
+             --replicas 2 --batch-size 8) ;;
+  horovod) cmd=(.venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python "${common[@]}") ;;
+  *) echo "FRONTEND must be ddp, fsdp or horovod" >&2; exit 2 ;;
+esac
+OMP_NUM_THREADS=1 flock /tmp/cpu.lock "${cmd[@]}" "$@" > "$out.log" 2>&1 \
+  || { echo "FAILED: $tag seed $seed" >&2; tail -5 "$out.log" >&2; }
