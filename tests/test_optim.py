@@ -101,7 +101,7 @@ def test_without_terngrad_it_is_torchs_optimizer_bit_for_bit(ours, theirs, kw):
     _train(a, oa, steps=3)
     _train(b2, ob2, steps=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b2.parameters()))
-    assert set(ob.state_dict()["param_groups"][0]) - set(oa.state_dict()["param_groups"][0]) == {"refresh"}
+    assert set(ob.state_dict()["param_groups"][0]) - set(oa.state_dict()["param_groups"][0]) == {"refresh", "v_floor"}
 
 
 def test_the_signature_and_defaults_are_torchs():
@@ -112,7 +112,7 @@ def test_the_signature_and_defaults_are_torchs():
         assert list(mine)[:len(torch_params)] == list(torch_params) or set(torch_params) <= set(mine)
         for name, p in torch_params.items():
             assert mine[name].default == p.default, name
-        assert list(mine)[-1] == "refresh"
+        assert list(mine)[-2:] == ["refresh", "v_floor"]
 
 
 def test_a_ternary_step_updates_the_first_moment_only():
@@ -190,7 +190,7 @@ def _agrees(steps, sched, ternarized, plain):
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_ddp")
-    scenarios = ["train", "nosync", "twice", "amp", "resume", "plain"]
+    scenarios = ["train", "nosync", "twice", "amp", "resume", "plain", "corrected", "resume_corrected"]
     run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
                 str(out), "ddp"] + scenarios, "torchrun (optim, ddp)")
     return {sc: load(out, sc) for sc in scenarios}
@@ -240,6 +240,27 @@ def test_ddp_resume_from_a_torch_load_checkpoint_is_bit_identical(ddp_runs):
         assert r["refresh"] == {"warmup": 2, "interval": 2, "per_phase": 2, "max_interval": 4}
 
 
+def test_ddp_default_mode_gets_the_exact_noise_estimate_with_every_ternary_average(ddp_runs):
+    """The default (v corrected by the noise estimate): the estimate the DDP hook hands over equals
+    (1/N^2)·Σ_r (s_r·t_r)^2 recomputed from every rank's gradient bit for bit, with the exact average and its
+    squared norm; full-precision tensors get none and take torch's AdamW bit for bit; ranks identical."""
+    ranks = ddp_runs["corrected"]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    for r in ranks:
+        for s in r["steps"]:
+            assert all(s["checks"].values()), s["checks"]
+            assert s["shadow_equal"]
+            for name in TERNARIZED:
+                rec, step, v_steps = s["after"][name]
+                assert rec == precision.TERNARY and v_steps == step          # v updated every step
+        assert {n for n, nz in r["noise_nonzero"].items() if nz} == set(TERNARIZED)
+
+
+def test_ddp_default_mode_resume_from_a_torch_load_checkpoint_is_bit_identical(ddp_runs):
+    for r in ddp_runs["resume_corrected"]:
+        assert r["resumed"] == r["straight"] and r["refresh"] is None
+
+
 def test_ddp_without_a_hook_it_is_torch_adamw_bit_for_bit(ddp_runs):
     assert all(r["equal"] for r in ddp_runs["plain"])
 
@@ -247,7 +268,7 @@ def test_ddp_without_a_hook_it_is_torch_adamw_bit_for_bit(ddp_runs):
 @pytest.fixture(scope="module")
 def hvd_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_hvd")
-    scenarios = ["train", "bpps2", "none"]
+    scenarios = ["train", "bpps2", "none", "corrected"]
     run_launch(launcher("gloo", 2) + [sys.executable, WORKER, str(out), "horovod"] + scenarios,
                "horovodrun (optim)")
     return {sc: load(out, sc) for sc in scenarios}
@@ -265,6 +286,14 @@ def test_horovod_distributed_optimizer_with_synchronize_and_skip_synchronize(hvd
                     assert s["refresh_exact"][name] == (s["before"][name][0] == precision.REFRESH)
 
 
+def test_horovod_default_mode_with_fusion_trains_identically_and_takes_the_noise_out(hvd_runs):
+    ranks = hvd_runs["corrected"]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    for r in ranks:
+        assert {n for n, nz in r["noise_nonzero"].items() if nz} == set(TERNARIZED)
+        assert all(s["before"][n][0] == precision.TERNARY for s in r["steps"] for n in TERNARIZED)
+
+
 def test_horovod_with_compression_none_it_is_torch_adamw_bit_for_bit(hvd_runs):
     for r in hvd_runs["none"]:
         assert r["twin_equal"]
@@ -275,14 +304,24 @@ def test_horovod_with_compression_none_it_is_torch_adamw_bit_for_bit(hvd_runs):
 def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_fsdp")
     run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER,
-                str(out), "fsdp", "train", "resume"], "torchrun (optim, fsdp)")
-    return {sc: load(out, sc, nproc=4) for sc in ("train", "resume")}
+                str(out), "fsdp", "train", "resume", "corrected", "resume_corrected"], "torchrun (optim, fsdp)")
+    return {sc: load(out, sc, nproc=4) for sc in ("train", "resume", "corrected", "resume_corrected")}
 
 
-def test_fsdp2_resume_through_dcp_is_bit_identical(fsdp_runs):
-    for r in fsdp_runs["resume"]:
+@pytest.mark.parametrize("scenario", ["resume", "resume_corrected"])
+def test_fsdp2_resume_through_dcp_is_bit_identical(fsdp_runs, scenario):
+    for r in fsdp_runs[scenario]:
         assert r["resumed"] == r["straight"]
-        assert r["refresh"] == {"warmup": 2, "interval": 2, "per_phase": 2, "max_interval": 4}
+        assert r["refresh"] == (None if scenario == "resume_corrected" else
+                                {"warmup": 2, "interval": 2, "per_phase": 2, "max_interval": 4})
+
+
+def test_fsdp2_default_mode_replicas_identical_and_the_noise_taken_out(fsdp_runs):
+    ranks = fsdp_runs["corrected"]
+    for shard in (0, 1):
+        assert len({r["checksum"] for r in ranks if r["shard"] == shard}) == 1
+    for r in ranks:
+        assert {n for n, nz in r["noise_nonzero"].items() if nz} == set(TERNARIZED)
 
 
 def test_fsdp2_dtensor_parameters_replicas_identical_and_agreeing(fsdp_runs):

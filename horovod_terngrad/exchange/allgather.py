@@ -100,8 +100,25 @@ def receive(ex, tk) -> torch.Tensor | None:
         return None
     out = backends.for_device(buf.device).decode(buf, headers, offsets, len(headers) if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)
+    if tk.want_noise:
+        tk.noise = noise_estimate(buf, headers, offsets, len(headers) if tk.average else 1)
     ex.stats.codec_s += time.perf_counter() - t0
     return out
+
+
+def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    """Per element, (1/divisor^2)·Σ_r (s_r·t_r)^2 = (1/divisor^2)·Σ_r s_r^2·|t_r| from every rank's payload: an
+    unbiased estimate of (1/N^2)·Σ_r s_r·|g_r|, which bounds the variance the ternary rounding adds to the average
+    (it exceeds it by (1/N^2)·Σ_r g_r^2).  horovod_terngrad.optim subtracts its running mean from Adam's second
+    moment.  No extra bytes: every rank holds every payload.  Reference torch ops on the buffer's device (no host
+    synchronization); costs about one more decode."""
+    acc = None
+    for h, o in zip(headers, offsets):
+        scalers, codes = codec.packing.split(buf[o:o + h.total_bytes], h)
+        mag = codec.packing.unpack(codes, h.numel, h.fmt).abs_()
+        x = mag.mul_(codec.expand_scalers(scalers * scalers, h.bucket_size, h.numel))
+        acc = x if acc is None else acc.add_(x)
+    return acc.div_(float(divisor) ** 2)
 
 
 def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
@@ -131,6 +148,8 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
         raise TernGradError("TernGrad: on_nonfinite='raise' needs the headers on the host; "
                             "Exchange.layout_known does not read them")
     out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
+    if tk.want_noise:
+        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1).masked_fill_(bad, 0.0)
     if buf.device.type == "cpu" and bool(bad):
         if cfg.on_nonfinite == "propagate":
             ex.stats.nonfinite_propagated += 1

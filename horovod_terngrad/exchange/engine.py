@@ -89,7 +89,8 @@ class Ticket:
     """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
-                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished")
+                 "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished",
+                 "want_noise", "noise")
 
     def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place):
         self.engine, self.group = engine, None
@@ -105,6 +106,8 @@ class Ticket:
         self.poisoned = False      # the result is NaN on every rank (NaN/Inf somewhere, on_nonfinite='propagate')
         self.prep = None           # the statistics (codec.Prepared): scalers, NaN flag, for the handshake
         self.finished = False      # finish() has returned its average or raised
+        self.want_noise = False    # the caller asks for the ternary noise estimate (allgather.noise_estimate)
+        self.noise = None          # ... and gets it here, when the transport has every rank's payload
 
 
 class Presence:

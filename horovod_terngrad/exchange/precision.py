@@ -32,19 +32,40 @@ FULL = "full"                # sent at full precision by policy (min_numel, excl
 # keyed by identity: a tensor's == is elementwise
 _requests = WeakIdKeyDictionary()     # parameter -> (schedule, weakref(optimizer))
 _records = WeakIdKeyDictionary()      # parameter -> TERNARY | REFRESH | FULL
+_noise = WeakIdKeyDictionary()        # parameter -> (noise estimate, squared norm of the average)
 
 
-def request(param, schedule: RefreshSchedule, optimizer) -> None:
-    """Ask every exchange of ``param``'s gradient to follow ``schedule``, counted in ``optimizer``'s steps of it
-    (an optimizer calls it for its parameters; the last optimizer to ask is the one counted)."""
-    if not isinstance(schedule, RefreshSchedule):
-        raise TypeError(f"schedule must be a RefreshSchedule, got {type(schedule).__name__}")
-    _requests[param] = (schedule, weakref.ref(optimizer))
+def request(param, schedule: RefreshSchedule | None, optimizer, noise: bool = False) -> None:
+    """Ask every exchange of ``param``'s gradient to follow ``schedule`` (None: never refresh), counted in
+    ``optimizer``'s steps of it, and, with ``noise``, to hand over the ternary noise estimate with each ternary
+    average (``attach_noise``); an optimizer calls it for its parameters (the last one to ask is the one counted)."""
+    if schedule is not None and not isinstance(schedule, RefreshSchedule):
+        raise TypeError(f"schedule must be a RefreshSchedule or None, got {type(schedule).__name__}")
+    _requests[param] = (schedule, weakref.ref(optimizer), bool(noise))
+
+
+def wants_noise(param) -> bool:
+    """Whether the exchange should estimate the ternary noise of ``param``'s average (allgather.noise_estimate)."""
+    req = _requests.get(param) if param is not None else None
+    return req is not None and req[2] and req[1]() is not None
+
+
+def attach_noise(param, noise, average) -> None:
+    """The ternary noise estimate of ``param``'s average, and the average's squared norm then (a 0-d tensor on its
+    device): whatever scales the gradient between the exchange and the step (a norm clip, a GradScaler's unscale)
+    scales the noise by the same factor squared, which the optimizer recovers from the two norms."""
+    _noise[param] = (noise, average.detach().float().square().sum())
+
+
+def take_noise(param):
+    """(noise, squared norm of the average at the exchange) attached since the last call, or None."""
+    return _noise.pop(param, None)
 
 
 def withdraw(param) -> None:
     _requests.pop(param, None)
     _records.pop(param, None)
+    _noise.pop(param, None)
 
 
 def schedule_of(param) -> RefreshSchedule | None:
@@ -71,7 +92,7 @@ def decide(*params) -> bool:
         optimizer = None if req is None else req[1]()
         if optimizer is not None:
             asked.append(param)
-            refresh = refresh or req[0].full_precision(optimizer_step(optimizer, param))
+            refresh = refresh or (req[0] is not None and req[0].full_precision(optimizer_step(optimizer, param)))
     for param in asked:
         _records[param] = REFRESH if refresh else TERNARY
     return refresh

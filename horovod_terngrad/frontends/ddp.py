@@ -104,7 +104,7 @@ class _Job:
     """One bucket of one iteration: what the hook saw, then the exchange's tickets."""
 
     __slots__ = ("index", "last", "buffer", "params", "grads", "future", "result", "tickets", "plain",
-                 "plain_handle", "error")
+                 "plain_handle", "error", "noisy")
 
     def __init__(self, bucket):
         self.index = bucket.index()
@@ -121,6 +121,7 @@ class _Job:
         self.plain: list = []            # (name, gradient view) averaged uncompressed
         self.plain_handle = None
         self.error = None
+        self.noisy: dict = {}            # name -> parameter whose optimizer wants the ternary noise estimate
 
 
 def _value(fut):
@@ -409,6 +410,8 @@ class TernGradState:
                 ternarize = self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device)
                 if ternarize and not precision.decide(p):     # horovod_terngrad.optim's refreshes (precision.py)
                     members.append((name, g))
+                    if precision.wants_noise(p):
+                        job.noisy[name] = p
                 else:
                     if not ternarize:
                         precision.record_full(p)
@@ -422,6 +425,8 @@ class TernGradState:
             for gi, names in enumerate(plan.groups):
                 tickets = eng.start_group([(grads[n], n) for n in names], f"ddp{job.index}.{gi}.{names[0]}",
                                           average=True, in_place=True)
+                for n, tk in zip(names, tickets):
+                    tk.want_noise = n in job.noisy
                 job.tickets += [(n, grads[n], tk) for n, tk in zip(names, tickets)]
         except Exception as e:  # noqa: BLE001 - reported through the bucket's future
             job.error = e
@@ -435,6 +440,8 @@ class TernGradState:
                 out = tk.engine.finish(tk)
                 if out.data_ptr() != g.data_ptr() or out.dtype != g.dtype:
                     g.copy_(out.view(g.shape))
+                if tk.noise is not None:
+                    precision.attach_noise(job.noisy[name], tk.noise.view(g.shape), out)
             except Exception as e:  # noqa: BLE001 - the first error goes to the future
                 job.error = job.error or e
         if job.plain_handle is not None:

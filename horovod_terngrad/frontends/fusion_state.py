@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import TernGradConfig
-from ..exchange import fusion
+from ..exchange import fusion, precision
 
 
 class FusedBatch:
@@ -49,6 +49,8 @@ class FusedBatch:
         tickets = self.engine.start_group([(self.arrived[n], n) for n in order], name, average=self.average,
                                           in_place=True)
         self.tickets = dict(zip(order, tickets))
+        for n, tk in self.tickets.items():      # horovod_terngrad.optim's noise estimate (exchange/precision.py)
+            tk.want_noise = precision.wants_noise(self.fusion.params.get(n))
         self.arrived = {}
         self.fusion.batches[self.group] = FusedBatch(self.fusion, self.group)
 

@@ -90,6 +90,7 @@ class TernGradCompressor:
         self._warned_nonfinite: set = set()     # tensors sent at full precision, zeroed and warned about
         self._threads_checked = False
         self._parameters = weakref.WeakKeyDictionary()    # DistributedOptimizer -> {name: parameter}
+        self._noisy: dict = {}         # id(ticket) -> parameter whose optimizer wants the ternary noise estimate
 
     def configure(self, **settings) -> "TernGradCompressor":
         """A new compressor with some settings changed, e.g. ``TernGrad.configure(packing='base3')``."""
@@ -191,6 +192,9 @@ class TernGradCompressor:
             # Only the optimizer replaces the gradient with the result, so only then may the result be
             # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
             ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None)
+            if precision.wants_noise(param):
+                ticket.want_noise = True
+                self._noisy[id(ticket)] = param
         return empty, (ticket if scale == 1.0 else Scaled(ticket, scale))
 
     def _check_world(self) -> None:
@@ -270,9 +274,11 @@ class TernGradCompressor:
         scale = 1.0
         if isinstance(ctx, Scaled):
             scale, ctx = ctx.scale, ctx.ticket
+        param = None
         with self._lock:
             if isinstance(ctx, FusedMember):
                 batch = ctx.batch
+                param = batch.fusion.params.get(ctx.name)
                 if batch.tickets is None:      # members never arrived this step: start every such group
                     missing = batch.fusion.start_incomplete()
                     if missing and not self._warned_partial:
@@ -285,5 +291,8 @@ class TernGradCompressor:
             raise TernGradError(f"TernGrad.decompress got a ctx of type {type(ctx).__name__}; it must be "
                                 "the ctx returned by the same compressor's compress()")
         with self._lock:
+            param = self._noisy.pop(id(ctx), param)
             out = ctx.engine.finish(ctx)
+        if ctx.noise is not None and param is not None:
+            precision.attach_noise(param, ctx.noise.view(out.shape), out)
         return out if scale == 1.0 else out * scale

@@ -1,41 +1,42 @@
-"""Adam and AdamW for TernGrad: the second moment taken only from exact gradients.
+"""Adam and AdamW for TernGrad: keep the ternary rounding's noise out of the second moment.
 
 Why.  A TernGrad gradient is unbiased, E[s·t] = g, but its square is not: E[(s·t)^2] = s·|g| >= g^2 per rank,
 and the average over N ranks carries (1/N^2)·Σ_r (s_r·|g_r| - g_r^2) of ternary variance on top of the
 minibatch's.  Adam divides by the square root of its running mean of squared gradients v, so fed ternary
-gradients it takes every step shorter (about 1.4x with the default clip at 2.5σ) and trains a transformer
-measurably worse than fp32 AdamW (docs/adam.md).  Subtracting an estimate of that variance from v (DP-AdamBC's
-idea) cannot work here: one ternary draw per rank gives no unbiased estimate of g_r^2, and subtracting s_r·|x_r|
-removes the minibatch's own variance too (docs/adam.md measures it).
+gradients it takes every step shorter (about 1.4x with the default clip at 2.5σ).
 
-What.  The second moment is updated only from exact averages (0/1 Adam's idea, arXiv 2202.06009).  The exchange
-sends a gradient at full precision on the steps of a ``RefreshSchedule`` (codec/schedule.py: every step of a
-short warm-up, then further and further apart); there both moments are updated.  On every other step the
-gradient is ternary and updates the first moment only; v keeps its last value, and its bias correction counts
-the refreshes it has had (``state["v_steps"]``), not the steps:
+Two ways to keep the noise out of v, both measured (docs/adam.md); the first is the default:
 
-    refresh:  m <- β1·m + (1-β1)·g,  v <- β2·v + (1-β2)·g^2,  v_steps += 1
-    ternary:  m <- β1·m + (1-β1)·g
-    always:   step += 1;  p <- p - lr·(m / (1-β1^step)) / (sqrt(v / (1-β2^v_steps)) + eps)
-              (AdamW: p <- p·(1 - lr·wd) first; Adam with weight decay: g <- g + wd·p first; amsgrad: the
-              running max of v; maximize: -g)
+* ``refresh=None`` (default): **v corrected by the measured noise** (DP-AdamBC's idea, arXiv 2312.14334).  The
+  allgather exchange hands every rank every rank's ternary vector and scalers, so each rank forms, per element
+  and at no extra bytes, nu = (1/N^2)·Σ_r s_r^2·|t_r| (exchange/allgather.noise_estimate), an unbiased estimate
+  of (1/N^2)·Σ_r s_r·|g_r|.  The optimizer keeps its running mean n beside v and divides by
 
-The optimizer does not count refreshes itself: the exchange that decided a gradient's precision records it
-(exchange/precision.py), from this optimizer's own ``step`` of that parameter, and ``step()`` reads the record.
-So they cannot disagree, whatever the frontend does between the two (accumulation, Horovod's
-``backward_passes_per_step`` and ``synchronize()``/``skip_synchronize()``, a step a GradScaler skips: the step
-count does not move, so the refresh is taken at the next exchange).  Ranks decide alike (their optimizer states
-are identical), a resumed run decides as the uninterrupted one (the step is in ``state_dict()``).
+      v_hat = max(v - n, v_floor·v) / (1 - β2^step)
 
-Parameters whose gradient did not come through a ternary exchange, and that never did (no TernGrad, tensors
-under ``min_numel`` or in ``exclude``, ``HOROVOD_TERNGRAD=0``), take torch's own update, bit for bit: the same
-functional ``adam`` torch's ``step`` calls, with the group's flags.
+  nu over-estimates the ternary variance by (1/N^2)·Σ_r g_r^2 (one draw per rank cannot tell g_r^2 apart), so
+  v - n is smaller than fp32's v by up to the minibatch's own share; the floor (``v_floor``, default 0.1: at
+  most sqrt(10) ≈ 3.2x longer steps than plain v) keeps elements whose estimate is all noise finite.  A norm clip
+  or a GradScaler's unscale between the exchange and the step scales nu by the same factor squared (recovered
+  from the two norms).  Where no estimate comes (the sharded or node-aware exchange, a rank in ``hvd.join()``),
+  v takes the ternary gradient as plain AdamW would, said once.
+* ``refresh=RefreshSchedule(...)``: **v from full-precision refreshes only** (0/1 Adam's idea, arXiv
+  2202.06009).  The exchange sends the gradient at full precision on the schedule's steps; there both moments
+  are updated, elsewhere only m, and v's bias correction counts its refreshes (``state["v_steps"]``).  The
+  exchange decides from this optimizer's own ``step`` of the parameter and records it (exchange/precision.py),
+  so the two never disagree (accumulation, ``backward_passes_per_step``, a GradScaler's skipped step: the count
+  does not move and the refresh is taken next time; resume and elastic restore the count).  It costs 32 bits
+  per element on each refresh.
 
-Cost.  On top of torch's foreach update: nothing on ternary steps but a skipped v update; the update runs as
-foreach ops over the parameters grouped by device and dtype, with bias corrections computed on the host from the
-host-side step counts (no synchronization on a GPU, as torch's non-capturable Adam).  ``capturable``,
-``differentiable`` and ``fused`` apply to torch's path; a TernGrad parameter under them is refused with a
-reason at its first step.
+Parameters whose gradient did not come through a ternary exchange, and never did (no TernGrad, tensors under
+``min_numel`` or in ``exclude``, ``HOROVOD_TERNGRAD=0``), take torch's own update, bit for bit: the functional
+``adam`` torch's ``step`` calls, with the group's flags.
+
+Cost.  One more state tensor per ternarized parameter (n), the noise estimate held from the exchange to the
+step, and foreach ops over the parameters grouped by device and dtype (on a DTensor, its local shard); bias
+corrections from the host-side step counts: no synchronization on a GPU, as torch's non-capturable Adam.
+``capturable``, ``differentiable`` and ``fused`` apply to torch's path; a ternarized parameter under them is
+refused with a reason at its first step.
 """
 from __future__ import annotations
 
@@ -51,13 +52,20 @@ from ..exchange import precision
 
 log = logging.getLogger("horovod_terngrad")
 
-V_STEPS = "v_steps"
+V_STEPS = "v_steps"             # updates v has had (refresh mode: its refreshes)
+TERNARY_STEPS = "ternary_steps"  # steps taken with a ternary gradient (after the first, TernGrad's path for good)
+NOISE = "exp_avg_noise"          # running mean of the ternary noise estimate (default mode)
 
 
-def _schedule_dict(refresh) -> dict:
+def _local(t):
+    """A DTensor's local shard (the same memory), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _schedule_dict(refresh) -> dict | None:
     if refresh is None:
-        refresh = RefreshSchedule()
-    elif isinstance(refresh, dict):
+        return None
+    if isinstance(refresh, dict):
         refresh = RefreshSchedule(**refresh)
     elif not isinstance(refresh, RefreshSchedule):
         raise TypeError(f"refresh must be a RefreshSchedule (or its fields as a dict), got {type(refresh).__name__}")
@@ -70,23 +78,29 @@ class _RefreshedAdam:
     """The TernGrad-aware part shared by Adam and AdamW (mixed in before torch's class)."""
 
     _warned_unrefreshed = False
+    _warned_no_noise = False
 
     def add_param_group(self, param_group: dict) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         param_group = dict(param_group, refresh=_schedule_dict(param_group.get("refresh", self._refresh_default)))
+        param_group.setdefault("v_floor", self._v_floor)
+        if not 0 <= param_group["v_floor"] <= 1:
+            raise ValueError(f"v_floor must be in [0, 1], got {param_group['v_floor']!r}")
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        schedule = RefreshSchedule(**group["refresh"])
+        self._request(self.param_groups[-1])
+
+    def _request(self, group) -> None:
+        schedule = None if group.get("refresh") is None else RefreshSchedule(**group["refresh"])
         for p in group["params"]:
-            precision.request(p, schedule, self)
+            precision.request(p, schedule, self, noise=schedule is None)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for group in self.param_groups:           # the loaded groups' schedules
-            schedule = RefreshSchedule(**group.setdefault("refresh", dataclasses.asdict(RefreshSchedule())))
-            for p in group["params"]:
-                precision.request(p, schedule, self)
+        for group in self.param_groups:           # the loaded groups' settings
+            group.setdefault("refresh", None)
+            group.setdefault("v_floor", self._v_floor)
+            self._request(group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -103,9 +117,9 @@ class _RefreshedAdam:
             on_host = not (group["fused"] or group["capturable"])     # else TernGrad's path is refused anyway
             for i, p in enumerate(params):
                 st = self.state[p]
-                # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update);
-                # after it, v has had fewer updates than m (v_steps < step) for good
-                ternary_before = on_host and V_STEPS in st and float(st[V_STEPS]) != float(st["step"])
+                # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
+                # TernGrad's after it, for good (host-side count: no GPU sync)
+                ternary_before = on_host and TERNARY_STEPS in st and float(st[TERNARY_STEPS]) > 0
                 (tern if precision.record_of(p) == precision.TERNARY or ternary_before else plain).append(i)
             if plain:
                 pick = (lambda xs: [xs[i] for i in plain])
@@ -119,13 +133,18 @@ class _RefreshedAdam:
                            found_inf=getattr(self, "found_inf", None),
                            decoupled_weight_decay=group["decoupled_weight_decay"])
                 for i in plain:
-                    # v was updated with m: its count follows step.  Kept from the first step on, so that a
-                    # checkpoint template (torch.distributed.checkpoint loads only the keys a fresh state has) holds it
-                    st = self.state[params[i]]
+                    # v was updated with m: its count follows step.  Every key TernGrad's path uses exists from the
+                    # first step on, so that a checkpoint template (torch.distributed.checkpoint loads only the keys
+                    # a fresh state has) holds them
+                    p = params[i]
+                    st = self.state[p]
                     if V_STEPS in st:
                         st[V_STEPS].copy_(st["step"])
                     else:
                         st[V_STEPS] = st["step"].clone()
+                        st[TERNARY_STEPS] = torch.zeros_like(st["step"])
+                    if NOISE not in st and precision.wants_noise(p):
+                        st[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if tern:
                 amsgrad = group["amsgrad"]
                 self._terngrad_update(group, [params[i] for i in tern], [grads[i] for i in tern],
@@ -142,26 +161,45 @@ class _RefreshedAdam:
         beta1, beta2 = group["betas"]
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
         decoupled = group["decoupled_weight_decay"]
+        corrected = group.get("refresh") is None
         by_kind: dict = {}
+        noise_of = {}
         for i, p in enumerate(params):
             state = self.state[p]
             if V_STEPS not in state:      # a state from torch's AdamW: v has had as many updates as steps so far
                 state[V_STEPS] = state["step"].clone()
-            refresh = precision.record_of(p) != precision.TERNARY
-            if not refresh and float(state[V_STEPS]) == 0:
-                # a ternary gradient before any exact one (a schedule without warm-up, a parameter added
-                # late): v from it beats a division by eps
-                refresh = True
-                if not _RefreshedAdam._warned_unrefreshed:
-                    _RefreshedAdam._warned_unrefreshed = True
-                    log.warning("horovod_terngrad.optim: a parameter (shape %s) got a ternary gradient before any "
-                                "full-precision one; its second moment starts from that", tuple(p.shape))
+            if TERNARY_STEPS not in state:
+                state[TERNARY_STEPS] = torch.zeros_like(state["step"])
+            record = precision.record_of(p)
+            if record == precision.TERNARY:
+                state[TERNARY_STEPS] += 1
+            if corrected:
+                refresh = True            # v is updated every step; n carries the noise to take out
+                if NOISE not in state:
+                    state[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                noise_of[i] = precision.take_noise(p) if record == precision.TERNARY else None
+                if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
+                    _RefreshedAdam._warned_no_noise = True
+                    log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "
+                                "only the allgather exchange gives one (not 'sharded', the node-aware exchange or "
+                                "a step with a rank in hvd.join()); its second moment takes the ternary gradient "
+                                "as plain AdamW does", tuple(p.shape))
+            else:
+                refresh = record != precision.TERNARY
+                if not refresh and float(state[V_STEPS]) == 0:
+                    # a ternary gradient before any exact one (a schedule without warm-up, a parameter added
+                    # late): v from it beats a division by eps
+                    refresh = True
+                    if not _RefreshedAdam._warned_unrefreshed:
+                        _RefreshedAdam._warned_unrefreshed = True
+                        log.warning("horovod_terngrad.optim: a parameter (shape %s) got a ternary gradient before "
+                                    "any full-precision one; its second moment starts from that", tuple(p.shape))
             by_kind.setdefault((p.device, p.dtype, refresh), []).append(i)
         for (_, _, refresh), idx in by_kind.items():
-            ps = [params[i] for i in idx]
-            gs = [grads[i] for i in idx]
-            ms = [exp_avgs[i] for i in idx]
-            vs = [exp_avg_sqs[i] for i in idx]
+            ps = [_local(params[i]) for i in idx]
+            gs = [_local(grads[i]) for i in idx]
+            ms = [_local(exp_avgs[i]) for i in idx]
+            vs = [_local(exp_avg_sqs[i]) for i in idx]
             if group["maximize"]:
                 gs = torch._foreach_neg(gs)
             if wd != 0 and not decoupled:
@@ -170,10 +208,21 @@ class _RefreshedAdam:
             if refresh:
                 torch._foreach_mul_(vs, beta2)
                 torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+            if corrected:
+                ns = [_local(self.state[params[i]][NOISE]) for i in idx]
+                torch._foreach_mul_(ns, beta2)
+                for i, n, g in zip(idx, ns, gs):
+                    got = noise_of.get(i)
+                    if got is not None:
+                        noise, at_exchange = got
+                        # the gradient may have been scaled since the exchange (clip, unscale): the noise with it
+                        scale2 = torch.where(at_exchange > 0, g.float().square().sum() / at_exchange,
+                                             torch.ones_like(at_exchange))
+                        n.add_(noise.to(n.dtype) * scale2.to(n.dtype), alpha=1 - beta2)
             del gs
             bias1, bias2_sqrt = [], []
-            for p in ps:
-                state = self.state[p]
+            for i in idx:
+                state = self.state[params[i]]
                 state["step"] += 1
                 if refresh:
                     state[V_STEPS] += 1
@@ -181,8 +230,10 @@ class _RefreshedAdam:
                 bias2_sqrt.append(math.sqrt(1 - beta2 ** float(state[V_STEPS])))
             if wd != 0 and decoupled:
                 torch._foreach_mul_(ps, 1 - lr * wd)
+            if corrected:             # v_hat = max(v - n, floor·v): the ternary noise out, never below the floor
+                vs = [torch.maximum(v - n, v * group["v_floor"]) for v, n in zip(vs, ns)]
             if max_exp_avg_sqs is not None:
-                maxs = [max_exp_avg_sqs[i] for i in idx]
+                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
                 torch._foreach_maximum_(maxs, vs)
                 vs = maxs
             denom = torch._foreach_sqrt(vs)
@@ -192,27 +243,31 @@ class _RefreshedAdam:
 
 
 class Adam(_RefreshedAdam, torch.optim.Adam):
-    """``torch.optim.Adam`` with TernGrad's refreshed second moment (adam.py's docstring); ``refresh``: the
-    ``RefreshSchedule`` (or a dict of its fields) of the full-precision exchanges, per param group."""
+    """``torch.optim.Adam`` with TernGrad's noise kept out of the second moment (adam.py's docstring).
+    ``refresh``: None (default: v corrected by the exchange's noise estimate, floored at ``v_floor``·v), or a
+    ``RefreshSchedule`` (or a dict of its fields): v from full-precision refreshes only; per param group."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, refresh: RefreshSchedule | dict | None = None):
+                 decoupled_weight_decay=False, refresh: RefreshSchedule | dict | None = None, v_floor: float = 0.1):
         self._refresh_default = _schedule_dict(refresh)
+        self._v_floor = v_floor
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=decoupled_weight_decay)
-        self.defaults["refresh"] = self._refresh_default
+        self.defaults.update(refresh=self._refresh_default, v_floor=v_floor)
 
 
 class AdamW(_RefreshedAdam, torch.optim.AdamW):
-    """``torch.optim.AdamW`` with TernGrad's refreshed second moment (adam.py's docstring); ``refresh``: the
-    ``RefreshSchedule`` (or a dict of its fields) of the full-precision exchanges, per param group."""
+    """``torch.optim.AdamW`` with TernGrad's noise kept out of the second moment (adam.py's docstring).
+    ``refresh``: None (default: v corrected by the exchange's noise estimate, floored at ``v_floor``·v), or a
+    ``RefreshSchedule`` (or a dict of its fields): v from full-precision refreshes only; per param group."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 refresh: RefreshSchedule | dict | None = None):
+                 refresh: RefreshSchedule | dict | None = None, v_floor: float = 0.1):
         self._refresh_default = _schedule_dict(refresh)
+        self._v_floor = v_floor
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
                          capturable=capturable, differentiable=differentiable, fused=fused)
-        self.defaults["refresh"] = self._refresh_default
+        self.defaults.update(refresh=self._refresh_default, v_floor=v_floor)

@@ -32,6 +32,11 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from helpers import expected_average  # noqa: E402
+
+from horovod_terngrad import TernGradConfig  # noqa: E402
+from horovod_terngrad import codec as C  # noqa: E402
 from horovod_terngrad.exchange import precision  # noqa: E402
 from horovod_terngrad.optim import AdamW, RefreshSchedule  # noqa: E402
 
@@ -148,6 +153,61 @@ def ddp_train(dist, rank, micro="one"):
     return {"steps": steps, "checksum": checksum(model.parameters()), "small": sorted(small)}
 
 
+def expected_noise(grads, name, step, cfg):
+    """(1/N^2)·Σ_r (s_r·t_r)^2 written out again from every rank's gradient (per-rank scalers, rank order)."""
+    _, ternary = expected_average(grads, name, step, cfg)
+    acc = None
+    for g, t in zip(grads, ternary):
+        flat = g.detach().reshape(-1).float()
+        st = C.tensor_stats(flat, cfg.bucket_size)
+        s = C.local_scalers(st, C.clip_threshold(st, cfg.clip_factor))
+        x = (t.float() * s) * (t.float() * s)
+        acc = x if acc is None else acc + x
+    return (acc / len(grads) ** 2).view_as(grads[0])
+
+
+def ddp_corrected(dist, rank):
+    """The default optimizer (v corrected by the exchange's noise estimate): the estimate handed over with every
+    ternary average equals (1/N^2)·Σ_r (s_r·t_r)^2 recomputed from every rank's gradient, the average equals the
+    reference, full-precision parameters are torch's AdamW, ranks identical."""
+    model = make_model()
+    ddp, state = ddp_setup(model)
+    named = list(model.named_parameters())
+    opt = AdamW(model.parameters(), **HP)
+    small = {n for n, p in named if p.numel() < 4096}
+    shadow = Shadow(named, small)
+    ref = copy.deepcopy(model)
+    cfg = TernGradConfig()
+    steps = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        loss_of(ref, x, y).backward()
+        per_rank = {}
+        for n, p in ref.named_parameters():
+            got = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(got, p.grad.contiguous())
+            per_rank[n] = got
+        loss_of(ddp, x, y).backward()
+        checks = {}
+        for n, p in named:
+            if n in small:
+                checks[n] = p not in precision._noise
+                continue
+            noise, at = precision._noise[p]
+            avg, _ = expected_average(per_rank[n], n, step, cfg)
+            checks[n] = (torch.equal(p.grad, avg) and torch.equal(noise, expected_noise(per_rank[n], n, step, cfg))
+                         and torch.equal(at, p.grad.float().square().sum()))
+        shadow.step(named)
+        opt.step()
+        steps.append({"checks": checks, "shadow_equal": shadow.equal(named), "after": snapshot(opt, named)})
+    noise_nonzero = {n: bool(opt.state[p]["exp_avg_noise"].abs().sum() > 0) for n, p in named}
+    return {"steps": steps, "checksum": checksum(model.parameters()), "small": sorted(small),
+            "noise_nonzero": noise_nonzero}
+
+
 def ddp_amp(dist, rank):
     """GradScaler with an Inf in rank 0's loss at loop steps 3 and 7; tg (TernGrad + tg AdamW) beside the
     baseline (DDP's own allreduce + torch AdamW).  Both must skip the same steps on every rank."""
@@ -177,7 +237,7 @@ def ddp_amp(dist, rank):
     return out
 
 
-def ddp_resume(dist, rank, folder):
+def ddp_resume(dist, rank, folder, refresh=SCHEDULE):
     def run(model, opt, steps, start):
         ddp, state = ddp_setup(model)
         for step in range(start, start + steps):
@@ -187,14 +247,14 @@ def ddp_resume(dist, rank, folder):
         return ddp, state
 
     model = make_model()
-    opt = AdamW(model.parameters(), refresh=SCHEDULE, **HP)
+    opt = AdamW(model.parameters(), refresh=refresh, **HP)
     run(model, opt, 6, 0)
     straight = checksum(model.parameters())
 
     model = make_model()
-    opt = AdamW(model.parameters(), refresh=SCHEDULE, **HP)
+    opt = AdamW(model.parameters(), refresh=refresh, **HP)
     _, state = run(model, opt, 3, 0)
-    path = os.path.join(folder, f"resume.ckpt.rank{rank}.pt")
+    path = os.path.join(folder, f"resume.ckpt.{refresh is None}.rank{rank}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "terngrad": state.state_dict()}, path)
     saved = torch.load(path, weights_only=True)          # what a user's torch.load gives back
     model = make_model(seed=123)                          # other weights: the checkpoint must bring them
@@ -237,6 +297,10 @@ def run_ddp(folder, scenarios):
                 res = ddp_amp(dist, rank)
             elif sc == "resume":
                 res = ddp_resume(dist, rank, folder)
+            elif sc == "resume_corrected":
+                res = ddp_resume(dist, rank, folder, refresh=None)
+            elif sc == "corrected":
+                res = ddp_corrected(dist, rank)
             elif sc == "plain":
                 res = ddp_plain(dist, rank)
             else:
@@ -251,12 +315,12 @@ def run_ddp(folder, scenarios):
 
 # -- Horovod -----------------------------------------------------------------------------------------------------
 
-def hvd_train(hvd, rank, bpps=1, compression=None):
+def hvd_train(hvd, rank, bpps=1, compression=None, refresh=SCHEDULE):
     from horovod_terngrad import TernGrad
     model = make_model()
     named = list(model.named_parameters())
     comp = TernGrad.configure() if compression is None else compression
-    opt = hvd.DistributedOptimizer(AdamW(model.parameters(), refresh=SCHEDULE, **HP),
+    opt = hvd.DistributedOptimizer(AdamW(model.parameters(), refresh=refresh, **HP),
                                    named_parameters=model.named_parameters(), compression=comp,
                                    backward_passes_per_step=bpps)
     twin = make_model()                                   # torch AdamW on the same gradients (Compression.none)
@@ -295,7 +359,9 @@ def hvd_train(hvd, rank, bpps=1, compression=None):
             with twin_opt.skip_synchronize():
                 twin_opt.step()
         steps.append({"before": before, "after": snapshot(opt, named), "refresh_exact": refresh_exact})
-    res = {"steps": steps, "checksum": checksum(model.parameters())}
+    res = {"steps": steps, "checksum": checksum(model.parameters()),
+           "noise_nonzero": {n: bool(opt.state[p]["exp_avg_noise"].abs().sum() > 0)
+                             for n, p in named if "exp_avg_noise" in opt.state[p]}}
     if twin_opt is not None:
         res["twin_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
     return res
@@ -313,6 +379,8 @@ def run_horovod(folder, scenarios):
                 res = hvd_train(hvd, rank, bpps=2)
             elif sc == "none":
                 res = hvd_train(hvd, rank, compression=hvd.Compression.none)
+            elif sc == "corrected":
+                res = hvd_train(hvd, rank, refresh=None)
             else:
                 raise ValueError(sc)
         except Exception:  # noqa: BLE001
@@ -324,7 +392,7 @@ def run_horovod(folder, scenarios):
 
 # -- FSDP2 -------------------------------------------------------------------------------------------------------
 
-def fsdp_train(dist, rank):
+def fsdp_train(dist, rank, refresh=SCHEDULE):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -336,7 +404,7 @@ def fsdp_train(dist, rank):
     fully_shard(model, mesh=mesh["shard"])
     state = tg_fsdp.register(model, mesh, min_numel=2048)
     named = list(model.named_parameters())
-    opt = AdamW(model.parameters(), refresh=SCHEDULE, **HP)
+    opt = AdamW(model.parameters(), refresh=refresh, **HP)
     replica = mesh.get_coordinate()[0]
     steps = []
     for step in range(STEPS):
@@ -345,11 +413,13 @@ def fsdp_train(dist, rank):
         before = snapshot(opt, named)
         opt.step()
         steps.append({"before": before, "after": snapshot(opt, named)})
+    noise_nonzero = {n: bool(opt.state[p]["exp_avg_noise"].to_local().abs().sum() > 0)  # a DTensor, as exp_avg
+                     for n, p in named if "exp_avg_noise" in opt.state[p]}
     return {"steps": steps, "checksum": checksum(model.parameters()), "shard": mesh.get_coordinate()[1],
-            "layout": dict(state.layout)}
+            "layout": dict(state.layout), "noise_nonzero": noise_nonzero}
 
 
-def fsdp_resume(dist, rank, folder):
+def fsdp_resume(dist, rank, folder, refresh=SCHEDULE):
     """8 steps straight, against 4 steps, a DCP checkpoint (model, tg AdamW, TernGrad), fresh objects loaded from
     it (the optimizer built with the default schedule: the checkpoint brings the saved one) and 4 more."""
     import torch.distributed.checkpoint as dcp
@@ -375,15 +445,15 @@ def fsdp_resume(dist, rank, folder):
             loss_of(model, *batch(me, step)).backward()
             opt.step()
 
-    model, opt, state = fresh()
+    model, opt, state = fresh(refresh)
     train(model, opt, 0, 8)
     straight = checksum(model.parameters())
-    model, opt, state = fresh()
+    model, opt, state = fresh(refresh)
     train(model, opt, 0, 4)
     msd, osd = get_state_dict(model, opt)
-    where = os.path.join(folder, "dcp")
+    where = os.path.join(folder, f"dcp.{refresh is None}")
     dcp.save({"model": msd, "optim": osd, "terngrad": state.state_dict()}, checkpoint_id=where)
-    model, opt, state = fresh(refresh=None)
+    model, opt, state = fresh(refresh)
     msd, osd = get_state_dict(model, opt)
     loaded = {"model": msd, "optim": osd, "terngrad": state.state_dict()}
     dcp.load(loaded, checkpoint_id=where)
@@ -404,6 +474,10 @@ def run_fsdp(folder, scenarios):
                 res = fsdp_train(dist, rank)
             elif sc == "resume":
                 res = fsdp_resume(dist, rank, folder)
+            elif sc == "resume_corrected":
+                res = fsdp_resume(dist, rank, folder, refresh=None)
+            elif sc == "corrected":
+                res = fsdp_train(dist, rank, refresh=None)
             else:
                 raise ValueError(sc)
         except Exception:  # noqa: BLE001
