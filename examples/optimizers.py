@@ -1,5 +1,5 @@
 """The examples' ``--optim`` choice: SGD with momentum (the paper's), torch's AdamW, or TernGrad's AdamW
-(horovod_terngrad.optim: the second moment from full-precision refreshes only; torch's AdamW, bit for bit,
+(horovod_terngrad.optim: the ternary noise kept out of Adam's second moment; torch's AdamW, bit for bit,
 without TernGrad)."""
 from __future__ import annotations
 

@@ -53,11 +53,12 @@ def parse_args(argv=None):
                    help="bf16: --frontend fsdp only (native HSDP, bf16 reduce); fp16, powersgd: --frontend ddp only "
                         "(PyTorch's fp16_compress_hook, PowerSGD with error feedback)")
     p.add_argument("--optim", choices=["adamw", "tg-adamw"], default="adamw",
-                   help="torch.optim.AdamW, or horovod_terngrad.optim.AdamW (second moment from full-precision "
-                        "refreshes only; the same as torch's without TernGrad)")
+                   help="torch.optim.AdamW, or horovod_terngrad.optim.AdamW (the ternary noise kept out of the "
+                        "second moment; the same as torch's without TernGrad)")
     p.add_argument("--refresh", default=None, metavar="W,I,K,M",
-                   help="tg-adamw's RefreshSchedule: warm-up W, first interval I, K refreshes per interval, "
-                        "max interval M (default: the library's)")
+                   help="tg-adamw in its refresh mode (v from full-precision refreshes only), RefreshSchedule: "
+                        "warm-up W, first interval I, K refreshes per interval, max interval M (default: the "
+                        "noise-corrected mode, no refreshes)")
     p.add_argument("--recipe", choices=["plain", "nanogpt"], default="plain",
                    help="nanogpt: betas (0.9, 0.95), weight decay 0.1 on matrices, 100 warm-up steps then cosine "
                         "decay to lr/10, gradient-norm clip 1.0, 16 sequences per rank (flags given override)")

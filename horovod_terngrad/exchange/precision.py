@@ -1,10 +1,11 @@
 """What an exchange did with each parameter's gradient, for the optimizers that must know (horovod_terngrad.optim).
 
 An optimizer that treats ternary and exact gradients differently (TernGrad's Adam keeps ternary noise out of its
-second moment) *requests* a refresh schedule for its parameters.  Every frontend (Horovod's compressor, the DDP
-hook, the FSDP hook), when it exchanges the gradient of a parameter it would ternarize, asks ``decide`` whether
-this exchange is one of the schedule's full-precision refreshes, and *records* what it did.  The optimizer then
-reads the record of each gradient it applies.  So the two never disagree about which steps were full precision:
+second moment) *requests* for its parameters either the exchange's noise estimate (``noise``: the allgather
+transport's (1/N^2)·Σ_r (s_r·t_r)^2, handed over with the average by ``attach_noise``) or a refresh schedule.
+Every frontend (Horovod's compressor, the DDP hook, the FSDP hook), when it exchanges the gradient of a parameter
+it would ternarize, asks ``decide`` whether this exchange is one of the schedule's full-precision refreshes, and
+*records* what it did.  The optimizer then reads the record (and the estimate) of each gradient it applies.  So the two never disagree about which steps were full precision:
 the one who decided is the one who wrote it down, per exchange, whatever happened between the exchange and the
 optimizer's step (accumulation, a GradScaler's skipped step, Horovod's ``backward_passes_per_step``).
 
