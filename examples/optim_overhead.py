@@ -10,12 +10,14 @@ each, in ``--rounds`` interleaved rounds (so a slow spell of the machine lands o
 
   compute     forward + backward of ``--batch`` sequences of 64 tokens (one rank's batch)
   torch       torch.optim.AdamW(foreach).step()
-  tg-ternary  horovod_terngrad.optim.AdamW.step() on a step whose gradients came ternary (m only)
-  tg-refresh  the same on a refresh step (m and v)
+  tg          horovod_terngrad.optim.AdamW.step() (default mode) on a ternary step, noise estimate attached
+  noise       the exchange's noise estimate for every tensor from 2 ranks' payloads
+              (exchange/allgather.noise_estimate: about one more decode)
+  tg-refresh-mode  the refresh mode's ternary step (m only) and refresh step (m and v), mixed as a 1000-step run
+              of RefreshSchedule(warmup=8, interval=4, per_phase=4, max_interval=128)
 
 The ledger's records are set as the exchange would set them (exchange/precision.py), so no exchange runs here.
-overhead = (tg - torch) / compute, for the ternary step and for the run's mix (the default schedule's share of
-refreshes over 1000 steps).
+overhead = (tg + noise - torch) / compute for the default; (mix - torch) / compute for the refresh mode.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ import time
 
 import torch
 
+from horovod_terngrad import codec
 from horovod_terngrad.codec.schedule import RefreshSchedule
+from horovod_terngrad.exchange.allgather import noise_estimate
 from horovod_terngrad.exchange import precision
 from horovod_terngrad.optim import AdamW
 
@@ -65,34 +69,60 @@ def measure(name, spec, batch, steps, rounds):
     for s, g in zip(shadow, grads):
         s.grad = g.clone()
     torch_opt = torch.optim.AdamW(shadow, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
-    tg_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for s, g in zip(tg_params, grads):
-        s.grad = g.clone()
-    tg_opt = AdamW(tg_params, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    def tg_setup(refresh):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for s, g in zip(ps, grads):
+            s.grad = g.clone()
+        return ps, AdamW(ps, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), refresh=refresh)
 
-    def tg_step(kind):
+    tg_params, tg_opt = tg_setup(None)
+    rf_params, rf_opt = tg_setup(RefreshSchedule(warmup=8, interval=4, per_phase=4, max_interval=128))
+    noises = [torch.rand_like(g) * g.abs().mean() for g in grads]
+
+    def tg_step():
+        for p, nz in zip(tg_params, noises):       # what every frontend hands over with a ternary average
+            precision._records[p] = precision.TERNARY
+            precision.attach_noise(p, nz, p.grad)
+        tg_opt.step()
+
+    def rf_step(kind):
         def run():
-            for p in tg_params:              # what every frontend records for a ternarized gradient
+            for p in rf_params:
                 precision._records[p] = kind
-            tg_opt.step()
+            rf_opt.step()
         return run
 
+    # two ranks' payloads of every tensor, for the exchange-side estimate
+    payloads = []
+    for g in grads:
+        n = g.numel()
+        t = torch.randint(-1, 2, (n,), dtype=torch.int8)
+        one = codec.packing.encode(t, "2bit", torch.tensor([0.01]), 0)
+        payloads.append((torch.cat([one, one]), one.numel(), n))
+
+    def noise():
+        for buf, size, n in payloads:
+            h = codec.packing.Header("2bit", 0, 0, n)
+            noise_estimate(buf, [h, h], [0, size], 2)
+
     torch_opt.step()
-    tg_step(precision.REFRESH)()           # the schedule's first step is a refresh
-    tg_step(precision.TERNARY)()
-    times = {"compute": [], "torch": [], "tg-ternary": [], "tg-refresh": []}
-    fns = {"compute": compute, "torch": torch_opt.step, "tg-ternary": tg_step(precision.TERNARY),
-           "tg-refresh": tg_step(precision.REFRESH)}
+    rf_step(precision.REFRESH)()          # the schedule's first step is a refresh
+    rf_step(precision.TERNARY)()
+    tg_step()
+    noise()                               # loads the backend once
+    times = {"compute": [], "torch": [], "tg": [], "noise": [], "rf-ternary": [], "rf-refresh": []}
+    fns = {"compute": compute, "torch": torch_opt.step, "tg": tg_step, "noise": noise,
+           "rf-ternary": rf_step(precision.TERNARY), "rf-refresh": rf_step(precision.REFRESH)}
     for _ in range(rounds):
         for k, fn in fns.items():
             times[k] += timed(fn, steps)
     med = {k: statistics.median(v) for k, v in times.items()}
-    share = RefreshSchedule().count(1000) / 1000
-    mix = (1 - share) * med["tg-ternary"] + share * med["tg-refresh"]
+    share = RefreshSchedule(max_interval=128).count(1000) / 1000
+    mix = (1 - share) * med["rf-ternary"] + share * med["rf-refresh"]
     row = {"model": name, "params": sum(p.numel() for p in params), "tensors": len(params), "batch": batch,
            **{f"{k}_ms": 1e3 * v for k, v in med.items()},
-           "overhead_ternary": (med["tg-ternary"] - med["torch"]) / med["compute"],
-           "overhead_run_mix": (mix - med["torch"]) / med["compute"], "refresh_share": share}
+           "overhead_default": (med["tg"] + med["noise"] - med["torch"]) / med["compute"],
+           "overhead_refresh_mode": (mix - med["torch"]) / med["compute"], "refresh_share": share}
     return row
 
 
@@ -106,13 +136,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = [measure(m, MODELS[m], a.batch, a.steps, a.rounds) for m in a.models.split(",")]
-    print("| model | params (tensors) | compute alone ms | torch AdamW ms | tg AdamW ternary ms | tg AdamW refresh ms "
-          "| overhead / compute, ternary step | over a 1000-step run |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | params (tensors) | compute alone ms | torch AdamW ms | tg AdamW ms | + noise estimate ms "
+          "| overhead / compute | refresh mode: ternary / refresh step ms | its overhead over a 1000-step run |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['params'] / 1e6:.2f}M ({r['tensors']}) | {r['compute_ms']:.0f} | {r['torch_ms']:.1f} "
-              f"| {r['tg-ternary_ms']:.1f} | {r['tg-refresh_ms']:.1f} | {100 * r['overhead_ternary']:+.2f}% "
-              f"| {100 * r['overhead_run_mix']:+.2f}% |")
+              f"| {r['tg_ms']:.1f} | {r['noise_ms']:.1f} | {100 * r['overhead_default']:+.2f}% "
+              f"| {r['rf-ternary_ms']:.1f} / {r['rf-refresh_ms']:.1f} | {100 * r['overhead_refresh_mode']:+.2f}% |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -333,3 +333,32 @@ def test_fsdp2_dtensor_parameters_replicas_identical_and_agreeing(fsdp_runs):
         assert set(r["layout"].values()) == {"params"}
         # min_numel=2048 on the shards (half of each weight): the two weights ternarized, the rest full precision
         _agrees(r["steps"], osc.SCHEDULE, TERNARIZED, PLAIN)
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+@pytest.mark.parametrize("bucket", [0, 64])
+def test_the_noise_estimate_is_the_sum_of_squared_ternary_values_on_every_backend(fmt, bucket):
+    """exchange/allgather.noise_estimate (payloads with squared scalers and |t| codes through the backend's own
+    decode) equals (1/N^2)·Σ_r (s_r·t_r)^2 written out, bit for bit, on the fused CPU path and the reference."""
+    from horovod_terngrad import backends, codec
+    from horovod_terngrad.exchange import allgather
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 7, 1000, 4099):
+        N = 3
+        ts = [torch.randint(-1, 2, (n,), dtype=torch.int8, generator=gen) for _ in range(N)]
+        ss = [torch.rand(codec.sizes.num_buckets(n, bucket), generator=gen) + 0.1 for _ in range(N)]
+        pays = [codec.packing.encode(t, fmt, s, bucket) for t, s in zip(ts, ss)]
+        offsets = [sum(p.numel() for p in pays[:r]) for r in range(N)]
+        headers = [codec.packing.parse_header(p) for p in pays]
+        acc = None
+        for t, s in zip(ts, ss):
+            x = (t.float() * codec.expand_scalers(s, bucket, n)) ** 2
+            acc = x if acc is None else acc + x
+        for backend in (backends.for_device(torch.device("cpu")), backends.reference.ReferenceBackend()):
+            orig = backends.for_device
+            backends.for_device = lambda device, b=backend: b
+            try:
+                got = allgather.noise_estimate(torch.cat(pays), headers, offsets, N)
+            finally:
+                backends.for_device = orig
+            assert torch.equal(got, acc / N ** 2), (fmt, bucket, n, type(backend).__name__)

@@ -106,21 +106,6 @@ def receive(ex, tk) -> torch.Tensor | None:
     return out
 
 
-def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
-    """Per element, (1/divisor^2)·Σ_r (s_r·t_r)^2 = (1/divisor^2)·Σ_r s_r^2·|t_r| from every rank's payload: an
-    unbiased estimate of (1/N^2)·Σ_r s_r·|g_r|, which bounds the variance the ternary rounding adds to the average
-    (it exceeds it by (1/N^2)·Σ_r g_r^2).  horovod_terngrad.optim subtracts its running mean from Adam's second
-    moment.  No extra bytes: every rank holds every payload.  Reference torch ops on the buffer's device (no host
-    synchronization); costs about one more decode."""
-    acc = None
-    for h, o in zip(headers, offsets):
-        scalers, codes = codec.packing.split(buf[o:o + h.total_bytes], h)
-        mag = codec.packing.unpack(codes, h.numel, h.fmt).abs_()
-        x = mag.mul_(codec.expand_scalers(scalers * scalers, h.bucket_size, h.numel))
-        acc = x if acc is None else acc.add_(x)
-    return acc.div_(float(divisor) ** 2)
-
-
 def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
     """``receive`` without reading the gathered headers on the host, for a caller that guarantees every rank
     sends the same members with the same sizes and settings (``Exchange.layout_known``; the FSDP frontend checks
@@ -157,3 +142,47 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
             ex.stats.nonfinite_zeroed += 1
     ex.stats.codec_s += time.perf_counter() - t0
     return out
+
+
+def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    """Per element, (1/divisor^2)·Σ_r (s_r·t_r)^2 = (1/divisor^2)·Σ_r s_r^2·|t_r| from every rank's payload: an
+    unbiased estimate of (1/N^2)·Σ_r s_r·|g_r|, which bounds the variance the ternary rounding adds to the average
+    (it exceeds it by (1/N^2)·Σ_r g_r^2).  horovod_terngrad.optim subtracts its running mean from Adam's second
+    moment.  No extra bytes: every rank holds every payload.
+
+    How: each payload is copied with its scalers squared and its codes mapped to |t| (a 256-entry table on the
+    packed bytes), and the backend's own decode (fused C, CUDA or the reference) averages those with divisor^2:
+    one more decode of the member, no host synchronization, the same bits on every backend."""
+    parts, moved, at = [], [], 0
+    lut = _abs_codes(headers[0].fmt, buf.device)
+    for h, o in zip(headers, offsets):
+        payload = buf[o:o + h.total_bytes].clone()
+        begin = codec.sizes.HEADER_BYTES
+        end = codec.sizes.codes_offset(h.num_scalers)
+        scalers = payload[begin:end].view(torch.float32)
+        scalers.mul_(scalers)
+        codes = payload[end:]
+        codes.copy_(lut[codes.long()])
+        parts.append(payload)
+        moved.append(at)
+        at += h.total_bytes
+    both = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return backends.for_device(buf.device).decode(both, headers, moved, float(divisor) ** 2)
+
+
+_ABS_CODES: dict = {}
+
+
+def _abs_codes(fmt: str, device) -> torch.Tensor:
+    """[256] uint8: a packed byte of ternary codes -> the byte of their magnitudes (codes 1 and 2, +1 and -1,
+    become 1)."""
+    key = (fmt, str(device))
+    lut = _ABS_CODES.get(key)
+    if lut is None:
+        b = torch.arange(256, dtype=torch.int64)
+        if fmt == "2bit":
+            lut = (b | (b >> 1)) & 0x55
+        else:
+            lut = sum(((b // 3 ** q) % 3 != 0).to(torch.int64) * 3 ** q for q in range(codec.sizes.CODES_PER_BYTE[fmt]))
+        lut = _ABS_CODES[key] = lut.to(torch.uint8).to(device)
+    return lut

@@ -216,9 +216,9 @@ class _RefreshedAdam:
                     if got is not None:
                         noise, at_exchange = got
                         # the gradient may have been scaled since the exchange (clip, unscale): the noise with it
-                        scale2 = torch.where(at_exchange > 0, g.float().square().sum() / at_exchange,
-                                             torch.ones_like(at_exchange))
-                        n.add_(noise.to(n.dtype) * scale2.to(n.dtype), alpha=1 - beta2)
+                        scale2 = torch.where(at_exchange > 0, torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+                                             / at_exchange, torch.ones_like(at_exchange))
+                        n.add_(noise.mul_(scale2.mul_(1 - beta2)).to(n.dtype))
             del gs
             bias1, bias2_sqrt = [], []
             for i in idx:
@@ -231,7 +231,10 @@ class _RefreshedAdam:
             if wd != 0 and decoupled:
                 torch._foreach_mul_(ps, 1 - lr * wd)
             if corrected:             # v_hat = max(v - n, floor·v): the ternary noise out, never below the floor
-                vs = [torch.maximum(v - n, v * group["v_floor"]) for v, n in zip(vs, ns)]
+                floor = torch._foreach_mul(vs, group["v_floor"])
+                vs = torch._foreach_sub(vs, ns)
+                torch._foreach_maximum_(vs, floor)
+                del floor
             if max_exp_avg_sqs is not None:
                 maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
                 torch._foreach_maximum_(maxs, vs)
