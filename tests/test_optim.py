@@ -224,7 +224,9 @@ def test_ddp_a_refresh_carries_the_exact_average_and_a_ternary_step_does_not(ddp
 
 def test_gradscaler_skips_the_steps_it_skips_without_compression_and_no_refresh_is_lost(ddp_runs):
     for r in ddp_runs["amp"]:
-        assert r["tg"]["skipped"] == r["baseline"]["skipped"] == [3, 7]
+        assert r["tg"]["skipped"] == r["tgc"]["skipped"] == r["baseline"]["skipped"] == [3, 7]
+        assert all(int(s["0.weight"][1]) == k + 1 - sum(1 for x in (3, 7) if x <= k)
+                   for k, s in enumerate(r["tgc"]["snapshots"]))
         snaps = r["tg"]["snapshots"]
         for k, snap in enumerate(snaps):
             _, step, v_steps = snap["0.weight"]
@@ -232,6 +234,7 @@ def test_gradscaler_skips_the_steps_it_skips_without_compression_and_no_refresh_
             if v_steps is not None:
                 assert v_steps == osc.SCHEDULE.count(step)              # a skipped refresh is taken next time
     assert ddp_runs["amp"][0]["tg"]["checksum"] == ddp_runs["amp"][1]["tg"]["checksum"]
+    assert ddp_runs["amp"][0]["tgc"]["checksum"] == ddp_runs["amp"][1]["tgc"]["checksum"]
 
 
 def test_ddp_resume_from_a_torch_load_checkpoint_is_bit_identical(ddp_runs):

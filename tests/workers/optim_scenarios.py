@@ -212,12 +212,12 @@ def ddp_amp(dist, rank):
     """GradScaler with an Inf in rank 0's loss at loop steps 3 and 7; tg (TernGrad + tg AdamW) beside the
     baseline (DDP's own allreduce + torch AdamW).  Both must skip the same steps on every rank."""
     out = {}
-    for kind in ("baseline", "tg"):
+    for kind in ("baseline", "tg", "tgc"):        # tg: the refresh mode; tgc: the default (noise-corrected)
         model = make_model()
-        ddp, _ = ddp_setup(model, hook=kind == "tg")
+        ddp, _ = ddp_setup(model, hook=kind != "baseline")
         named = list(model.named_parameters())
-        opt = (AdamW if kind == "tg" else torch.optim.AdamW)(model.parameters(), **HP,
-                                                            **({"refresh": SCHEDULE} if kind == "tg" else {}))
+        opt = (torch.optim.AdamW(model.parameters(), **HP) if kind == "baseline" else
+               AdamW(model.parameters(), **HP, refresh=SCHEDULE if kind == "tg" else None))
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         skipped, invariant = [], []
         for step in range(STEPS):
@@ -231,7 +231,7 @@ def ddp_amp(dist, rank):
             scaler.update()
             if scaler.get_scale() < scale:
                 skipped.append(step)
-            if kind == "tg":
+            if kind != "baseline":
                 invariant.append(snapshot(opt, named))
         out[kind] = {"skipped": skipped, "snapshots": invariant, "checksum": checksum(model.parameters())}
     return out
