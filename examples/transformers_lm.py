@@ -159,7 +159,7 @@ def load_corpus(path: str | None = None) -> tuple[torch.Tensor, torch.Tensor, st
 
 def make_model(args, seq_len: int | None = None):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=args.vocab, n_positions=seq_len or args.seq_len, n_embd=args.n_embd,
+    cfg = GPT2Config(vocab_size=getattr(args, "vocab", 256), n_positions=seq_len or args.seq_len, n_embd=args.n_embd,
                      n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg)

@@ -140,6 +140,47 @@ def test_a_ternary_step_updates_the_first_moment_only():
     precision.withdraw(w)
 
 
+@pytest.mark.parametrize("cls,amsgrad", [(AdamW, False), (AdamW, True), (Adam, False)])
+def test_the_default_mode_divides_by_v_less_the_noise_floored_recomputed_by_hand(cls, amsgrad):
+    """Default mode on ternary steps: n = β2·n + (1-β2)·ν·(|g|²/|average|² at the exchange), v as AdamW's, and the
+    step divides by sqrt(max(v - n, v_floor·v) / (1 - β2^t)).  The gradient is scaled by 0.5 after the exchange (a
+    norm clip), so the noise must come in at 0.25x; with Adam's L2 term the factor is taken from the gradient as
+    it came, not from g + λ·w.  Written out here over three steps, one element's estimate all noise (the floor)."""
+    b1, b2, lr, wd, floor, eps = 0.9, 0.99, 0.1, 0.3, 0.1, 1e-8
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    opt = cls([w], lr=lr, betas=(b1, b2), weight_decay=wd, amsgrad=amsgrad, v_floor=floor)
+    precision.request(w, None, opt, noise=True)
+    ref = w.detach().clone()
+    m, v, n, vmax = (torch.zeros(4) for _ in range(4))
+    for t, (avg, nu) in enumerate([([0.5, -1.0, 0.25, 0.0], [0.1, 0.3, 0.05, 0.2]),
+                                   ([0.4, 0.2, -0.5, 1.0], [0.2, 0.1, 0.4, 0.0]),
+                                   ([-0.3, 0.6, 0.1, 0.0], [0.1, 0.5, 0.02, 9.0])], start=1):
+        avg, nu = torch.tensor(avg), torch.tensor(nu)
+        precision._records[w] = precision.TERNARY
+        precision.attach_noise(w, nu.clone(), avg)
+        w.grad = avg * 0.5                                       # clipped after the exchange
+        opt.step()
+        g = avg * 0.5
+        if cls is Adam:
+            g_eff = g + wd * ref
+        else:
+            g_eff = g
+            ref = ref * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g_eff
+        v = b2 * v + (1 - b2) * g_eff * g_eff
+        n = b2 * n + (1 - b2) * nu * 0.25
+        v_hat = torch.maximum(v - n, floor * v)
+        if amsgrad:
+            vmax = torch.maximum(vmax, v_hat)
+            v_hat = vmax
+        ref = ref - lr * (m / (1 - b1 ** t)) / ((v_hat / (1 - b2 ** t)).sqrt() + eps)
+        assert torch.allclose(opt.state[w]["exp_avg_noise"], n, rtol=1e-6, atol=0), t
+        assert torch.allclose(opt.state[w]["exp_avg_sq"], v, rtol=1e-6, atol=0), t
+        assert torch.allclose(w.detach(), ref, rtol=1e-6, atol=1e-7), (t, w.detach(), ref)
+    assert float(n[3]) > float((1 - floor) * v[3])               # the floor was what bound element 3
+    precision.withdraw(w)
+
+
 def test_fused_or_capturable_with_a_ternary_gradient_is_refused_with_a_reason():
     w = torch.nn.Parameter(torch.ones(4))
     opt = AdamW([w], fused=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..codec.schedule import RefreshSchedule
@@ -55,7 +57,7 @@ def attach_noise(param, noise, average) -> None:
     """The ternary noise estimate of ``param``'s average, and the average's squared norm then (a 0-d tensor on its
     device): whatever scales the gradient between the exchange and the step (a norm clip, a GradScaler's unscale)
     scales the noise by the same factor squared, which the optimizer recovers from the two norms."""
-    _noise[param] = (noise, average.detach().float().square().sum())
+    _noise[param] = (noise, torch.linalg.vector_norm(average.detach(), dtype=torch.float32).square())
 
 
 def take_noise(param):

@@ -211,14 +211,19 @@ class _RefreshedAdam:
             if corrected:
                 ns = [_local(self.state[params[i]][NOISE]) for i in idx]
                 torch._foreach_mul_(ns, beta2)
-                for i, n, g in zip(idx, ns, gs):
-                    got = noise_of.get(i)
-                    if got is not None:
-                        noise, at_exchange = got
-                        # the gradient may have been scaled since the exchange (clip, unscale): the noise with it
-                        scale2 = torch.where(at_exchange > 0, torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-                                             / at_exchange, torch.ones_like(at_exchange))
-                        n.add_(noise.mul_(scale2.mul_(1 - beta2)).to(n.dtype))
+                got = [(j, noise_of.get(i)) for j, i in enumerate(idx)]
+                got = [(j, x) for j, x in got if x is not None]
+                if got:
+                    # n += (1 - β2)·noise·(|g|²/|average|² at the exchange): the gradient may have been scaled
+                    # since the exchange (clip, unscale), the noise with it squared.  0-d factors on the device,
+                    # one foreach call each: no host sync, no per-tensor Python loop of small ops
+                    # (the gradient as it came, before maximize's sign and Adam's L2 term)
+                    sq = torch._foreach_norm([_local(grads[idx[j]]) for j, _ in got], 2, dtype=torch.float32)
+                    torch._foreach_mul_(sq, sq)
+                    at = [x[1] for _, x in got]
+                    factor = [torch.where(a > 0, s / a, torch.ones_like(s)) * (1 - beta2) for s, a in zip(sq, at)]
+                    torch._foreach_addcmul_([ns[j] for j, _ in got], [x[0].to(ns[j].dtype) for j, x in got],
+                                            factor)
             del gs
             bias1, bias2_sqrt = [], []
             for i in idx:
@@ -232,14 +237,18 @@ class _RefreshedAdam:
                 torch._foreach_mul_(ps, 1 - lr * wd)
             if corrected:             # v_hat = max(v - n, floor·v): the ternary noise out, never below the floor
                 floor = torch._foreach_mul(vs, group["v_floor"])
-                vs = torch._foreach_sub(vs, ns)
-                torch._foreach_maximum_(vs, floor)
+                v_hat = torch._foreach_sub(vs, ns)
+                torch._foreach_maximum_(v_hat, floor)
                 del floor
             if max_exp_avg_sqs is not None:
                 maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
-                torch._foreach_maximum_(maxs, vs)
-                vs = maxs
-            denom = torch._foreach_sqrt(vs)
+                torch._foreach_maximum_(maxs, v_hat if corrected else vs)
+                denom = torch._foreach_sqrt(maxs)
+            elif corrected:
+                torch._foreach_sqrt_(v_hat)           # a temporary already: its square root in place
+                denom = v_hat
+            else:
+                denom = torch._foreach_sqrt(vs)
             torch._foreach_div_(denom, bias2_sqrt)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])

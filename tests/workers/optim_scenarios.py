@@ -199,7 +199,7 @@ def ddp_corrected(dist, rank):
             noise, at = precision._noise[p]
             avg, _ = expected_average(per_rank[n], n, step, cfg)
             checks[n] = (torch.equal(p.grad, avg) and torch.equal(noise, expected_noise(per_rank[n], n, step, cfg))
-                         and torch.equal(at, p.grad.float().square().sum()))
+                         and torch.equal(at, torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()))
         shadow.step(named)
         opt.step()
         steps.append({"checks": checks, "shadow_equal": shadow.equal(named), "after": snapshot(opt, named)})
