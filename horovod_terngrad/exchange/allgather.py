@@ -150,11 +150,11 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
     (it exceeds it by (1/N^2)·Σ_r g_r^2).  horovod_terngrad.optim subtracts its running mean from Adam's second
     moment.  No extra bytes: every rank holds every payload.
 
-    How: each payload is copied with its scalers squared and its codes mapped to |t| (a 256-entry table on the
-    packed bytes), and the backend's own decode (fused C, CUDA or the reference) averages those with divisor^2:
+    How: each payload is copied with its scalers squared and its codes mapped to |t| (2-bit: two bit operations on
+    the packed bytes in place; base-3: a 256-entry table), and the backend's own decode (fused C, CUDA or the reference) averages those with divisor^2:
     one more decode of the member, no host synchronization, the same bits on every backend."""
     parts, moved, at = [], [], 0
-    lut = _abs_codes(headers[0].fmt, buf.device)
+    lut = None if headers[0].fmt == "2bit" else _abs_codes(headers[0].fmt, buf.device)
     for h, o in zip(headers, offsets):
         payload = buf[o:o + h.total_bytes].clone()
         begin = codec.sizes.HEADER_BYTES
@@ -162,7 +162,10 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
         scalers = payload[begin:end].view(torch.float32)
         scalers.mul_(scalers)
         codes = payload[end:]
-        codes.copy_(lut[codes.long()])
+        if lut is None:       # 2-bit: a code's magnitude bit is (low | high) in place; no table, no int64 indices
+            codes.bitwise_or_(codes >> 1).bitwise_and_(0x55)
+        else:
+            codes.copy_(lut[codes.long()])
         parts.append(payload)
         moved.append(at)
         at += h.total_bytes
