@@ -46,6 +46,7 @@ import math
 
 import torch
 from torch.optim.adam import adam as torch_adam
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..codec.schedule import RefreshSchedule
 from ..exchange import precision
@@ -152,6 +153,22 @@ class _RefreshedAdam:
                                       [max_exp_avg_sqs[i] for i in tern] if amsgrad else None)
         return loss
 
+    def _scratch(self, params, like):
+        """A buffer per parameter for v_hat: kept across steps on a CPU (its pages stay mapped), taken from the
+        caching allocator each step on an accelerator (no memory held between steps).  Not state: never saved."""
+        if not hasattr(self, "_scratch_bufs"):
+            self._scratch_bufs = WeakIdKeyDictionary()
+        out = []
+        for p, v in zip(params, like):
+            if v.device.type != "cpu":
+                out.append(torch.empty_like(v))
+                continue
+            buf = self._scratch_bufs.get(p)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                buf = self._scratch_bufs[p] = torch.empty_like(v)
+            out.append(buf)
+        return out
+
     def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if group[flag]:
@@ -235,18 +252,35 @@ class _RefreshedAdam:
                 bias2_sqrt.append(math.sqrt(1 - beta2 ** float(state[V_STEPS])))
             if wd != 0 and decoupled:
                 torch._foreach_mul_(ps, 1 - lr * wd)
-            if corrected:             # v_hat = max(v - n, floor·v): the ternary noise out, never below the floor
-                floor = torch._foreach_mul(vs, group["v_floor"])
-                v_hat = torch._foreach_sub(vs, ns)
-                torch._foreach_maximum_(v_hat, floor)
-                del floor
-            if max_exp_avg_sqs is not None:
-                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
-                torch._foreach_maximum_(maxs, v_hat if corrected else vs)
-                denom = torch._foreach_sqrt(maxs)
-            elif corrected:
-                torch._foreach_sqrt_(v_hat)           # a temporary already: its square root in place
+            if corrected:
+                # v_hat = max(v - n, f·v): the ternary noise out, never below the floor f.  Computed as
+                # f·max((v - n)/f, v) in one buffer, the f folded into the bias correction: three passes
+                # and no fresh allocation (on a CPU, a fresh buffer of a parameter's size costs its page faults
+                # on every step, as much as several passes)
+                f = float(group["v_floor"])
+                v_hat = self._scratch([params[i] for i in idx], vs)
+                for out, v, n in zip(v_hat, vs, ns):
+                    torch.sub(v, n, out=out)          # one pass (a copy and an in-place sub would be two)
+                if f > 0:
+                    torch._foreach_mul_(v_hat, 1 / f)
+                    torch._foreach_maximum_(v_hat, vs)
+                else:
+                    torch._foreach_clamp_min_(v_hat, 0.0)
+                    f = 1.0
+                if max_exp_avg_sqs is not None:
+                    if f != 1.0:
+                        torch._foreach_mul_(v_hat, f)
+                        f = 1.0
+                    maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
+                    torch._foreach_maximum_(maxs, v_hat)
+                    torch._foreach_copy_(v_hat, maxs)
+                torch._foreach_sqrt_(v_hat)
                 denom = v_hat
+                bias2_sqrt = [b / math.sqrt(f) for b in bias2_sqrt]
+            elif max_exp_avg_sqs is not None:
+                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
+                torch._foreach_maximum_(maxs, vs)
+                denom = torch._foreach_sqrt(maxs)
             else:
                 denom = torch._foreach_sqrt(vs)
             torch._foreach_div_(denom, bias2_sqrt)
