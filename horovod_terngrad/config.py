@@ -8,7 +8,7 @@ from .codec.sizes import FORMATS
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
-EXCHANGES = ("allgather", "sharded", "auto")
+EXCHANGES = ("allgather", "sharded", "reternarized", "auto")
 HIERARCHICAL = ("auto", True, False)
 
 
@@ -52,7 +52,10 @@ class TernGradConfig:
                    it hides overflows from a GradScaler, whose scale then never comes down).
     exchange:      "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
-                   nearly constant in N; needs shared_scaler) or "auto" (measures the link once,
+                   nearly constant in N; needs shared_scaler), "reternarized" (alltoall of each shard's
+                   payload to its owner, which averages it and ternarizes the average again; allgather
+                   of the owners' 2-bit payloads: about 2 + 2 bits per element at any N, no handshake;
+                   exchange/reternarized.py) or "auto" (measures the link once,
                    exchange/link.py: if ternarizing does not pay on it, e.g. a fast link with a CPU
                    codec, gradients travel at full precision and it says so; else per group whichever
                    exchange the cost model of exchange/cost.py predicts to be faster on that link).
@@ -109,7 +112,7 @@ class TernGradConfig:
         if self.shared_scaler not in (None, True, False):
             raise ValueError(f"shared_scaler must be True, False or None (the exchange's default), "
                              f"got {self.shared_scaler!r}")
-        if self.exchange != "allgather" and self.shared_scaler is False:
+        if self.exchange == "sharded" and self.shared_scaler is False:
             raise ValueError(f"exchange={self.exchange!r} needs shared_scaler=True: shard owners add "
                              "ternary values that must share one scaler")
         for pat in self.exclude:

@@ -104,3 +104,47 @@ def link_codec_cost(codec_s_per_element: float):
         yield
     finally:
         link.measure = measured
+
+
+def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True):
+    """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
+    reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
+    average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
+    ternarized again with scaler max|a| per bucket, no clip, the stream of '<name>#owner' and the owner's rank;
+    decoded as s'·t'."""
+    from horovod_terngrad.codec import sizes
+    N = len(grads)
+    flat = [g.detach().reshape(-1).to(torch.float32) for g in grads]
+    n = flat[0].numel()
+    k = cfg.bucket_size
+    b1 = sizes.reternarized_encode_bucket(n, N, k)
+    stats = [C.tensor_stats(g, b1) for g in flat]
+    thrs = [C.clip_threshold(st, cfg.clip_factor) for st in stats]
+    local = [C.local_scalers(st, thr) for st, thr in zip(stats, thrs)]
+    scalers = [torch.stack(local).amax(dim=0)] * N if cfg.scaler_shared_for("reternarized") else local
+    tid = C.tensor_id(name)
+    ternary = [C.ternarize(flat[r], thrs[r], scalers[r], b1, C.stream_key(cfg.seed, step, tid, r)) for r in range(N)]
+
+    def full(s, bucket, count):
+        return s if s.numel() == 1 else s.repeat_interleave(bucket)[:count]
+
+    out = torch.zeros(n, dtype=torch.float32)
+    divisor = float(N if average else 1)
+    for o, (lo, hi) in enumerate(sizes.reternarized_bounds(n, N, k)):
+        if hi <= lo:
+            continue
+        sc = [full(s, b1, n)[lo:hi] for s in scalers]
+        if all(torch.equal(s, sc[0]) for s in sc):
+            kk = torch.stack([t[lo:hi].to(torch.int64) for t in ternary]).sum(0)
+            a = (kk.to(torch.float32) * sc[0]) / divisor
+        else:
+            acc = torch.zeros(hi - lo, dtype=torch.float32)
+            for r in range(N):
+                acc = acc + ternary[r][lo:hi].to(torch.float32) * sc[r]
+            a = acc / divisor
+        st = C.tensor_stats(a, k)
+        thr = C.clip_threshold(st, 0.0)
+        s2 = C.local_scalers(st, thr)
+        t2 = C.ternarize(a, thr, s2, k, C.stream_key(cfg.seed, step, C.tensor_id(name + "#owner"), o))
+        out[lo:hi] = (t2.to(torch.float32) * full(s2, k, hi - lo)) / 1.0
+    return out.view(grads[0].shape).to(grads[0].dtype)

@@ -106,7 +106,38 @@ def shard_sum_bytes(numel: int, n_ranks: int) -> list[int]:
 __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SHARD_ALIGN",
            "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
-           "shard_sum_bytes"]
+           "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
+           "reternarized_chunk_bytes"]
+
+
+# -- the re-ternarized exchange (exchange/reternarized.py) ------------------------------------------------------
+def reternarized_shard(numel: int, n_ranks: int, bucket_size: int = 0) -> int:
+    """Elements per owner in the re-ternarized exchange: ceil(n/N) rounded up to a multiple of SHARD_ALIGN and,
+    with buckets, of the bucket size (so every shard holds whole buckets and starts on a byte)."""
+    align = SHARD_ALIGN if bucket_size <= 0 else math.lcm(SHARD_ALIGN, int(bucket_size))
+    size = -(-numel // n_ranks) if numel else 0
+    return -(-size // align) * align
+
+
+def reternarized_bounds(numel: int, n_ranks: int, bucket_size: int = 0) -> list[tuple[int, int]]:
+    """[lo, hi) of the elements each rank owns in the re-ternarized exchange; trailing shards may be short or
+    empty."""
+    size = reternarized_shard(numel, n_ranks, bucket_size)
+    return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(n_ranks)]
+
+
+def reternarized_encode_bucket(numel: int, n_ranks: int, bucket_size: int = 0) -> int:
+    """The bucket size a rank ternarizes its whole gradient with in the re-ternarized exchange: the user's
+    buckets, else one bucket per shard (each shard's payload then carries one scaler of its own)."""
+    if bucket_size > 0:
+        return int(bucket_size)
+    return max(reternarized_shard(numel, n_ranks, 0), 1)
+
+
+def reternarized_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: int = 0) -> list[int]:
+    """Bytes of the payload of each shard of one tensor: what a rank sends each owner in the alltoall, and what
+    each owner adds to the allgather (header, the shard's scalers, its packed codes: the same size both ways)."""
+    return [payload_size(hi - lo, fmt, bucket_size) for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
 
 
 JOINED_WORD_BITS = 31                      #: usable bits of one int32 word of the join exchange (sign bit left clear)

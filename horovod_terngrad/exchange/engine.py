@@ -42,14 +42,14 @@ import torch
 from .. import backends, codec
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, handshake, joined, link, sharded
+from . import allgather, cost, handshake, joined, link, reternarized, sharded
 from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
 log = logging.getLogger("horovod_terngrad")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TRANSPORTS = {"allgather": allgather, "sharded": sharded, "joined": joined}
+TRANSPORTS = {"allgather": allgather, "sharded": sharded, "reternarized": reternarized, "joined": joined}
 
 
 def check_gradient(tensor: torch.Tensor, name: str) -> None:
@@ -90,10 +90,12 @@ class Ticket:
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
                  "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished",
-                 "want_noise", "noise")
+                 "want_noise", "noise", "step", "bucket")
 
-    def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place):
+    def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place, step=0, bucket=0):
         self.engine, self.group = engine, None
+        self.step = step           # the step word of its random streams
+        self.bucket = bucket       # the bucket size it is ternarized with (the re-ternarized exchange: per shard)
         self.name, self.shape, self.dtype, self.g32 = name, shape, dtype, g32
         self.threshold, self.key, self.nb = threshold, key, nb
         self.average = average
@@ -222,6 +224,7 @@ class Exchange:
         tickets = []
         device = items[0][0].device if items else None
         backend = backends.for_device(device) if items else None
+        mode = mode or (self._mode([t.numel() for t, _ in items]) if items else cfg.exchange)
         for tensor, name in items:
             check_gradient(tensor, name)
             step = self.steps.get(name, 0)
@@ -229,15 +232,17 @@ class Exchange:
             g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
             if g32.device != device:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
-            prep = backend.prepare(g32, cfg.bucket_size, cfg.clip_factor)
+            bucket = reternarized.encode_bucket(self, g32.numel()) if mode == "reternarized" else cfg.bucket_size
+            prep = backend.prepare(g32, bucket, cfg.clip_factor)
             tk = Ticket(self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
                         codec.stream_key(cfg.seed, step, codec.tensor_id(name),
                                          self.coll.rank if self.stream_rank is None else self.stream_rank),
                         prep.scalers.numel(),
-                        average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32)
+                        average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
+                        step, bucket)
             tk.prep = prep
             tickets.append(tk)
-        grp = Group(group, tickets, mode or self._mode([tk.g32.numel() for tk in tickets]))
+        grp = Group(group, tickets, mode)
         for tk in tickets:
             tk.group = grp
         if not tickets:
@@ -308,7 +313,7 @@ class Exchange:
                                                  block, keep)
         # (the first stage may have queued new alltoalls; they are advanced here too)
         self._awaiting_alltoall = self._advance(self._awaiting_alltoall, lambda g: g.a2a,
-                                                lambda g: sharded.after_alltoall(self, g), block, keep)
+                                                lambda g: TRANSPORTS[g.mode].after_alltoall(self, g), block, keep)
 
     def settled(self, tickets: list) -> bool:
         """Whether ``finish`` of these tickets would not wait on the network: each one failed, sends nothing,
@@ -380,14 +385,14 @@ class Exchange:
         for tk in grp.members:
             prep = tk.prep
             on_host = prep.nonfinite.device.type == "cpu"
-            payload = backend.encode(tk.g32, prep.threshold, prep.scalers, cfg.bucket_size, tk.key, cfg.packing,
+            payload = backend.encode(tk.g32, prep.threshold, prep.scalers, tk.bucket, tk.key, cfg.packing,
                                      flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
             if not on_host:          # the flag byte, written on the device (no host synchronization)
                 payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
             self._record(tk, payload, prep.scalers)
             sends.append((tk, payload))
         self.stats.codec_s += time.perf_counter() - t0
-        allgather.send(self, grp, sends)
+        TRANSPORTS[grp.mode].send(self, grp, sends)
 
     def _send_handshake(self, grp: Group, hs: torch.Tensor) -> None:
         grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{grp.name}")
@@ -483,7 +488,7 @@ class Exchange:
         cfg = self.config
         tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.g32.device)
         payload = backends.for_device(tk.g32.device).encode(
-            tk.g32, tk.threshold, tk.shared, cfg.bucket_size, tk.key, cfg.packing, shape=tk.shape)
+            tk.g32, tk.threshold, tk.shared, tk.bucket, tk.key, cfg.packing, shape=tk.shape)
         self._record(tk, payload, tk.shared)
         return payload
 
@@ -492,4 +497,4 @@ class Exchange:
         self.stats.elements += tk.g32.numel()
         if self.inspection.wants(tk.name):
             self.inspection.record(tk.name, tk.g32, tk.threshold, payload, scalers, self.config.packing,
-                                   self.config.bucket_size)
+                                   tk.bucket)

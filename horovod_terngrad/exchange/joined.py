@@ -69,4 +69,4 @@ def receive(ex, tk) -> torch.Tensor:
     offset = sum(sizes.joined_words(m.g32.numel(), N) for m in grp.sent[:tk.slot])
     n = tk.g32.numel()
     k = _unfields(sums[offset:offset + sizes.joined_words(n, N)], n, N) - active
-    return packing.decode_sums(k, tk.shared, ex.config.bucket_size, N if tk.average else 1)
+    return packing.decode_sums(k, tk.shared, tk.bucket, N if tk.average else 1)

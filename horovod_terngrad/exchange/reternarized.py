@@ -1,0 +1,199 @@
+"""Re-ternarized exchange: about 2 + 2 bits per element on the wire at any number of ranks N.
+
+Each rank owns one shard of every tensor (codec.sizes.reternarized_bounds: ceil(n/N) rounded up to whole
+buckets on a byte boundary).  Per-rank scalers by default, so no handshake: payloads leave as soon as a group is
+complete, and nothing is read on the host before they do.
+
+1. Every rank ternarizes its whole gradient with one scaler per shard (or the user's buckets, which shards hold
+   whole) and its own random stream, exactly as the allgather exchange would with those buckets, and sends shard
+   o's payload (header, the shard's scalers, its packed codes) to rank o: one alltoall.
+2. Owner o decodes the N payloads of its shard as the allgather exchange decodes a tensor,
+   a_o = (Σ_r s_r·t_r)/N in fp32 in rank order, and ternarizes a_o again: scaler s'_o = max|a_o| per bucket, no
+   clipping (so it stays unbiased), a random stream of its own (seed, step, tensor, owner's rank, element; the
+   tensor word is the name's with '#owner', so it is no stream of step 1).  The owners' payloads go to every
+   rank by one allgather.
+3. Every rank decodes every owner's payload into its shard: out = s'_o·t'_o.  Every rank decodes the same bytes,
+   so all results are identical.
+
+Unbiased: E[out | a] = a (stochastic rounding with s' >= |a|) and E[a] = mean_r clip(g_r), so
+E[out] = mean_r clip(g_r), as the other exchanges.  The owner's rounding adds its variance, s'·|a| - a^2 per
+element, on top of the allgather exchange's; the owner keeps no error feedback (1-bit Adam's ``server_error``
+would make the exchange biased within a step in exchange for a lower variance over steps: not done here).
+
+Traffic per rank and element, b = 2 bits (1.6 with base-3): sends (N-1)/N·b in the alltoall and (N-1)/N·b in
+the allgather, receives the same, plus a 20-byte header and 4-byte scaler per shard and member: flat in N
+(the allgather exchange receives (N-1)·b, the sharded one (N-1)/N·(b + ceil(log2(2N+1)))).  Two collectives
+per group (latency), and the owner pays one more decode and encode of its shard.
+
+A NaN/Inf on a rank sets its payload's flag; the owner's payload carries the flag on, so every rank sees it in
+the gathered bytes.  Per-rank scalers cannot give Adam the noise estimate (no rank holds every payload).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import backends, codec
+from ..codec import sizes
+from ..codec.packing import FLAG_NONFINITE, Header, header_bytes
+from ..errors import RankMismatchError
+from .collectives import CollectiveError
+from . import allgather
+
+OWNER_SUFFIX = "#owner"      # the owner's random stream: tensor word of '<name>#owner'
+
+
+def encode_bucket(ex, numel: int) -> int:
+    """The bucket size a rank ternarizes a tensor of ``numel`` elements with (step 1)."""
+    return sizes.reternarized_encode_bucket(numel, ex.coll.size, ex.config.bucket_size)
+
+
+def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bucket_size: int, fmt: str,
+                  bucket_size: int) -> torch.Tensor:
+    """Shard [lo, hi) of a whole tensor's payload (encoded with ``encode_bucket_size``) as a payload of its
+    own: a header for hi - lo elements with the user's ``bucket_size`` and the sender's flags (copied on the
+    device), the shard's scalers, its packed codes."""
+    nb = sizes.num_buckets(numel, encode_bucket_size)
+    scalers = payload[sizes.HEADER_BYTES:sizes.codes_offset(nb)]
+    codes = payload[sizes.codes_offset(nb):]
+    head = torch.frombuffer(bytearray(header_bytes(hi - lo, fmt, bucket_size)), dtype=torch.uint8).to(payload.device)
+    head[3:4] = payload[3:4]
+    if hi <= lo:         # an empty shard past the end: a header and one zero scaler
+        return torch.cat([head, torch.zeros(sizes.SCALER_BYTES, dtype=torch.uint8, device=payload.device)])
+    b0, b1 = sizes.code_byte_range(lo, hi, fmt)
+    k0, k1 = lo // encode_bucket_size, -(-hi // encode_bucket_size)
+    return torch.cat([head, scalers[k0 * sizes.SCALER_BYTES:k1 * sizes.SCALER_BYTES], codes[b0:b1]])
+
+
+def send(ex, grp, sends: list) -> None:
+    """Alltoall: to rank o, the payload of shard o of every member (members in order)."""
+    N, cfg = ex.coll.size, ex.config
+    to_rank = [[] for _ in range(N)]
+    for tk, payload in sends:
+        n = tk.g32.numel()
+        for o, (lo, hi) in enumerate(sizes.reternarized_bounds(n, N, cfg.bucket_size)):
+            to_rank[o].append(shard_payload(payload, n, lo, hi, tk.bucket, cfg.packing, cfg.bucket_size))
+    splits = [sum(c.numel() for c in chunks) for chunks in to_rank]
+    data = torch.cat([c for chunks in to_rank for c in chunks])
+    grp.sent = [tk for tk, _ in sends]
+    grp.a2a_own = splits[ex.coll.rank]
+    ex.stats.payload_bytes_sent += data.numel()
+    name = f"terngrad.rt.{grp.name}"
+    if getattr(ex.coll, "takes_sizes", False):     # every sender sends this rank its own shard's size
+        grp.a2a = ex.coll.alltoall_async(data, splits, name, received=[grp.a2a_own] * N)
+    else:
+        grp.a2a = ex.coll.alltoall_async(data, splits, name)
+    ex.stats.collectives += 1
+    ex.queue_alltoall(grp)
+
+
+def after_alltoall(ex, grp) -> None:
+    """Owner step: per member, decode this rank's shard from the N payloads, ternarize it again, and allgather
+    every member's owner payload."""
+    t0 = time.perf_counter()
+    try:
+        received = ex.coll.synchronize(grp.a2a)
+    except CollectiveError as e:
+        for tk in grp.sent:
+            tk.error = e.detailed(f"TernGrad: re-ternarized exchange of '{tk.name}' failed")
+        return
+    finally:
+        ex.stats.gather_wait_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
+    ex.stats.bytes_received += received.numel() - grp.a2a_own
+    members = grp.sent
+    bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, cfg.bucket_size)[me] for tk in members]
+    nbytes = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size)[me]
+              for tk in members]
+    block = sum(nbytes)
+    if received.numel() != N * block:
+        err = RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': received "
+                                f"{received.numel()} bytes, expected {N}x{block}: ranks disagree on its "
+                                f"tensors or settings")
+        for tk in members:
+            tk.error = err
+        return
+    backend = backends.for_device(received.device)
+    owned, pre = [], 0
+    for tk, (lo, hi), size in zip(members, bounds, nbytes):
+        offsets = [s * block + pre for s in range(N)]
+        pre += size
+        owned.append(owner_payload(backend, received, offsets, hi - lo, tk, ex))
+        tk.payload_bytes = owned[-1].numel()
+    ex.stats.codec_s += time.perf_counter() - t0
+    owners = ([sum(sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size)[o]
+                   for tk in members) for o in range(N)]
+              if getattr(ex.coll, "takes_sizes", False) else None)    # the last owners' shards may be short
+    allgather.launch(ex, grp, members, owned[0] if len(owned) == 1 else torch.cat(owned),
+                     f"terngrad.rg.{grp.name}", sizes=owners)
+
+
+def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex) -> torch.Tensor:
+    """The owner's payload of one member's shard (m elements): the N senders' payloads at ``offsets`` averaged,
+    then ternarized again with its own scalers and stream; a NaN/Inf flag of any sender carried on."""
+    cfg, N = ex.config, ex.coll.size
+    head = Header(cfg.packing, 0, cfg.bucket_size, m)
+    for o in offsets:          # the senders' headers name the shard, its packing and buckets: checked here
+        got = codec.packing.read_header(received, o, f"shard of '{tk.name}'") if received.device.type == "cpu" \
+            else None
+        if got is not None and (got.numel, got.fmt, got.bucket_size) != (m, head.fmt, head.bucket_size):
+            raise RankMismatchError(f"TernGrad: ranks disagree on gradient '{tk.name}': a shard of {got.numel} "
+                                    f"elements ({got.fmt}, buckets {got.bucket_size}) where this rank owns {m} "
+                                    f"({head.fmt}, buckets {head.bucket_size})")
+    flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
+    bad = (flags & FLAG_NONFINITE).ne(0).any().to(torch.uint8)
+    if m == 0:
+        out = torch.cat([torch.frombuffer(bytearray(header_bytes(0, cfg.packing, cfg.bucket_size)),
+                                          dtype=torch.uint8).to(received.device),
+                         torch.zeros(sizes.SCALER_BYTES, dtype=torch.uint8, device=received.device)])
+        out[3:4] = bad
+        return out
+    avg = backend.decode(received, [head] * N, offsets, N if tk.average else 1)
+    avg = torch.where(bad.bool(), torch.zeros_like(avg), avg)      # a flagged shard is NaN anyway: keep it finite
+    prep = backend.prepare(avg, cfg.bucket_size, 0.0)
+    key = codec.stream_key(cfg.seed, tk.step, codec.tensor_id(tk.name + OWNER_SUFFIX),
+                           ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
+    payload = backend.encode(avg, prep.threshold, prep.scalers, cfg.bucket_size, key, cfg.packing, shape=(m,))
+    payload[3:4] = bad
+    return payload
+
+
+def receive(ex, tk) -> torch.Tensor | None:
+    """The average of one member: every owner's payload decoded into its shard."""
+    gathered = allgather.gathered(ex, tk)
+    t0 = time.perf_counter()
+    grp, N, cfg = tk.group, ex.coll.size, ex.config
+    n = tk.g32.numel()
+    chunk = [sizes.reternarized_chunk_bytes(m.g32.numel(), N, cfg.packing, cfg.bucket_size) for m in grp.sent]
+    block = [sum(c[o] for c in chunk) for o in range(N)]
+    if sum(block) != gathered.numel():
+        raise RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': gathered "
+                                f"{gathered.numel()} bytes, expected {sum(block)}")
+    offsets, at = [], 0
+    for o in range(N):
+        offsets.append(at + sum(chunk[j][o] for j in range(tk.slot)))
+        at += block[o]
+    flags = gathered[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=gathered.device)]
+    bad = (flags & FLAG_NONFINITE).ne(0).any()
+    if gathered.device.type == "cpu" or cfg.on_nonfinite == "raise":      # on the host: free on a CPU
+        if bool(bad):
+            ex.nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on at "
+                             "least one rank (re-ternarized exchange: a shard's owner carried the flag on)")
+            if tk.error is not None:
+                raise tk.error
+            return None
+        bad = None
+    out = tk.g32 if tk.in_place else torch.empty(n, dtype=torch.float32, device=gathered.device)
+    backend = backends.for_device(gathered.device)
+    for (lo, hi), off in zip(sizes.reternarized_bounds(n, N, cfg.bucket_size), offsets):
+        if hi > lo:
+            backend.decode(gathered, [Header(cfg.packing, 0, cfg.bucket_size, hi - lo)], [off], 1, out=out[lo:hi])
+    if bad is not None:          # an accelerator: the flags decided on the device, no synchronization
+        out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
+    ex.stats.codec_s += time.perf_counter() - t0
+    return out
+
+
+__all__ = ["send", "after_alltoall", "receive", "encode_bucket", "shard_payload", "owner_payload"]
