@@ -30,6 +30,11 @@ CASES = {
     "sharded-base3-buckets": dict(exchange="sharded", packing="base3", bucket_size=50),
     "zero-nonfinite": dict(on_nonfinite="zero"),
     "auto": dict(exchange="auto"),
+    # added with the re-ternarized exchange (issue 35); the pins above were not rewritten
+    "reternarized": dict(exchange="reternarized", shared_scaler=False),
+    "reternarized-base3-buckets": dict(exchange="reternarized", shared_scaler=False, packing="base3", bucket_size=50),
+    "reternarized-shared": dict(exchange="reternarized"),
+    "reternarized-zero-nonfinite": dict(exchange="reternarized", shared_scaler=False, on_nonfinite="zero"),
 }
 RANKS = (1, 2, 3, 4)
 FUSED = ("alone", "fused")
@@ -88,7 +93,7 @@ def _run(case: str, n_ranks: int, fused: str) -> dict:
         ex = Exchange(rec, cfg)
         outs = []
         for step in range(2):
-            grads = [(_grad(s, c.rank, i, step, nan=(case == "zero-nonfinite" and c.rank == n_ranks - 1 and i == 4)),
+            grads = [(_grad(s, c.rank, i, step, nan=(case.endswith("zero-nonfinite") and c.rank == n_ranks - 1 and i == 4)),
                       f"layer{i}") for i, s in enumerate(SHAPES)]
             if fused == "fused":      # two groups, as the frontend cuts them: small tensors, then the rest
                 tickets = ex.start_group(grads[:4], "g0") + ex.start_group(grads[4:], "g1")
