@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hook", choices=HOOKS, default="terngrad")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit", help="TernGrad's packing")
-    p.add_argument("--exchange", choices=["allgather", "sharded", "auto"], default="allgather",
+    p.add_argument("--exchange", choices=["allgather", "sharded", "reternarized", "auto"], default="allgather",
                    help="TernGrad's exchange")
     p.add_argument("--on-nonfinite", choices=["propagate", "raise", "zero"], default=None,
                    help="TernGrad's on_nonfinite (default: the library's, 'propagate')")

@@ -74,6 +74,8 @@ def parse_args(argv=None):
                    help="fsdp: the mesh's replicate size (default: torchrun's nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
     p.add_argument("--bucket-size", type=int, default=0, help="TernGrad's bucket_size (0: one scaler per tensor)")
+    p.add_argument("--exchange", choices=["allgather", "sharded", "reternarized", "auto"], default=None,
+                   help="TernGrad's exchange (default: the frontend's)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank and step (default 8)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -132,6 +134,8 @@ def terngrad_settings(args) -> dict:
     kw = dict(packing=args.packing, seed=args.seed, bucket_size=args.bucket_size)
     if args.min_numel is not None:
         kw["min_numel"] = args.min_numel
+    if getattr(args, "exchange", None) is not None:
+        kw["exchange"] = args.exchange
     return kw
 
 

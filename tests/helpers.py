@@ -106,12 +106,12 @@ def link_codec_cost(codec_s_per_element: float):
         link.measure = measured
 
 
-def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True):
+def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
     reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
     average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
     ternarized again with scaler max|a| per bucket, no clip, the stream of '<name>#owner' and the owner's rank;
-    decoded as s'·t'."""
+    decoded as s'·t'.  With ``noise``, also the owners' noise estimate s'^2·|t'|."""
     from horovod_terngrad.codec import sizes
     N = len(grads)
     flat = [g.detach().reshape(-1).to(torch.float32) for g in grads]
@@ -129,6 +129,7 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True):
         return s if s.numel() == 1 else s.repeat_interleave(bucket)[:count]
 
     out = torch.zeros(n, dtype=torch.float32)
+    nu = torch.zeros(n, dtype=torch.float32)
     divisor = float(N if average else 1)
     for o, (lo, hi) in enumerate(sizes.reternarized_bounds(n, N, k)):
         if hi <= lo:
@@ -147,4 +148,6 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True):
         s2 = C.local_scalers(st, thr)
         t2 = C.ternarize(a, thr, s2, k, C.stream_key(cfg.seed, step, C.tensor_id(name + "#owner"), o))
         out[lo:hi] = (t2.to(torch.float32) * full(s2, k, hi - lo)) / 1.0
-    return out.view(grads[0].shape).to(grads[0].dtype)
+        nu[lo:hi] = (t2.abs().to(torch.float32) * full(s2 * s2, k, hi - lo)) / 1.0
+    result = out.view(grads[0].shape).to(grads[0].dtype)
+    return (result, nu) if noise else result

@@ -162,3 +162,23 @@ def test_a_step_with_a_joined_rank_goes_by_the_join_transport_exactly():
                                TernGradConfig(shared_scaler=True, bucket_size=bucket), ranks=[0, 1], world=world)
     for r in (0, 1):
         assert torch.equal(results[r][1], want)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[2]], ids=IDS[:3])
+def test_the_noise_estimate_is_the_owners_squared_values_bit_for_bit(cfg):
+    """For horovod_terngrad.optim's default Adam: with the ticket's want_noise, every rank gets s'^2·|t'| of
+    every owner's payload (the reference's, bit for bit), identical on every rank."""
+    N, shape = 4, (30, 41)
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        tk = ex.start(grad(shape, c.rank, 3), "w")
+        tk.want_noise = True
+        ex.finish(tk)
+        return tk.noise
+
+    res = run_ranks(N, body)
+    _, want = expected_reternarized([grad(shape, r, 3) for r in range(N)], "w", 0, cfg, noise=True)
+    for nu in res:
+        assert torch.equal(nu, want)
+    assert (want > 0).any()

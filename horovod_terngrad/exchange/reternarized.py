@@ -26,7 +26,10 @@ the allgather, receives the same, plus a 20-byte header and 4-byte scaler per sh
 per group (latency), and the owner pays one more decode and encode of its shard.
 
 A NaN/Inf on a rank sets its payload's flag; the owner's payload carries the flag on, so every rank sees it in
-the gathered bytes.  Per-rank scalers cannot give Adam the noise estimate (no rank holds every payload).
+the gathered bytes.  For horovod_terngrad.optim's default Adam, every rank forms from the owners' payloads the
+noise estimate of the owner's rounding, s'^2·|t'| per element (an unbiased estimate of s'·|a|, which exceeds
+that rounding's variance s'·|a| - a^2 by a^2), at no extra bytes; the first stage's noise, (1/N^2)·Σ_r
+s_r·|g_r| - g_r^2, is seen by the owner alone and is left out (it shrinks as 1/N, the owner's does not).
 """
 from __future__ import annotations
 
@@ -186,12 +189,19 @@ def receive(ex, tk) -> torch.Tensor | None:
             return None
         bad = None
     out = tk.g32 if tk.in_place else torch.empty(n, dtype=torch.float32, device=gathered.device)
+    noise = torch.empty(n, dtype=torch.float32, device=gathered.device) if tk.want_noise else None
     backend = backends.for_device(gathered.device)
     for (lo, hi), off in zip(sizes.reternarized_bounds(n, N, cfg.bucket_size), offsets):
         if hi > lo:
-            backend.decode(gathered, [Header(cfg.packing, 0, cfg.bucket_size, hi - lo)], [off], 1, out=out[lo:hi])
+            head = Header(cfg.packing, 0, cfg.bucket_size, hi - lo)
+            backend.decode(gathered, [head], [off], 1, out=out[lo:hi])
+            if noise is not None:
+                noise[lo:hi] = allgather.noise_estimate(gathered, [head], [off], 1)
     if bad is not None:          # an accelerator: the flags decided on the device, no synchronization
         out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
+        if noise is not None:
+            noise.masked_fill_(bad, 0.0)
+    tk.noise = noise
     ex.stats.codec_s += time.perf_counter() - t0
     return out
 

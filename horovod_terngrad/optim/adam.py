@@ -198,8 +198,8 @@ class _RefreshedAdam:
                 if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
                     _RefreshedAdam._warned_no_noise = True
                     log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "
-                                "only the allgather exchange gives one (not 'sharded', the node-aware exchange or "
-                                "a step with a rank in hvd.join()); its second moment takes the ternary gradient "
+                                "the allgather and re-ternarized exchanges give one (not 'sharded', the "
+                                "node-aware exchange or a step with a rank in hvd.join()); its second moment takes the ternary gradient "
                                 "as plain AdamW does", tuple(p.shape))
             else:
                 refresh = record != precision.TERNARY
