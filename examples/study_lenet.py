@@ -31,12 +31,14 @@ OPTIMIZERS = {"momentum": dict(lr=0.01, momentum=0.9), "vanilla": dict(lr=0.1, m
 
 
 def train(data, n_workers: int, compression: str, optimizer: str, iterations: int, seed: int,
-          batch: int = 64, log_every: int = 0, ranks_per_node: int = 1, hierarchical=False) -> dict:
+          batch: int = 64, log_every: int = 0, ranks_per_node: int = 1, hierarchical=False,
+          exchange: str = "allgather") -> dict:
     torch.manual_seed(seed)
     model = LeNet()
     hp = OPTIMIZERS[optimizer]
     opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=5e-4)
-    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical), compression=compression,
+    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical, exchange=exchange),
+                    compression=compression,
                     ranks_per_node=ranks_per_node)
     hierarchical = compression == "terngrad" and sim.topology.flat_reason() is None and hierarchical is not False
     xtr, ytr = data["train"]
@@ -51,7 +53,7 @@ def train(data, n_workers: int, compression: str, optimizer: str, iterations: in
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     acc = evaluate(model, *data["test"])
     return {"workers": n_workers, "compression": compression, "optimizer": optimizer, "iterations": iterations,
-            "ranks_per_node": ranks_per_node, "hierarchical": bool(hierarchical),
+            "ranks_per_node": ranks_per_node, "hierarchical": bool(hierarchical), "exchange": exchange,
             "test_acc": acc, "seconds": time.perf_counter() - t0,
             "bits_per_element": sim.stats.bits_per_element() if compression == "terngrad" else 32.0}
 
