@@ -931,6 +931,28 @@ def test_hsdp_cli(capsys):
     out = capsys.readouterr().out
     assert "GPT-3 1.3B" in out and "292 tensors" in out
     rows = [line for line in out.splitlines() if line.startswith("| 8 ") or line.startswith("| 512 ")]
-    assert len(rows) == 2 and rows[0].count("|") == 13
+    assert len(rows) == 2 and rows[0].count("|") == 18
+    assert "TG-rt s" in out and "TG-rt / limit" in out      # the re-ternarized exchange beside its limit
     with pytest.raises(SystemExit):
         pm.main(["hsdp", "--workers", "6"])
+
+
+def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
+    """The re-ternarized exchange's model (exchange.cost.terngrad_reternarized_cost): received bytes
+    2·(N-1)·c with c its shard's payload (codec.sizes), ~4 bits per element at any N; on the paper's InfiniBand
+    at 512 GPUs it is modelled faster than the sharded exchange for a 25M-element buffer; HSDP rows price it,
+    at most 1.1x its limit on InfiniBand at 512 GPUs."""
+    from horovod_terngrad.codec import sizes
+    from horovod_terngrad.exchange import cost
+    net = pm.CLUSTERS["infiniband"].network
+    for N in (8, 64, 512):
+        c = cost.terngrad_reternarized_cost([25_000_000], N, net)
+        chunk = sizes.reternarized_chunk_bytes(25_000_000, N, "2bit")[0]
+        assert c.bytes_received == 2 * (N - 1) * chunk
+        assert 3.4 < c.bits_per_element <= 4.01
+    big = [25_000_000]
+    assert (cost.terngrad_reternarized_cost(big, 512, net).time_s
+            < cost.terngrad_sharded_cost(big, 512, net).time_s)
+    rows = pm.predict_hsdp(pm.GPT_MODELS["gpt3-1.3b"], pm.CLUSTERS["infiniband"], [512])
+    rt = rows[0][pm.HSDP_TERNGRAD_RETERNARIZED]
+    assert rt.limit_s <= rt.step_s <= 1.1 * rt.limit_s

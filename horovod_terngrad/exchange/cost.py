@@ -62,6 +62,7 @@ FP32 = "fp32"
 FP16 = "fp16"
 TERNGRAD_ALLGATHER = "terngrad_allgather"
 TERNGRAD_SHARDED = "terngrad_sharded"
+TERNGRAD_RETERNARIZED = "terngrad_reternarized"
 TERNGRAD_BEST = "terngrad"        #: per buffer, the cheaper of the two TernGrad exchanges
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
@@ -425,6 +426,37 @@ def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Net
     return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * _stages(N, link) + hs_m, n)
 
 
+def reternarized_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit", bucket_size: int = 0) -> int:
+    """The most bytes of one group any owner receives from one peer, and hands the allgather, in the
+    re-ternarized exchange: its shard's payload of every member (codec.sizes.reternarized_chunk_bytes; both
+    stages move payloads of the same size)."""
+    N = int(workers)
+    chunks = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size) for x in sizes]
+    return max((sum(m[r] for m in chunks) for r in range(N)), default=0)
+
+
+def terngrad_reternarized_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                               packing: str = "2bit", bucket_size: int = 0,
+                               shared_scaler: bool = False) -> ExchangeCost:
+    """TernGrad re-ternarized exchange (exchange/reternarized.py): alltoall of each shard's payload to its owner,
+    allgather of the owners' re-ternarized payloads.  With c = :func:`reternarized_bytes`,
+    T = alltoall(c) + (N-1)·alpha + (N-1)·c·beta (+ the handshake with ``shared_scaler``).  Received bytes per
+    rank: 2·(N-1)·c ~ 2·(N-1)/N·n·b/8, flat in N.  Messages: 2(N-1) (ring).  Owners' decode and encode of their
+    shard are codec time, not charged here (as no exchange's codec is)."""
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_RETERNARIZED, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    c = reternarized_bytes(ns, N, packing, bucket_size)
+    enc = [wire.reternarized_encode_bucket(x, N, bucket_size) for x in ns]
+    hs_t, hs_b, hs_m = (_allreduce(wire.handshake_size([wire.num_buckets(x, b) for x, b in zip(ns, enc)]), N, link)
+                        if shared_scaler else (0.0, 0.0, 0))
+    G = network.ranks_per_node if link is network else N
+    t = alltoall_time(c, N, link, G) + ring_allgather_time(c, N, link) + hs_t
+    return ExchangeCost(TERNGRAD_RETERNARIZED, t, 2 * (N - 1) * c + hs_b, 2 * _stages(N, link) + hs_m, n)
+
+
 _COST_FUNCTIONS = {
     FP32: lambda s, N, net, packing, bucket_size, shared: fp32_allreduce_cost(s, N, net),
     FP16: lambda s, N, net, packing, bucket_size, shared: fp16_allreduce_cost(s, N, net),
@@ -432,6 +464,9 @@ _COST_FUNCTIONS = {
     # the sharded exchange always shares the scaler (owners add codes of one scale)
     TERNGRAD_SHARDED: lambda s, N, net, packing, bucket_size, shared: terngrad_sharded_cost(s, N, net, packing,
                                                                                             bucket_size),
+    # per-rank scalers unless set otherwise (its default): no handshake
+    TERNGRAD_RETERNARIZED: lambda s, N, net, packing, bucket_size, shared: terngrad_reternarized_cost(
+        s, N, net, packing, bucket_size, False),
 }
 
 
@@ -452,7 +487,7 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
         return choose_exchange(sizes, workers, network, packing, bucket_size=bucket_size,
                                shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED,)}, got {method!r}")
     return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size, shared_scaler)
 
 
@@ -492,6 +527,8 @@ def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, 
         exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
     if exchange == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
+    if exchange == "reternarized":
+        return terngrad_reternarized_cost(ns, N, network, packing, bucket_size)
     return terngrad_allgather_cost(ns, N, network, packing, bucket_size, shared_scaler)
 
 

@@ -121,13 +121,14 @@ from ..config import TernGradConfig
 from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
     _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, TERNGRAD_ALLGATHER, TERNGRAD_BEST,
-    TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL, TERNGRAD_SHARDED, ExchangeChoice,
+    TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED,
+    ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
     choose_exchange,
     configured_network, cross_network, exchange_cost, exchange_for, fp16_allreduce_cost, fp32_allreduce_cost,
     hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost, sharded_bytes,
-    terngrad_allgather_cost, terngrad_sharded_cost, tree_allreduce_time)
+    terngrad_allgather_cost, terngrad_reternarized_cost, terngrad_sharded_cost, tree_allreduce_time)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -240,7 +241,8 @@ class PlannedBuffer:
 HOROVOD_STEP_ALLREDUCES = 2
 
 # the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
-_SETTING = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_BEST: None}
+_SETTING = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_BEST: None,
+            TERNGRAD_RETERNARIZED: "reternarized"}
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -269,8 +271,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         width = 4.0 if method == FP32 else 2.0
         return [PlannedBuffer(method, tuple(b), tuple(sizes[i] for i in b))
                 for b in _fuse_indices(list(range(len(sizes))), sizes, fusion_bytes, width)]
-    if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST):
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST, TERNGRAD_RETERNARIZED):
+        raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED,)}, got {method!r}")
     cfg = terngrad_config(config, packing, fusion_numel)
     if hierarchical is not None:
         cfg = cfg.replace(hierarchical=hierarchical)
@@ -394,6 +396,8 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
         return float(numel) * (1 + workers)
     if method == TERNGRAD_SHARDED:
         return 3.0 * numel
+    if method == TERNGRAD_RETERNARIZED:      # encode n, owner: decode N chunks of n/N and encode n/N, decode n
+        return 3.0 * numel + numel / workers
     raise ValueError(method)
 
 
@@ -828,7 +832,8 @@ HSDP_FP32 = "hsdp_fp32"
 HSDP_BF16 = "hsdp_bf16"
 HSDP_TERNGRAD = "hsdp_terngrad"                  #: the frontend's default: allgather, per-rank scalers
 HSDP_TERNGRAD_SHARDED = "hsdp_terngrad_sharded"  #: TernGradConfig(exchange="sharded") across nodes (what-if)
-HSDP_METHODS = (HSDP_FP32, HSDP_BF16, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED)
+HSDP_TERNGRAD_RETERNARIZED = "hsdp_terngrad_reternarized"  #: TernGradConfig(exchange="reternarized") across nodes
+HSDP_METHODS = (HSDP_FP32, HSDP_BF16, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED)
 HSDP_WORKERS = (8, 16, 32, 64, 128, 256, 512)
 
 
@@ -986,6 +991,7 @@ class HSDPStep:
     shard_elements: int
     tokens_per_worker: int
     speedup_vs_bf16: float = float("nan")
+    limit_s: float = float("nan")     #: compute + intra-node + the 2-bit payload at the cross link's rate
 
     @property
     def nodes(self) -> int:
@@ -1026,12 +1032,15 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
         if method in (HSDP_FP32, HSDP_BF16):
             total = total + allreduce_cost(u.padded, R, network, 4 if method == HSDP_FP32 else 2)
             continue
-        if method not in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED):
+        if method not in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED):
             raise ValueError(f"method must be one of {HSDP_METHODS}, got {method!r}")
         for g in u.groups:
             if method == HSDP_TERNGRAD:
                 total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
                                                         cfg.scaler_shared_for("allgather"))
+            elif method == HSDP_TERNGRAD_RETERNARIZED:
+                total = total + terngrad_reternarized_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
+                                                           cfg.scaler_shared_for("reternarized"))
             else:
                 total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, cfg.bucket_size)
         if u.plain:
@@ -1065,18 +1074,22 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
             n_c = sum(u.compressed for u in units)
             work = {HSDP_FP32: 0.0, HSDP_BF16: codec_work_elements(FP16, sum(u.padded for u in units), R),
                     HSDP_TERNGRAD: codec_work_elements(TERNGRAD_ALLGATHER, n_c, R),
-                    HSDP_TERNGRAD_SHARDED: codec_work_elements(TERNGRAD_SHARDED, n_c, R)}[method]
+                    HSDP_TERNGRAD_SHARDED: codec_work_elements(TERNGRAD_SHARDED, n_c, R),
+                    HSDP_TERNGRAD_RETERNARIZED: codec_work_elements(TERNGRAD_RETERNARIZED, n_c, R)}[method]
             codec = work / codec_elements_per_s
         payload = (sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
-                   if method == HSDP_TERNGRAD else 0)
+                   if method in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED) else 0)
         if worst is None or cost.time_s + codec > worst[0].time_s + worst[1]:
             worst = (cost, codec, payload, units)
     cost, codec, payload, units = worst
     intra = hsdp_intra_s(units, G, network, 2 if method == HSDP_BF16 else 4)
     exposed = intra + cost.time_s + codec
     step = compute_s + exposed - min(exposed, overlap * compute_s)
+    # the limit of a TernGrad step: compute, the intra-node stages and this rank's 2-bit payload once over its
+    # share of the node's link (no latency, no second stage): what no cross-node exchange can beat
+    limit = compute_s + intra + (payload / cross.bandwidth_Bps if R > 1 else 0.0)
     return HSDPStep(method, N, G, compute_s, intra, cost.time_s, codec, step, cost.bytes_received, payload,
-                    sum(u.padded for u in units), sequences * model.context)
+                    sum(u.padded for u in units), sequences * model.context, limit_s=limit)
 
 
 def predict_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HSDP_WORKERS,
@@ -1105,15 +1118,19 @@ def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, H
     head = (f"HSDP {model.name} ({model.parameters / 1e9:.3f}B parameters in {len(model.tensors())} tensors) on "
             f"{cluster.name} ({cluster.network.describe()}); {first.tokens_per_worker} tokens/GPU; compute "
             f"{first.compute_s:.2f} s/iteration")
-    cols = ["GPUs", "nodes", "fp32 s", "bf16 s", "TG s", "TG-sh s", "TG tok/s", "TG vs bf16", "TG-sh vs bf16",
-            "intra s", "bf16 MB", "TG MB"]
+    cols = ["GPUs", "nodes", "fp32 s", "bf16 s", "TG s", "TG-sh s", "TG-rt s", "TG-rt limit s", "TG-rt / limit",
+            "TG vs bf16", "TG-sh vs bf16", "TG-rt vs bf16", "limit vs bf16", "intra s", "bf16 MB", "TG MB",
+            "TG-rt MB"]
     out = []
     for r in rows:
-        tg, sh, bf = r[HSDP_TERNGRAD], r.get(HSDP_TERNGRAD_SHARDED), r[HSDP_BF16]
+        tg, sh, rt, bf = r[HSDP_TERNGRAD], r.get(HSDP_TERNGRAD_SHARDED), r.get(HSDP_TERNGRAD_RETERNARIZED), r[HSDP_BF16]
         out.append([f"{bf.workers}", f"{bf.nodes}", f"{r[HSDP_FP32].step_s:.2f}", f"{bf.step_s:.2f}",
-                    f"{tg.step_s:.2f}", f"{sh.step_s:.2f}" if sh else "-", f"{tg.tokens_per_s:,.0f}",
+                    f"{tg.step_s:.2f}", f"{sh.step_s:.2f}" if sh else "-", f"{rt.step_s:.2f}" if rt else "-",
+                    f"{rt.limit_s:.2f}" if rt else "-", f"{rt.step_s / rt.limit_s:.2f}x" if rt else "-",
                     f"{tg.speedup_vs_bf16:.2f}x", f"{sh.speedup_vs_bf16:.2f}x" if sh else "-",
-                    f"{tg.intra_s:.2f}", f"{bf.cross_bytes / 1e6:.0f}", f"{tg.cross_bytes / 1e6:.0f}"])
+                    f"{rt.speedup_vs_bf16:.2f}x" if rt else "-", f"{bf.step_s / rt.limit_s:.2f}x" if rt else "-",
+                    f"{tg.intra_s:.2f}", f"{bf.cross_bytes / 1e6:.0f}", f"{tg.cross_bytes / 1e6:.0f}",
+                    f"{rt.cross_bytes / 1e6:.0f}" if rt else "-"])
     if markdown:
         lines = [f"**{head}**", "", "| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
         return "\n".join(lines + ["| " + " | ".join(v) + " |" for v in out])
