@@ -744,8 +744,10 @@ def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPr
             f"parameters in {len(model.tensors)} tensors; batch {first.batch_per_worker}/worker; compute "
             f"{first.compute_s * 1e3:.1f} ms/iteration")
     flat = all(TERNGRAD_FLAT in r for r in rows)
+    rt = all(TERNGRAD_RETERNARIZED in r for r in rows)
     cols = ["workers", "fp32 img/s", "fp16 img/s", "TG-allgather", "TG-sharded", "TernGrad", "speedup", "TG/linear"]
     cols += ["flat TG", "flat spd"] if flat else []
+    cols += ["TG-reternarized", "RT/linear"] if rt else []
     cols += ["TG bits/elt", "chosen"]
     rows_out = []
     for r in rows:
@@ -757,6 +759,8 @@ def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPr
                 f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.scaling_efficiency:.3f}"]
         if flat:
             vals += [f"{r[TERNGRAD_FLAT].images_per_s:.0f}", f"{r[TERNGRAD_FLAT].speedup_vs_fp32:.2f}x"]
+        if rt:
+            vals += [f"{r[TERNGRAD_RETERNARIZED].images_per_s:.0f}", f"{r[TERNGRAD_RETERNARIZED].scaling_efficiency:.3f}"]
         vals += [f"{tg.bits_per_element:.2f}", chosen]
         rows_out.append(vals)
     width = [max(len(c), 8, *(len(v[i]) for v in rows_out)) for i, c in enumerate(cols)]
@@ -1251,6 +1255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[mkey] = {}
         for ckey, cluster in clusters.items():
             rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
+                                   methods=METHODS + (TERNGRAD_RETERNARIZED,),
                                    flat_too=hierarchical is not False and cluster.network.ranks_per_node > 1,
                                    **kwargs)
             results[mkey][ckey] = rows
