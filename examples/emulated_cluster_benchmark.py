@@ -29,7 +29,7 @@ Beside every TernGrad figure, its step-time limit:
             + codec (TernGrad's own clock in the timed steps)
             + the bytes this rank received per step at the link rate (the nominal rate, or the measured one).
 
-Beside every figure, the scheduled model (horovod_terngrad.operations.timeline.timeline_step): the step as
+Beside every figure, the scheduled model (horovod_terngrad.modelling.timeline.timeline_step): the step as
 Horovod and the engine run it, on the calibration of the same run (slowest rank's compute, alpha from a
 4-byte allreduce, per-collective efficiencies from one large allreduce / allgather / alltoall, the codec's
 per-element rates measured on every rank at once), each TernGrad configuration with the TernGradConfig it
@@ -300,8 +300,8 @@ def predict(res: dict) -> dict:
     """The scheduled model of every row of a cell: {config: {ms, collectives, rounds, codec_ms}}, from the
     cell's own calibration.  Also puts the fitted ``alpha_us`` and ``efficiency`` into ``res``."""
     from horovod_terngrad.exchange import cost
-    from horovod_terngrad.operations import perfmodel as pm
-    from horovod_terngrad.operations.timeline import CodecRates, method_of, timeline_step
+    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling.timeline import CodecRates, method_of, timeline_step
     N, cal = res["hosts"], res["calibration"]
     # unmeasured unshaped links: 10 Gbit/s; the fitted efficiencies absorb the rate for every collective
     gbps = link_gbps(res) or 10.0

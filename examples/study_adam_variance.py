@@ -18,7 +18,7 @@ divides by the square root of that larger v, so with the same lr the steps are s
 per element (a heuristic for the drift: TernGrad's m is noisier too).  This script measures the ratio along
 an fp32 training trajectory of CifarNet, set up as in study_cifarnet (Adam, weight decay 0.004 on fc3 and
 fc4): it trains with fp32 gradients for --warm-steps, then for --steps more it averages the same per-worker
-gradients both ways (the exact codec of a real run, horovod_terngrad.operations.simulate), adds the weight-decay term
+gradients both ways (the exact codec of a real run, horovod_terngrad.modelling.simulate), adds the weight-decay term
 that Adam adds after the exchange, and sums both squares over the steps (an equally weighted stand-in for
 Adam's running mean, whose 0.999 decay spans ~1000 steps), while still stepping with the fp32 average.  It
 reports the ratio's median (and 10th/90th percentiles) over each layer's elements.  A ratio r means
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cifarnet import SUBSTITUTE, CifarNet, augment  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
-from horovod_terngrad.operations.simulate import Simulator, batch_indices  # noqa: E402
+from horovod_terngrad.modelling.simulate import Simulator, batch_indices  # noqa: E402
 
 
 def second_moment_ratios(model: torch.nn.Module, xtr: torch.Tensor, ytr: torch.Tensor, n_workers: int,

@@ -3,7 +3,7 @@
     python examples/study_cifarnet.py --workers 2,4,8 --epochs 4 --out docs/study [--cifar10 PATH]
 
 Paper Table 1 setup: Adam, base lr 0.0002, batch per worker fixed (64 here) so the total batch grows with
-N, all runs the same number of epochs.  Workers are simulated (horovod_terngrad.operations.simulate: the exact
+N, all runs the same number of epochs.  Workers are simulated (horovod_terngrad.modelling.simulate: the exact
 codec and averaging of a real run).  Without --cifar10 it trains on Fashion-MNIST, a SUBSTITUTE, and the
 outputs say so.  Writes <out>/cifarnet_study.{json,md}.
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cifarnet import SUBSTITUTE, CifarNet, ParameterEMA, augment, evaluate  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
-from horovod_terngrad.operations.simulate import Simulator, batch_indices  # noqa: E402
+from horovod_terngrad.modelling.simulate import Simulator, batch_indices  # noqa: E402
 
 PAPER_LR = 2e-4          # Adam's base learning rate in the paper's Table 1
 

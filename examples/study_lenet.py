@@ -4,7 +4,7 @@
 
 Setup of the paper (Fig. 3): total mini-batch 64 split over N workers, momentum SGD (base lr 0.01,
 momentum 0.9) or vanilla SGD (base lr 0.1), polynomial decay lr = base·(1 - it/iterations)^0.5, weight
-decay 5e-4.  Workers are simulated by horovod_terngrad.operations.simulate (the exact codec and averaging of a
+decay 5e-4.  Workers are simulated by horovod_terngrad.modelling.simulate (the exact codec and averaging of a
 real run).  The fp32 baseline does not depend on N (averaging N equal slices of one batch is the
 gradient of the batch), so it is trained once per optimizer and compared with every N.
 Writes <out>/lenet_study.json, <out>/lenet_study.md (table) and <out>/lenet_study.png.
@@ -25,7 +25,7 @@ from mnist_lenet import LeNet, evaluate  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.operations.datasets import load_mnist  # noqa: E402
-from horovod_terngrad.operations.simulate import Simulator, batch_indices  # noqa: E402
+from horovod_terngrad.modelling.simulate import Simulator, batch_indices  # noqa: E402
 
 OPTIMIZERS = {"momentum": dict(lr=0.01, momentum=0.9), "vanilla": dict(lr=0.1, momentum=0.0)}
 

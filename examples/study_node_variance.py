@@ -17,7 +17,7 @@ V_flat.  Two things make it smaller: averaging makes |m_k| smaller where the ran
 (mini-batch noise), and each local rank ternarizes only its 1/G piece of a tensor, whose scaler (the max over
 the piece) is at most the whole tensor's.  So the factor is at most about G, and nearer 1 the noisier the
 per-rank gradients.  This script measures it on LeNet/MNIST's real gradients
-with the real engines (operations/simulate.Simulator, flat and with ranks_per_node=G): for a few training
+with the real engines (modelling/simulate.Simulator, flat and with ranks_per_node=G): for a few training
 points of an fp32 run it takes one global batch of 64, the N workers' gradients, and averages them --draws
 times each way (each draw a new step of the random streams), and reports per training point
 
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mnist_lenet import LeNet  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
-from horovod_terngrad.operations.simulate import Simulator, batch_indices  # noqa: E402
+from horovod_terngrad.modelling.simulate import Simulator, batch_indices  # noqa: E402
 
 BATCH = 64
 

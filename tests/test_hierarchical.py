@@ -347,7 +347,7 @@ def test_a_failed_collective_raises_the_collectives_error_on_every_rank_and_nobo
 @pytest.mark.parametrize("cfg", ["default", "shared", "sharded"])
 def test_simulator_with_nodes_gives_the_hierarchical_average(cfg):
     """The simulator (one thread plays every rank, polling) drives the same node-aware engine."""
-    from horovod_terngrad.operations.simulate import Simulator
+    from horovod_terngrad.modelling.simulate import Simulator
     cfg = CONFIGS[cfg]
     topo = Topology.contiguous(8, 4)
     sim = Simulator(torch.nn.Linear(2, 2), 8, cfg, ranks_per_node=4)

@@ -15,6 +15,7 @@ LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "f
           "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
           "ddp": 4.5,        # horovod_terngrad.ddp: the DDP frontend's public names (frontends/ddp.py)
           "fsdp": 4.5,       # horovod_terngrad.fsdp: the FSDP frontend's public names (frontends/fsdp.py)
+          "modelling": 4.7,  # the step models (perfmodel, timeline, simulator, plots), on the exchange's plans
           "operations": 5}
 TORCH_FREE = ("codec/sizes.py", "exchange/cost.py", "exchange/topology.py")
 
@@ -109,7 +110,7 @@ def test_size_and_cost_modules_need_no_torch(rel):
 
 def test_training_path_loads_neither_operations_nor_matplotlib():
     """A Horovod training step with TernGrad (exchange='auto', so the cost model runs) in a fresh process:
-    no horovod_terngrad.operations module and no matplotlib get imported."""
+    no horovod_terngrad.operations or horovod_terngrad.modelling module and no matplotlib get imported."""
     code = (
         "import sys, torch, horovod.torch as hvd\n"
         "import horovod_terngrad as tg\n"
@@ -122,7 +123,8 @@ def test_training_path_loads_neither_operations_nor_matplotlib():
         "comp = tg.TernGrad.configure(exchange='auto', min_numel=0)\n"
         "out = hvd.allreduce(torch.randn(100), name='direct', compression=comp)\n"
         "assert comp.stats.tensors == 1 and out.shape == (100,)\n"
-        "print(sorted(k for k in sys.modules if k.startswith(('horovod_terngrad.operations', 'matplotlib'))))\n"
+        "print(sorted(k for k in sys.modules if k.startswith(('horovod_terngrad.operations', 'horovod_terngrad.modelling',\n"
+        "                                                     'matplotlib'))))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -168,3 +170,20 @@ def test_wheel_and_sdist_carry_the_kernels(tmp_path):
     sdist, = tmp_path.glob("horovod_terngrad-*.tar.gz")
     members = tarfile.open(sdist).getnames()
     assert any(m.endswith("/kernels/terngrad.cu") for m in members), members
+
+
+def test_the_step_models_have_no_import_cycle():
+    """modelling/: plots imports the model, the model never imports plots or the CLI (issue 35: perfmodel and
+    plots imported each other)."""
+    graph = {}
+    for rel, path in _modules():
+        if rel.startswith("modelling" + os.sep):
+            mod = os.path.basename(rel)[:-3]
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            graph[mod] = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+                          for a in ([ast.alias(name=node.module)] if node.module else node.names)}
+    for mod, deps in graph.items():
+        for dep in deps & set(graph):
+            assert mod not in graph[dep], f"modelling/{mod}.py and modelling/{dep}.py import each other"
+    assert "plots" not in graph["perfmodel"] and "cli" not in graph["perfmodel"]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from horovod_terngrad.codec import sizes
-from horovod_terngrad.operations import perfmodel as pm
+from horovod_terngrad.modelling import cli, perfmodel as pm
 
 # A flat network with round numbers: alpha = 1 ms, beta = 1 us/byte (1 MB/s), one rank per NIC.
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)
@@ -356,26 +356,26 @@ def test_paper_alexnet_8_gpus_on_1g_ethernet():
 
 def test_cli_prints_tables_and_writes_png(tmp_path, capsys):
     png = tmp_path / "fig5.png"
-    assert pm.main(["--max-workers", "16", "--png", str(png)]) == 0
+    assert cli.main(["--max-workers", "16", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     for name in ("AlexNet on Ethernet", "GoogLeNet on InfiniBand", "VGG-A on Ethernet"):
         assert name in out
     assert out.count("\n      16 ") == 6                          # 3 models x 2 clusters, last row N = 16
     assert out.count("flat spd") == 6                                 # the flat exchange beside the node-aware
-    assert pm.main(["--max-workers", "16", "--hierarchical", "false"]) == 0
+    assert cli.main(["--max-workers", "16", "--hierarchical", "false"]) == 0
     assert "flat spd" not in capsys.readouterr().out
 
 
 def test_cli_custom_cluster_and_errors(tmp_path, capsys):
-    assert pm.main(["--cluster", "custom", "--bandwidth-gbps", "10", "--latency-us", "20", "--model", "alexnet",
+    assert cli.main(["--cluster", "custom", "--bandwidth-gbps", "10", "--latency-us", "20", "--model", "alexnet",
                     "--compute-ms", "100", "--max-workers", "8", "--fusion-mb", "0"]) == 0
     out = capsys.readouterr().out
     assert "custom: 10 Gbit/s, alpha 20 us" in out and "compute 100.0 ms" in out
     with pytest.raises(SystemExit):
-        pm.main(["--cluster", "custom", "--bandwidth-gbps", "10"])
+        cli.main(["--cluster", "custom", "--bandwidth-gbps", "10"])
     with pytest.raises(SystemExit):
-        pm.main(["--compute-ms", "100"])                            # needs a single model
+        cli.main(["--compute-ms", "100"])                            # needs a single model
 
 
 def test_weak_scaling_throughput_is_monotone_beyond_one_node_on_infiniband():
@@ -927,14 +927,14 @@ def test_hsdp_step_times_where_communication_dominates():
 
 
 def test_hsdp_cli(capsys):
-    assert pm.main(["hsdp", "--cluster", "ethernet", "--workers", "8,512", "--markdown"]) == 0
+    assert cli.main(["hsdp", "--cluster", "ethernet", "--workers", "8,512", "--markdown"]) == 0
     out = capsys.readouterr().out
     assert "GPT-3 1.3B" in out and "292 tensors" in out
     rows = [line for line in out.splitlines() if line.startswith("| 8 ") or line.startswith("| 512 ")]
     assert len(rows) == 2 and rows[0].count("|") == 18
     assert "TG-rt s" in out and "TG-rt / limit" in out      # the re-ternarized exchange beside its limit
     with pytest.raises(SystemExit):
-        pm.main(["hsdp", "--workers", "6"])
+        cli.main(["hsdp", "--workers", "6"])
 
 
 def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():

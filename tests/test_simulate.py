@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.operations.simulate import Simulator, batch_indices, worker_slice
+from horovod_terngrad.modelling.simulate import Simulator, batch_indices, worker_slice
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))

@@ -1,9 +1,9 @@
-"""Scheduled step model (horovod_terngrad/operations/timeline.py): hand-checked schedules on a flat network."""
+"""Scheduled step model (horovod_terngrad/modelling/timeline.py): hand-checked schedules on a flat network."""
 import pytest
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.operations import perfmodel as pm
-from horovod_terngrad.operations.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
+from horovod_terngrad.modelling import perfmodel as pm
+from horovod_terngrad.modelling.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
 
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)      # alpha 1 ms, 1 MB/s
 # allreduces are charged as exchange/cost.py picks them: the ring or, where faster, the tree
@@ -211,7 +211,7 @@ def test_measured_codec_rates_are_positive_and_decode_grows_with_payloads():
 
 
 def test_channel_fuses_allgathers_and_allreduces_but_never_alltoalls():
-    from horovod_terngrad.operations.timeline import _Channel
+    from horovod_terngrad.modelling.timeline import _Channel
     ch = _Channel(cycle_s=0.005)
     ch.submit(0.0, "allgather", "a", 0.001, 0.010)
     ch.submit(0.002, "allgather", "b", 0.001, 0.020)     # before "a" starts (at 5 ms): same round

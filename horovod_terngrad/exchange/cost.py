@@ -1,6 +1,6 @@
 """The runtime cost model: how long an exchange takes on an alpha-beta network, and which exchange a
 group should use (``exchange="auto"``).  No torch, no plotting: the engine imports it on the training path,
-and the performance model (operations/perfmodel.py) and the timeline build on it.
+and the performance model (modelling/perfmodel.py) and the timeline build on it.
 
 A message of m bytes over one link costs alpha + m·beta (alpha: latency per message, beta = 1/bandwidth).
 For N ranks and one buffer ("bytes" is what crosses each rank's link in each direction):
@@ -164,7 +164,7 @@ class Network:
         return s
 
 
-# (The paper's clusters, PCIE_SWITCH, NVLINK, ETHERNET_1G and INFINIBAND_100G, are in operations/perfmodel.py.)
+# (The paper's clusters, PCIE_SWITCH, NVLINK, ETHERNET_1G and INFINIBAND_100G, are in modelling/perfmodel.py.)
 
 
 def ring_allreduce_bytes(nbytes: float, workers: int) -> float:

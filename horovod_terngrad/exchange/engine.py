@@ -306,7 +306,7 @@ class Exchange:
         exchange, then likewise the sharded groups whose alltoall is back, in start order; ``keep`` stays
         in flight.  ``finish`` calls it; a driver that plays several ranks from one thread calls
         ``progress(block=False)`` on every rank until nothing moves, then finishes (see
-        operations/simulate.py)."""
+        modelling/simulate.py)."""
         self._awaiting_presence = self._advance(self._awaiting_presence, lambda g: g.presence.handle,
                                                 self._after_presence, block, keep)
         self._awaiting_handshake = self._advance(self._awaiting_handshake, lambda g: g.hs, self._after_handshake,

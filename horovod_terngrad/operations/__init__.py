@@ -1,7 +1,8 @@
 """Layer 5, operations: what runs around training rather than inside it.
 
-Benchmarks (``bench``), the performance model (``perfmodel``, plots in ``plots``), the scheduled step
-timeline (``timeline``), the N-worker simulator (``simulate``), training metrics (``metrics``), the
-launcher and its preflight (``launcher``, ``preflight``) and the offline data sets (``datasets``).
-Nothing on the training path imports this package (tests/test_layers.py checks it).
+Benchmarks (``bench``), training metrics (``metrics``), the launcher and its preflight (``launcher``,
+``preflight``), the offline data sets (``datasets``), model builders (``models``) and the DDP baselines' hooks
+(``ddp_hooks``).  The models of a step (performance model, timeline, simulator, plots) live in
+``horovod_terngrad.modelling``.  Nothing on the training path imports this package (tests/test_layers.py checks
+it).
 """

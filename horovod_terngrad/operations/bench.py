@@ -199,7 +199,7 @@ class Calibration:
         self.times["allgather"] += _times_s(lambda: hvd.allgather(self.payload, name="bench.cal.ag"), 3)
         self.times["alltoall"] += _times_s(lambda: hvd.alltoall(self.chunks, splits=self.splits, name="bench.cal.a2a"), 3)
         # the codec's stages, every rank at once (as the job runs them); a step waits for the slowest rank
-        from .timeline import measure_codec_rates
+        from ..modelling.timeline import measure_codec_rates
         hvd.allreduce(torch.zeros(1), name=f"bench.cal.barrier2.{r}")
         rates = measure_codec_rates(numel=2_000_000, repeat=3, statistic="median")
         fields = list(rates.__dataclass_fields__)

@@ -166,7 +166,7 @@ SIM_EXCLUDE = ("^fc2",)      # the last layer stays fp32 (Horovod's allreduce): 
 
 def scenario_lenet_sim():
     import torch.nn.functional as F
-    from horovod_terngrad.operations.simulate import batch_indices, worker_slice
+    from horovod_terngrad.modelling.simulate import batch_indices, worker_slice
     model, x, y, opt = sim_setup()
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=TernGradCompressor(seed=SIM_SEED, exclude=SIM_EXCLUDE))

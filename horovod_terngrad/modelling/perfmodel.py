@@ -95,23 +95,21 @@ receives fewer bits than allgather from N = 3 on (b + L < N·b) but pays one mor
 
 Costs of this module itself: every function is O(number of tensors · number of worker counts); nothing
 here touches the network.  torch is imported only by :func:`profile_compute` (and a module passed to
-:func:`tensor_sizes_of` brings its own); matplotlib only by ``operations/plots.py``.
+:func:`tensor_sizes_of` brings its own); matplotlib only by ``modelling/plots.py``.
 
 HSDP (issue #30): :func:`predict_hsdp_step` / :func:`predict_hsdp` price one step of a GPT
 (:data:`GPT3_1P3B`, every parameter tensor with its shape) under FSDP2 inside a node and fp32, bf16 or TernGrad
 averaging of each rank's shard across nodes (frontends/fsdp.py), with the same step formula and overlap (0 by
 default) as above; the math is in the comment at the head of that section.  CLI:
-``python -m horovod_terngrad.operations.perfmodel hsdp [--cluster ...] [--workers 8,16,...] [--markdown]``.
+``python -m horovod_terngrad.modelling hsdp [--cluster ...] [--workers 8,16,...] [--markdown]``.
 
-CLI: ``python -m horovod_terngrad.operations.perfmodel [--cluster ethernet|infiniband|both|custom ...]
+CLI: ``python -m horovod_terngrad.modelling [--cluster ethernet|infiniband|both|custom ...]
 [--model ...] [--max-workers 512] [--png docs/perfmodel/fig5.png]`` (see ``--help`` and docs/perfmodel.md).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
@@ -731,7 +729,7 @@ def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] =
 
 
 # --------------------------------------------------------------------------------------------------
-# Output: table (figures: operations/plots.py)
+# Output: table (figures: modelling/plots.py)
 _SHORT = {TERNGRAD_HIERARCHICAL: "hier", TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded"}
 
 
@@ -1141,138 +1139,3 @@ def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, H
     width = [max(len(c), *(len(v[i]) for v in out)) for i, c in enumerate(cols)]
     lines = [head, "  ".join(f"{c:>{w}}" for c, w in zip(cols, width))]
     return "\n".join(lines + ["  ".join(f"{v:>{w}}" for v, w in zip(vals, width)) for vals in out])
-
-
-def hsdp_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m horovod_terngrad.operations.perfmodel hsdp [...]``: the HSDP tables."""
-    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.perfmodel hsdp",
-                                description="Predicted HSDP step time (FSDP2 inside a node) with fp32, bf16 and "
-                                            "TernGrad cross-node averaging, for a GPT on the paper's clusters.")
-    p.add_argument("--cluster", choices=("ethernet", "infiniband", "both"), default="both")
-    p.add_argument("--model", choices=sorted(GPT_MODELS), default="gpt3-1.3b")
-    p.add_argument("--workers", default=",".join(map(str, HSDP_WORKERS)),
-                   help="comma-separated GPU counts, multiples of the 4 GPUs of a node")
-    p.add_argument("--sequences", type=int, default=1, help="sequences of the model's context per GPU and step")
-    p.add_argument("--compute-s", type=float, help="override the compute time per iteration, seconds")
-    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
-    p.add_argument("--min-numel", type=int, default=TernGradConfig.min_numel)
-    p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL)
-    p.add_argument("--allreduce", choices=ALLREDUCE_ALGORITHMS, default=ALLREDUCE_AUTO)
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
-    p.add_argument("--codec-gelems", type=float, default=None,
-                   help="codec rate in 10^9 elements/s (default: codec not modelled)")
-    p.add_argument("--markdown", action="store_true", help="print markdown tables")
-    a = p.parse_args(argv)
-    workers = [int(w) for w in a.workers.split(",") if w.strip()]
-    cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel)
-    keys = list(CLUSTERS) if a.cluster == "both" else [a.cluster]
-    for key in keys:
-        cl = CLUSTERS[key]
-        cl = replace(cl, network=cl.network.with_allreduce(a.allreduce))
-        if any(w % cl.network.ranks_per_node for w in workers):
-            p.error(f"--workers must be multiples of {cl.network.ranks_per_node}")
-        rows = predict_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
-                            overlap=a.overlap, config=cfg,
-                            codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
-        print(format_hsdp_table(GPT_MODELS[a.model], cl, rows, markdown=a.markdown))
-        print()
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "hsdp":
-        return hsdp_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m horovod_terngrad.operations.perfmodel",
-                                description="Predicted images/s vs workers with and without TernGrad "
-                                            "(TernGrad paper §5, Fig. 5), alpha-beta network model.")
-    p.add_argument("--cluster", choices=("ethernet", "infiniband", "both", "custom"), default="both")
-    p.add_argument("--bandwidth-gbps", type=float, help="custom cluster: inter-node bandwidth, Gbit/s")
-    p.add_argument("--latency-us", type=float, help="custom cluster: per-message latency alpha, us")
-    p.add_argument("--ranks-per-node", type=int, default=1, help="custom cluster: ranks sharing a NIC")
-    p.add_argument("--gpu", choices=("gtx1080", "p100"), default="gtx1080",
-                   help="custom cluster: which published compute time to use")
-    p.add_argument("--compute-ms", type=float, help="override the compute time per iteration (one model)")
-    p.add_argument("--model", choices=("alexnet", "googlenet", "vgga", "all"), default="all")
-    p.add_argument("--max-workers", type=int, default=512)
-    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
-    p.add_argument("--fusion-mb", type=float, default=HOROVOD_FUSION_BYTES / 2**20,
-                   help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod 0.28.1's 128")
-    p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL,
-                   help="TernGrad's tensor fusion: elements per fused group (0: none); default TernGradConfig's")
-    p.add_argument("--hierarchical", choices=("auto", "true", "false"), default="auto",
-                   help="node-aware exchange (TernGradConfig.hierarchical): auto (default) where the cost model "
-                        "finds it cheaper per group, true where the nodes allow it, false never")
-    p.add_argument("--intra-gbps", type=float, help="custom cluster: the link inside a node, Gbit/s "
-                   "(default: none, the inter-node link is used inside a node too)")
-    p.add_argument("--intra-latency-us", type=float, default=5.0, help="custom cluster: its alpha, us")
-    p.add_argument("--intra-links", type=int, default=None,
-                   help="links from each GPU to its peers inside a node (Network.peer_links): default the "
-                        "cluster's (InfiniBand: 3, NVLink fully connected; Ethernet: 1, one PCIe port; custom: 1)")
-    p.add_argument("--allreduce", choices=ALLREDUCE_ALGORITHMS, default=ALLREDUCE_AUTO,
-                   help="allreduce algorithm charged: auto (default: the cheaper of ring and tree per message, "
-                        "as NCCL/Open MPI/gloo pick), ring (ring only) or tree")
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
-    p.add_argument("--codec-gelems", type=float, default=None,
-                   help="codec rate in 10^9 elements/s (default: codec not modelled)")
-    p.add_argument("--png", help="write a Fig.-5-like figure here")
-    p.add_argument("--exchanges-png", help="write exchange time and bits vs N for one 25M-element tensor on "
-                                           "the (first) cluster's inter-node link, one rank per NIC, here")
-    a = p.parse_args(argv)
-
-    if a.max_workers < 1:
-        p.error("--max-workers must be >= 1")
-    if a.intra_links is not None and a.intra_links < 1:
-        p.error("--intra-links must be >= 1")
-    if a.cluster == "custom":
-        if a.bandwidth_gbps is None or a.latency_us is None:
-            p.error("--cluster custom needs --bandwidth-gbps and --latency-us")
-        intra = (Network.from_gbps("custom intra-node", a.intra_gbps, a.intra_latency_us,
-                                   peer_links=a.intra_links or 1) if a.intra_gbps else None)
-        net = Network.from_gbps("custom", a.bandwidth_gbps, a.latency_us, a.ranks_per_node, intra)
-        clusters = {"custom": Cluster("custom", net, a.gpu, "command line")}
-    elif a.cluster == "both":
-        clusters = dict(CLUSTERS)
-    else:
-        clusters = {a.cluster: CLUSTERS[a.cluster]}
-    for key, cl in clusters.items():
-        net = cl.network.with_allreduce(a.allreduce)
-        if a.intra_links is not None and net.intra_node is not None:
-            net = replace(net, intra_node=replace(net.intra_node, peer_links=a.intra_links))
-        clusters[key] = replace(cl, network=net)
-    model_keys = list(MODELS) if a.model == "all" else [a.model]
-    if a.compute_ms is not None and len(model_keys) > 1:
-        p.error("--compute-ms needs a single --model")
-
-    hierarchical = {"auto": "auto", "true": True, "false": False}[a.hierarchical]
-    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
-                  overlap=a.overlap, hierarchical=hierarchical,
-                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
-    compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
-    workers = worker_counts(a.max_workers)
-    results = {}
-    for mkey in model_keys:
-        results[mkey] = {}
-        for ckey, cluster in clusters.items():
-            rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
-                                   methods=METHODS + (TERNGRAD_RETERNARIZED,),
-                                   flat_too=hierarchical is not False and cluster.network.ranks_per_node > 1,
-                                   **kwargs)
-            results[mkey][ckey] = rows
-            print(format_table(MODELS[mkey], cluster, rows))
-            print()
-    if a.png or a.exchanges_png:
-        from . import plots          # matplotlib: only when a figure is asked for
-    if a.png:
-        plots.plot_fig5(results, a.png)
-        print(f"wrote {a.png}")
-    if a.exchanges_png:
-        net = next(iter(clusters.values())).network
-        flat_link = replace(net, intra_node=None, ranks_per_node=1)
-        plots.plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, a.packing)
-        print(f"wrote {a.exchanges_png}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

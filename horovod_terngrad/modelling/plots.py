@@ -2,7 +2,7 @@
 
 ``plot_fig5``: the Fig.-5-like figure (images/s vs workers, fp32 and TernGrad per cluster);
 ``plot_exchanges``: each exchange's modelled time and received bits per element for one tensor vs N.
-``python -m horovod_terngrad.operations.perfmodel --png ... --exchanges-png ...`` calls them.
+``python -m horovod_terngrad.modelling --png ... --exchanges-png ...`` calls them.
 """
 from __future__ import annotations
 
