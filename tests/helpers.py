@@ -106,14 +106,17 @@ def link_codec_cost(codec_s_per_element: float):
         link.measure = measured
 
 
-def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False):
+def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
     reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
     average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
     ternarized again with scaler max|a| per bucket, no clip, the stream of '<name>#owner' and the owner's rank;
-    decoded as s'·t'.  With ``noise``, also the owners' noise estimate s'^2·|t'|."""
+    decoded as s'·t'.  With ``noise``, also the owners' noise estimate s'^2·|t'|.  ``ranks``: the stream rank
+    of each of ``grads`` (default 0..N-1; the FSDP frontend keys streams by global rank), the owner of shard o
+    drawing with ranks[o]."""
     from horovod_terngrad.codec import sizes
     N = len(grads)
+    ranks = list(range(N)) if ranks is None else list(ranks)
     flat = [g.detach().reshape(-1).to(torch.float32) for g in grads]
     n = flat[0].numel()
     k = cfg.bucket_size
@@ -123,7 +126,8 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
     local = [C.local_scalers(st, thr) for st, thr in zip(stats, thrs)]
     scalers = [torch.stack(local).amax(dim=0)] * N if cfg.scaler_shared_for("reternarized") else local
     tid = C.tensor_id(name)
-    ternary = [C.ternarize(flat[r], thrs[r], scalers[r], b1, C.stream_key(cfg.seed, step, tid, r)) for r in range(N)]
+    ternary = [C.ternarize(flat[r], thrs[r], scalers[r], b1, C.stream_key(cfg.seed, step, tid, ranks[r]))
+               for r in range(N)]
 
     def full(s, bucket, count):
         return s if s.numel() == 1 else s.repeat_interleave(bucket)[:count]
@@ -146,7 +150,7 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
         st = C.tensor_stats(a, k)
         thr = C.clip_threshold(st, 0.0)
         s2 = C.local_scalers(st, thr)
-        t2 = C.ternarize(a, thr, s2, k, C.stream_key(cfg.seed, step, C.tensor_id(name + "#owner"), o))
+        t2 = C.ternarize(a, thr, s2, k, C.stream_key(cfg.seed, step, C.tensor_id(name + "#owner"), ranks[o]))
         out[lo:hi] = (t2.to(torch.float32) * full(s2, k, hi - lo)) / 1.0
         nu[lo:hi] = (t2.abs().to(torch.float32) * full(s2 * s2, k, hi - lo)) / 1.0
     result = out.view(grads[0].shape).to(grads[0].dtype)

@@ -8,7 +8,8 @@ language model (an embedding of 37 rows, three blocks with LayerNorm and Linear 
 ``fully_shard(..., mesh=mesh["shard"])`` per block and at the root, registers TernGrad and trains a few
 steps; every rank saves OUTDIR/<scenario>.rank<R>.pt with what the test checks.  Scenarios:
 
-exact, exact_sharded (exchange="sharded": shared scaler, alltoall to owners), exact_bf16 (bf16 parameters and reduce), exact_bf16p (bf16 parameters, fp32 reduce), accum (two
+exact, exact_sharded (exchange="sharded": shared scaler, alltoall to owners), exact_reternarized
+(exchange="reternarized": owners re-ternarize), exact_bf16 (bf16 parameters and reduce), exact_bf16p (bf16 parameters, fp32 reduce), accum (two
 micro-batches per step, set_requires_gradient_sync), frozen_unused (a frozen weight, a block unused at step
 1), compile (blocks under torch.compile), buckets (FSDP internals hidden: the flat-shard fallback):
     every call of TernGrad's hook recorded (unit, input shard, averaged shard) and the final local shards;
@@ -150,7 +151,8 @@ def exact(mesh, rank, scenario):
     mp = {"exact_bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
           "exact_bf16p": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}.get(scenario)
     model = build(mesh, mp=mp, compile_blocks=scenario == "compile", frozen=scenario == "frozen_unused")
-    settings = dict(SETTINGS, exchange="sharded") if scenario == "exact_sharded" else SETTINGS
+    settings = {"exact_sharded": dict(SETTINGS, exchange="sharded"),
+                "exact_reternarized": dict(SETTINGS, exchange="reternarized")}.get(scenario, SETTINGS)
     state = tg_fsdp.register(model, mesh, **settings)
     calls = record(state)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
