@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import expected_average
+from helpers import expected_average, expected_reternarized
 from test_horovod import BIN, HERE, by_name_and_step, rank_env
 
 WORKER = os.path.join(HERE, "workers", "ddp_scenarios.py")
@@ -23,7 +23,8 @@ LAUNCH_TIMEOUT = 300
 NP = 2
 
 EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "sync_on_ddps_group", "shared_sharded_base3", "shared_sharded_2bit_buckets",
-         "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "small_fusion_groups", "auto_exchange",
+         "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "reternarized_2bit", "small_fusion_groups",
+         "auto_exchange",
          "exclude_min_numel", "worker_restarts",
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16", "compiled"]
 TWINS = {"twin_exact": "exact", "twin_exact_sharded": "exact_sharded", "twin_exact_base3_buckets": "exact_base3_buckets",
@@ -84,7 +85,8 @@ def check_exact(ranks):
             assert all(p is None for p in present) and all(not g.any() for g in grads), name
             continue
         if cfg.compresses(name, grads[0].numel()):
-            want, _ = expected_average(grads, name, step, cfg)
+            want = (expected_reternarized(grads, name, step, cfg) if cfg.exchange == "reternarized"
+                    else expected_average(grads, name, step, cfg)[0])
             for r in range(NP):
                 assert present[r].dtype == grads[r].dtype
                 assert torch.equal(present[r], want), f"{name} step {step} rank {r}"

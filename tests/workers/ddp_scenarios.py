@@ -187,6 +187,7 @@ CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "per_rank_allgather_2bit": ({"seed": 7, "shared_scaler": False}, {}),
     "per_rank_allgather_base3_buckets": ({"seed": 8, "shared_scaler": False, "packing": "base3",
                                           "bucket_size": 64}, {}),
+    "reternarized_2bit": ({"seed": 12, "exchange": "reternarized"}, {}),
     "small_fusion_groups": ({"seed": 9, "fusion_numel": 300}, {}),
     "auto_exchange": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 0.0}),        # ternarizing pays
     "auto_off": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 1e-3}),            # it does not

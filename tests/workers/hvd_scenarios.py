@@ -186,6 +186,8 @@ def run(name):
         return scenario_exact({"packing": "base3", "bucket_size": 100, "seed": 4})
     if name == "exact_sharded":
         return scenario_exact({"exchange": "sharded", "seed": 8})
+    if name == "exact_reternarized":
+        return scenario_exact({"exchange": "reternarized", "seed": 8})
     if name == "exact_sharded_unfused":
         return scenario_exact({"exchange": "sharded", "seed": 8, "fusion_numel": 0})
     if name == "exact_unfused":
