@@ -69,8 +69,11 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
             pname = piece_name(names[p.member], p, numels[p.member])
             step = steps.get(pname, 0)
             steps[pname] = step + 1
-            want, _ = expected_average([v[a:a + p.numel] for v in node_vals], pname, step, cfg, average=average,
-                                       ranks=list(cross))
+            segs = [v[a:a + p.numel] for v in node_vals]
+            if cfg.exchange == "reternarized":
+                want = expected_reternarized(segs, pname, step, cfg, average=average, ranks=list(cross))
+            else:
+                want, _ = expected_average(segs, pname, step, cfg, average=average, ranks=list(cross))
             outs[p.member][p.start:p.stop] = want
     return [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
 

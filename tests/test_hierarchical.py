@@ -84,6 +84,7 @@ TOPOS = {"2x2": Topology.contiguous(4, 2), "2x3": Topology.contiguous(6, 3), "4x
 CONFIGS = {"default": TernGradConfig(hierarchical=True),
            "shared": TernGradConfig(hierarchical=True, shared_scaler=True),
            "sharded": TernGradConfig(hierarchical=True, exchange="sharded", packing="base3"),
+           "reternarized": TernGradConfig(hierarchical=True, exchange="reternarized"),
            "buckets": TernGradConfig(hierarchical=True, bucket_size=7, seed=3)}
 SHAPES = [(20, 50), (37,), (7, 3, 3), (1,), (1001,)]
 
