@@ -41,8 +41,7 @@ from .. import backends, codec
 from ..codec import sizes
 from ..codec.packing import FLAG_NONFINITE, Header, header_bytes
 from ..errors import RankMismatchError
-from .collectives import CollectiveError
-from . import allgather
+from . import allgather, sharded
 
 OWNER_SUFFIX = "#owner"      # the owner's random stream: tensor word of '<name>#owner'
 
@@ -77,35 +76,18 @@ def send(ex, grp, sends: list) -> None:
         n = tk.g32.numel()
         for o, (lo, hi) in enumerate(sizes.reternarized_bounds(n, N, cfg.bucket_size)):
             to_rank[o].append(shard_payload(payload, n, lo, hi, tk.bucket, cfg.packing, cfg.bucket_size))
-    splits = [sum(c.numel() for c in chunks) for chunks in to_rank]
-    data = torch.cat([c for chunks in to_rank for c in chunks])
-    grp.sent = [tk for tk, _ in sends]
-    grp.a2a_own = splits[ex.coll.rank]
-    ex.stats.payload_bytes_sent += data.numel()
-    name = f"terngrad.rt.{grp.name}"
-    if getattr(ex.coll, "takes_sizes", False):     # every sender sends this rank its own shard's size
-        grp.a2a = ex.coll.alltoall_async(data, splits, name, received=[grp.a2a_own] * N)
-    else:
-        grp.a2a = ex.coll.alltoall_async(data, splits, name)
-    ex.stats.collectives += 1
-    ex.queue_alltoall(grp)
+    sharded.launch_alltoall(ex, grp, [tk for tk, _ in sends], torch.cat([c for chunks in to_rank for c in chunks]),
+                            [sum(c.numel() for c in chunks) for chunks in to_rank], f"terngrad.rt.{grp.name}")
 
 
 def after_alltoall(ex, grp) -> None:
     """Owner step: per member, decode this rank's shard from the N payloads, ternarize it again, and allgather
     every member's owner payload."""
-    t0 = time.perf_counter()
-    try:
-        received = ex.coll.synchronize(grp.a2a)
-    except CollectiveError as e:
-        for tk in grp.sent:
-            tk.error = e.detailed(f"TernGrad: re-ternarized exchange of '{tk.name}' failed")
+    received = sharded.alltoall_result(ex, grp, "re-ternarized exchange")
+    if received is None:
         return
-    finally:
-        ex.stats.gather_wait_s += time.perf_counter() - t0
     t0 = time.perf_counter()
     N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
-    ex.stats.bytes_received += received.numel() - grp.a2a_own
     members = grp.sent
     bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, cfg.bucket_size)[me] for tk in members]
     nbytes = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size)[me]

@@ -133,32 +133,48 @@ def send(ex, grp, sends: list) -> None:
     splits = [sum(c.numel() for c in chunks) for chunks in to_rank]
     data = (sends[0][1][sizes.codes_offset(sends[0][0].nb):] if len(sends) == 1
             else torch.cat([c for chunks in to_rank for c in chunks]))
-    grp.sent = [tk for tk, _ in sends]
+    launch_alltoall(ex, grp, [tk for tk, _ in sends], data, splits, f"terngrad.a2a.{grp.name}")
+
+
+def launch_alltoall(ex, grp, members: list, data: torch.Tensor, splits: list, name: str) -> None:
+    """Start the group's alltoall of ``data`` (``splits[r]`` bytes to rank r) and queue the group for its owner
+    step.  Shard sizes depend on the receiver only, so every sender sends this rank as much (handed to
+    collectives that take the received sizes).  The sharded and re-ternarized transports share it."""
+    N = ex.coll.size
+    grp.sent = members
     grp.a2a_own = splits[ex.coll.rank]
     ex.stats.payload_bytes_sent += data.numel()
-    name = f"terngrad.a2a.{grp.name}"
-    if getattr(ex.coll, "takes_sizes", False):   # shard sizes depend on the receiver only: every sender sends
-        grp.a2a = ex.coll.alltoall_async(data, splits, name, received=[grp.a2a_own] * N)   # this rank as much
+    if getattr(ex.coll, "takes_sizes", False):
+        grp.a2a = ex.coll.alltoall_async(data, splits, name, received=[grp.a2a_own] * N)
     else:
         grp.a2a = ex.coll.alltoall_async(data, splits, name)
     ex.stats.collectives += 1
     ex.queue_alltoall(grp)
 
 
-def after_alltoall(ex, grp) -> None:
-    """Owner step: per member, add the N chunks of this rank's shard; allgather all members' sums."""
+def alltoall_result(ex, grp, what: str) -> torch.Tensor | None:
+    """Wait for the group's alltoall; its bytes (this rank's own not counted as received), or None after
+    setting every member's error to the collective's own error class (``what`` names the exchange)."""
     t0 = time.perf_counter()
     try:
         received = ex.coll.synchronize(grp.a2a)
     except CollectiveError as e:
         for tk in grp.sent:
-            tk.error = e.detailed(f"TernGrad: sharded exchange of '{tk.name}' failed")
-        return
+            tk.error = e.detailed(f"TernGrad: {what} of '{tk.name}' failed")
+        return None
     finally:
         ex.stats.gather_wait_s += time.perf_counter() - t0
+    ex.stats.bytes_received += received.numel() - grp.a2a_own
+    return received
+
+
+def after_alltoall(ex, grp) -> None:
+    """Owner step: per member, add the N chunks of this rank's shard; allgather all members' sums."""
+    received = alltoall_result(ex, grp, "sharded exchange")
+    if received is None:
+        return
     t0 = time.perf_counter()
     N, me, fmt = ex.coll.size, ex.coll.rank, ex.config.packing
-    ex.stats.bytes_received += received.numel() - grp.a2a_own
     members = grp.sent
     bounds = [shard_bounds(tk.g32.numel(), N)[me] for tk in members]
     nbytes = [sizes.shard_code_bytes(tk.g32.numel(), N, fmt)[me] for tk in members]
