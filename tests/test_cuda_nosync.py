@@ -100,6 +100,34 @@ def test_fsdp_engine_decodes_without_a_sync(poison):
     assert bool(torch.isnan(outs[0]).all()) == poison
 
 
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan"])
+def test_reternarized_exchange_runs_without_a_sync(poison):
+    """exchange="reternarized" with per-rank scalers (its default) on the GPU: statistics, encode, the alltoall of
+    shard payloads, the owner's decode and second ternarization, the allgather and the decode of every owner's
+    payload, NaN flags carried and combined on the device, under sync-debug "error" (engines as the DDP and FSDP
+    frontends make them: no presence check).  Its CPU twin: tests/test_reternarized.py (bit for bit)."""
+    from horovod_terngrad.exchange.engine import Exchange
+    from horovod_terngrad.exchange.thread_collectives import run_ranks
+    cfg = TernGradConfig(min_numel=0, exchange="reternarized")
+    grads = [torch.randn(3000, device="cuda", generator=torch.Generator("cuda").manual_seed(r)) for r in range(3)]
+    if poison:
+        grads[1][2990] = float("nan")
+
+    def body(c):
+        ex = Exchange(c, cfg, stream_rank=c.rank, joins=False)
+        return ex.finish(ex.start(grads[c.rank].clone(), "w"))
+
+    run_ranks(3, body)                       # warm-up: kernels compiled, first-use allocations made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = run_ranks(3, body)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert bool(torch.isnan(outs[0]).all()) == poison
+
+
 def test_terngrad_adamw_steps_without_a_sync():
     """horovod_terngrad.optim.AdamW on CUDA parameters, on a refresh step, then ternary steps, and the ledger's
     decision for the next exchange: no host synchronization (its step counts live on the host, as in torch's
