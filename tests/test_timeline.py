@@ -2,6 +2,8 @@
 import pytest
 
 from horovod_terngrad import TernGradConfig
+from horovod_terngrad.codec import sizes
+from horovod_terngrad.exchange import cost
 from horovod_terngrad.modelling import perfmodel as pm
 from horovod_terngrad.modelling.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
 
@@ -109,8 +111,11 @@ def test_collectives_per_step_and_their_order(method, cfg, issued):
                                  TernGradConfig(min_numel=100, fusion_numel=0, shared_scaler=True),
                                  TernGradConfig(min_numel=100, fusion_numel=1500, shared_scaler=True),
                                  TernGradConfig(min_numel=100, fusion_numel=0, exchange="sharded"),
-                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded")],
-                         ids=["per-rank", "per-rank-fused", "shared", "shared-fused", "sharded", "sharded-fused"])
+                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded"),
+                                 TernGradConfig(min_numel=100, fusion_numel=0, exchange="reternarized"),
+                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="reternarized")],
+                         ids=["per-rank", "per-rank-fused", "shared", "shared-fused", "sharded", "sharded-fused",
+                              "reternarized", "reternarized-fused"])
 def test_the_schedule_issues_what_the_engine_issues(cfg):
     # the real engine on three thread-ranks, started group by group as the frontend does (the plan's groups,
     # members in backward order; the two tensors under min_numel in no group), then finished in hook order:
@@ -137,9 +142,9 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
 
     (issued, count), *_ = run_ranks(N, body)
     assert issued == list(t.issued)
-    assert t.collectives == count == len(groups) * (1 if method == "terngrad_allgather" and not cfg.shares_scaler
-                                                    else 2 if method == "terngrad_allgather" else 3) \
-        + (0 if cfg.shares_scaler else 1)
+    per_group = {"terngrad_allgather": 1 if not cfg.shares_scaler else 2, "terngrad_sharded": 3,
+                 "terngrad_reternarized": 2}[method]     # re-ternarized: alltoall + allgather, per-rank scalers
+    assert t.collectives == count == len(groups) * per_group + (0 if cfg.scaler_shared_for(cfg.exchange) else 1)
 
 
 def test_tensors_under_min_numel_travel_by_horovods_allreduce():
@@ -188,6 +193,22 @@ def test_sharded_schedule_has_alltoall_then_sums_allgather():
     ring = timeline_step([n], 0.01, N, FLAT.with_allreduce("ring"), "terngrad_sharded", fusion_numel=0)
     assert ring.step_s - t.step_s == pytest.approx((14e-3 + 2 * 7 / 8 * 72e-6) - hs)
     assert t.rounds == 3
+
+
+def test_reternarized_schedule_has_the_shard_alltoall_then_the_owners_allgather():
+    """exchange="reternarized": a presence check, the alltoall of shard payloads, the owners' payloads'
+    allgather, both of c = exchange.cost.reternarized_bytes per peer; codec time off: compute + those three."""
+    n, N = 1_000_000, 8
+    t = timeline_step([n], 0.01, N, FLAT, "terngrad_reternarized", fusion_numel=0)
+    c = cost.reternarized_bytes([n], N, "2bit")
+    assert c == sizes.payload_size(sizes.reternarized_shard(n, N), "2bit")
+    presence = pm.allreduce_time(4, N, FLAT)
+    a2a = pm.alltoall_time(c, N, FLAT)
+    ag = pm.ring_allgather_time(c, N, FLAT)
+    assert t.step_s == pytest.approx(0.01 + presence + a2a + ag)
+    assert list(t.issued) == ["terngrad.presence.0", "terngrad.rt.0", "terngrad.rg.0"]
+    sharded = timeline_step([n], 0.01, N, FLAT, "terngrad_sharded", fusion_numel=0)
+    assert t.step_s < sharded.step_s           # fewer bytes, no handshake
 
 
 def test_one_worker_is_compute_only_and_bad_arguments_are_refused():
@@ -317,9 +338,10 @@ def engine_issued(topo, cfg, groups, sizes, joins):
     (TernGradConfig(min_numel=100, fusion_numel=1500, shared_scaler=True, hierarchical=True), (2, 2), True),
     (TernGradConfig(min_numel=100, fusion_numel=0, exchange="sharded", hierarchical=True), (2, 2), True),
     (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded", hierarchical=True), (3, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="reternarized", hierarchical=True), (3, 2), True),
     (TernGradConfig(min_numel=100, fusion_numel=0, exchange="auto", hierarchical=True), (2, 3), True),
 ], ids=["per-rank", "per-rank-fused", "per-rank-ddp", "shared", "shared-fused", "sharded", "sharded-fused-3x2",
-        "auto-2x3"])
+        "reternarized-fused-3x2", "auto-2x3"])
 def test_node_aware_schedule_issues_what_the_hierarchical_engine_issues(cfg, shape, joins):
     """The node-aware engine on M x G thread-ranks with subgroups (the Horovod frontend's: presence check and
     end-of-step sync; joins=False: the DDP hook's, neither), started group by group and finished in hook

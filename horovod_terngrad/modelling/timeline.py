@@ -249,7 +249,10 @@ class Timeline:
 
 
 # the engine's ``exchange`` setting behind each TernGrad method of the performance model
-TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: "auto"}
+TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: "auto",
+                    pm.TERNGRAD_RETERNARIZED: "reternarized"}
+# the two-stage exchanges' collective names (exchange/sharded.py, exchange/reternarized.py): (alltoall, allgather)
+_TWO_STAGE = {"sharded": ("a2a", "sg"), "reternarized": ("rt", "rg")}
 
 
 def method_of(config: pm.TernGradConfig) -> str:
@@ -257,14 +260,24 @@ def method_of(config: pm.TernGradConfig) -> str:
     return {v: k for k, v in TERNGRAD_METHODS.items()}[config.exchange]
 
 
+def _decode_rate(c: "CodecRates", mode: str, ranks: int) -> float:
+    """Seconds per output element of a group's final decode: the owners' sums (sharded), one owner's payload
+    per element (re-ternarized), or the N payloads of the allgather exchange."""
+    if mode == "sharded":
+        return c.decode_sums
+    if mode == "reternarized":
+        return c.decode_base + c.decode_per_payload
+    return c.decode_base + c.decode_per_payload * ranks
+
+
 class _Payload(NamedTuple):
     """One TernGrad exchange as the engine sends it: a flat group on all N ranks, or a local rank's pieces
     of a node-aware group among the M ranks of its cross group."""
     key: str                  # the collectives' name suffix: "<group>" or "<group>.x<j>"
     elements: int
-    sharded: bool
+    sharded: str              # "" (allgather), or the two-stage exchange: "sharded" or "reternarized"
     payload: float            # allgather: packed bytes per rank
-    sharded_bytes: tuple      # sharded: (bytes per peer in the alltoall, bytes per rank of the sums)
+    sharded_bytes: tuple      # two-stage: (bytes per peer in the alltoall, bytes per rank in the allgather)
     ranks: int
     link: pm.Network
     ranks_per_nic: int        # the alltoall's G
@@ -357,7 +370,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                            step_allreduces=pm.HOROVOD_STEP_ALLREDUCES if joins else 0,
                            ranks_per_node=network.ranks_per_node)
     node_aware = pm.TERNGRAD_HIERARCHICAL
-    groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES or b.exchange == node_aware]
+    groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES + (pm.TERNGRAD_RETERNARIZED, node_aware)]
     plain = {i for b in plan if b.exchange == pm.FP32 for i in b.members}   # kept at fp32
     group_of = {i: g for g, b in enumerate(groups) for i in b.members}
     last_member = {b.members[-1]: g for g, b in enumerate(groups)}
@@ -366,8 +379,9 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     handshake = [wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in b.sizes]) for b in groups]
     payload = [sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in b.sizes) for b in groups]
     # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
-    shard = [pm.sharded_bytes(b.sizes, N, cfg.packing) if k == pm.TERNGRAD_SHARDED else (0, 0)
-             for b, k in zip(groups, kinds)]
+    shard = [pm.sharded_bytes(b.sizes, N, cfg.packing) if k == pm.TERNGRAD_SHARDED else
+             (cost.reternarized_bytes(b.sizes, N, cfg.packing, cfg.bucket_size),) * 2
+             if k == pm.TERNGRAD_RETERNARIZED else (0, 0) for b, k in zip(groups, kinds)]
     hier = [g for g, k in enumerate(kinds) if k == node_aware]
     M = G = 1
     if hier:
@@ -393,7 +407,9 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
                 "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
                 "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
-                "sharded": cost.sharded_bytes(pieces, M, cfg.packing) if mode == "sharded" else (0, 0)}
+                "sharded": cost.sharded_bytes(pieces, M, cfg.packing) if mode == "sharded" else
+                (cost.reternarized_bytes(pieces, M, cfg.packing, cfg.bucket_size),) * 2
+                if mode == "reternarized" else (0, 0)}
 
     def schedule(j: int | None) -> Timeline:
         chan, local = _Channel(cycle_s), _Channel(cycle_s)     # inter-node channel, intra-node channel
@@ -419,18 +435,21 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         # -- the engine's payload stages (exchange/engine.py), for the flat groups and, as the node-aware
         # transport reuses that engine among the M ranks of its cross group, for local rank j's pieces
         def exchange_of(g: int) -> _Payload:
-            return _Payload(str(g), numel[g], kinds[g] == pm.TERNGRAD_SHARDED, payload[g], shard[g], N, link,
+            return _Payload(str(g), numel[g], TERNGRAD_METHODS.get(kinds[g], "") if kinds[g] in
+                            (pm.TERNGRAD_SHARDED, pm.TERNGRAD_RETERNARIZED) else "", payload[g], shard[g], N, link,
                             network.ranks_per_node if link is network else N, "allgather")
 
         def cross_exchange_of(q: int) -> _Payload:
             x = hx[q]
-            return _Payload(f"{q}.x{j}", x["shard"], x["mode"] == "sharded", x["payload"], x["sharded"], M, xlink,
+            return _Payload(f"{q}.x{j}", x["shard"], x["mode"] if x["mode"] in _TWO_STAGE else "", x["payload"],
+                            x["sharded"], M, xlink,
                             1, "allgather@cross")
 
         def send(e: _Payload) -> None:               # engine: _send_per_rank / _after_handshake
             work(c.encode * e.elements)
             if e.sharded:
-                submit(chan, "alltoall", f"a2a.{e.key}", pm.alltoall_time, e.sharded_bytes[0], e.ranks, e.link,
+                submit(chan, "alltoall", f"{_TWO_STAGE[e.sharded][0]}.{e.key}", pm.alltoall_time, e.sharded_bytes[0],
+                       e.ranks, e.link,
                        e.ranks_per_nic)
             else:
                 submit(chan, e.allgather_kind, f"ag.{e.key}", pm.ring_allgather_time, e.payload, e.ranks, e.link)
@@ -441,12 +460,27 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
             for e in pending:
                 wait(chan, f"hs.{e.key}")
                 send(e)
+            owner_steps(pending)
+
+        def owner_steps(pending: list) -> None:
+            """Every two-stage exchange of ``pending`` whose alltoall went out, in start order: the owners' work
+            (sharded: add the N chunks; re-ternarized: decode the shard's N payloads, ternarize it again) and
+            their allgather.  Empties ``pending``'s two-stage entries' queue when given one."""
             for e in pending:
                 if e.sharded:
-                    wait(chan, f"a2a.{e.key}")
-                    work(c.owner_sum * e.elements)
-                    submit(chan, e.allgather_kind, f"sg.{e.key}", pm.ring_allgather_time, e.sharded_bytes[1],
+                    a2a, ag = _TWO_STAGE[e.sharded]
+                    wait(chan, f"{a2a}.{e.key}")
+                    if e.sharded == "sharded":
+                        work(c.owner_sum * e.elements)
+                    else:   # the owner decodes its shard's N payloads and ternarizes the average again
+                        work((c.decode_base + c.decode_per_payload * e.ranks + c.prepare + c.encode)
+                             * e.elements / e.ranks)
+                    submit(chan, e.allgather_kind, f"{ag}.{e.key}", pm.ring_allgather_time, e.sharded_bytes[1],
                            e.ranks, e.link)
+
+        # per-rank two-stage exchanges sent from the hook: their owner steps wait for the engine's next progress
+        # (the first finish), flat and cross engine each their own
+        flat_owner, cross_owner = [], []
 
         a2a_queue, previous, cross_queue, x_started = [], None, [], []
         crossed, gathered, live = set(), set(), 0
@@ -462,7 +496,10 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                 return
             work(c.prepare * x["shard"])              # the cross engine's statistics of every piece
             if not x["shared"]:
-                send(cross_exchange_of(q))            # per-rank scalers: no presence check of its own
+                e = cross_exchange_of(q)              # per-rank scalers: no presence check of its own
+                send(e)
+                if e.sharded:
+                    cross_owner.append(e)
             else:
                 submit(chan, "allreduce_max@cross", f"hs.{q}.x{j}", pm.allreduce_time, x["handshake"], M, xlink)
                 advance([cross_exchange_of(p) for p in x_started[:-1]])   # its ordered start: every group before the previous one
@@ -471,9 +508,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         def finish_cross(q: int) -> None:             # hierarchical._finish_cross
             x = hx[q]
             if x["pieces"]:
-                wait(chan, f"{'sg' if x['mode'] == 'sharded' else 'ag'}.{q}.x{j}")
-                work((c.decode_sums if x["mode"] == "sharded" else c.decode_base + c.decode_per_payload * M)
-                     * x["shard"])
+                wait(chan, f"{_TWO_STAGE.get(x['mode'], ('', 'ag'))[1]}.{q}.x{j}")
+                work(_decode_rate(c, x["mode"], M) * x["shard"])
             submit(local, "allgather", f"h.ag.{q}", pm.ring_allgather_time, intra_bytes[q][1], G, intra)
             crossed.add(q)
 
@@ -508,7 +544,10 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                     presence_sent = True
                     submit(chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, N, link)
                     wait(chan, f"presence.{g}")
-                send(exchange_of(g))         # payloads leave from the hook, with each rank's own scalers
+                e = exchange_of(g)           # payloads leave from the hook, with each rank's own scalers
+                send(e)
+                if e.sharded:
+                    flat_owner.append(e)
             else:
                 submit(chan, "allreduce_max", f"hs.{g}", pm.allreduce_time, handshake[g], N, link)
                 advance([exchange_of(p) for p in started[:-1]])   # ordered start: every group before the previous one, waiting
@@ -528,6 +567,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                     a2a_queue = []
                     advance([cross_exchange_of(p) for p in x_started])
                     x_started = []
+                    owner_steps(cross_owner)
+                    cross_owner = []
                     at = cross_queue.index(g)   # its intra-node allgather and every earlier group's
                     for q in cross_queue[:at + 1]:
                         finish_cross(q)
@@ -546,9 +587,12 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
             if started:
                 advance([exchange_of(p) for p in started])
                 started = []
-            wait(chan, f"ag.{g}" if kinds[g] != pm.TERNGRAD_SHARDED else f"sg.{g}")
-            work((c.decode_sums if kinds[g] == pm.TERNGRAD_SHARDED else c.decode_base + c.decode_per_payload * N)
-                 * sizes[i])
+            if flat_owner:
+                owner_steps(flat_owner)
+                flat_owner = []
+            mode = TERNGRAD_METHODS[kinds[g]]
+            wait(chan, f"{_TWO_STAGE.get(mode, ('', 'ag'))[1]}.{g}")
+            work(_decode_rate(c, mode, N) * sizes[i])
         busy = sum(op[2] + op[3] for op in chan.ops)
         intra_busy = sum(op[2] + op[3] for op in local.ops)
         return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds() + local.rounds(),
