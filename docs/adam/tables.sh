@@ -14,7 +14,7 @@ T --baseline fp32-lr6e-3 --tags fp32-lr6e-3,tgc-lr6e-3,terngrad-adamw-lr6e-3,tg-
 echo "### 3. Learning-rate sweep (seed 0)"; echo
 T --baseline fp32 --tags fp32,fp32-lr3e-3,fp32-lr4e-3,fp32-lr6e-3,fp32-lr8e-3,tg-adamw-m128-minnumel0,tg-adamw-lr4e-3,tg-adamw-lr6e-3
 echo "### 4. Second corpus and model: GPT-2 6x96 on Python's stdlib source (4.7 MB, < 1 epoch), lr 2e-3"; echo
-T --baseline stdlib-6x96-fp32 --tags stdlib-6x96-fp32,stdlib-6x96-tgc,stdlib-6x96-terngrad-adamw
+T --baseline stdlib-6x96-fp32 --tags stdlib-6x96-fp32,stdlib-6x96-tgc,stdlib-6x96-terngrad-adamw,stdlib-6x96-fp32-lr6e-3,stdlib-6x96-tgc-lr6e-3
 echo "### 5. FSDP2 / HSDP, mesh (2 replicas x 2 shards), 8 sequences per rank (32 per step, as DDP), lr 2e-3"; echo
 T --baseline fsdp-hsdp-fp32 --tags fsdp-hsdp-fp32,fsdp-tgc
 echo "### 6. Horovod (horovodrun --gloo -np 2), lr 2e-3"; echo
