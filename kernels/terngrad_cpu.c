@@ -24,7 +24,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 6; }
+int tg_abi_version(void) { return 7; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -383,5 +383,39 @@ void tg_unpack_sums(const uint8_t *data, int64_t m, int nranks, int bits, const 
         int64_t cnt = m - lo < TG_CHUNK ? m - lo : TG_CHUNK;
         unpack_bits_chunk(data + (lo * bits) / 8, cnt, nranks, bits, k);
         scale_chunk(k, cnt, scalers, bucket, start + lo, divisor, out + lo);
+    }
+}
+
+/* horovod_terngrad.optim's default-mode Adam(W) step on one fp32 tensor, one pass instead of a dozen foreach
+ * passes (optim/adam.py writes the same update with torch ops, used on other devices and dtypes):
+ *   g' = (maximize ? -g : g) + l2 * p                 (l2: Adam's L2 weight decay, 0 for AdamW)
+ *   m  = m + c1 * (g' - m)                            (c1 = 1 - b1, c2 = 1 - b2: rounded from the doubles on
+ *   v  = b2 * v + c2 * g' * g'                          the host, as torch rounds its Python-float scalars)
+ *   n  = b2 * n + noise_coef * noise                  (noise NULL: n = b2 * n)
+ *   vh = max(v - n, floor * v)    (vmax non-NULL, amsgrad: vmax = max(vmax, vh); vh = vmax)
+ *   p  = p * decay - step * m / (sqrt(vh) * inv_bias2_sqrt + eps)   (decay: 1 - lr * wd for AdamW; step = lr / bias1)
+ * All fp32, elementwise: no ordering question across threads. */
+void tg_adam_corrected(float *p, float *m, float *v, float *n, const float *g, const float *noise, float *vmax,
+                       int64_t count, float c1, float b2, float c2, float step, float inv_bias2_sqrt, float eps, float decay,
+                       float l2, float noise_coef, float floor_, int maximize, int nthreads) {
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && count > 65536)
+#endif
+    for (int64_t i = 0; i < count; i++) {
+        float gi = maximize ? -g[i] : g[i];
+        gi = gi + l2 * p[i];
+        float mi = m[i] + c1 * (gi - m[i]);
+        float vi = b2 * v[i] + c2 * (gi * gi);
+        float ni = b2 * n[i] + (noise ? noise_coef * noise[i] : 0.0f);
+        float vh = vi - ni;
+        float fl = floor_ * vi;
+        vh = vh > fl ? vh : fl;
+        if (vmax) {
+            float x = vmax[i] > vh ? vmax[i] : vh;
+            vmax[i] = x;
+            vh = x;
+        }
+        m[i] = mi; v[i] = vi; n[i] = ni;
+        p[i] = p[i] * decay - step * mi / (sqrtf(vh) * inv_bias2_sqrt + eps);
     }
 }

@@ -140,12 +140,15 @@ def test_a_ternary_step_updates_the_first_moment_only():
     precision.withdraw(w)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "foreach"])
 @pytest.mark.parametrize("cls,amsgrad", [(AdamW, False), (AdamW, True), (Adam, False)])
-def test_the_default_mode_divides_by_v_less_the_noise_floored_recomputed_by_hand(cls, amsgrad):
+def test_the_default_mode_divides_by_v_less_the_noise_floored_recomputed_by_hand(cls, amsgrad, fused, monkeypatch):
     """Default mode on ternary steps: n = β2·n + (1-β2)·ν·(|g|²/|average|² at the exchange), v as AdamW's, and the
     step divides by sqrt(max(v - n, v_floor·v) / (1 - β2^t)).  The gradient is scaled by 0.5 after the exchange (a
     norm clip), so the noise must come in at 0.25x; with Adam's L2 term the factor is taken from the gradient as
     it came, not from g + λ·w.  Written out here over three steps, one element's estimate all noise (the floor)."""
+    from horovod_terngrad.optim import adam as adam_module
+    monkeypatch.setattr(adam_module, "FUSED_CPU", fused)
     b1, b2, lr, wd, floor, eps = 0.9, 0.99, 0.1, 0.3, 0.1, 1e-8
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
     opt = cls([w], lr=lr, betas=(b1, b2), weight_decay=wd, amsgrad=amsgrad, v_floor=floor)
@@ -179,6 +182,39 @@ def test_the_default_mode_divides_by_v_less_the_noise_floored_recomputed_by_hand
         assert torch.allclose(w.detach(), ref, rtol=1e-6, atol=1e-7), (t, w.detach(), ref)
     assert float(n[3]) > float((1 - floor) * v[3])               # the floor was what bound element 3
     precision.withdraw(w)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(amsgrad=True), dict(maximize=True, v_floor=0.01),
+                                dict(weight_decay=0.0, v_floor=1.0)], ids=["plain", "amsgrad", "maximize-lowfloor",
+                                                                          "floor1-nowd"])
+def test_the_fused_cpu_pass_is_the_foreach_update(kw, monkeypatch):
+    """The default mode on a CPU in fp32 takes one C pass per tensor (kernels/terngrad_cpu.c,
+    tg_adam_corrected); the foreach ops (every other device and dtype) are the same update: 20 steps of GPT-2-like
+    shapes (a norm clip after the exchange on some steps, no estimate on others), within fp32 rounding."""
+    from horovod_terngrad.optim import adam as adam_module
+    shapes = [(256, 128), (128,), (1000,), (64, 3, 5)]
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=gen) * 1e-2 for s in shapes] for _ in range(20)]
+    noises = [[torch.rand(s, generator=gen) * 1e-4 for s in shapes] for _ in range(20)]
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(adam_module, "FUSED_CPU", fused)
+        ws = [torch.nn.Parameter(torch.ones(s) * 0.5) for s in shapes]
+        opt = AdamW(ws, lr=3e-3, betas=(0.9, 0.95), **kw)
+        for k in range(20):
+            for j, w in enumerate(ws):
+                precision.request(w, None, opt, noise=True)
+                precision._records[w] = precision.TERNARY
+                if k % 5 != 4:                           # every fifth step comes without an estimate
+                    precision.attach_noise(w, noises[k][j].clone(), grads[k][j])
+                w.grad = grads[k][j] * (0.7 if k % 3 == 0 else 1.0)     # a clip after the exchange
+            opt.step()
+        out[fused] = ([w.detach().clone() for w in ws], [opt.state[w]["exp_avg_noise"].clone() for w in ws])
+        for w in ws:
+            precision.withdraw(w)
+    for a, b in zip(out[True][0] + out[True][1], out[False][0] + out[False][1]):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
+    assert not torch.equal(out[True][0][0], torch.ones(256, 128) * 0.5)
 
 
 def test_fused_or_capturable_with_a_ternary_gradient_is_refused_with_a_reason():

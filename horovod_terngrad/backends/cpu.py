@@ -28,7 +28,7 @@ from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -87,8 +87,9 @@ class FusedCPUBackend:
         lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
         lib.tg_owner_sums.argtypes = [_P, _c_int, _c_int64, _c_int, _c_int, _P, _c_int]
         lib.tg_unpack_sums.argtypes = [_P, _c_int64, _c_int, _c_int, _P, _c_int64, _c_int64, _c_float, _P, _c_int]
+        lib.tg_adam_corrected.argtypes = [_P, _P, _P, _P, _P, _P, _P, _c_int64] + [_c_float] * 10 + [_c_int, _c_int]
         for fn in (lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
-                   lib.tg_unpack_sums):
+                   lib.tg_unpack_sums, lib.tg_adam_corrected):
             fn.restype = None
         self.lib = lib
 
@@ -105,6 +106,16 @@ class FusedCPUBackend:
         if n and self.lib.tg_stats(_ptr(g32), n, bucket_size, totals, _ptr(maxabs), nb, self._threads()):
             raise MemoryError("tg_stats: out of memory")
         return totals[0], totals[1], maxabs
+
+    def adam_corrected(self, p, m, v, n, g, noise, vmax, *, beta1: float, beta2: float, step: float,
+                       inv_bias2_sqrt: float, eps: float, decay: float, l2: float, noise_coef: float,
+                       floor: float, maximize: bool) -> None:
+        """horovod_terngrad.optim's default-mode Adam(W) update of one contiguous fp32 tensor in one pass
+        (kernels/terngrad_cpu.c, tg_adam_corrected: the formula there); ``noise`` / ``vmax`` may be None."""
+        self.lib.tg_adam_corrected(_ptr(p), _ptr(m), _ptr(v), _ptr(n), _ptr(g), None if noise is None else _ptr(noise),
+                                   None if vmax is None else _ptr(vmax), p.numel(), 1 - beta1, beta2, 1 - beta2, step,
+                                   inv_bias2_sqrt,
+                                   eps, decay, l2, noise_coef, floor, int(bool(maximize)), self._threads())
 
     def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
         n = g32.numel()

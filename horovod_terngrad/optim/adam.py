@@ -48,6 +48,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import backends
 from ..codec.schedule import RefreshSchedule
 from ..exchange import precision
 
@@ -56,6 +57,9 @@ log = logging.getLogger("horovod_terngrad")
 V_STEPS = "v_steps"             # updates v has had (refresh mode: its refreshes)
 TERNARY_STEPS = "ternary_steps"  # steps taken with a ternary gradient (after the first, TernGrad's path for good)
 NOISE = "exp_avg_noise"          # running mean of the ternary noise estimate (default mode)
+# default mode on a CPU, fp32: one fused C pass per tensor (kernels/terngrad_cpu.c, tg_adam_corrected) instead of
+# the foreach ops, which take about a dozen passes over memory; False forces the foreach ops (tests compare both)
+FUSED_CPU = True
 
 
 def _local(t):
@@ -212,7 +216,10 @@ class _RefreshedAdam:
                         log.warning("horovod_terngrad.optim: a parameter (shape %s) got a ternary gradient before "
                                     "any full-precision one; its second moment starts from that", tuple(p.shape))
             by_kind.setdefault((p.device, p.dtype, refresh), []).append(i)
-        for (_, _, refresh), idx in by_kind.items():
+        for (device, dtype, refresh), idx in by_kind.items():
+            if corrected and self._fused_cpu(device, dtype, params, grads, idx, noise_of):
+                self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, noise_of)
+                continue
             ps = [_local(params[i]) for i in idx]
             gs = [_local(grads[i]) for i in idx]
             ms = [_local(exp_avgs[i]) for i in idx]
@@ -286,6 +293,56 @@ class _RefreshedAdam:
             torch._foreach_div_(denom, bias2_sqrt)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
+
+
+    def _fused_cpu(self, device, dtype, params, grads, idx, noise_of) -> bool:
+        """Whether the default mode's update of these parameters can take the fused C pass: CPU, fp32, every
+        tensor contiguous, the fused CPU backend loaded."""
+        if not FUSED_CPU or device.type != "cpu" or dtype != torch.float32:
+            return False
+        be = backends.for_device(device)
+        if not hasattr(be, "adam_corrected"):
+            return False
+        for i in idx:
+            st = self.state[params[i]]
+            ts = [_local(params[i]), _local(grads[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
+                  _local(st[NOISE])]
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
+                return False
+            got = noise_of.get(i)
+            if got is not None and (got[0].numel() != ts[0].numel() or got[0].device.type != "cpu"):
+                return False
+        return True
+
+    def _fused_corrected_update(self, group, params, grads, max_exp_avg_sqs, idx, noise_of) -> None:
+        """The default mode's update (the foreach ops of ``_terngrad_update``, the same formula) as one C pass per
+        tensor: on a CPU the factor |g|²/|average|² is read on the host for free."""
+        be = backends.for_device(torch.device("cpu"))
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        decoupled = group["decoupled_weight_decay"]
+        decay = 1 - lr * wd if wd != 0 and decoupled else 1.0
+        l2 = float(wd) if wd != 0 and not decoupled else 0.0
+        for i in idx:
+            param = params[i]
+            st = self.state[param]
+            st["step"] += 1
+            st[V_STEPS] += 1
+            bias1 = 1 - beta1 ** float(st["step"])
+            bias2_sqrt = math.sqrt(1 - beta2 ** float(st[V_STEPS]))
+            g = _local(grads[i])
+            got = noise_of.get(i)
+            noise, coef = None, 0.0
+            if got is not None:
+                noise, at = got
+                at = float(at)
+                factor = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 / at if at > 0 else 1.0
+                noise, coef = noise.to(torch.float32).contiguous(), (1 - beta2) * factor
+            be.adam_corrected(_local(param), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
+                              g, noise, _local(max_exp_avg_sqs[i]) if max_exp_avg_sqs is not None else None,
+                              beta1=beta1, beta2=beta2, step=lr / bias1, inv_bias2_sqrt=1 / bias2_sqrt, eps=eps,
+                              decay=decay, l2=l2, noise_coef=coef, floor=float(group["v_floor"]),
+                              maximize=group["maximize"])
 
 
 class Adam(_RefreshedAdam, torch.optim.Adam):
