@@ -3,7 +3,8 @@
 # Tags: fp32 = torch AdamW, no hook; tgc = horovod_terngrad.optim.AdamW at its default (v less the exchange's noise
 # estimate) with TernGrad min_numel=0; tg-adamw-defaults = the same with every TernGrad default (min_numel 4096);
 # terngrad-adamw = torch AdamW with TernGrad (the gap of issue 34); tg-adamw-m* = the refresh mode
-# (RefreshSchedule max_interval 64 / 128); bc-floor0.1 = the noise correction replayed in one process
+# (RefreshSchedule max_interval 64 / 128; tg-adamw-w16-flat128: 16 warm-up steps, then every 128th only: v too
+# stale, it diverges); bc-floor0.1 = the noise correction replayed in one process
 # (examples/study_adam_bias_correction.py); fp16hook / powersgd4 = DDP's fp16_compress_hook / PowerSGD rank 4.
 cd "$(dirname "$0")/../.."
 T() { .venv/bin/python examples/adam_study_table.py docs/adam/runs "$@"; echo; }
