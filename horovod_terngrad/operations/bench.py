@@ -114,6 +114,7 @@ STEP_CONFIGS = {
     "terngrad-shared": ("TernGrad shared scaler (paper)", lambda hvd, T: T(shared_scaler=True)),
     "terngrad-all": ("TernGrad, every tensor (min_numel=0)", lambda hvd, T: T(min_numel=0)),
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
+    "terngrad-reternarized": ("TernGrad re-ternarized exchange", lambda hvd, T: T(exchange="reternarized")),
     "terngrad-auto": ("TernGrad exchange=auto", lambda hvd, T: T(exchange="auto")),
     # the node-aware exchange forced on / off (the defaults' hierarchical="auto" decides by the cost model)
     "terngrad-hier": ("TernGrad hierarchical=True", lambda hvd, T: T(hierarchical=True)),
