@@ -182,3 +182,23 @@ def test_the_noise_estimate_is_the_owners_squared_values_bit_for_bit(cfg):
     for nu in res:
         assert torch.equal(nu, want)
     assert (want > 0).any()
+
+
+def test_ranks_whose_shard_headers_disagree_at_equal_sizes_fail_at_finish_not_a_hang():
+    """Rank 0 with one scaler per shard, rank 1 with buckets of 60 (the shard size): the same bytes, other headers.
+    Every owner reads a disagreeing sender's header, so every rank's finish raises RankMismatchError naming the
+    tensor (set on the members, not raised out of the owner step), and the next exchange still works."""
+    def body(c):
+        ex = Exchange(c, TernGradConfig(exchange="reternarized", bucket_size=60 * c.rank))
+        try:
+            ex.allreduce(grad((100,), c.rank), "fc.weight")
+            msg = None
+        except RankMismatchError as e:
+            msg = str(e)
+        ok = Exchange(c, TernGradConfig(exchange="reternarized")).allreduce(grad((40,), c.rank, 2), "next")
+        return msg, ok
+
+    res = run_ranks(2, body, timeout=30)
+    for msg, ok in res:
+        assert msg is not None and "'fc.weight'" in msg and "disagree" in msg
+        assert torch.equal(ok, res[0][1])

@@ -136,7 +136,7 @@ class Group:
         self.sent: list = []             # members whose payloads travel, in payload order
         self.bytes_sent = 0
         self.gathered = None
-        self.walked = None               # (headers, offsets) of the gathered payloads
+        self.walked = None               # (headers, offsets) of the gathered payloads (re-ternarized: per member)
         self.gather_error = None
         self.unfinished = len(members)   # members not finished yet; at 0 the group lets go of them
 

@@ -51,18 +51,27 @@ def encode_bucket(ex, numel: int) -> int:
     return sizes.reternarized_encode_bucket(numel, ex.coll.size, ex.config.bucket_size)
 
 
+def empty_payload(fmt: str, bucket_size: int, flags: torch.Tensor, device) -> torch.Tensor:
+    """The payload of an empty shard (past the end of a short tensor): a header for 0 elements, one zero scaler,
+    the flag byte copied from ``flags`` (a 1-byte tensor on the device)."""
+    out = torch.cat([torch.frombuffer(bytearray(header_bytes(0, fmt, bucket_size)), dtype=torch.uint8).to(device),
+                     torch.zeros(sizes.SCALER_BYTES, dtype=torch.uint8, device=device)])
+    out[3:4] = flags
+    return out
+
+
 def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bucket_size: int, fmt: str,
                   bucket_size: int) -> torch.Tensor:
     """Shard [lo, hi) of a whole tensor's payload (encoded with ``encode_bucket_size``) as a payload of its
     own: a header for hi - lo elements with the user's ``bucket_size`` and the sender's flags (copied on the
     device), the shard's scalers, its packed codes."""
+    if hi <= lo:
+        return empty_payload(fmt, bucket_size, payload[3:4], payload.device)
     nb = sizes.num_buckets(numel, encode_bucket_size)
     scalers = payload[sizes.HEADER_BYTES:sizes.codes_offset(nb)]
     codes = payload[sizes.codes_offset(nb):]
     head = torch.frombuffer(bytearray(header_bytes(hi - lo, fmt, bucket_size)), dtype=torch.uint8).to(payload.device)
     head[3:4] = payload[3:4]
-    if hi <= lo:         # an empty shard past the end: a header and one zero scaler
-        return torch.cat([head, torch.zeros(sizes.SCALER_BYTES, dtype=torch.uint8, device=payload.device)])
     b0, b1 = sizes.code_byte_range(lo, hi, fmt)
     k0, k1 = lo // encode_bucket_size, -(-hi // encode_bucket_size)
     return torch.cat([head, scalers[k0 * sizes.SCALER_BYTES:k1 * sizes.SCALER_BYTES], codes[b0:b1]])
@@ -90,8 +99,8 @@ def after_alltoall(ex, grp) -> None:
     N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
     members = grp.sent
     bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, cfg.bucket_size)[me] for tk in members]
-    nbytes = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size)[me]
-              for tk in members]
+    chunks = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size) for tk in members]
+    nbytes = [c[me] for c in chunks]
     block = sum(nbytes)
     if received.numel() != N * block:
         err = RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': received "
@@ -102,14 +111,19 @@ def after_alltoall(ex, grp) -> None:
         return
     backend = backends.for_device(received.device)
     owned, pre = [], 0
-    for tk, (lo, hi), size in zip(members, bounds, nbytes):
-        offsets = [s * block + pre for s in range(N)]
-        pre += size
-        owned.append(owner_payload(backend, received, offsets, hi - lo, tk, ex))
-        tk.payload_bytes = owned[-1].numel()
-    ex.stats.codec_s += time.perf_counter() - t0
-    owners = ([sum(sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size)[o]
-                   for tk in members) for o in range(N)]
+    try:
+        for tk, (lo, hi), size in zip(members, bounds, nbytes):
+            offsets = [s * block + pre for s in range(N)]
+            pre += size
+            owned.append(owner_payload(backend, received, offsets, hi - lo, tk, ex))
+            tk.payload_bytes = owned[-1].numel()
+    except RankMismatchError as err:      # every rank finds it (every owner reads a disagreeing sender's header):
+        for tk in members:                # each member fails at its finish, as with the size check above
+            tk.error = err
+        return
+    finally:
+        ex.stats.codec_s += time.perf_counter() - t0
+    owners = ([sum(c[o] for c in chunks) for o in range(N)]
               if getattr(ex.coll, "takes_sizes", False) else None)    # the last owners' shards may be short
     allgather.launch(ex, grp, members, owned[0] if len(owned) == 1 else torch.cat(owned),
                      f"terngrad.rg.{grp.name}", sizes=owners)
@@ -130,11 +144,7 @@ def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex
     flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any().to(torch.uint8)
     if m == 0:
-        out = torch.cat([torch.frombuffer(bytearray(header_bytes(0, cfg.packing, cfg.bucket_size)),
-                                          dtype=torch.uint8).to(received.device),
-                         torch.zeros(sizes.SCALER_BYTES, dtype=torch.uint8, device=received.device)])
-        out[3:4] = bad
-        return out
+        return empty_payload(cfg.packing, cfg.bucket_size, bad, received.device)
     avg = backend.decode(received, [head] * N, offsets, N if tk.average else 1)
     avg = torch.where(bad.bool(), torch.zeros_like(avg), avg)      # a flagged shard is NaN anyway: keep it finite
     prep = backend.prepare(avg, cfg.bucket_size, 0.0)
@@ -151,15 +161,21 @@ def receive(ex, tk) -> torch.Tensor | None:
     t0 = time.perf_counter()
     grp, N, cfg = tk.group, ex.coll.size, ex.config
     n = tk.g32.numel()
-    chunk = [sizes.reternarized_chunk_bytes(m.g32.numel(), N, cfg.packing, cfg.bucket_size) for m in grp.sent]
-    block = [sum(c[o] for c in chunk) for o in range(N)]
-    if sum(block) != gathered.numel():
-        raise RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': gathered "
-                                f"{gathered.numel()} bytes, expected {sum(block)}")
-    offsets, at = [], 0
-    for o in range(N):
-        offsets.append(at + sum(chunk[j][o] for j in range(tk.slot)))
-        at += block[o]
+    if grp.walked is None:       # every member's offsets in the gathered owners' blocks, once per group
+        chunk = [sizes.reternarized_chunk_bytes(m.g32.numel(), N, cfg.packing, cfg.bucket_size) for m in grp.sent]
+        block = [sum(c[o] for c in chunk) for o in range(N)]
+        if sum(block) != gathered.numel():
+            raise RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': gathered "
+                                    f"{gathered.numel()} bytes, expected {sum(block)}")
+        walked, at = [[] for _ in grp.sent], 0
+        for o in range(N):
+            inner = at
+            for j, c in enumerate(chunk):
+                walked[j].append(inner)
+                inner += c[o]
+            at += block[o]
+        grp.walked = walked
+    offsets = grp.walked[tk.slot]
     flags = gathered[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=gathered.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any()
     if gathered.device.type == "cpu" or cfg.on_nonfinite == "raise":      # on the host: free on a CPU
