@@ -46,7 +46,6 @@ import math
 
 import torch
 from torch.optim.adam import adam as torch_adam
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import backends
 from ..codec.schedule import RefreshSchedule
@@ -157,22 +156,6 @@ class _RefreshedAdam:
                                       [max_exp_avg_sqs[i] for i in tern] if amsgrad else None)
         return loss
 
-    def _scratch(self, params, like):
-        """A buffer per parameter for v_hat: kept across steps on a CPU (its pages stay mapped), taken from the
-        caching allocator each step on an accelerator (no memory held between steps).  Not state: never saved."""
-        if not hasattr(self, "_scratch_bufs"):
-            self._scratch_bufs = WeakIdKeyDictionary()
-        out = []
-        for p, v in zip(params, like):
-            if v.device.type != "cpu":
-                out.append(torch.empty_like(v))
-                continue
-            buf = self._scratch_bufs.get(p)
-            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                buf = self._scratch_bufs[p] = torch.empty_like(v)
-            out.append(buf)
-        return out
-
     def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if group[flag]:
@@ -202,9 +185,9 @@ class _RefreshedAdam:
                 if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
                     _RefreshedAdam._warned_no_noise = True
                     log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "
-                                "the allgather and re-ternarized exchanges give one (not 'sharded', the "
-                                "node-aware exchange or a step with a rank in hvd.join()); its second moment takes the ternary gradient "
-                                "as plain AdamW does", tuple(p.shape))
+                                "the allgather and re-ternarized exchanges give one (not 'sharded', the node-aware "
+                                "exchange or a step with a rank in hvd.join()); its second moment takes the ternary "
+                                "gradient as plain AdamW does", tuple(p.shape))
             else:
                 refresh = record != precision.TERNARY
                 if not refresh and float(state[V_STEPS]) == 0:
@@ -217,7 +200,7 @@ class _RefreshedAdam:
                                     "any full-precision one; its second moment starts from that", tuple(p.shape))
             by_kind.setdefault((p.device, p.dtype, refresh), []).append(i)
         for (device, dtype, refresh), idx in by_kind.items():
-            if corrected and self._fused_cpu(device, dtype, params, grads, idx, noise_of):
+            if corrected and self._fused_cpu(device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of):
                 self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, noise_of)
                 continue
             ps = [_local(params[i]) for i in idx]
@@ -261,11 +244,10 @@ class _RefreshedAdam:
                 torch._foreach_mul_(ps, 1 - lr * wd)
             if corrected:
                 # v_hat = max(v - n, f·v): the ternary noise out, never below the floor f.  Computed as
-                # f·max((v - n)/f, v) in one buffer, the f folded into the bias correction: three passes
-                # and no fresh allocation (on a CPU, a fresh buffer of a parameter's size costs its page faults
-                # on every step, as much as several passes)
+                # f·max((v - n)/f, v) in one temporary, the f folded into the bias correction: three passes
+                # (a CPU in fp32 takes the fused C pass instead: _fused_corrected_update)
                 f = float(group["v_floor"])
-                v_hat = self._scratch([params[i] for i in idx], vs)
+                v_hat = [torch.empty_like(v) for v in vs]
                 for out, v, n in zip(v_hat, vs, ns):
                     torch.sub(v, n, out=out)          # one pass (a copy and an in-place sub would be two)
                 if f > 0:
@@ -294,10 +276,9 @@ class _RefreshedAdam:
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
 
-
-    def _fused_cpu(self, device, dtype, params, grads, idx, noise_of) -> bool:
+    def _fused_cpu(self, device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of) -> bool:
         """Whether the default mode's update of these parameters can take the fused C pass: CPU, fp32, every
-        tensor contiguous, the fused CPU backend loaded."""
+        tensor it writes or reads contiguous (it walks raw pointers), the fused CPU backend loaded."""
         if not FUSED_CPU or device.type != "cpu" or dtype != torch.float32:
             return False
         be = backends.for_device(device)
@@ -306,7 +287,7 @@ class _RefreshedAdam:
         for i in idx:
             st = self.state[params[i]]
             ts = [_local(params[i]), _local(grads[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
-                  _local(st[NOISE])]
+                  _local(st[NOISE])] + ([_local(max_exp_avg_sqs[i])] if max_exp_avg_sqs is not None else [])
             if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
                 return False
             got = noise_of.get(i)
