@@ -114,8 +114,8 @@ class FusedCPUBackend:
         (kernels/terngrad_cpu.c, tg_adam_corrected: the formula there); ``noise`` / ``vmax`` may be None."""
         self.lib.tg_adam_corrected(_ptr(p), _ptr(m), _ptr(v), _ptr(n), _ptr(g), None if noise is None else _ptr(noise),
                                    None if vmax is None else _ptr(vmax), p.numel(), 1 - beta1, beta2, 1 - beta2, step,
-                                   inv_bias2_sqrt,
-                                   eps, decay, l2, noise_coef, floor, int(bool(maximize)), self._threads())
+                                   inv_bias2_sqrt, eps, decay, l2, noise_coef, floor, int(bool(maximize)),
+                                   self._threads())
 
     def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
         n = g32.numel()
