@@ -51,6 +51,7 @@ CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", 
            "powersgd1": ("DDP PowerSGD rank 1", "powersgd", {"powersgd_rank": 1}),
            "powersgd4": ("DDP PowerSGD rank 4", "powersgd", {"powersgd_rank": 4}),
            "terngrad": ("TernGrad-DDP (defaults)", "terngrad", {}),
+           "terngrad-tgadamw": ("TernGrad-DDP, horovod_terngrad.optim.AdamW", "terngrad", {"optim": "tg-adamw"}),
            "local": ("local compute, no DDP", None, {})}
 POWERSGD_START = 2
 
@@ -66,6 +67,9 @@ def worker(argv):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--profile", action="store_true", help="TernGrad's step broken down (see profile)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -81,15 +85,19 @@ def worker(argv):
     setups = []
     for key in args.configs.split(","):
         label, hook, kw = CONFIGS[key]
+        kw = dict(kw)
+        row_optim = kw.pop("optim", None)     # a row's own Adam (terngrad-tgadamw), only with --optim adamw
+        optim = row_optim if row_optim and args.optim == "adamw" else args.optim
         module, x = models.make(args.model, args.batch, image=args.image, context=args.context)
-        model = module if hook is None else DDP(module)
+        model = module if hook is None else DDP(module, **({} if args.bucket_cap_mb is None else
+                                                           {"bucket_cap_mb": args.bucket_cap_mb}))
         state = None if hook is None else ddp_hooks.install(model, hook, powersgd_start=POWERSGD_START, **kw)
         nparams = sum(q.numel() for q in module.parameters())
         bits = {"none": 32.0, "fp16": 16.0}.get(hook)
         if hook == "powersgd":
             bits = ddp_hooks.powersgd_bits(module, kw["powersgd_rank"])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        setups.append({"key": key, "label": label, "hook": hook, "model": model, "opt": opt, "x": x,
+        opt = make_optimizer(optim, model)
+        setups.append({"key": key, "label": label, "hook": hook, "model": model, "opt": opt, "x": x, "marks": [],
                        "state": state, "times": [], "bits": bits, "nparams": nparams})
     described = f"{args.model} ({models.describe(setups[0]['model'])})"
 
@@ -97,9 +105,11 @@ def worker(argv):
         t = time.perf_counter()
         su["opt"].zero_grad()
         su["model"](su["x"]).square().mean().backward()
+        t_backward = time.perf_counter()
         su["opt"].step()
         if timed:
             su["times"].append(time.perf_counter() - t)
+            su["marks"].append((t, t_backward, time.perf_counter()))
 
     for su in setups:
         for _ in range(warmup):
@@ -113,6 +123,8 @@ def worker(argv):
                 st = su["state"]
                 tg_before[su["key"]] = (st.stats.payload_bytes_sent + st.stats.handshake_bytes_sent,
                                         st.state.uncompressed_elements, st.stats.elements, len(su["times"]))
+            if args.profile and su["hook"] == "terngrad" and su["state"].trace is None:
+                su["state"].trace = []
             for _ in range(args.steps):
                 one_step(su)
             dist.barrier()
@@ -125,6 +137,9 @@ def worker(argv):
         row = {"config": su["key"], "label": su["label"], "step_ms": 1000 * med(su["times"]),
                "step_ms_by_round": [1000 * med(su["times"][i * args.steps:(i + 1) * args.steps])
                                     for i in range(args.rounds)], "bits_per_param": su["bits"]}
+        if su.get("marks"):
+            row["forward_backward_ms"] = 1000 * med([b - a for a, b, _ in su["marks"]])
+            row["optimizer_ms"] = 1000 * med([c - b for _, b, c in su["marks"]])
         if su["hook"] == "terngrad":
             st = su["state"]
             sent0, unc0, el0, _ = tg_before[su["key"]]
@@ -135,6 +150,9 @@ def worker(argv):
             row["bits_per_param"] = (8.0 * sent + 32.0 * unc) / (steps * su["nparams"])
             row["terngrad_bits_per_element"] = 8.0 * sent / max(1, el)
             row["compressed_fraction"] = el / max(1, el + unc)
+            row["payload_bytes_per_step"] = sent / steps
+            if st.trace is not None:
+                row["profile"] = profile(st.trace, su["marks"])
             st.close()
         rows.append(row)
     if rank == 0:
@@ -143,27 +161,149 @@ def worker(argv):
         for row in rows:
             print(f"  {row['label']:26s} {row['step_ms']:8.1f} ms/step  rounds: "
                   f"{', '.join(f'{v:.0f}' for v in row['step_ms_by_round'])}  "
+                  f"(forward+backward {row['forward_backward_ms']:.0f}, optimizer {row['optimizer_ms']:.0f})  "
                   + (f"{row['bits_per_param']:.2f} bits/param" if row["bits_per_param"] is not None else ""),
                   flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "model": args.model, "described": described, "batch": args.batch,
+                           "params": setups[0]["nparams"], "optim": args.optim,
                            "steps": args.steps, "rounds": args.rounds, "rows": rows}, f, indent=1)
+        if args.profile:
+            for row in rows:
+                if "profile" in row:
+                    print("  TernGrad-DDP's step, ms (median over timed steps): " + ", ".join(
+                        f"{k} {v:.1f}" for k, v in row["profile"].items() if isinstance(v, float)), flush=True)
     dist.destroy_process_group()
 
 
+def make_optimizer(kind: str, model):
+    """SGD, torch's AdamW, or (``tg-adamw``, the ``terngrad-tgadamw`` row with ``--optim adamw``) TernGrad's
+    AdamW, horovod_terngrad.optim.AdamW, at its defaults (torch's AdamW, bit for bit, where nothing is
+    ternarized)."""
+    import torch
+    if kind == "tg-adamw":
+        from horovod_terngrad.optim import AdamW
+        return AdamW(model.parameters(), lr=1e-4)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return torch.optim.SGD(model.parameters(), lr=1e-4)
+
+
+def profile(trace: list, marks: list) -> dict:
+    """TernGrad-DDP's step broken down from the hook's trace (``TernGradState.trace``) and the main thread's
+    marks (step begin, backward returned, optimizer step done), medians over the timed steps, in ms:
+
+    * ``forward_backward``: step begin to the last bucket handed to the hook (backward's compute, slowed by
+      whatever the worker thread takes from this rank's core);
+    * ``tail``: last bucket handed over to backward's return: DDP waiting for the exchanges still in flight;
+    * ``optimizer``: the optimizer's step;
+    * on the worker thread: ``encode`` (the start spans: prepare, ternarize and pack, launch), ``codec``
+      (the engine's codec_s: encode + decode), ``wait`` (blocked on collectives: payloads and the
+      full-precision allreduce), ``copies`` (averages copied back into DDP's bucket), ``finish`` (whole finish
+      spans), ``worker_busy`` (start + finish spans), ``worker_idle_in_step`` (the step's wall time the
+      worker spent neither starting nor finishing: waiting for DDP's next bucket)."""
+    def med(v):
+        v = sorted(v)
+        return v[len(v) // 2] if v else 0.0
+
+    per = {k: [] for k in ("step", "forward_backward", "tail", "optimizer", "encode", "codec", "wait", "copies",
+                           "finish", "worker_busy", "worker_idle_in_step", "buckets")}
+    for t0, t_bwd, t_end in marks:
+        ev = [e for e in trace if t0 <= e[2] <= t_end]
+        hooks = [e[2] for e in ev if e[0] == "hook"]
+        spans = [e for e in ev if e[0] in ("start", "finish")]
+        if not hooks:
+            continue
+        busy = sum(e[3] - e[2] for e in spans)
+        per["step"].append(t_end - t0)
+        per["forward_backward"].append(max(hooks) - t0)
+        per["tail"].append(t_bwd - max(hooks))
+        per["optimizer"].append(t_end - t_bwd)
+        per["encode"].append(sum(e[3] - e[2] for e in spans if e[0] == "start"))
+        per["finish"].append(sum(e[3] - e[2] for e in spans if e[0] == "finish"))
+        per["codec"].append(sum(e[4] for e in spans))
+        per["wait"].append(sum(e[5] for e in spans) + sum(e[3] - e[2] for e in ev if e[0] == "plain"))
+        per["copies"].append(sum(e[3] - e[2] for e in ev if e[0] == "copy"))
+        per["worker_busy"].append(busy)
+        per["worker_idle_in_step"].append((t_bwd - t0) - busy)
+        per["buckets"].append(len(hooks))
+    out = {k: 1000 * med(v) for k, v in per.items() if k != "buckets"}
+    out["buckets"] = int(med(per["buckets"]))
+    t0, t_bwd, t_end = marks[-1]       # the last timed step's spans, in ms from its start, for reading
+    out["last_step"] = {"backward_returned": 1000 * (t_bwd - t0), "end": 1000 * (t_end - t0),
+                        "spans": [(e[0], e[1], round(1000 * (e[2] - t0), 1), round(1000 * (e[3] - t0), 1),
+                                   round(1000 * e[4], 1), round(1000 * e[5], 1))
+                                  for e in trace if t0 <= e[2] <= t_end]}
+    return out
+
+
 # -- the driver ----------------------------------------------------------------------------------------------------
+def alone(argv):
+    """One process, one thread, no DDP: the median step of the model with the optimizer (the regime's
+    yardstick and the limit's compute), printed as JSON."""
+    p = argparse.ArgumentParser(prog="ddp_benchmark.py alone")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image", type=int, default=64)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--steps", type=int, default=7)
+    args = p.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from horovod_terngrad.operations import models
+    torch.set_num_threads(1)
+    model, x = models.make(args.model, args.batch, image=args.image, context=args.context)
+    opt = make_optimizer(args.optim, model)
+    times = []
+    for i in range(args.steps + 2):
+        t = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"compute_ms": 1000 * sorted(times)[len(times) // 2],
+                      "params": sum(q.numel() for q in model.parameters())}))
+
+
+def compute_alone(model: str, args) -> dict:
+    import subprocess
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "alone", "--model", model, "--batch",
+                        str(args.batch), "--image", str(args.image), "--context", str(args.context), "--optim",
+                        args.optim], capture_output=True, text=True, check=True, timeout=1800,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def run_case(model: str, hosts: int, rate: str, args) -> dict:
+    """One cell.  ``rate``: a tc rate, ``none``, or ``regime<RATIO>``: the link at which fp32's ring payload
+    per host link takes RATIO x one rank's compute alone (measured here first, with the same optimizer)."""
+    from emulated_cluster_benchmark import regime_rate
     out = cell_path(args.out, model, hosts, rate, args.tag)
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    regime, tc = None, rate
+    if rate.startswith("regime"):
+        measured = compute_alone(model, args)
+        regime = regime_rate(float(rate[len("regime"):]), measured["compute_ms"] / 1000, measured["params"], hosts)
+        tc = regime["rate"]
+        print(f"regime {regime['ratio']:g}: compute alone {regime['compute_alone_ms']:.1f} ms; fp32's ring payload "
+              f"{regime['bytes_per_host'] / 1e6:.1f} MB per host link -> {regime['gbps']:.3f} Gbit/s ({tc})",
+              flush=True)
     cmd = [DDP_TORCHRUN, "--netns", PREFIX, "--nproc", "1", "--port", "29613", "--", os.path.abspath(__file__),
            "worker", "--model", model, "--batch", str(args.batch), "--image", str(args.image),
            "--context", str(args.context), "--configs", args.configs, "--steps", str(args.steps),
-           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", out]
-    run_on_cluster(hosts, rate, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}", env=env)
+           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--optim", args.optim, "--json", out]
+    if args.profile:
+        cmd.append("--profile")
+    if args.bucket_cap_mb is not None:
+        cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    run_on_cluster(hosts, tc, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}", env=env)
     with open(out) as f:
         res = json.load(f)
-    res.update(rate=rate, hosts=hosts, context=args.context, image=args.image)
+    res.update(rate=rate, hosts=hosts, context=args.context, image=args.image, optim=args.optim, regime=regime)
     if args.horovod:
         res["rows"] += horovod_rows(model, hosts, rate, args)
     with open(out, "w") as f:
@@ -195,15 +335,53 @@ def horovod_rows(model: str, hosts: int, rate: str, args) -> list:
     return rows
 
 
+def link_bps(res: dict):
+    """The cell's link rate in bit/s: the regime's, or a tc rate such as ``1gbit``; None unshaped."""
+    if res.get("regime"):
+        return res["regime"]["gbps"] * 1e9
+    rate = res.get("rate", "none")
+    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * mult
+    return None
+
+
+def wire_bytes(row: dict, params: int, ranks: int):
+    """Bytes one host's link carries each way per step for a row: a ring allreduce of what it hands over
+    (2(N-1)/N of it), except TernGrad's allgather, which receives N-1 payloads (its full-precision tensors
+    still ring-allreduced)."""
+    bits = row.get("bits_per_param")
+    if bits is None or row["config"].startswith("horovod"):
+        return None
+    ring = 2 * (ranks - 1) / ranks
+    if "payload_bytes_per_step" in row:
+        plain = params * (1 - row["compressed_fraction"]) * 4 if "compressed_fraction" in row else 0.0
+        return (ranks - 1) * row["payload_bytes_per_step"] + ring * plain
+    return ring * bits / 8 * params
+
+
 def rows(res: dict, rate: str) -> list[str]:
+    """Table rows; with a known link rate and a compute alone (the regime's, or the cell's local row), each
+    row's limit: compute alone + codec (TernGrad's, when profiled) + its bytes at link rate."""
     by = {r["config"]: r for r in res["rows"]}
     fp16, fp32 = by.get("fp16", {}).get("step_ms"), by.get("fp32", {}).get("step_ms")
+    bps = link_bps(res)
+    alone = res["regime"]["compute_alone_ms"] if res.get("regime") else by.get("local", {}).get("step_ms")
+    params = res.get("params") or (res["regime"]["params"] if res.get("regime") else None)
     lines = []
     for r in res["rows"]:
         bits = f"{r['bits_per_param']:.2f}" if r.get("bits_per_param") is not None else ""
         cells = [res["model"], str(res["ranks"]), rate, r["label"], f"{r['step_ms']:.0f}",
                  ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]),
                  f"{r['step_ms'] / fp32:.2f}x" if fp32 else "", f"{r['step_ms'] / fp16:.2f}x" if fp16 else "", bits]
+        nbytes = wire_bytes(r, params, res["ranks"]) if params else None
+        if bps and alone and nbytes is not None:
+            wire = 1000 * 8 * nbytes / bps
+            codec = r.get("profile", {}).get("codec", 0.0)
+            limit = alone + codec + wire
+            cells += [f"{limit:.0f} = {alone:.0f} + {codec:.0f} + {wire:.0f}", f"{r['step_ms'] / limit:.2f}x"]
+        else:
+            cells += ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -250,14 +428,17 @@ def plot(results: list, path: str) -> list:
     return ["", f"Plot: `{os.path.relpath(path, ROOT)}`"]
 
 
-HEADER = ["| model | N | link | configuration | ms/step | by round | time vs fp32 | time vs fp16 | bits/param sent |",
-          "|---|---|---|---|---|---|---|---|---|"]
+HEADER = ["| model | N | link | configuration | ms/step | by round | time vs fp32 | time vs fp16 | bits/param sent "
+          "| limit ms = compute + codec + wire | step / limit |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
         return worker(argv[1:])
+    if argv and argv[0] == "alone":
+        return alone(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,resnet50,transformer")
     p.add_argument("--hosts", default="2")
@@ -271,11 +452,22 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--regime", default="", metavar="RATIO[,RATIO]",
+                   help="calibrated regime instead of --rates: links at which fp32's ring payload per host link "
+                        "takes RATIO x one rank's compute alone (8: the paper's Ethernet regime)")
+    p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb for every DDP row "
+                   "(default: DDP's own, 25)")
+    p.add_argument("--profile", action="store_true",
+                   help="break TernGrad-DDP's step down (forward/backward, tail, optimizer; the worker's encode, "
+                        "wait, copies) into the cell's JSON and docs")
     p.add_argument("--tag", default="", help="suffix of the cells' file names (and of the plot)")
     p.add_argument("--out", default="docs/ddp")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("ddp_benchmark: needs root (network namespaces)")
+    if args.regime:
+        args.rates = ",".join(f"regime{float(r):g}" for r in args.regime.split(","))
     plot_path = os.path.join(os.path.abspath(args.out), "steps" + (f"-{args.tag}" if args.tag else "") + ".png")
     sweep(args, run_case, rows, HEADER, "examples/ddp_benchmark.py", argv,
           footer=lambda results: plot(saved_cells(args.out, args.tag), plot_path))

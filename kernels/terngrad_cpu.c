@@ -24,7 +24,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 7; }
+int tg_abi_version(void) { return 8; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -183,6 +183,11 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
  * payloads are summed with one 64-bit add per byte and payload with no carry between lanes.
  * 2bit: 4 lanes of 16 bits (groups of up to 32767 payloads); base3: 5 lanes of 12 bits (up to 2047). */
 static uint64_t lut_lo2[256], lut_lo3[256];
+/* Magnitude tables (magnitude=1 in the decodes: the noise estimate's sum of s^2·|t|): each code's |t| in the
+ * same lanes, unbiased.  They read codes exactly as the estimate's byte mapping does (exchange/allgather.py
+ * noise_estimate): 2bit |t| = (code != 0), so the invalid code 3 counts 1; base3 the five low base-3 digits
+ * of the byte, also for the invalid bytes >= 243. */
+static uint64_t lut_abs2[256], lut_abs3[256];
 static void init_luts(void) {
     static volatile int done = 0;
     if (done) return;
@@ -199,6 +204,15 @@ static void init_luts(void) {
         }
         lut_lo2[x] = a;
         lut_lo3[x] = b;
+        uint64_t a2 = 0, b3 = 0;
+        unsigned z = x;
+        for (int q = 0; q < 5; q++) {
+            if (q < 4) a2 |= (uint64_t)(((x >> (2 * q)) & 3) != 0) << (16 * q);
+            b3 |= (uint64_t)(z % 3 != 0) << (12 * q);
+            z /= 3;
+        }
+        lut_abs2[x] = a2;
+        lut_abs3[x] = b3;
     }
     done = 1;
 }
@@ -210,17 +224,17 @@ static void init_luts(void) {
  * (start a multiple of TG_CHUNK).  Codes are added as biased lanes through a 256-entry table: four 16-bit
  * lanes per 2bit byte, five 12-bit lanes per base3 byte, in groups small enough not to overflow a lane. */
 static void sum_codes_chunk(const uint8_t *const *packed, int npay, int64_t start, int64_t cnt, int fmt,
-                            int32_t *k) {
+                            int magnitude, int32_t *k) {
     uint64_t lo[TG_CHUNK / 4];
     const int per = fmt == 1 ? 4 : 5;
-    const uint64_t *lut = fmt == 1 ? lut_lo2 : lut_lo3;
+    const uint64_t *lut = magnitude ? (fmt == 1 ? lut_abs2 : lut_abs3) : (fmt == 1 ? lut_lo2 : lut_lo3);
     const int maxgroup = fmt == 1 ? 32767 : 2047;
     const int64_t nbytes = (cnt + per - 1) / per;
     const int64_t b0 = start / per;
     for (int64_t j = 0; j < TG_CHUNK; j++) k[j] = 0;
     for (int p0 = 0; p0 < npay; p0 += maxgroup) {
         int p1 = p0 + maxgroup < npay ? p0 + maxgroup : npay;
-        const int32_t bias = p1 - p0;
+        const int32_t bias = magnitude ? 0 : p1 - p0;
         for (int64_t b = 0; b < nbytes; b++) lo[b] = 0;
         for (int p = p0; p < p1; p++) {
             const uint8_t *src = packed[p] + b0;
@@ -256,7 +270,7 @@ static inline void scale_chunk(const int32_t *k, int64_t cnt, const float *scale
 }
 
 void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
-                      int64_t bucket, float divisor, float *out, int nthreads) {
+                      int64_t bucket, float divisor, int magnitude, float *out, int nthreads) {
     init_luts();
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -264,15 +278,17 @@ void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int np
         int32_t k[TG_CHUNK];
         int64_t start = ch * TG_CHUNK;
         int64_t cnt = n - start < TG_CHUNK ? n - start : TG_CHUNK;
-        sum_codes_chunk(packed, npay, start, cnt, fmt, k);
+        sum_codes_chunk(packed, npay, start, cnt, fmt, magnitude, k);
         scale_chunk(k, cnt, scalers, bucket, start, divisor, out + start);
     }
 }
 
 /* Scalers differ between payloads: out[i] = (sum_p v_p[i] * s_p[i]) / divisor, fp32, in payload order. */
 void tg_decode_average(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
-                       int fmt, int64_t bucket, float divisor, float *out, int nthreads) {
-    static const float val[4] = {0.0f, 1.0f, -1.0f, 0.0f}; /* code 3 is invalid: read as 0 */
+                       int fmt, int64_t bucket, float divisor, int magnitude, float *out, int nthreads) {
+    static const float signed_val[4] = {0.0f, 1.0f, -1.0f, 0.0f}; /* code 3 is invalid: read as 0 */
+    static const float abs_val[4] = {0.0f, 1.0f, 1.0f, 1.0f};     /* |t|, as lut_abs2 reads codes */
+    const float *val = magnitude ? abs_val : signed_val;
     const int per = fmt == 1 ? 4 : 5;
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -367,7 +383,7 @@ void tg_owner_sums(const uint8_t *const *packed, int npay, int64_t m, int fmt, i
         int32_t k[TG_CHUNK];
         int64_t start = ch * TG_CHUNK;
         int64_t cnt = m - start < TG_CHUNK ? m - start : TG_CHUNK;
-        sum_codes_chunk(packed, npay, start, cnt, fmt, k);
+        sum_codes_chunk(packed, npay, start, cnt, fmt, 0, k);
         pack_bits_chunk(k, cnt, npay, bits, out + (start * bits) / 8);
     }
 }

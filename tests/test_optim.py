@@ -442,3 +442,53 @@ def test_the_noise_estimate_is_the_sum_of_squared_ternary_values_on_every_backen
             finally:
                 backends.for_device = orig
             assert torch.equal(got, acc / N ** 2), (fmt, bucket, n, type(backend).__name__)
+
+
+class _WithoutNoiseDecode:
+    """The fused CPU backend with no optional capability: noise_estimate takes its mapped-copies path."""
+
+    capabilities = frozenset()
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def decode(self, *args, **kwargs):
+        return self.inner.decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+@pytest.mark.parametrize("bucket", [0, 64])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_fused_noise_decode_equals_the_mapped_copies_bit_for_bit(fmt, bucket, shared):
+    """The fused CPU backend's decode_noise (one pass over the gathered payloads, NOISE_DECODE) gives the bits
+    of the mapped-copies path (squared scalers, |t| codes, the backend's decode) for every byte a payload can
+    hold, the invalid ones too (2-bit code 3, base-3 bytes >= 243), with equal scalers (the decode's shared
+    path) and per-rank ones, for 1-4 payloads."""
+    from horovod_terngrad import backends, codec
+    from horovod_terngrad.exchange import allgather
+    fused = backends.for_device(torch.device("cpu"))
+    if not backends.has_capability(fused, backends.NOISE_DECODE):
+        pytest.fail("the fused CPU backend should declare NOISE_DECODE")
+    gen = torch.Generator().manual_seed(11)
+    for N in (1, 2, 3, 4):
+        for n in (1, 5, 1283, 6401):
+            nb = codec.sizes.num_buckets(n, bucket)
+            common = torch.rand(nb, generator=gen) + 0.1
+            pays = []
+            for _ in range(N):
+                s = common if shared else torch.rand(nb, generator=gen) + 0.1
+                p = codec.packing.encode(torch.zeros(n, dtype=torch.int8), fmt, s, bucket)
+                start = codec.sizes.codes_offset(nb)
+                p[start:] = torch.randint(0, 256, (p.numel() - start,), dtype=torch.uint8, generator=gen)
+                pays.append(p)
+            buf = torch.cat(pays)
+            offsets = [sum(p.numel() for p in pays[:r]) for r in range(N)]
+            headers = [codec.packing.parse_header(p) for p in pays]
+            got = allgather.noise_estimate(buf, headers, offsets, N)
+            orig = backends.for_device
+            backends.for_device = lambda device: _WithoutNoiseDecode(fused)
+            try:
+                want = allgather.noise_estimate(buf, headers, offsets, N)
+            finally:
+                backends.for_device = orig
+            assert torch.equal(got, want), (fmt, bucket, shared, N, n)

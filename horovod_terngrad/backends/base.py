@@ -9,6 +9,9 @@ Capabilities:
 
 * ``SHARDED_SUMS``: the sharded exchange's two kernels, ``owner_sums`` and ``decode_sums``
   (``ShardedSumsBackend``).  Only the fused CPU backend has them today.
+* ``NOISE_DECODE``: ``decode_noise``, the exchange's noise estimate (1/d^2)·Σ s^2·|t| in the decode's own
+  pass over the gathered payloads (``NoiseDecodeBackend``).  Only the fused CPU backend has it; elsewhere
+  exchange/allgather.py maps copies of the payloads and calls ``decode``: the same bits.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from .. import codec
 
 SHARDED_SUMS = "sharded_sums"
+NOISE_DECODE = "noise_decode"
 
 
 @runtime_checkable
@@ -60,6 +64,16 @@ class ShardedSumsBackend(Backend, Protocol):
                     bucket_size: int, start: int, divisor: float, out: torch.Tensor) -> None:
         """Unpack the ``m`` sums of ``bits`` bits of a shard that starts at element ``start`` and write
         out[i] = (float(k_i)·s) / divisor, s the scaler of element start + i's bucket (fp32 [m])."""
+        ...
+
+
+@runtime_checkable
+class NoiseDecodeBackend(Backend, Protocol):
+    """A backend with the ``NOISE_DECODE`` capability."""
+
+    def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+        """Σ over the payloads at ``offsets`` of scaler^2·|code|, divided by ``divisor``^2, bit for bit what
+        ``decode`` gives for copies of the payloads with squared scalers and codes mapped to |t|: fp32 [numel]."""
         ...
 
 

@@ -22,13 +22,13 @@ import torch
 from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
-from .base import SHARDED_SUMS
+from .base import NOISE_DECODE, SHARDED_SUMS
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -75,7 +75,7 @@ class FusedCPUBackend:
     payloads and averages written in place by one C pass each."""
 
     name = "cpu-fused"
-    capabilities = frozenset({SHARDED_SUMS})
+    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE})
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
@@ -83,8 +83,8 @@ class FusedCPUBackend:
         lib.tg_stats.argtypes = [_P, _c_int64, _c_int64, _P, _P, _c_int64, _c_int]
         lib.tg_stats.restype = ctypes.c_int
         lib.tg_ternarize_pack.argtypes = [_P, _c_int64, _c_float, _P, _c_int64, _u32, _u32, _c_int, _P, _c_int]
-        lib.tg_decode_average.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
-        lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _P, _c_int]
+        lib.tg_decode_average.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _c_int, _P, _c_int]
+        lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _c_int, _P, _c_int]
         lib.tg_owner_sums.argtypes = [_P, _c_int, _c_int64, _c_int, _c_int, _P, _c_int]
         lib.tg_unpack_sums.argtypes = [_P, _c_int64, _c_int, _c_int, _P, _c_int64, _c_int64, _c_float, _P, _c_int]
         lib.tg_adam_corrected.argtypes = [_P, _P, _P, _P, _P, _P, _P, _c_int64] + [_c_float] * 10 + [_c_int, _c_int]
@@ -141,6 +141,15 @@ class FusedCPUBackend:
 
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._decode(gathered, headers, offsets, divisor, out, magnitude=False)
+
+    # -- NOISE_DECODE capability --------------------------------------------------------------------------
+    def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+        """``NoiseDecodeBackend.decode_noise``: the decode's own pass with squared scalers and codes read as
+        |t|, straight from the gathered payloads (no copies of them)."""
+        return self._decode(gathered, headers, offsets, float(divisor) ** 2, None, magnitude=True)
+
+    def _decode(self, gathered, headers, offsets, divisor, out, magnitude: bool) -> torch.Tensor:
         h0 = headers[0]
         n, nb = h0.numel, h0.num_scalers
         out = torch.empty(n, dtype=torch.float32) if out is None else out
@@ -150,16 +159,18 @@ class FusedCPUBackend:
         hb = packing.HEADER_BYTES
         scaler_bytes = [bytes(raw[o + hb:o + hb + 4 * nb]) for o in offsets]
         scalers = torch.frombuffer(bytearray(b"".join(scaler_bytes)), dtype=torch.float32).view(len(offsets), nb)
+        if magnitude:
+            scalers = scalers * scalers      # fp32 squares, as the estimate's definition squares them
         base = gathered.data_ptr()
         k = len(offsets)
         pp = (ctypes.c_void_p * k)(*[base + o + hb + 4 * nb for o in offsets])
         if all(torch.equal(scalers[i], scalers[0]) for i in range(1, k)):
             self.lib.tg_decode_shared(pp, _ptr(scalers[0]), k, n, FORMATS[h0.fmt], h0.bucket_size,
-                                      float(divisor), _ptr(out), self._threads())
+                                      float(divisor), int(magnitude), _ptr(out), self._threads())
         else:
             sp = (ctypes.c_void_p * k)(*[_ptr(scalers[i]) for i in range(k)])
             self.lib.tg_decode_average(pp, sp, k, n, FORMATS[h0.fmt], h0.bucket_size, float(divisor),
-                                       _ptr(out), self._threads())
+                                       int(magnitude), _ptr(out), self._threads())
         return out
 
     # -- SHARDED_SUMS capability --------------------------------------------------------------------------

@@ -152,7 +152,12 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
 
     How: each payload is copied with its scalers squared and its codes mapped to |t| (2-bit: two bit operations on
     the packed bytes in place; base-3: a 256-entry table), and the backend's own decode (fused C, CUDA or the reference) averages those with divisor^2:
-    one more decode of the member, no host synchronization, the same bits on every backend."""
+    one more decode of the member, no host synchronization, the same bits on every backend.  A backend with
+    the ``NOISE_DECODE`` capability (the fused CPU one) does the same in its decode's own pass over the
+    gathered payloads, without the copies."""
+    backend = backends.for_device(buf.device)
+    if backends.has_capability(backend, backends.NOISE_DECODE):
+        return backend.decode_noise(buf, headers, offsets, divisor)
     parts, moved, at = [], [], 0
     lut = None if headers[0].fmt == "2bit" else _abs_codes(headers[0].fmt, buf.device)
     for h, o in zip(headers, offsets):
@@ -170,7 +175,7 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
         moved.append(at)
         at += h.total_bytes
     both = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return backends.for_device(buf.device).decode(both, headers, moved, float(divisor) ** 2)
+    return backend.decode(both, headers, moved, float(divisor) ** 2)
 
 
 _ABS_CODES: dict = {}

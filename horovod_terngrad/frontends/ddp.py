@@ -67,6 +67,7 @@ import threading
 import warnings
 import weakref
 import zlib
+from time import perf_counter as _clock
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,7 @@ class TernGradState:
 
     __slots__ = ("config", "names", "process_group", "collectives", "state", "enabled", "asynchronous",
                  "dedicated_group", "last_error", "_named", "_ready", "_setup_error", "_model", "_lock",
-                 "_handoff", "_queue", "_worker", "_inflight", "_warned_nonfinite", "__weakref__")
+                 "_handoff", "_queue", "_worker", "_inflight", "_warned_nonfinite", "trace", "__weakref__")
 
     def __init__(self, named_parameters=None, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
@@ -196,6 +197,11 @@ class TernGradState:
         self._worker = None
         self._inflight = None
         self._warned_nonfinite = set()      # full-precision tensors zeroed by on_nonfinite='zero' and warned about
+        # A list to profile into (examples/ddp_benchmark.py --profile), None (the default) for nothing: spans
+        # (what, bucket index, perf_counter at begin, at end, engine's codec_s and gather_wait_s inside):
+        # "hook" when DDP hands a bucket over (backward has computed it), "start" the worker's encode and
+        # launch, "finish" its wait, decode and write-back, "copy" the write-back's copies alone.
+        self.trace = None
 
     def _bind(self, named_parameters) -> None:
         if isinstance(named_parameters, torch.nn.Module):
@@ -344,6 +350,9 @@ class TernGradState:
     def submit(self, bucket) -> torch.futures.Future:
         """Exchange one bucket; the future's value is the bucket's buffer holding the averages."""
         job = _Job(bucket)
+        if self.trace is not None:
+            now = _clock()
+            self.trace.append(("hook", job.index, now, now, 0.0, 0.0))
         try:
             self._ensure_ready()
         except Exception as e:  # noqa: BLE001 - reported through the bucket's future, on every rank alike
@@ -385,13 +394,22 @@ class TernGradState:
         """Start the bucket, finish the previous one, and finish this one too if it is the last of the
         iteration (``bucket.is_last()``; and always when synchronous).  A pure function of the buckets DDP
         hands in, so every rank issues the same collectives in the same order."""
-        self._start(job)
+        self._timed("start", job, self._start)
         previous, self._inflight = self._inflight, job
         if previous is not None:
-            self._finish(previous)
+            self._timed("finish", previous, self._finish)
         if job.last or not self.asynchronous:
             self._inflight = None
-            self._finish(job)
+            self._timed("finish", job, self._finish)
+
+    def _timed(self, what: str, job: _Job, work) -> None:
+        if self.trace is None:
+            return work(job)
+        stats, t0 = self.state.stats, _clock()
+        codec0, wait0 = stats.codec_s, stats.gather_wait_s + stats.handshake_wait_s
+        work(job)
+        self.trace.append((what, job.index, t0, _clock(), stats.codec_s - codec0,
+                           stats.gather_wait_s + stats.handshake_wait_s - wait0))
 
     def _start(self, job: _Job) -> None:
         """Start the bucket's exchanges: the uncompressed allreduce, then the compressed groups."""
@@ -434,19 +452,24 @@ class TernGradState:
     def _finish(self, job: _Job) -> None:
         """Wait for the bucket's exchanges, write the averages into its buffer and complete its future.
         Every ticket is finished even after an error, so every rank leaves the engine in the same state."""
-        N = self.collectives.size
+        N, began, copy_s = self.collectives.size, _clock(), 0.0
         for name, g, tk in job.tickets:
             try:
                 out = tk.engine.finish(tk)
                 if out.data_ptr() != g.data_ptr() or out.dtype != g.dtype:
+                    t0 = _clock()
                     g.copy_(out.view(g.shape))
+                    copy_s += _clock() - t0
                 if tk.noise is not None:
                     precision.attach_noise(job.noisy[name], tk.noise.view(g.shape), out)
             except Exception as e:  # noqa: BLE001 - the first error goes to the future
                 job.error = job.error or e
         if job.plain_handle is not None:
             try:
+                t0 = _clock()
                 summed = self.collectives.synchronize(job.plain_handle).div_(N)
+                if self.trace is not None:
+                    self.trace.append(("plain", job.index, t0, _clock(), 0.0, 0.0))
                 off = 0
                 for name, g in job.plain:
                     part = summed[off:off + g.numel()]
@@ -459,6 +482,8 @@ class TernGradState:
                     g.copy_(part.view(g.shape))
             except Exception as e:  # noqa: BLE001
                 job.error = job.error or e
+        if self.trace is not None and copy_s:
+            self.trace.append(("copy", job.index, began, began + copy_s, 0.0, 0.0))
         job.tickets = job.plain = []
         if job.error is not None:
             self.last_error = job.error

@@ -115,7 +115,27 @@ def mlp(layers: int = 4, width: int = 2500) -> nn.Module:
     return nn.Sequential(*mods)
 
 
-MODELS = ("mlp", "resnet50", "transformer", "tiny")
+class GPT2Logits(nn.Module):
+    """A ``transformers`` GPT2LMHeadModel (tied embeddings and head, dropout off) returning its logits, so a
+    benchmark step is ``model(x).square().mean().backward()`` as for the other models.  Issue 35's DDP
+    workload: 6 layers x 512, vocabulary 16384, context 64 (27.3M parameters in 76 tensors)."""
+
+    def __init__(self, layers: int = 6, d: int = 512, heads: int = 8, vocab: int = 16384, context: int = 64):
+        super().__init__()
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError as e:
+            raise ImportError("model 'gpt2' needs the transformers package (pip install transformers)") from e
+        cfg = GPT2Config(n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=context,
+                         bos_token_id=0, eos_token_id=0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.lm = GPT2LMHeadModel(cfg)
+
+    def forward(self, idx):
+        return self.lm(idx).logits
+
+
+MODELS = ("mlp", "resnet50", "transformer", "tiny", "gpt2")
 
 
 def make(name: str, batch: int, seed: int = 0, image: int = 64, layers: int = 4, width: int = 2500,
@@ -130,6 +150,9 @@ def make(name: str, batch: int, seed: int = 0, image: int = 64, layers: int = 4,
         return model, torch.randint(0, model.tok.num_embeddings, (batch, context), generator=gen)
     if name == "tiny":
         return TinyTensors(count), torch.randn(batch, 64, generator=gen)
+    if name == "gpt2":
+        model = GPT2Logits(context=context)
+        return model, torch.randint(0, model.lm.config.vocab_size, (batch, context), generator=gen)
     if name == "mlp":
         return mlp(layers, width), torch.randn(batch, width, generator=gen)
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
