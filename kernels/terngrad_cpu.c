@@ -283,6 +283,70 @@ void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int np
     }
 }
 
+/* One scaler per payload: each payload's byte -> its codes' products val[c]·s through a table built once per
+ * payload (256 x 8 floats: the same fp32 products the general loop forms element by element), so a byte costs
+ * one table row instead of per-code lookups and multiplies.  The sums keep the general loop's order:
+ * acc = 0 + x_0, acc += x_p, then / divisor.  Returns -1 (nothing written) when the table cannot be allocated. */
+static int decode_average_layerwise(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
+                                    int fmt, float divisor, const float *val, float *out, int nthreads) {
+    const int per = fmt == 1 ? 4 : 5;
+    float *lut = (float *)malloc(sizeof(float) * 8 * 256 * (size_t)(npay > 0 ? npay : 1));
+    if (!lut) return -1;
+    for (int p = 0; p < npay; p++) {
+        const float s = scalers[p][0];
+        for (unsigned x = 0; x < 256; x++) {
+            float *row = lut + ((size_t)p * 256 + x) * 8;
+            unsigned y = x;
+            for (int q = 0; q < 8; q++) row[q] = 0.0f;
+            for (int q = 0; q < per; q++) {
+                unsigned c = fmt == 1 ? (x >> (2 * q)) & 3 : y % 3;   /* as the general loop reads bytes */
+                y /= 3;
+                row[q] = val[c] * s;
+            }
+        }
+    }
+    int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        float acc[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
+        int64_t nbytes = (cnt + per - 1) / per;
+        for (int p = 0; p < npay; p++) {
+            const uint8_t *src = packed[p] + lo / per;
+            const float *table = lut + (size_t)p * 256 * 8;
+            if (fmt == 1) {
+                if (p == 0) {
+                    for (int64_t b = 0; b < nbytes; b++) {
+                        const float *r = table + 8 * src[b];
+                        for (int q = 0; q < 4; q++) acc[4 * b + q] = 0.0f + r[q];
+                    }
+                } else {
+                    for (int64_t b = 0; b < nbytes; b++) {
+                        const float *r = table + 8 * src[b];
+                        for (int q = 0; q < 4; q++) acc[4 * b + q] += r[q];
+                    }
+                }
+            } else {
+                if (p == 0) {
+                    for (int64_t b = 0; b < nbytes; b++) {
+                        const float *r = table + 8 * src[b];
+                        for (int q = 0; q < 5; q++) acc[5 * b + q] = 0.0f + r[q];
+                    }
+                } else {
+                    for (int64_t b = 0; b < nbytes; b++) {
+                        const float *r = table + 8 * src[b];
+                        for (int q = 0; q < 5; q++) acc[5 * b + q] += r[q];
+                    }
+                }
+            }
+        }
+        for (int64_t j = 0; j < cnt; j++) out[lo + j] = acc[j] / divisor;
+    }
+    free(lut);
+    return 0;
+}
+
 /* Scalers differ between payloads: out[i] = (sum_p v_p[i] * s_p[i]) / divisor, fp32, in payload order. */
 void tg_decode_average(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
                        int fmt, int64_t bucket, float divisor, int magnitude, float *out, int nthreads) {
@@ -291,6 +355,8 @@ void tg_decode_average(const uint8_t *const *packed, const float *const *scalers
     const float *val = magnitude ? abs_val : signed_val;
     const int per = fmt == 1 ? 4 : 5;
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+    if (bucket <= 0 && decode_average_layerwise(packed, scalers, npay, n, fmt, divisor, val, out, nthreads) == 0)
+        return;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t ch = 0; ch < nchunks; ch++) {
         float acc[TG_CHUNK];
