@@ -71,9 +71,11 @@ class ShardedSumsBackend(Backend, Protocol):
 class NoiseDecodeBackend(Backend, Protocol):
     """A backend with the ``NOISE_DECODE`` capability."""
 
-    def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """Σ over the payloads at ``offsets`` of scaler^2·|code|, divided by ``divisor``^2, bit for bit what
-        ``decode`` gives for copies of the payloads with squared scalers and codes mapped to |t|: fp32 [numel]."""
+        ``decode`` gives for copies of the payloads with squared scalers and codes mapped to |t|: fp32 [numel],
+        written into ``out`` when given."""
         ...
 
 

@@ -144,10 +144,11 @@ class FusedCPUBackend:
         return self._decode(gathered, headers, offsets, divisor, out, magnitude=False)
 
     # -- NOISE_DECODE capability --------------------------------------------------------------------------
-    def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+    def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """``NoiseDecodeBackend.decode_noise``: the decode's own pass with squared scalers and codes read as
         |t|, straight from the gathered payloads (no copies of them)."""
-        return self._decode(gathered, headers, offsets, float(divisor) ** 2, None, magnitude=True)
+        return self._decode(gathered, headers, offsets, float(divisor) ** 2, out, magnitude=True)
 
     def _decode(self, gathered, headers, offsets, divisor, out, magnitude: bool) -> torch.Tensor:
         h0 = headers[0]

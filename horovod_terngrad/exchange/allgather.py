@@ -101,7 +101,7 @@ def receive(ex, tk) -> torch.Tensor | None:
     out = backends.for_device(buf.device).decode(buf, headers, offsets, len(headers) if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)
     if tk.want_noise:
-        tk.noise = noise_estimate(buf, headers, offsets, len(headers) if tk.average else 1)
+        tk.noise = noise_estimate(buf, headers, offsets, len(headers) if tk.average else 1, out=ex.noise_buffer(tk))
     ex.stats.codec_s += time.perf_counter() - t0
     return out
 
@@ -134,7 +134,8 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
                             "Exchange.layout_known does not read them")
     out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
     if tk.want_noise:
-        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1).masked_fill_(bad, 0.0)
+        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1,
+                                  out=ex.noise_buffer(tk)).masked_fill_(bad, 0.0)
     if buf.device.type == "cpu" and bool(bad):
         if cfg.on_nonfinite == "propagate":
             ex.stats.nonfinite_propagated += 1
@@ -144,7 +145,8 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: float) -> torch.Tensor:
+def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Per element, (1/divisor^2)·Σ_r (s_r·t_r)^2 = (1/divisor^2)·Σ_r s_r^2·|t_r| from every rank's payload: an
     unbiased estimate of (1/N^2)·Σ_r s_r·|g_r|, which bounds the variance the ternary rounding adds to the average
     (it exceeds it by (1/N^2)·Σ_r g_r^2).  horovod_terngrad.optim subtracts its running mean from Adam's second
@@ -157,7 +159,7 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
     gathered payloads, without the copies."""
     backend = backends.for_device(buf.device)
     if backends.has_capability(backend, backends.NOISE_DECODE):
-        return backend.decode_noise(buf, headers, offsets, divisor)
+        return backend.decode_noise(buf, headers, offsets, divisor, out=out)
     parts, moved, at = [], [], 0
     lut = None if headers[0].fmt == "2bit" else _abs_codes(headers[0].fmt, buf.device)
     for h, o in zip(headers, offsets):
@@ -175,7 +177,7 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
         moved.append(at)
         at += h.total_bytes
     both = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return backend.decode(both, headers, moved, float(divisor) ** 2)
+    return backend.decode(both, headers, moved, float(divisor) ** 2, out=out)
 
 
 _ABS_CODES: dict = {}
