@@ -202,3 +202,81 @@ def test_ranks_whose_shard_headers_disagree_at_equal_sizes_fail_at_finish_not_a_
     for msg, ok in res:
         assert msg is not None and "'fc.weight'" in msg and "disagree" in msg
         assert torch.equal(ok, res[0][1])
+
+
+FEEDBACK = [TernGradConfig(exchange="reternarized", owner_feedback=True),
+            TernGradConfig(exchange="reternarized", owner_feedback=True, packing="base3", bucket_size=30, seed=5)]
+
+
+@pytest.mark.parametrize("N", [2, 3, 4])
+@pytest.mark.parametrize("cfg", FEEDBACK, ids=["default", "base3-buckets"])
+def test_owner_feedback_carries_each_owners_residual_bit_for_bit(N, cfg):
+    """owner_feedback: over 4 exchanges every rank gets the reference that ternarizes a + e at the owner and
+    keeps e = x - s'·t'; the results differ from the exchange without feedback from the second step on."""
+    shapes = [(20, 50), (1000,), (7,)]
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        plain = Exchange(c, cfg.replace(owner_feedback=False))
+        outs, without = [], []
+        for step in range(4):
+            items = [(grad(s, c.rank, i + 10 * step), f"w{i}") for i, s in enumerate(shapes)]
+            outs.append([ex.finish(t) for t in ex.start_group(items, "g")])
+            without.append([plain.finish(t) for t in plain.start_group(items, "g")])
+        return outs, without
+
+    res = run_ranks(N, body)
+    residuals = {i: {} for i in range(len(shapes))}
+    for step in range(4):
+        for i, s in enumerate(shapes):
+            want = expected_reternarized([grad(s, r, i + 10 * step) for r in range(N)], f"w{i}", step, cfg,
+                                         residuals=residuals[i])
+            for r in range(N):
+                assert torch.equal(res[r][0][step][i], want), (step, i, r)
+            if step == 0:
+                assert torch.equal(res[0][1][step][i], want)        # no residual yet: the same draw
+    assert any(not torch.equal(res[0][0][3][i], res[0][1][3][i]) for i in range(len(shapes)))
+
+
+def test_owner_feedback_resumes_from_state_dict_exactly_and_keeps_the_residual_through_a_nan_step():
+    """The residuals travel in CompressorState.state_dict(): a run stopped after 2 exchanges and resumed in new
+    engines gives the uninterrupted run's next results bit for bit.  A step where a rank sends NaN (propagate)
+    leaves every residual as it was: the step after it equals the reference that skipped it."""
+    from horovod_terngrad.frontends.state import CompressorState
+    N, cfg = 3, FEEDBACK[0]
+
+    def g(rank, step):
+        return grad((300,), rank, 50 + step)
+
+    def body(c):
+        state = CompressorState()
+        ex = state.engine(None, cfg, lambda _: c)
+        outs = [ex.finish(ex.start(g(c.rank, s), "w")) for s in range(2)]
+        saved = state.state_dict()
+        resumed = CompressorState()
+        resumed.load_state_dict(saved)
+        ex2 = resumed.engine(None, cfg, lambda _: c)
+        outs += [ex2.finish(ex2.start(g(c.rank, s), "w")) for s in range(2, 4)]
+        bad = g(c.rank, 4)
+        if c.rank == 1:
+            bad[5] = float("nan")
+        nan_out = ex2.finish(ex2.start(bad, "w"))
+        outs.append(ex2.finish(ex2.start(g(c.rank, 5), "w")))
+        return outs, nan_out, "owner_errors" in saved
+
+    res = run_ranks(N, body)
+    residuals = {}
+    for k, step in enumerate([0, 1, 2, 3, 5]):
+        want = expected_reternarized([g(r, step) for r in range(N)], "w", step, cfg, residuals=residuals)
+        for r in range(N):
+            assert torch.equal(res[r][0][k], want), (step, r)
+    for r in range(N):
+        assert torch.isnan(res[r][1]).all() and res[r][2]
+
+
+def test_owner_feedback_is_a_checked_setting_and_refused_by_the_fsdp_frontend():
+    with pytest.raises(ValueError, match="owner_feedback"):
+        TernGradConfig(exchange="reternarized", owner_feedback="yes")
+    from horovod_terngrad.frontends.fsdp import TernGradFSDPState
+    with pytest.raises(ValueError, match="owner_feedback"):
+        TernGradFSDPState(exchange="reternarized", owner_feedback=True)

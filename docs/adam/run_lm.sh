@@ -2,7 +2,7 @@
 # One run of examples/transformers_lm.py for the Adam study (docs/adam.md), --recipe nanogpt, GPT-2 4 x 128,
 # 1000 steps, one thread per rank:
 #   docs/adam/run_lm.sh TAG SEED [transformers_lm.py arguments...]
-# FRONTEND=ddp (default: torchrun, 2 gloo ranks) | fsdp (torchrun, 4 ranks, mesh (2, 2), 8 sequences per rank:
+# FRONTEND=ddp (default: torchrun, NPROC gloo ranks, default 2) | fsdp (torchrun, 4 ranks, mesh (2, 2), 8 sequences per rank:
 # the same 32 per step) | horovod (horovodrun --gloo, 2 ranks).
 # Writes docs/adam/runs/TAG.s<SEED>.json and .log; skips a run whose JSON exists.
 set -euo pipefail
@@ -14,7 +14,7 @@ frontend=${FRONTEND:-ddp}
 common=(examples/transformers_lm.py --frontend "$frontend" --recipe nanogpt --n-layer 4 --steps 1000
         --log-every 100 --seed "$seed" --json "$out.json")
 case "$frontend" in
-  ddp) cmd=(.venv/bin/torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 1000)) "${common[@]}") ;;
+  ddp) cmd=(.venv/bin/torchrun --nproc_per_node "${NPROC:-2}" --master_port $((29500 + RANDOM % 1000)) "${common[@]}") ;;
   fsdp) cmd=(.venv/bin/torchrun --nproc_per_node 4 --master_port $((29500 + RANDOM % 1000)) "${common[@]}"
              --replicas 2 --batch-size 8) ;;
   horovod) cmd=(.venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python "${common[@]}") ;;
