@@ -489,3 +489,53 @@ def test_node_aware_schedule_beats_flat_on_a_slow_link_and_auto_follows_hierarch
     assert "terngrad.h.a2a.0" in t.issued and t.local_rank in range(4)
     flat = timeline_step(sizes, 0.1, 8, eth, "terngrad_allgather", hierarchical=False)
     assert 0.1 < t.step_s < flat.step_s
+
+
+def test_world_negotiation_is_half_a_cycle_plus_a_tree_over_the_world():
+    from horovod_terngrad.modelling.timeline import HOROVOD_CYCLE_TIME_S, negotiation_s
+    net = pm.CLUSTERS["infiniband"].network
+    assert negotiation_s(1, net) == 0.0
+    assert negotiation_s(512, net) == pytest.approx(HOROVOD_CYCLE_TIME_S / 2 + 2 * 9 * net.link_for(512).latency_s)
+    waits = [negotiation_s(n, net) for n in (2, 8, 64, 512)]
+    assert waits == sorted(waits) and waits[0] < waits[-1]
+
+
+def test_scheduled_scaling_is_timeline_step_with_the_negotiation_wait():
+    from horovod_terngrad.modelling.timeline import negotiation_s, scheduled_scaling
+    model, cluster = pm.MODELS["alexnet"], pm.CLUSTERS["infiniband"]
+    c = model.compute_s[cluster.gpu]
+    with_wait = scheduled_scaling(model, cluster, [64], methods=(pm.FP16, pm.TERNGRAD_RETERNARIZED))[0]
+    without = scheduled_scaling(model, cluster, [64], methods=(pm.FP16, pm.TERNGRAD_RETERNARIZED),
+                                negotiation=False)[0]
+    for m, t in with_wait.items():
+        want = timeline_step(model.sizes, c, 64, cluster.network, m, cycle_s=negotiation_s(64, cluster.network),
+                             names=[n for n, _ in model.tensors])
+        assert t.step_s == want.step_s and t.compute_s == c
+        assert c <= without[m].step_s < t.step_s      # every collective waits for the cycle: the step grows
+
+
+def test_scheduled_hsdp_charges_the_additive_models_busy_times_and_overlaps_them():
+    """The scheduled HSDP step keeps the additive model's link busy times (same bytes and latencies) and is never
+    longer than their sum with compute; on one node there is no cross-node time."""
+    model = pm.GPTConfig("tiny GPT", 2, 256, 1000, 128)
+    for key in ("ethernet", "infiniband"):
+        net = pm.CLUSTERS[key].network
+        for method in (pm.HSDP_BF16, pm.HSDP_TERNGRAD, pm.HSDP_TERNGRAD_RETERNARIZED):
+            for N in (4, 16):
+                s = pm.scheduled_hsdp_step(model, N, net, method, compute_s=0.05)
+                a = pm.predict_hsdp_step(model, N, net, method, compute_s=0.05)
+                assert s.intra_s == pytest.approx(a.intra_s) and s.cross_s == pytest.approx(a.cross_s)
+                assert max(s.compute_s, s.cross_s) <= s.step_s <= a.step_s + 1e-12
+                assert s.limit_s == pytest.approx(a.limit_s)
+                if N == 4:
+                    assert s.cross_s == 0.0
+
+
+def test_the_command_line_prints_the_scheduled_tables(capsys):
+    from horovod_terngrad.modelling import cli
+    assert cli.main(["--model", "alexnet", "--cluster", "infiniband", "--max-workers", "8", "--scheduled"]) == 0
+    out = capsys.readouterr().out
+    assert "scheduled step model" in out and "| 8 | 0.530 |" in out and "terngrad_reternarized" in out
+    assert cli.main(["hsdp", "--cluster", "ethernet", "--workers", "8", "--scheduled", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| 8 | 2 |" in out and "TG-rt / limit" in out

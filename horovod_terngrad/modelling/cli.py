@@ -12,7 +12,7 @@ from ..config import TernGradConfig
 from .perfmodel import (ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, Cluster, GPT_MODELS, HOROVOD_FUSION_BYTES,
                         HSDP_WORKERS, METHODS, MODELS, TERNGRAD_FUSION_NUMEL, TERNGRAD_RETERNARIZED, Network,
                         format_hsdp_table,
-                        format_table, predict_hsdp, predict_scaling, worker_counts)
+                        format_table, predict_hsdp, predict_scaling, scheduled_hsdp, worker_counts)
 
 
 def hsdp_main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +34,10 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--codec-gelems", type=float, default=None,
                    help="codec rate in 10^9 elements/s (default: codec not modelled)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
+    p.add_argument("--scheduled", action="store_true",
+                   help="the scheduled step model (perfmodel.scheduled_hsdp_step: FSDP2's all-gathers, "
+                        "reduce-scatters and cross-node exchanges overlapping compute unit by unit) instead of "
+                        "the additive one")
     a = p.parse_args(argv)
     workers = [int(w) for w in a.workers.split(",") if w.strip()]
     cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel)
@@ -43,12 +47,30 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
         cl = replace(cl, network=cl.network.with_allreduce(a.allreduce))
         if any(w % cl.network.ranks_per_node for w in workers):
             p.error(f"--workers must be multiples of {cl.network.ranks_per_node}")
-        rows = predict_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
-                            overlap=a.overlap, config=cfg,
-                            codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
+        if a.scheduled:
+            rows = scheduled_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
+                                  config=cfg)
+        else:
+            rows = predict_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
+                                overlap=a.overlap, config=cfg,
+                                codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
         print(format_hsdp_table(GPT_MODELS[a.model], cl, rows, markdown=a.markdown))
         print()
     return 0
+
+
+def format_scheduled(model, cluster: Cluster, workers, rows, negotiation) -> str:
+    """Markdown: per N, the negotiation wait per collective and each method's step and fraction of linear
+    scaling (compute alone / step) from the scheduled step model."""
+    methods = list(rows[0])
+    head = ["GPUs", "negotiation per collective, ms"] + [f"{m} ms (of linear)" for m in methods]
+    lines = [f"{model.name} on {cluster.name} ({cluster.network.name}), scheduled step model, world-group "
+             "negotiation", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for N, row in zip(workers, rows):
+        cells = [str(N), f"{1e3 * negotiation(N, cluster.network):.3f}"]
+        cells += [f"{1e3 * t.step_s:.1f} ({t.compute_s / t.step_s:.3f})" for t in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
     p.add_argument("--codec-gelems", type=float, default=None,
                    help="codec rate in 10^9 elements/s (default: codec not modelled)")
+    p.add_argument("--scheduled", action="store_true",
+                   help="the scheduled step model (timeline.scheduled_scaling: collectives overlapping backward, "
+                        "Horovod's fusion rounds, world-group negotiation per collective) instead of the "
+                        "additive one; prints the fraction of linear scaling per method")
     p.add_argument("--png", help="write a Fig.-5-like figure here")
     p.add_argument("--exchanges-png", help="write exchange time and bits vs N for one 25M-element tensor on "
                                            "the (first) cluster's inter-node link, one rank per NIC, here")
@@ -122,6 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                   codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
     compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
     workers = worker_counts(a.max_workers)
+    if a.scheduled:
+        from .timeline import negotiation_s, scheduled_scaling
+        for mkey in model_keys:
+            for ckey, cluster in clusters.items():
+                rows = scheduled_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, packing=a.packing,
+                                         fusion_bytes=kwargs["fusion_bytes"], fusion_numel=a.fusion_numel,
+                                         hierarchical=hierarchical)
+                print(format_scheduled(MODELS[mkey], cluster, workers, rows, negotiation_s))
+                print()
+        return 0
     results = {}
     for mkey in model_keys:
         results[mkey] = {}

@@ -1094,6 +1094,90 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
                     sum(u.padded for u in units), sequences * model.context, limit_s=limit)
 
 
+def scheduled_hsdp_step(model: GPTConfig, workers: int, network: Network, method: str = HSDP_TERNGRAD, *,
+                        compute_s: float, sequences: int = 1, backward_fraction: float = 2 / 3,
+                        config: TernGradConfig | None = None) -> HSDPStep:
+    """One HSDP step scheduled unit by unit, as FSDP2 runs it on a GPU, with three resources: the compute
+    stream, the intra-node link (FSDP's parameter all-gathers and gradient reduce-scatters, one at a time in
+    the order they are issued) and the cross-node link (the replicas' all-reduce of each unit's shard: native
+    HSDP's, or TernGrad's exchange through the all-reduce hook, which runs on FSDP's all-reduce stream).
+
+    Forward, units in order: unit k's all-gather is issued at once (FSDP prefetches; the link takes them one
+    after another) and its compute (its share of the forward time, by its parameters) starts when that
+    all-gather is done and unit k-1 has computed.  Backward, units in reverse: a unit other than the root
+    gathers its parameters again (issued when the unit after it starts its backward: one unit of prefetch),
+    computes its backward share, then its reduce-scatter is issued, then its cross-node exchange (the cost
+    ``hsdp_cross_cost`` charges for that unit alone).  The step ends when the compute and the last exchange
+    are done (the optimizer and the codec, free on a GPU in these tables, are not charged).  The slowest local
+    rank's schedule is returned; ``intra_s`` / ``cross_s`` are the links' busy times, ``limit_s`` as in
+    ``predict_hsdp_step``.  What ``predict_hsdp_step`` adds up (overlap 0) this lets overlap where FSDP2 does;
+    both charge the same bytes and latencies."""
+    if not 0.0 <= backward_fraction <= 1.0:
+        raise ValueError("backward_fraction must be in [0, 1]")
+    G = max(1, int(network.ranks_per_node))
+    N = int(workers)
+    if N < G or N % G:
+        raise ValueError(f"workers must be a multiple of the {G} GPUs of a node, got {N}")
+    R = N // G
+    cfg = config or TernGradConfig()
+    cross = cross_network(network, G)
+    intra = network.intra_node or network
+    reduce_bytes = 2 if method == HSDP_BF16 else 4
+    worst = None
+    for j in range(G):
+        units = hsdp_unit_shards(model, G, j, cfg)
+        total = sum(u.padded for u in units) or 1
+        gather = [ring_allgather_time(4 * u.padded, G, intra) if G > 1 else 0.0 for u in units]
+        scatter = [ring_allreduce_time(reduce_bytes * u.padded * G, G, intra) / 2 if G > 1 else 0.0 for u in units]
+        across = [hsdp_cross_cost(method, [u], R, cross, cfg).time_s if R > 1 else 0.0 for u in units]
+        fwd = [compute_s * (1 - backward_fraction) * u.padded / total for u in units]
+        bwd = [compute_s * backward_fraction * u.padded / total for u in units]
+        link_free = cross_free = t = 0.0
+        for k in range(len(units)):                       # forward
+            link_free = link_free + gather[k]             # prefetched back to back from the step's start
+            t = max(t, link_free) + fwd[k]
+        order = list(range(len(units)))[::-1]
+        ready = {}
+        if not units[order[0]].root:
+            link_free = max(link_free, t) + gather[order[0]]
+            ready[order[0]] = link_free
+        for i, k in enumerate(order):                     # backward
+            if i + 1 < len(order) and not units[order[i + 1]].root:     # prefetch the next unit's parameters
+                link_free = max(link_free, t) + gather[order[i + 1]]
+                ready[order[i + 1]] = link_free
+            t = max(t, ready.get(k, 0.0)) + bwd[k]
+            link_free = max(link_free, t) + scatter[k]
+            cross_free = max(cross_free, link_free) + across[k]
+        step = max(t, link_free, cross_free)
+        busy_intra = sum(gather) + sum(g for u, g in zip(units, gather) if not u.root) + sum(scatter)
+        if worst is None or step > worst[0]:
+            worst = (step, units, busy_intra, sum(across))
+    step, units, busy_intra, busy_cross = worst
+    payload = (sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
+               if method in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED) else 0)
+    intra_sum = hsdp_intra_s(units, G, network, reduce_bytes)
+    limit = compute_s + intra_sum + (payload / cross.bandwidth_Bps if R > 1 else 0.0)
+    bytes_received = sum(hsdp_cross_cost(method, [u], R, cross, cfg).bytes_received for u in units) if R > 1 else 0.0
+    return HSDPStep(method, N, G, compute_s, busy_intra, busy_cross, 0.0, step, bytes_received, payload,
+                    sum(u.padded for u in units), sequences * model.context, limit_s=limit)
+
+
+def scheduled_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HSDP_WORKERS,
+                   methods: Sequence[str] = HSDP_METHODS, sequences: int = 1, compute_s: float | None = None,
+                   **kwargs) -> list[dict[str, HSDPStep]]:
+    """``predict_hsdp``'s rows from :func:`scheduled_hsdp_step` (``speedup_vs_bf16`` against the scheduled
+    bf16 step)."""
+    c = hsdp_compute_s(model, cluster.gpu, sequences) if compute_s is None else compute_s
+    rows = []
+    for N in workers:
+        steps = {m: scheduled_hsdp_step(model, N, cluster.network, m, compute_s=c, sequences=sequences, **kwargs)
+                 for m in methods}
+        base = steps.get(HSDP_BF16) or scheduled_hsdp_step(model, N, cluster.network, HSDP_BF16, compute_s=c,
+                                                           sequences=sequences, **kwargs)
+        rows.append({m: replace(p, speedup_vs_bf16=base.step_s / p.step_s) for m, p in steps.items()})
+    return rows
+
+
 def predict_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HSDP_WORKERS,
                  methods: Sequence[str] = HSDP_METHODS, sequences: int = 1, compute_s: float | None = None,
                  **kwargs) -> list[dict[str, HSDPStep]]:

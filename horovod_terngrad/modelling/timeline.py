@@ -91,6 +91,7 @@ with node-aware groups).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -604,4 +605,38 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     return max((schedule(j) for j in ranks), key=lambda t: t.step_s)    # ties: the lowest local rank
 
 
-__all__ = ["CodecRates", "TERNGRAD_METHODS", "Timeline", "measure_codec_rates", "method_of", "timeline_step"]
+HOROVOD_CYCLE_TIME_S = 1e-3     #: Horovod 0.28's default HOROVOD_CYCLE_TIME: its background loop's period
+
+
+def negotiation_s(workers: int, network: pm.Network, cycle_time_s: float = HOROVOD_CYCLE_TIME_S) -> float:
+    """The ``cycle_s`` of :func:`timeline_step` for Horovod's default, world-group negotiation: how long a
+    collective waits between its submission and its start.  Horovod's background loop runs a cycle every
+    ``cycle_time_s``; a collective submitted during one waits for the next (half a cycle on average), whose
+    coordination then agrees over the whole world on what is ready: with the response cache hit (every step
+    after the first), one allreduce of the ranks' bit vectors, a tree of 2·ceil(log2 N) latencies.  0 for one
+    worker."""
+    N = int(workers)
+    if N <= 1:
+        return 0.0
+    return cycle_time_s / 2 + 2 * math.ceil(math.log2(N)) * network.link_for(N).latency_s
+
+
+def scheduled_scaling(model: pm.ModelSpec, cluster: pm.Cluster, workers: Sequence[int] = None,
+                      methods: Sequence[str] = (pm.FP32, pm.FP16, pm.TERNGRAD_BEST, pm.TERNGRAD_RETERNARIZED),
+                      negotiation: bool = True, compute_s: float | None = None, **kwargs) -> list[dict[str, Timeline]]:
+    """Weak scaling from the scheduled step model: for each N, {method: Timeline} of one worker's step with
+    the paper's batch per GPU, each collective waiting :func:`negotiation_s` (``negotiation=False``: none).
+    The fraction of linear scaling is ``compute_s / step_s``.  ``kwargs`` go to :func:`timeline_step` (the
+    codec is free unless ``codec=`` rates are given, as in the Fig.-5 tables)."""
+    workers = list(workers) if workers is not None else pm.worker_counts()
+    c = model.compute_s[cluster.gpu] if compute_s is None else compute_s
+    rows = []
+    for N in workers:
+        cyc = negotiation_s(N, cluster.network) if negotiation else 0.0
+        rows.append({m: timeline_step(list(model.sizes), c, N, cluster.network, m, cycle_s=cyc,
+                                      names=[n for n, _ in model.tensors], **kwargs) for m in methods})
+    return rows
+
+
+__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "TERNGRAD_METHODS", "Timeline", "measure_codec_rates", "method_of",
+           "negotiation_s", "scheduled_scaling", "timeline_step"]
