@@ -21,7 +21,8 @@ import threading
 from .base import NOISE_DECODE, SHARDED_SUMS, Backend, NoiseDecodeBackend, ShardedSumsBackend, has_capability
 from .reference import ReferenceBackend
 
-__all__ = ["Backend", "ShardedSumsBackend", "SHARDED_SUMS", "NoiseDecodeBackend", "NOISE_DECODE", "has_capability", "REFERENCE", "for_device",
+__all__ = ["Backend", "ShardedSumsBackend", "SHARDED_SUMS", "NoiseDecodeBackend", "NOISE_DECODE",
+           "has_capability", "REFERENCE", "for_device",
            "cpu_fused", "cuda_kernels"]
 
 log = logging.getLogger("horovod_terngrad")
