@@ -4,8 +4,6 @@ sharded exchanges and fp32, and the bits per element each moves.
 
     python examples/study_exchanges.py --iterations 2000 --workers 8,64 --out docs/study/exchanges
 
-``--exchanges`` takes allgather, sharded, reternarized and reternarized+feedback (owner_feedback=True).
-
 Setup of examples/study_lenet.py (the paper's Fig. 3: total batch 64, momentum SGD, lr 0.01 with polynomial
 decay); one seed per cell unless --seeds.  Writes <out>/exchanges.json and <out>/exchanges.md.
 """
@@ -34,7 +32,7 @@ def wire_bits(exchange: str, n: int, N: int) -> float:
     if exchange == "sharded":
         codes, sums = sizes.shard_code_bytes(n, N, "2bit"), sizes.shard_sum_bytes(n, N)
         return 8 * ((N - 1) * codes[0] + sum(sums) - sums[0]) / n
-    chunk = sizes.reternarized_chunk_bytes(n, N, "2bit")    # "reternarized" and "reternarized+feedback"
+    chunk = sizes.reternarized_chunk_bytes(n, N, "2bit")
     return 8 * 2 * (N - 1) * chunk[0] / n
 
 

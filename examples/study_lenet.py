@@ -37,10 +37,7 @@ def train(data, n_workers: int, compression: str, optimizer: str, iterations: in
     model = LeNet()
     hp = OPTIMIZERS[optimizer]
     opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=5e-4)
-    feedback = exchange.endswith("+feedback")     # "reternarized+feedback": owner_feedback=True
-    exchange = exchange.split("+")[0]
-    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical, exchange=exchange,
-                                                     owner_feedback=feedback),
+    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical, exchange=exchange),
                     compression=compression,
                     ranks_per_node=ranks_per_node)
     hierarchical = compression == "terngrad" and sim.topology.flat_reason() is None and hierarchical is not False
@@ -56,8 +53,7 @@ def train(data, n_workers: int, compression: str, optimizer: str, iterations: in
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     acc = evaluate(model, *data["test"])
     return {"workers": n_workers, "compression": compression, "optimizer": optimizer, "iterations": iterations,
-            "ranks_per_node": ranks_per_node, "hierarchical": bool(hierarchical),
-            "exchange": exchange + ("+feedback" if feedback else ""),
+            "ranks_per_node": ranks_per_node, "hierarchical": bool(hierarchical), "exchange": exchange,
             "test_acc": acc, "seconds": time.perf_counter() - t0,
             "bits_per_element": sim.stats.bits_per_element() if compression == "terngrad" else 32.0}
 
