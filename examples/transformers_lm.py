@@ -76,8 +76,6 @@ def parse_args(argv=None):
     p.add_argument("--bucket-size", type=int, default=0, help="TernGrad's bucket_size (0: one scaler per tensor)")
     p.add_argument("--exchange", choices=["allgather", "sharded", "reternarized", "auto"], default=None,
                    help="TernGrad's exchange (default: the frontend's)")
-    p.add_argument("--owner-feedback", action="store_true",
-                   help="re-ternarized exchange: the owners' error feedback (TernGradConfig.owner_feedback)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank and step (default 8)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -138,8 +136,6 @@ def terngrad_settings(args) -> dict:
         kw["min_numel"] = args.min_numel
     if getattr(args, "exchange", None) is not None:
         kw["exchange"] = args.exchange
-    if getattr(args, "owner_feedback", False):
-        kw["owner_feedback"] = True
     return kw
 
 

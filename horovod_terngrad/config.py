@@ -65,13 +65,6 @@ class TernGradConfig:
                    one handshake and one allgather (a tensor larger than this travels alone).  Fusing
                    never changes a result (each tensor keeps its scaler, stream and header); it saves
                    two collectives and their latency per small tensor.  0 disables fusion.
-    owner_feedback: the re-ternarized exchange's owners keep the error of their second rounding and add it to
-                   the next step's average of the shard before ternarizing it (1-bit Adam's server error
-                   feedback; exchange/reternarized.py).  Per step the result is then biased by the carried
-                   residual (E[out] = a + e), while the sum of the results over steps follows the sum of
-                   the averages to within one residual.  Costs one fp32 residual of each owned shard (1/N
-                   of the ternarized parameters per rank), saved in the compressor's ``state_dict()``.
-                   Not with the FSDP2 frontend (its state is one copy for all ranks).  Default off.
     hierarchical:  node-aware exchange (exchange/hierarchical.py): full-precision reduce-scatter inside a
                    node, TernGrad across nodes on each local rank's shard, allgather inside the node.
                    "auto" (default): where the topology allows it (>= 2 nodes with the same number >= 2
@@ -92,7 +85,6 @@ class TernGradConfig:
     exchange: str = "allgather"
     fusion_numel: int = 1 << 22
     hierarchical: object = "auto"
-    owner_feedback: bool = False
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -117,8 +109,6 @@ class TernGradConfig:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if not any(self.hierarchical is h or (isinstance(h, str) and self.hierarchical == h) for h in HIERARCHICAL):
             raise ValueError(f"hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
-        if self.owner_feedback not in (True, False):
-            raise ValueError(f"owner_feedback must be True or False, got {self.owner_feedback!r}")
         if self.shared_scaler not in (None, True, False):
             raise ValueError(f"shared_scaler must be True, False or None (the exchange's default), "
                              f"got {self.shared_scaler!r}")

@@ -109,17 +109,14 @@ def link_codec_cost(codec_s_per_element: float):
         link.measure = measured
 
 
-def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None,
-                          residuals=None):
+def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
     reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
     average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
     ternarized again with scaler max|a| per bucket, no clip, the stream of '<name>#owner' and the owner's rank;
     decoded as s'·t'.  With ``noise``, also the owners' noise estimate s'^2·|t'|.  ``ranks``: the stream rank
     of each of ``grads`` (default 0..N-1; the FSDP frontend keys streams by global rank), the owner of shard o
-    drawing with ranks[o].  With ``cfg.owner_feedback``, ``residuals`` (a dict, updated in place: shard o ->
-    the owner's residual) carries each owner's error from one call to the next: the owner ternarizes
-    x = a + e and keeps e = x - s'·t'."""
+    drawing with ranks[o]."""
     from horovod_terngrad.codec import sizes
     N = len(grads)
     ranks = list(range(N)) if ranks is None else list(ranks)
@@ -153,15 +150,11 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
             for r in range(N):
                 acc = acc + ternary[r][lo:hi].to(torch.float32) * sc[r]
             a = acc / divisor
-        if cfg.owner_feedback and residuals is not None and o in residuals:
-            a = a + residuals[o]
         st = C.tensor_stats(a, k)
         thr = C.clip_threshold(st, 0.0)
         s2 = C.local_scalers(st, thr)
         t2 = C.ternarize(a, thr, s2, k, C.stream_key(cfg.seed, step, C.tensor_id(name + "#owner"), ranks[o]))
         out[lo:hi] = (t2.to(torch.float32) * full(s2, k, hi - lo)) / 1.0
-        if cfg.owner_feedback and residuals is not None:
-            residuals[o] = a - out[lo:hi]
         nu[lo:hi] = (t2.abs().to(torch.float32) * full(s2 * s2, k, hi - lo)) / 1.0
     result = out.view(grads[0].shape).to(grads[0].dtype)
     return (result, nu) if noise else result

@@ -164,7 +164,7 @@ class Exchange:
     def __init__(self, collectives: Collectives, config: TernGradConfig | None = None,
                  stats: ExchangeStats | None = None, inspection: Inspection | None = None,
                  steps: dict | None = None, ordered: bool = True, joins: bool | None = None,
-                 stream_rank: int | None = None, owner_errors: dict | None = None):
+                 stream_rank: int | None = None):
         self.coll = collectives
         self.config = config or TernGradConfig()
         self.stats = stats if stats is not None else ExchangeStats()
@@ -188,9 +188,6 @@ class Exchange:
         # once): the allgather transport then decodes without reading headers on the host (no GPU sync)
         self.layout_known = False
         self._noise_out: dict[str, torch.Tensor] = {}
-        # re-ternarized exchange with owner_feedback: per tensor name, the owner's residual of its shard (fp32);
-        # pass a shared dict to keep them in a state object (frontends/state.py saves them)
-        self.owner_errors: dict[str, torch.Tensor] = owner_errors if owner_errors is not None else {}
 
     def noise_buffer(self, tk: Ticket) -> torch.Tensor | None:
         """A reused fp32 buffer for a CPU tensor's noise estimate (None elsewhere: a fresh tensor).  Why: a

@@ -89,8 +89,7 @@ class HierarchicalExchange:
         # the cross engine asks no presence of its own (this engine asked the world) and keys the random
         # streams by the global rank; it decides NaN/Inf per piece, this engine applies the policy per member
         self.cross_engine = Exchange(cross, self.config.replace(on_nonfinite="raise"), flat.stats, flat.inspection,
-                                     flat.steps, ordered=flat.ordered, joins=False, stream_rank=flat.coll.rank,
-                                     owner_errors=flat.owner_errors)
+                                     flat.steps, ordered=flat.ordered, joins=False, stream_rank=flat.coll.rank)
         self.stats, self.inspection, self.steps = flat.stats, flat.inspection, flat.steps
         self.ordered = flat.ordered
         self.joins = flat.joins

@@ -17,15 +17,8 @@ complete, and nothing is read on the host before they do.
 
 Unbiased: E[out | a] = a (stochastic rounding with s' >= |a|) and E[a] = mean_r clip(g_r), so
 E[out] = mean_r clip(g_r), as the other exchanges.  The owner's rounding adds its variance, s'·|a| - a^2 per
-element, on top of the allgather exchange's.
-
-``owner_feedback=True`` (1-bit Adam's ``server_error``): the owner ternarizes x = a + e instead, e its residual
-of the shard from the tensor's previous exchange (zero at first), and keeps e <- x - s'·t'.  Then
-E[out | a, e] = a + e: biased within a step by the carried residual, while over T exchanges
-Σ out_t = Σ a_t - e_T, so the updates follow the averages to within one residual (|e| < s') and the owner's
-rounding noise no longer accumulates.  The residual is the owner's alone (rank-local state, saved by the
-frontends' ``state_dict()``); a sender's NaN/Inf voids the step and leaves the residual as it was; a residual
-that no longer fits its shard (the world changed) is dropped and said once.
+element, on top of the allgather exchange's; the owner keeps no error feedback (1-bit Adam's ``server_error``
+would make the exchange biased within a step in exchange for a lower variance over steps: not done here).
 
 Traffic per rank and element, b = 2 bits (1.6 with base-3): sends (N-1)/N·b in the alltoall and (N-1)/N·b in
 the allgather, receives the same, plus a 20-byte header and 4-byte scaler per shard and member: flat in N
@@ -40,7 +33,6 @@ s_r·|g_r| - g_r^2, is seen by the owner alone and is left out (it shrinks as 1/
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -51,7 +43,6 @@ from ..codec.packing import FLAG_NONFINITE, Header, header_bytes
 from ..errors import RankMismatchError
 from . import allgather, sharded
 
-log = logging.getLogger("horovod_terngrad")
 OWNER_SUFFIX = "#owner"      # the owner's random stream: tensor word of '<name>#owner'
 
 
@@ -156,35 +147,12 @@ def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex
         return empty_payload(cfg.packing, cfg.bucket_size, bad, received.device)
     avg = backend.decode(received, [head] * N, offsets, N if tk.average else 1)
     avg = torch.where(bad.bool(), torch.zeros_like(avg), avg)      # a flagged shard is NaN anyway: keep it finite
-    residual = owner_residual(ex, tk.name, m, avg.device) if cfg.owner_feedback else None
-    x = avg if residual is None else avg + residual
-    prep = backend.prepare(x, cfg.bucket_size, 0.0)
+    prep = backend.prepare(avg, cfg.bucket_size, 0.0)
     key = codec.stream_key(cfg.seed, tk.step, codec.tensor_id(tk.name + OWNER_SUFFIX),
                            ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
-    payload = backend.encode(x, prep.threshold, prep.scalers, cfg.bucket_size, key, cfg.packing, shape=(m,))
+    payload = backend.encode(avg, prep.threshold, prep.scalers, cfg.bucket_size, key, cfg.packing, shape=(m,))
     payload[3:4] = bad
-    if cfg.owner_feedback:
-        # e <- x - s'·t' (what this rounding left out), kept where a sender flagged NaN/Inf (the step is void)
-        sent = backend.decode(payload, [head], [0], 1)
-        ex.owner_errors[tk.name] = torch.where(bad.bool(), x, x - sent)
     return payload
-
-
-def owner_residual(ex, name: str, m: int, device) -> torch.Tensor | None:
-    """The owner's residual of ``name``'s shard from its last exchange, or None (first exchange, or a shard of
-    another size: the world changed; dropped, and said once)."""
-    e = ex.owner_errors.get(name)
-    if e is None:
-        return None
-    if e.numel() != m or e.device != device:
-        del ex.owner_errors[name]
-        if not getattr(ex, "_warned_owner_errors", False):
-            ex._warned_owner_errors = True
-            log.warning("TernGrad: re-ternarized exchange: the owner's error feedback residual of '%s' (%d "
-                        "elements) does not fit its shard now (%d): dropped (the ranks or the shards changed)",
-                        name, e.numel(), m)
-        return None
-    return e
 
 
 def receive(ex, tk) -> torch.Tensor | None:

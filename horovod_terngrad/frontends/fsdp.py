@@ -117,10 +117,6 @@ class TernGradFSDPState:
 
     def __init__(self, config: TernGradConfig | None = None, **settings):
         self.config = frontend_config(config, settings)
-        if self.config.owner_feedback:
-            raise ValueError("TernGrad FSDP2: owner_feedback=True is not supported: the owners' residuals are "
-                             "rank-local state, and this frontend's state_dict() is one copy for every rank "
-                             "(use it with the DDP or Horovod frontend)")
         self.enabled = compression_enabled()
         self.state = CompressorState()
         self.unit_steps: dict[str, int] = {}    # unit name -> reductions so far (the streams' step word)

@@ -17,17 +17,13 @@ saved: they are rebuilt from the next step on.  ``reset()`` forgets everything b
 """
 from __future__ import annotations
 
-import logging
 import os
 import weakref
-
-import torch
 
 from ..config import TernGradConfig
 from ..exchange import Exchange, ExchangeStats, Inspection
 
 STATE_VERSION = 1
-log = logging.getLogger("horovod_terngrad")
 
 
 def frontend_config(config, settings: dict):
@@ -52,7 +48,7 @@ def process_set_key(process_set) -> str:
 
 class CompressorState:
     __slots__ = ("stats", "inspection", "steps", "engines", "fusions", "uncompressed_elements", "unnamed",
-                 "world", "grouped_calls", "owner_errors")
+                 "world", "grouped_calls")
 
     def __init__(self):
         self.stats = ExchangeStats()
@@ -64,8 +60,6 @@ class CompressorState:
         self.unnamed = 0                   # tensors named by call order so far
         self.world = None
         self.grouped_calls: dict = {}      # id(tensor list of a grouped call) -> member indices named so far
-        # per process set, per tensor name: the re-ternarized exchange's owner residual (owner_feedback=True)
-        self.owner_errors: dict[str, dict] = {}
 
     def engine(self, process_set, config, make_collectives, hierarchy=None) -> Exchange:
         """The engine of a process set, created with ``make_collectives(process_set)`` on first use; on the
@@ -74,22 +68,16 @@ class CompressorState:
         eng = self.engines.get(key)
         if eng is None:
             eng = Exchange(make_collectives(process_set), config, self.stats, self.inspection,
-                           self.steps.setdefault(key, {}), owner_errors=self.owner_errors.setdefault(key, {}))
+                           self.steps.setdefault(key, {}))
             if hierarchy is not None and key == "global":
                 eng = hierarchy(eng)
             self.engines[key] = eng
         return eng
 
     def state_dict(self) -> dict:
-        """Plain values, plus (only with ``owner_feedback``) this rank's owner residuals as CPU tensors under
-        "owner_errors": rank-local, so save every rank's state, as for an optimizer's."""
-        out = {"version": STATE_VERSION, "steps": {k: dict(v) for k, v in self.steps.items()},
-               "stats": self.stats.state_dict(), "uncompressed_elements": self.uncompressed_elements,
-               "unnamed": self.unnamed}
-        residuals = {k: {n: e.detach().cpu().clone() for n, e in v.items()} for k, v in self.owner_errors.items() if v}
-        if residuals:
-            out["owner_errors"] = residuals
-        return out
+        return {"version": STATE_VERSION, "steps": {k: dict(v) for k, v in self.steps.items()},
+                "stats": self.stats.state_dict(), "uncompressed_elements": self.uncompressed_elements,
+                "unnamed": self.unnamed}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -102,11 +90,6 @@ class CompressorState:
         for key in set(self.steps) - set(state["steps"]):
             self.steps[key].clear()
         self.stats.load_state_dict(state["stats"])
-        saved = state.get("owner_errors", {})
-        for key in set(self.owner_errors) | set(saved):      # in place: the engines share these dicts
-            mine = self.owner_errors.setdefault(key, {})
-            mine.clear()
-            mine.update({str(n): e.detach().to(torch.float32).clone() for n, e in saved.get(key, {}).items()})
         self.uncompressed_elements = int(state["uncompressed_elements"])
         self.unnamed = int(state["unnamed"])
 
@@ -118,12 +101,6 @@ class CompressorState:
         self.engines.clear()
         self.fusions.clear()
         self.grouped_calls.clear()
-        # owner residuals belong to the shards of one world (a rank's shard may be another's after a reset)
-        if any(self.owner_errors.values()):
-            log.warning("TernGrad: the world changed: the re-ternarized exchange's owner residuals are dropped "
-                        "(owner_feedback starts again from zero)")
-        for residuals in self.owner_errors.values():
-            residuals.clear()
 
     def reset(self) -> None:
         """Forget engines (and their exchanges in flight), fusion plans, step counters and counters."""
