@@ -21,4 +21,4 @@ T --baseline fsdp-hsdp-fp32 --tags fsdp-hsdp-fp32,fsdp-tgc
 echo "### 6. Horovod (horovodrun --gloo -np 2), lr 2e-3"; echo
 T --baseline hvd-fp32 --tags hvd-fp32,hvd-tgc,fp32,tgc
 echo "### 7. DDP, 4 ranks x 8 sequences, seed 0: the allgather and the re-ternarized exchange (issue 35), with the default tg AdamW and with plain AdamW"; echo
-T --baseline ddp4-tgc-allgather --tags ddp4-tgc-allgather,ddp4-tgc-reternarized,ddp4-terngrad-adamw-reternarized
+T --baseline ddp4-fp32 --tags ddp4-fp32,ddp4-tgc-allgather,ddp4-tgc-reternarized,ddp4-terngrad-adamw-reternarized,ddp4-tgc-reternarized-feedback
