@@ -631,6 +631,49 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
     assert (tmp_path / "steps.png").stat().st_size > 5000 and "steps.png" in footer[-1]
 
 
+def test_ddp_benchmark_profile_breaks_a_terngrad_step_down(tmp_path):
+    """--profile: TernGradState.trace records the hook's spans and the worker breaks TernGrad's step down
+    (forward/backward to the last bucket, tail, optimizer; the worker's spans) for both AdamW rows; every row
+    gets its forward+backward / optimizer split.  ``profile`` itself, on a trace written out by hand."""
+    import ddp_benchmark
+    out = tmp_path / "ddp.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "examples", "ddp_benchmark.py"), "worker", "--model", "tiny",
+                        "--batch", "4", "--steps", "2", "--rounds", "1", "--warmup", "3", "--optim", "adamw",
+                        "--profile", "--configs", "terngrad,terngrad-tgadamw,local", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    for key in ("terngrad", "terngrad-tgadamw"):
+        prof = rows[key]["profile"]
+        assert prof["buckets"] >= 1 and prof["step"] > 0
+        assert prof["forward_backward"] + prof["tail"] + prof["optimizer"] == pytest.approx(prof["step"], rel=0.2)
+        kinds = {s[0] for s in prof["last_step"]["spans"]}
+        assert {"hook", "start", "finish"} <= kinds
+    assert all(r["forward_backward_ms"] > 0 and r["optimizer_ms"] > 0 for r in rows.values())
+    # a step begun at 0 s: buckets handed over at 0.1 and 0.3 s, backward back at 0.5, optimizer done at 0.6
+    trace = [("hook", 0, 0.1, 0.1, 0, 0), ("start", 0, 0.1, 0.12, 0.01, 0),
+             ("hook", 1, 0.3, 0.3, 0, 0), ("start", 1, 0.3, 0.33, 0.02, 0),
+             ("finish", 0, 0.33, 0.35, 0.01, 0.005), ("copy", 0, 0.33, 0.335, 0, 0),
+             ("plain", 1, 0.4, 0.45, 0, 0), ("finish", 1, 0.35, 0.49, 0.01, 0.1)]
+    got = ddp_benchmark.profile(trace, [(0.0, 0.5, 0.6)])
+    assert got["forward_backward"] == pytest.approx(300) and got["tail"] == pytest.approx(200)
+    assert got["optimizer"] == pytest.approx(100) and got["encode"] == pytest.approx(50)
+    assert got["codec"] == pytest.approx(50) and got["wait"] == pytest.approx(155)
+    assert got["copies"] == pytest.approx(5) and got["worker_busy"] == pytest.approx(210)
+    assert got["buckets"] == 2
+
+
+def test_models_gpt2_is_issue_35s_transformers_workload():
+    pytest.importorskip("transformers")
+    from horovod_terngrad.operations import models
+    model, x = models.make("gpt2", 2)
+    sizes = [q.numel() for q in model.parameters()]
+    assert len(sizes) == 76 and sum(sizes) == 27_336_704 and x.shape == (2, 64)
+    assert model(x).shape == (2, 64, 16384)
+
+
 # -- mixed precision (--amp) -----------------------------------------------------------------------
 # A loss scale far above what these models' fp16 gradients bear: the first steps overflow, GradScaler skips them
 # and halves the scale each time until a step fits, and training goes on.  Every rank must skip the same steps,
