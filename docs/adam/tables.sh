@@ -20,5 +20,5 @@ echo "### 5. FSDP2 / HSDP, mesh (2 replicas x 2 shards), 8 sequences per rank (3
 T --baseline fsdp-hsdp-fp32 --tags fsdp-hsdp-fp32,fsdp-tgc
 echo "### 6. Horovod (horovodrun --gloo -np 2), lr 2e-3"; echo
 T --baseline hvd-fp32 --tags hvd-fp32,hvd-tgc,fp32,tgc
-echo "### 7. DDP, 4 ranks x 8 sequences, seed 0: the allgather and the re-ternarized exchange (issue 35), with the default tg AdamW and with plain AdamW"; echo
+echo "### 7. DDP, 4 ranks x 8 sequences: fp32 AdamW, the allgather and the re-ternarized exchange (issue 35) with the default tg AdamW (3 seeds); plain AdamW and owner error feedback (seed 0; feedback measured at 76c7be9, since reverted)"; echo
 T --baseline ddp4-fp32 --tags ddp4-fp32,ddp4-tgc-allgather,ddp4-tgc-reternarized,ddp4-terngrad-adamw-reternarized,ddp4-tgc-reternarized-feedback
