@@ -283,6 +283,23 @@ void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int np
     }
 }
 
+/* acc[per·b + q] = 0 + row (the first payload) or += row (the others), row = table[src[b]], q < per; per is a
+ * constant at each call, so the compiler specializes both loops. */
+static inline void add_table_rows(float *acc, const uint8_t *src, int64_t nbytes, const float *table, const int per,
+                                  int first) {
+    if (first) {
+        for (int64_t b = 0; b < nbytes; b++) {
+            const float *r = table + 8 * src[b];
+            for (int q = 0; q < per; q++) acc[per * b + q] = 0.0f + r[q];
+        }
+    } else {
+        for (int64_t b = 0; b < nbytes; b++) {
+            const float *r = table + 8 * src[b];
+            for (int q = 0; q < per; q++) acc[per * b + q] += r[q];
+        }
+    }
+}
+
 /* One scaler per payload: each payload's byte -> its codes' products val[c]·s through a table built once per
  * payload (256 x 8 floats: the same fp32 products the general loop forms element by element), so a byte costs
  * one table row instead of per-code lookups and multiplies.  The sums keep the general loop's order:
@@ -315,31 +332,8 @@ static int decode_average_layerwise(const uint8_t *const *packed, const float *c
         for (int p = 0; p < npay; p++) {
             const uint8_t *src = packed[p] + lo / per;
             const float *table = lut + (size_t)p * 256 * 8;
-            if (fmt == 1) {
-                if (p == 0) {
-                    for (int64_t b = 0; b < nbytes; b++) {
-                        const float *r = table + 8 * src[b];
-                        for (int q = 0; q < 4; q++) acc[4 * b + q] = 0.0f + r[q];
-                    }
-                } else {
-                    for (int64_t b = 0; b < nbytes; b++) {
-                        const float *r = table + 8 * src[b];
-                        for (int q = 0; q < 4; q++) acc[4 * b + q] += r[q];
-                    }
-                }
-            } else {
-                if (p == 0) {
-                    for (int64_t b = 0; b < nbytes; b++) {
-                        const float *r = table + 8 * src[b];
-                        for (int q = 0; q < 5; q++) acc[5 * b + q] = 0.0f + r[q];
-                    }
-                } else {
-                    for (int64_t b = 0; b < nbytes; b++) {
-                        const float *r = table + 8 * src[b];
-                        for (int q = 0; q < 5; q++) acc[5 * b + q] += r[q];
-                    }
-                }
-            }
+            if (fmt == 1) add_table_rows(acc, src, nbytes, table, 4, p == 0);
+            else add_table_rows(acc, src, nbytes, table, 5, p == 0);
         }
         for (int64_t j = 0; j < cnt; j++) out[lo + j] = acc[j] / divisor;
     }
