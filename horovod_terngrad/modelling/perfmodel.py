@@ -1012,14 +1012,44 @@ def hsdp_intra_s(units: Sequence[HSDPUnitShard], G: int, network: Network, reduc
     """Intra-node time of one step: per unit a ring reduce-scatter of the gradients,
     (G-1)·alpha + (G-1)·reduce_bytes·S_u·beta/L (half a ring allreduce of the unpadded G·S_u), and 2 (a block)
     or 1 (the root) fp32 parameter all-gathers, ``ring_allgather_time(4·S_u, G)``, on ``network.intra_node``."""
-    if G <= 1:
-        return 0.0
-    intra = network.intra_node or network
     t = 0.0
     for u in units:
-        t += ring_allreduce_time(reduce_bytes * u.padded * G, G, intra) / 2
-        t += (1 if u.root else 2) * ring_allgather_time(4 * u.padded, G, intra)
+        gather, scatter = hsdp_unit_intra_s(u, G, network, reduce_bytes)
+        t += scatter
+        t += (1 if u.root else 2) * gather
     return t
+
+
+def hsdp_unit_intra_s(unit: HSDPUnitShard, G: int, network: Network, reduce_bytes: int = 4) -> tuple[float, float]:
+    """(one fp32 parameter all-gather, the gradient reduce-scatter) of one unit on ``network.intra_node``
+    (``hsdp_intra_s``'s terms); (0, 0) on a node of one GPU."""
+    if G <= 1:
+        return 0.0, 0.0
+    intra = network.intra_node or network
+    return (ring_allgather_time(4 * unit.padded, G, intra),
+            ring_allreduce_time(reduce_bytes * unit.padded * G, G, intra) / 2)
+
+
+def _hsdp_replicas(network: Network, workers: int) -> tuple[int, int, int]:
+    """(G, N, R) of an HSDP job: GPUs per node, workers, replicas; N must be a multiple of G."""
+    G = max(1, int(network.ranks_per_node))
+    N = int(workers)
+    if N < G or N % G:
+        raise ValueError(f"workers must be a multiple of the {G} GPUs of a node, got {N}")
+    return G, N, N // G
+
+
+def _hsdp_payload(method: str, units: Sequence[HSDPUnitShard], cfg: TernGradConfig) -> int:
+    """Bytes this rank puts in its TernGrad payloads per step (0 for fp32/bf16)."""
+    if method not in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED):
+        return 0
+    return sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
+
+
+def _hsdp_limit(compute_s: float, intra_s: float, payload: int, cross: Network, R: int) -> float:
+    """The limit of a TernGrad step: compute, the intra-node stages and this rank's 2-bit payload once over its
+    share of the node's link (no latency, no second stage): what no cross-node exchange can beat."""
+    return compute_s + intra_s + (payload / cross.bandwidth_Bps if R > 1 else 0.0)
 
 
 def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, network: Network,
@@ -1060,11 +1090,7 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
     Cost: O(G · tensors)."""
     if not 0.0 <= overlap <= 1.0:
         raise ValueError("overlap must be in [0, 1]")
-    G = max(1, int(network.ranks_per_node))
-    N = int(workers)
-    if N < G or N % G:
-        raise ValueError(f"workers must be a multiple of the {G} GPUs of a node, got {N}")
-    R = N // G
+    G, N, R = _hsdp_replicas(network, workers)
     cfg = config or TernGradConfig()
     cross = cross_network(network, G)
     worst = None
@@ -1079,19 +1105,16 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
                     HSDP_TERNGRAD_SHARDED: codec_work_elements(TERNGRAD_SHARDED, n_c, R),
                     HSDP_TERNGRAD_RETERNARIZED: codec_work_elements(TERNGRAD_RETERNARIZED, n_c, R)}[method]
             codec = work / codec_elements_per_s
-        payload = (sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
-                   if method in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED) else 0)
+        payload = _hsdp_payload(method, units, cfg)
         if worst is None or cost.time_s + codec > worst[0].time_s + worst[1]:
             worst = (cost, codec, payload, units)
     cost, codec, payload, units = worst
     intra = hsdp_intra_s(units, G, network, 2 if method == HSDP_BF16 else 4)
     exposed = intra + cost.time_s + codec
     step = compute_s + exposed - min(exposed, overlap * compute_s)
-    # the limit of a TernGrad step: compute, the intra-node stages and this rank's 2-bit payload once over its
-    # share of the node's link (no latency, no second stage): what no cross-node exchange can beat
-    limit = compute_s + intra + (payload / cross.bandwidth_Bps if R > 1 else 0.0)
     return HSDPStep(method, N, G, compute_s, intra, cost.time_s, codec, step, cost.bytes_received, payload,
-                    sum(u.padded for u in units), sequences * model.context, limit_s=limit)
+                    sum(u.padded for u in units), sequences * model.context,
+                    limit_s=_hsdp_limit(compute_s, intra, payload, cross, R))
 
 
 def scheduled_hsdp_step(model: GPTConfig, workers: int, network: Network, method: str = HSDP_TERNGRAD, *,
@@ -1114,22 +1137,17 @@ def scheduled_hsdp_step(model: GPTConfig, workers: int, network: Network, method
     both charge the same bytes and latencies."""
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError("backward_fraction must be in [0, 1]")
-    G = max(1, int(network.ranks_per_node))
-    N = int(workers)
-    if N < G or N % G:
-        raise ValueError(f"workers must be a multiple of the {G} GPUs of a node, got {N}")
-    R = N // G
+    G, N, R = _hsdp_replicas(network, workers)
     cfg = config or TernGradConfig()
     cross = cross_network(network, G)
-    intra = network.intra_node or network
     reduce_bytes = 2 if method == HSDP_BF16 else 4
     worst = None
     for j in range(G):
         units = hsdp_unit_shards(model, G, j, cfg)
         total = sum(u.padded for u in units) or 1
-        gather = [ring_allgather_time(4 * u.padded, G, intra) if G > 1 else 0.0 for u in units]
-        scatter = [ring_allreduce_time(reduce_bytes * u.padded * G, G, intra) / 2 if G > 1 else 0.0 for u in units]
-        across = [hsdp_cross_cost(method, [u], R, cross, cfg).time_s if R > 1 else 0.0 for u in units]
+        gather, scatter = zip(*(hsdp_unit_intra_s(u, G, network, reduce_bytes) for u in units))
+        costs = [hsdp_cross_cost(method, [u], R, cross, cfg) for u in units] if R > 1 else []
+        across = [c.time_s for c in costs] or [0.0] * len(units)
         fwd = [compute_s * (1 - backward_fraction) * u.padded / total for u in units]
         bwd = [compute_s * backward_fraction * u.padded / total for u in units]
         link_free = cross_free = t = 0.0
@@ -1149,17 +1167,14 @@ def scheduled_hsdp_step(model: GPTConfig, workers: int, network: Network, method
             link_free = max(link_free, t) + scatter[k]
             cross_free = max(cross_free, link_free) + across[k]
         step = max(t, link_free, cross_free)
-        busy_intra = sum(gather) + sum(g for u, g in zip(units, gather) if not u.root) + sum(scatter)
         if worst is None or step > worst[0]:
-            worst = (step, units, busy_intra, sum(across))
-    step, units, busy_intra, busy_cross = worst
-    payload = (sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
-               if method in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED) else 0)
-    intra_sum = hsdp_intra_s(units, G, network, reduce_bytes)
-    limit = compute_s + intra_sum + (payload / cross.bandwidth_Bps if R > 1 else 0.0)
-    bytes_received = sum(hsdp_cross_cost(method, [u], R, cross, cfg).bytes_received for u in units) if R > 1 else 0.0
-    return HSDPStep(method, N, G, compute_s, busy_intra, busy_cross, 0.0, step, bytes_received, payload,
-                    sum(u.padded for u in units), sequences * model.context, limit_s=limit)
+            worst = (step, units, costs)
+    step, units, costs = worst
+    payload = _hsdp_payload(method, units, cfg)
+    intra = hsdp_intra_s(units, G, network, reduce_bytes)       # the intra-node link's busy time
+    return HSDPStep(method, N, G, compute_s, intra, sum(c.time_s for c in costs), 0.0, step,
+                    sum(c.bytes_received for c in costs), payload, sum(u.padded for u in units),
+                    sequences * model.context, limit_s=_hsdp_limit(compute_s, intra, payload, cross, R))
 
 
 def scheduled_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HSDP_WORKERS,
