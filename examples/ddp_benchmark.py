@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DDP_TORCHRUN = os.path.join(ROOT, "launch", "ddp-torchrun")
 PREFIX, SUBNET = "tgd", "10.78.0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulated_cluster_benchmark import cell_path, run_on_cluster, sweep  # noqa: E402 (cluster and table, shared)
+from emulated_cluster_benchmark import cell_path, link_gbps, run_on_cluster, sweep  # noqa: E402 (shared)
 from emulated_cluster_benchmark import run_case as horovod_cell  # noqa: E402
 CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", "fp16", {}),
            "powersgd1": ("DDP PowerSGD rank 1", "powersgd", {"powersgd_rank": 1}),
@@ -336,14 +336,11 @@ def horovod_rows(model: str, hosts: int, rate: str, args) -> list:
 
 
 def link_bps(res: dict):
-    """The cell's link rate in bit/s: the regime's, or a tc rate such as ``1gbit``; None unshaped."""
+    """The cell's link rate in bit/s: the regime's, or its tc rate (``link_gbps``); None unshaped."""
     if res.get("regime"):
         return res["regime"]["gbps"] * 1e9
-    rate = res.get("rate", "none")
-    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * mult
-    return None
+    gbps = link_gbps(res)
+    return gbps * 1e9 if gbps else None
 
 
 def wire_bytes(row: dict, params: int, ranks: int):
