@@ -199,7 +199,7 @@ def receive(ex, tk) -> torch.Tensor | None:
             head = Header(cfg.packing, 0, cfg.bucket_size, hi - lo)
             backend.decode(gathered, [head], [off], 1, out=out[lo:hi])
             if noise is not None:
-                noise[lo:hi] = allgather.noise_estimate(gathered, [head], [off], 1)
+                allgather.noise_estimate(gathered, [head], [off], 1, out=noise[lo:hi])
     if bad is not None:          # an accelerator: the flags decided on the device, no synchronization
         out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
         if noise is not None:
