@@ -12,6 +12,9 @@ Capabilities:
 * ``NOISE_DECODE``: ``decode_noise``, the exchange's noise estimate (1/d^2)·Σ s^2·|t| in the decode's own
   pass over the gathered payloads (``NoiseDecodeBackend``).  Only the fused CPU backend has it; elsewhere
   exchange/allgather.py maps copies of the payloads and calls ``decode``: the same bits.
+* ``ADAM_CORRECTED``: ``adam_corrected``, horovod_terngrad.optim's default-mode Adam(W) update of one contiguous
+  fp32 tensor in one pass (``AdamCorrectedBackend``).  Only the fused CPU backend has it; elsewhere the
+  optimizer runs foreach ops.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from .. import codec
 
 SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
+ADAM_CORRECTED = "adam_corrected"
 
 
 @runtime_checkable
@@ -76,6 +80,18 @@ class NoiseDecodeBackend(Backend, Protocol):
         """Σ over the payloads at ``offsets`` of scaler^2·|code|, divided by ``divisor``^2, bit for bit what
         ``decode`` gives for copies of the payloads with squared scalers and codes mapped to |t|: fp32 [numel],
         written into ``out`` when given."""
+        ...
+
+
+@runtime_checkable
+class AdamCorrectedBackend(Backend, Protocol):
+    """A backend with the ``ADAM_CORRECTED`` capability."""
+
+    def adam_corrected(self, p, m, v, n, g, noise, vmax, *, beta1: float, beta2: float, step: float,
+                       inv_bias2_sqrt: float, eps: float, decay: float, l2: float, noise_coef: float,
+                       floor: float, maximize: bool) -> None:
+        """The default-mode update of one contiguous fp32 tensor in place (the formula: kernels/terngrad_cpu.c,
+        tg_adam_corrected); ``noise`` / ``vmax`` may be None."""
         ...
 
 

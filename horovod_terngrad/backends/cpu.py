@@ -22,7 +22,7 @@ import torch
 from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
-from .base import NOISE_DECODE, SHARDED_SUMS
+from .base import ADAM_CORRECTED, NOISE_DECODE, SHARDED_SUMS
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
 log = logging.getLogger("horovod_terngrad")
@@ -75,7 +75,7 @@ class FusedCPUBackend:
     payloads and averages written in place by one C pass each."""
 
     name = "cpu-fused"
-    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE})
+    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED})
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
@@ -110,8 +110,9 @@ class FusedCPUBackend:
     def adam_corrected(self, p, m, v, n, g, noise, vmax, *, beta1: float, beta2: float, step: float,
                        inv_bias2_sqrt: float, eps: float, decay: float, l2: float, noise_coef: float,
                        floor: float, maximize: bool) -> None:
-        """horovod_terngrad.optim's default-mode Adam(W) update of one contiguous fp32 tensor in one pass
-        (kernels/terngrad_cpu.c, tg_adam_corrected: the formula there); ``noise`` / ``vmax`` may be None."""
+        """``AdamCorrectedBackend.adam_corrected``: horovod_terngrad.optim's default-mode Adam(W) update of one
+        contiguous fp32 tensor in one pass (kernels/terngrad_cpu.c, tg_adam_corrected: the formula there);
+        ``noise`` / ``vmax`` may be None."""
         self.lib.tg_adam_corrected(_ptr(p), _ptr(m), _ptr(v), _ptr(n), _ptr(g), None if noise is None else _ptr(noise),
                                    None if vmax is None else _ptr(vmax), p.numel(), 1 - beta1, beta2, 1 - beta2, step,
                                    inv_bias2_sqrt, eps, decay, l2, noise_coef, floor, int(bool(maximize)),

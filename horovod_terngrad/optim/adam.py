@@ -282,7 +282,7 @@ class _RefreshedAdam:
         if not FUSED_CPU or device.type != "cpu" or dtype != torch.float32:
             return False
         be = backends.for_device(device)
-        if not hasattr(be, "adam_corrected"):
+        if not backends.has_capability(be, backends.ADAM_CORRECTED):
             return False
         for i in idx:
             st = self.state[params[i]]
