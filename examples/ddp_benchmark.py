@@ -239,42 +239,15 @@ def profile(trace: list, marks: list) -> dict:
 
 
 # -- the driver ----------------------------------------------------------------------------------------------------
-def alone(argv):
-    """One process, one thread, no DDP: the median step of the model with the optimizer (the regime's
-    yardstick and the limit's compute), printed as JSON."""
-    p = argparse.ArgumentParser(prog="ddp_benchmark.py alone")
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--image", type=int, default=64)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
-    p.add_argument("--steps", type=int, default=7)
-    args = p.parse_args(argv)
-    sys.path.insert(0, ROOT)
-    import torch
-
-    from horovod_terngrad.operations import models
-    torch.set_num_threads(1)
-    model, x = models.make(args.model, args.batch, image=args.image, context=args.context)
-    opt = make_optimizer(args.optim, model)
-    times = []
-    for i in range(args.steps + 2):
-        t = time.perf_counter()
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    print(json.dumps({"compute_ms": 1000 * sorted(times)[len(times) // 2],
-                      "params": sum(q.numel() for q in model.parameters())}))
-
-
 def compute_alone(model: str, args) -> dict:
+    """One rank's compute alone with this run's optimizer (``bench compute``: one process, one thread, no DDP):
+    the regime's yardstick and the limit's compute."""
     import subprocess
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "alone", "--model", model, "--batch",
-                        str(args.batch), "--image", str(args.image), "--context", str(args.context), "--optim",
-                        args.optim], capture_output=True, text=True, check=True, timeout=1800,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run([sys.executable, "-m", "horovod_terngrad.operations.bench", "compute", "--model", model,
+                        "--batch", str(args.batch), "--image", str(args.image), "--context", str(args.context),
+                        "--layers", "4", "--width", "2500",      # the worker's mlp: models.make's defaults
+                        "--optim", args.optim], capture_output=True, text=True, check=True, timeout=1800, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -434,8 +407,6 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
         return worker(argv[1:])
-    if argv and argv[0] == "alone":
-        return alone(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,resnet50,transformer")
     p.add_argument("--hosts", default="2")

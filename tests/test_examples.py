@@ -663,6 +663,10 @@ def test_ddp_benchmark_profile_breaks_a_terngrad_step_down(tmp_path):
     assert got["codec"] == pytest.approx(50) and got["wait"] == pytest.approx(155)
     assert got["copies"] == pytest.approx(5) and got["worker_busy"] == pytest.approx(210)
     assert got["buckets"] == 2
+    # the regime's yardstick: bench compute with the run's optimizer, on the worker's model
+    import argparse
+    alone = ddp_benchmark.compute_alone("tiny", argparse.Namespace(batch=2, image=64, context=64, optim="adamw"))
+    assert alone["params"] == 300 * 64 and alone["compute_ms"] > 0
 
 
 def test_models_gpt2_is_issue_35s_transformers_workload():

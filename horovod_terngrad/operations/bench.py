@@ -240,7 +240,8 @@ def bench_compute(args):
     torch.set_num_threads(1)
     model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
                            context=args.context)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW if getattr(args, "optim", "sgd") == "adamw" else torch.optim.SGD
+    opt = optimizer(model.parameters(), lr=1e-4)
     times = _times_s(lambda: _train_step(model, opt, x), args.steps, warmup=args.warmup)
     res = {"model": args.model, "batch": args.batch, "params": sum(p.numel() for p in model.parameters()),
            "threads": torch.get_num_threads(), "compute_ms": 1000 * _median(times),
@@ -455,7 +456,7 @@ def main(argv=None):
     s.add_argument("--link-counters", default="", metavar="IFACE",
                    help="record the bytes through each host's IFACE (e.g. eth0) per step of each configuration")
     m = sub.add_parser("compute")
-    m.add_argument("--model", default="mlp", help="mlp, resnet50, transformer or tiny (operations/models.py)")
+    m.add_argument("--model", default="mlp", help="mlp, resnet50, transformer, tiny or gpt2 (operations/models.py)")
     m.add_argument("--image", type=int, default=64, help="resnet50: input height and width")
     m.add_argument("--context", type=int, default=64, help="transformer: tokens per sample")
     m.add_argument("--layers", type=int, default=32)
@@ -463,6 +464,8 @@ def main(argv=None):
     m.add_argument("--batch", type=int, default=32)
     m.add_argument("--steps", type=int, default=7)
     m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--optim", default="sgd", choices=("sgd", "adamw"),
+                   help="the step's optimizer: SGD (the benchmark's) or torch's AdamW, both lr 1e-4")
     m.add_argument("--json", default="")
     args = p.parse_args(argv)
     {"codec": bench_codec, "engine": bench_engine, "step": bench_step, "compute": bench_compute}[args.what](args)
