@@ -452,23 +452,25 @@ class TernGradState:
     def _finish(self, job: _Job) -> None:
         """Wait for the bucket's exchanges, write the averages into its buffer and complete its future.
         Every ticket is finished even after an error, so every rank leaves the engine in the same state."""
-        N, began, copy_s = self.collectives.size, _clock(), 0.0
+        N, tracing = self.collectives.size, self.trace is not None
+        began, copy_s = (_clock() if tracing else 0.0), 0.0
         for name, g, tk in job.tickets:
             try:
                 out = tk.engine.finish(tk)
                 if out.data_ptr() != g.data_ptr() or out.dtype != g.dtype:
-                    t0 = _clock()
+                    t0 = _clock() if tracing else 0.0
                     g.copy_(out.view(g.shape))
-                    copy_s += _clock() - t0
+                    if tracing:
+                        copy_s += _clock() - t0
                 if tk.noise is not None:
                     precision.attach_noise(job.noisy[name], tk.noise.view(g.shape), out)
             except Exception as e:  # noqa: BLE001 - the first error goes to the future
                 job.error = job.error or e
         if job.plain_handle is not None:
             try:
-                t0 = _clock()
+                t0 = _clock() if tracing else 0.0
                 summed = self.collectives.synchronize(job.plain_handle).div_(N)
-                if self.trace is not None:
+                if tracing:
                     self.trace.append(("plain", job.index, t0, _clock(), 0.0, 0.0))
                 off = 0
                 for name, g in job.plain:
@@ -482,7 +484,7 @@ class TernGradState:
                     g.copy_(part.view(g.shape))
             except Exception as e:  # noqa: BLE001
                 job.error = job.error or e
-        if self.trace is not None and copy_s:
+        if tracing and copy_s:
             self.trace.append(("copy", job.index, began, began + copy_s, 0.0, 0.0))
         job.tickets = job.plain = []
         if job.error is not None:
