@@ -630,11 +630,12 @@ def scheduled_scaling(model: pm.ModelSpec, cluster: pm.Cluster, workers: Sequenc
     codec is free unless ``codec=`` rates are given, as in the Fig.-5 tables)."""
     workers = list(workers) if workers is not None else pm.worker_counts()
     c = model.compute_s[cluster.gpu] if compute_s is None else compute_s
+    sizes, names = model.sizes, [n for n, _ in model.tensors]
     rows = []
     for N in workers:
         cyc = negotiation_s(N, cluster.network) if negotiation else 0.0
-        rows.append({m: timeline_step(list(model.sizes), c, N, cluster.network, m, cycle_s=cyc,
-                                      names=[n for n, _ in model.tensors], **kwargs) for m in methods})
+        rows.append({m: timeline_step(sizes, c, N, cluster.network, m, cycle_s=cyc, names=names, **kwargs)
+                     for m in methods})
     return rows
 
 
