@@ -8,7 +8,7 @@ from .codec.sizes import FORMATS
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
-EXCHANGES = ("allgather", "sharded", "reternarized", "auto")
+EXCHANGES = ("allgather", "sharded", "reternarized", "requantized", "auto")
 HIERARCHICAL = ("auto", True, False)
 
 
@@ -55,7 +55,10 @@ class TernGradConfig:
                    nearly constant in N; needs shared_scaler), "reternarized" (alltoall of each shard's
                    payload to its owner, which averages it and ternarizes the average again; allgather
                    of the owners' 2-bit payloads: about 2 + 2 bits per element at any N, no handshake;
-                   exchange/reternarized.py) or "auto" (measures the link once,
+                   exchange/reternarized.py), "requantized" (the same first stage; the owners' exact
+                   averages travel back in 4-bit groups of 128, with Adam's noise estimate as one bit per
+                   element where the optimizer asks: about 2 + 4.25 (+ 1.25) bits at any N;
+                   exchange/requantized.py) or "auto" (measures the link once,
                    exchange/link.py: if ternarizing does not pay on it, e.g. a fast link with a CPU
                    codec, gradients travel at full precision and it says so; else per group whichever
                    exchange the cost model of exchange/cost.py predicts to be faster on that link).

@@ -109,15 +109,21 @@ def link_codec_cost(codec_s_per_element: float):
         link.measure = measured
 
 
-def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None):
+def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None,
+                          second="ternary"):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
     reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
     average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
     ternarized again with scaler max|a| per bucket, no clip, the stream of '<name>#owner' and the owner's rank;
     decoded as s'·t'.  With ``noise``, also the owners' noise estimate s'^2·|t'|.  ``ranks``: the stream rank
     of each of ``grads`` (default 0..N-1; the FSDP frontend keys streams by global rank), the owner of shard o
-    drawing with ranks[o]."""
-    from horovod_terngrad.codec import sizes
+    drawing with ranks[o].
+
+    ``second="requant"``: the requantized exchange (exchange/requantized.py) instead, which shares the first
+    stage: the owner's average a in 4-bit groups (codec.requant.quantize, the streams of '<name>#rq4'), and its
+    noise channel: the first stage's (1/N^2)·Σ_r s_r^2·|t_r| (in the decode's order: integer sums times the
+    shared scaler squared, else rank by rank) plus the rounding's variance, one stochastic bit per element."""
+    from horovod_terngrad.codec import requant, sizes
     N = len(grads)
     ranks = list(range(N)) if ranks is None else list(ranks)
     flat = [g.detach().reshape(-1).to(torch.float32) for g in grads]
@@ -150,6 +156,23 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
             for r in range(N):
                 acc = acc + ternary[r][lo:hi].to(torch.float32) * sc[r]
             a = acc / divisor
+        if second == "requant":
+            same = all(torch.equal(s, sc[0]) for s in sc)
+            if same:
+                ka = torch.stack([t[lo:hi].abs().to(torch.int64) for t in ternary]).sum(0)
+                nu1 = (ka.to(torch.float32) * (sc[0] * sc[0])) / (divisor * divisor)
+            else:
+                acc = torch.zeros(hi - lo, dtype=torch.float32)
+                for r in range(N):
+                    acc = acc + ternary[r][lo:hi].abs().to(torch.float32) * (sc[r] * sc[r])
+                nu1 = acc / (divisor * divisor)
+            k_avg, k_noise = requant.keys(cfg.seed, step, name, ranks[o])
+            steps, codes, var = requant.quantize(a, k_avg, lo)
+            per = steps.repeat_interleave(requant.GROUP)[:hi - lo]
+            out[lo:hi] = codes.to(torch.float32) * per
+            top, bits = requant.quantize_noise(nu1 + var, k_noise, lo)
+            nu[lo:hi] = bits.to(torch.float32) * top.repeat_interleave(requant.GROUP)[:hi - lo]
+            continue
         st = C.tensor_stats(a, k)
         thr = C.clip_threshold(st, 0.0)
         s2 = C.local_scalers(st, thr)

@@ -107,7 +107,8 @@ __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER
            "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
-           "reternarized_chunk_bytes"]
+           "reternarized_chunk_bytes", "REQUANT_GROUP", "REQUANT_HEADER_BYTES", "requant_groups",
+           "requantized_owner_bytes", "requantized_owner_chunk_bytes"]
 
 
 # -- the re-ternarized exchange (exchange/reternarized.py) ------------------------------------------------------
@@ -138,6 +139,32 @@ def reternarized_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: in
     """Bytes of the payload of each shard of one tensor: what a rank sends each owner in the alltoall, and what
     each owner adds to the allgather (header, the shard's scalers, its packed codes: the same size both ways)."""
     return [payload_size(hi - lo, fmt, bucket_size) for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
+
+
+# -- the requantized exchange (exchange/requantized.py, codec/requant.py) ---------------------------------------
+REQUANT_GROUP = 128                        #: elements per 4-bit group (one fp32 step each)
+REQUANT_HEADER_BYTES = 8                   #: magic, flags, element count
+
+
+def requant_groups(m: int) -> int:
+    """Groups of REQUANT_GROUP elements (the last one short) of an m-element shard."""
+    return -(-m // REQUANT_GROUP)
+
+
+def requantized_owner_bytes(m: int, noise: bool) -> int:
+    """Bytes of an owner's requantized payload of m elements: header, a step per group, 4-bit codes and, with the
+    noise channel, a maximum per group and a bit per element; padded to 4 bytes."""
+    g = requant_groups(m)
+    n = REQUANT_HEADER_BYTES + 4 * g + -(-m // 2)
+    if noise:
+        n += 4 * g + -(-m // 8)
+    return -(-n // 4) * 4
+
+
+def requantized_owner_chunk_bytes(numel: int, n_ranks: int, noise: bool, bucket_size: int = 0) -> list[int]:
+    """Bytes each owner adds to the requantized exchange's allgather for one tensor (its shard; the shards are the
+    re-ternarized exchange's, whose first stage it shares)."""
+    return [requantized_owner_bytes(hi - lo, noise) for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
 
 
 JOINED_WORD_BITS = 31                      #: usable bits of one int32 word of the join exchange (sign bit left clear)

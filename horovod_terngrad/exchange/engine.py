@@ -42,14 +42,16 @@ import torch
 from .. import backends, codec
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, handshake, joined, link, reternarized, sharded
+from . import allgather, cost, handshake, joined, link, requantized, reternarized, sharded
 from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
 log = logging.getLogger("horovod_terngrad")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TRANSPORTS = {"allgather": allgather, "sharded": sharded, "reternarized": reternarized, "joined": joined}
+TRANSPORTS = {"allgather": allgather, "sharded": sharded, "reternarized": reternarized, "requantized": requantized,
+              "joined": joined}
+SHARDED_FIRST_STAGE = ("reternarized", "requantized")     # ternarized per shard, shards to their owners
 
 
 def check_gradient(tensor: torch.Tensor, name: str) -> None:
@@ -247,7 +249,7 @@ class Exchange:
             g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
             if g32.device != device:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
-            bucket = reternarized.encode_bucket(self, g32.numel()) if mode == "reternarized" else cfg.bucket_size
+            bucket = reternarized.encode_bucket(self, g32.numel()) if mode in SHARDED_FIRST_STAGE else cfg.bucket_size
             prep = backend.prepare(g32, bucket, cfg.clip_factor)
             tk = Ticket(self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
                         codec.stream_key(cfg.seed, step, codec.tensor_id(name),

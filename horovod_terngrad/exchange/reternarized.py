@@ -94,10 +94,36 @@ def send(ex, grp, sends: list) -> None:
                             [sum(c.numel() for c in chunks) for chunks in to_rank], f"terngrad.rt.{grp.name}")
 
 
-def after_alltoall(ex, grp) -> None:
-    """Owner step: per member, decode this rank's shard from the N payloads, ternarize it again, and allgather
-    every member's owner payload."""
-    received = sharded.alltoall_result(ex, grp, "re-ternarized exchange")
+class TernaryStage:
+    """The owner's second stage of this exchange: the average ternarized again (``owner_payload``).  The
+    requantized exchange (requantized.py) shares the first stage and passes a stage of its own, with these three
+    functions."""
+
+    label = "re-ternarized exchange"
+    settings_hint = ""
+
+    @staticmethod
+    def owner_chunks(ex, tk) -> list:
+        """Bytes of each owner's payload of this member (what each owner adds to the allgather)."""
+        return sizes.reternarized_chunk_bytes(tk.g32.numel(), ex.coll.size, ex.config.packing, ex.config.bucket_size)
+
+    @staticmethod
+    def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:
+        return owner_payload(backend, received, offsets, hi - lo, tk, ex)
+
+    @staticmethod
+    def decode(gathered, off, lo, hi, tk, ex, out, noise) -> None:
+        backend = backends.for_device(gathered.device)
+        head = Header(ex.config.packing, 0, ex.config.bucket_size, hi - lo)
+        backend.decode(gathered, [head], [off], 1, out=out[lo:hi])
+        if noise is not None:
+            allgather.noise_estimate(gathered, [head], [off], 1, out=noise[lo:hi])
+
+
+def after_alltoall(ex, grp, stage=TernaryStage) -> None:
+    """Owner step: per member, decode this rank's shard from the N payloads, encode its second stage (``stage``:
+    ternarized again, or requantized), and allgather every member's owner payload."""
+    received = sharded.alltoall_result(ex, grp, stage.label)
     if received is None:
         return
     t0 = time.perf_counter()
@@ -108,7 +134,7 @@ def after_alltoall(ex, grp) -> None:
     nbytes = [c[me] for c in chunks]
     block = sum(nbytes)
     if received.numel() != N * block:
-        err = RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': received "
+        err = RankMismatchError(f"TernGrad: {stage.label} of group '{grp.name}': received "
                                 f"{received.numel()} bytes, expected {N}x{block}: ranks disagree on its "
                                 f"tensors or settings")
         for tk in members:
@@ -120,7 +146,7 @@ def after_alltoall(ex, grp) -> None:
         for tk, (lo, hi), size in zip(members, bounds, nbytes):
             offsets = [s * block + pre for s in range(N)]
             pre += size
-            owned.append(owner_payload(backend, received, offsets, hi - lo, tk, ex))
+            owned.append(stage.owner_payload(backend, received, offsets, lo, hi, tk, ex))
             tk.payload_bytes = owned[-1].numel()
     except RankMismatchError as err:      # every rank finds it (every owner reads a disagreeing sender's header):
         for tk in members:                # each member fails at its finish, as with the size check above
@@ -128,8 +154,11 @@ def after_alltoall(ex, grp) -> None:
         return
     finally:
         ex.stats.codec_s += time.perf_counter() - t0
-    owners = ([sum(c[o] for c in chunks) for o in range(N)]
-              if getattr(ex.coll, "takes_sizes", False) else None)    # the last owners' shards may be short
+    if getattr(ex.coll, "takes_sizes", False):       # the last owners' shards may be short
+        out_chunks = chunks if stage is TernaryStage else [stage.owner_chunks(ex, tk) for tk in members]
+        owners = [sum(c[o] for c in out_chunks) for o in range(N)]
+    else:
+        owners = None
     allgather.launch(ex, grp, members, owned[0] if len(owned) == 1 else torch.cat(owned),
                      f"terngrad.rg.{grp.name}", sizes=owners)
 
@@ -160,18 +189,19 @@ def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex
     return payload
 
 
-def receive(ex, tk) -> torch.Tensor | None:
-    """The average of one member: every owner's payload decoded into its shard."""
+def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
+    """The average of one member: every owner's payload decoded into its shard (by ``stage``)."""
     gathered = allgather.gathered(ex, tk)
     t0 = time.perf_counter()
     grp, N, cfg = tk.group, ex.coll.size, ex.config
     n = tk.g32.numel()
     if grp.walked is None:       # every member's offsets in the gathered owners' blocks, once per group
-        chunk = [sizes.reternarized_chunk_bytes(m.g32.numel(), N, cfg.packing, cfg.bucket_size) for m in grp.sent]
+        chunk = [stage.owner_chunks(ex, m) for m in grp.sent]
         block = [sum(c[o] for c in chunk) for o in range(N)]
         if sum(block) != gathered.numel():
-            raise RankMismatchError(f"TernGrad: re-ternarized exchange of group '{grp.name}': gathered "
-                                    f"{gathered.numel()} bytes, expected {sum(block)}")
+            raise RankMismatchError(f"TernGrad: {stage.label} of group '{grp.name}': gathered "
+                                    f"{gathered.numel()} bytes, expected {sum(block)}: ranks disagree on its "
+                                    f"tensors or settings{stage.settings_hint}")
         walked, at = [[] for _ in grp.sent], 0
         for o in range(N):
             inner = at
@@ -186,20 +216,16 @@ def receive(ex, tk) -> torch.Tensor | None:
     if gathered.device.type == "cpu" or cfg.on_nonfinite == "raise":      # on the host: free on a CPU
         if bool(bad):
             ex.nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on at "
-                             "least one rank (re-ternarized exchange: a shard's owner carried the flag on)")
+                             f"least one rank ({stage.label}: a shard's owner carried the flag on)")
             if tk.error is not None:
                 raise tk.error
             return None
         bad = None
     out = tk.g32 if tk.in_place else torch.empty(n, dtype=torch.float32, device=gathered.device)
     noise = torch.empty(n, dtype=torch.float32, device=gathered.device) if tk.want_noise else None
-    backend = backends.for_device(gathered.device)
     for (lo, hi), off in zip(sizes.reternarized_bounds(n, N, cfg.bucket_size), offsets):
         if hi > lo:
-            head = Header(cfg.packing, 0, cfg.bucket_size, hi - lo)
-            backend.decode(gathered, [head], [off], 1, out=out[lo:hi])
-            if noise is not None:
-                allgather.noise_estimate(gathered, [head], [off], 1, out=noise[lo:hi])
+            stage.decode(gathered, off, lo, hi, tk, ex, out, noise)
     if bad is not None:          # an accelerator: the flags decided on the device, no synchronization
         out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
         if noise is not None:
@@ -209,4 +235,4 @@ def receive(ex, tk) -> torch.Tensor | None:
     return out
 
 
-__all__ = ["send", "after_alltoall", "receive", "encode_bucket", "shard_payload", "owner_payload"]
+__all__ = ["send", "after_alltoall", "receive", "encode_bucket", "shard_payload", "owner_payload", "TernaryStage"]

@@ -1,0 +1,89 @@
+"""Requantized exchange: ternary up, the owners' exact averages down in 4 bits, with Adam's noise estimate; about
+2 + 4.25 bits per element received at any number of ranks N (+1.25 with the noise estimate).
+
+1. As the re-ternarized exchange (reternarized.py, whose first stage and shards it shares): every rank ternarizes
+   its gradient with one scaler per shard and its own stream and sends shard o's payload to rank o (alltoall).
+2. Owner o decodes the N payloads of its shard, a_o = (Σ_r s_r·t_r)/N in fp32 in rank order, exactly as every
+   other exchange decodes, and encodes a_o in 4-bit groups of 128 with stochastic, unbiased rounding
+   (codec/requant.py): the second rounding's variance is Δ²·f·(1 - f) <= max|a|²/196 per element, where the
+   re-ternarized exchange's s'·|a| - a² reaches max|a|²/4.  For a parameter whose optimizer asked for the noise
+   estimate (horovod_terngrad.optim), the owner also sends, per element, one unbiased stochastic bit of
+   ν = (1/N²)·Σ_r s_r²·|t_r| + Δ²·f·(1 - f): the first stage's estimate, which only the owner can form since
+   only it holds every rank's payload of the shard (the same estimate the allgather exchange forms on every
+   rank), plus the second rounding's exact variance.  The owners' payloads go to every rank by one allgather.
+3. Every rank decodes every owner's payload into its shard; every rank decodes the same bytes, so every result
+   (and noise estimate) is identical on every rank.
+
+Unbiased: E[out | a] = a and E[a] = mean_r clip(g_r).  The noise channel's bit is unbiased for ν too; the
+optimizer keeps a running mean of it, which averages the bit's own variance away.
+
+Traffic per rank and element (b = 2 bits, 1.6 with base-3): sends and receives (N-1)/N·b in the alltoall and
+(N-1)/N·(4.25 [+ 1.25]) in the allgather, plus headers: at most 2 + 4.25 + 1.25 = 7.5 bits at any N (the
+allgather exchange receives (N-1)·b; the sharded one (N-1)/N·(b + ceil(log2(2N+1)))).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import codec
+from ..codec import requant, sizes
+from ..codec.packing import FLAG_NONFINITE, Header
+from ..errors import RankMismatchError
+from . import allgather, reternarized
+
+send = reternarized.send
+encode_bucket = reternarized.encode_bucket
+
+
+class RequantizedStage:
+    """The owner's second stage: its exact average in 4-bit groups, and the noise channel when asked."""
+
+    label = "requantized exchange"
+    settings_hint = " (or on whether their optimizers asked for the noise estimate: every rank must use the same one)"
+
+    @staticmethod
+    def owner_chunks(ex, tk) -> list:
+        return sizes.requantized_owner_chunk_bytes(tk.g32.numel(), ex.coll.size, tk.want_noise, ex.config.bucket_size)
+
+    @staticmethod
+    def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:
+        cfg, N, m = ex.config, ex.coll.size, hi - lo
+        head = Header(cfg.packing, 0, cfg.bucket_size, m)
+        if received.device.type == "cpu":       # the senders' headers name the shard: checked on the host
+            for o in offsets:
+                got = codec.packing.read_header(received, o, f"shard of '{tk.name}'")
+                if (got.numel, got.fmt, got.bucket_size) != (m, head.fmt, head.bucket_size):
+                    raise RankMismatchError(f"TernGrad: ranks disagree on gradient '{tk.name}': a shard of "
+                                            f"{got.numel} elements ({got.fmt}, buckets {got.bucket_size}) where this "
+                                            f"rank owns {m} ({head.fmt}, buckets {head.bucket_size})")
+        flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
+        bad = (flags & FLAG_NONFINITE).ne(0).any()
+        divisor = N if tk.average else 1
+        if m == 0:
+            avg = torch.zeros(0, dtype=torch.float32, device=received.device)
+        else:
+            avg = backend.decode(received, [head] * N, offsets, divisor)
+            avg = torch.where(bad, torch.zeros_like(avg), avg)     # a flagged shard is NaN anyway: keep it finite
+        noise = None
+        if tk.want_noise:
+            noise = (allgather.noise_estimate(received, [head] * N, offsets, divisor) if m else avg.clone())
+            noise = torch.where(bad, torch.zeros_like(noise), noise)
+        keys = requant.keys(cfg.seed, tk.step, tk.name, ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
+        payload = requant.encode(avg, keys, lo, noise)
+        payload[3:4] |= bad.to(torch.uint8).reshape(1)                # the flag, set on the device: no sync
+        return payload
+
+    @staticmethod
+    def decode(gathered, off, lo, hi, tk, ex, out, noise) -> None:
+        requant.decode(gathered, off, hi - lo, tk.want_noise, out[lo:hi], None if noise is None else noise[lo:hi])
+
+
+def after_alltoall(ex, grp) -> None:
+    reternarized.after_alltoall(ex, grp, RequantizedStage)
+
+
+def receive(ex, tk) -> torch.Tensor | None:
+    return reternarized.receive(ex, tk, RequantizedStage)
+
+
+__all__ = ["send", "after_alltoall", "receive", "encode_bucket", "RequantizedStage"]
