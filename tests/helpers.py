@@ -44,16 +44,20 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks
     return out.view(grads[0].shape).to(grads[0].dtype), ternary
 
 
-def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True):
+def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True,
+                          noise=False):
     """The hierarchical average written out again: node sums in local-rank order (/ G), each local rank's
     pieces ternarized across nodes as the flat exchange does (helpers.expected_average, streams of the
-    global rank), the shards put back together.  ``steps``: the step of each piece name (updated)."""
+    global rank), the shards put back together.  ``steps``: the step of each piece name (updated).  With
+    ``noise`` (the re-ternarized and requantized cross exchanges), also the cross stage's noise estimate of each
+    member, put together from its pieces as the average is: (averages, noises)."""
     G = topo.ranks_per_node
     numels = [t.numel() for t in per_rank[0]]
     plan = shard_plan(numels, G)
     flat = {r: torch.cat([t.reshape(-1).float() for t in per_rank[r]]) for r in range(topo.size)}
     bounds = shard_bounds(sum(numels), G)
     outs = [torch.empty(n) for n in numels]
+    noises = [torch.empty(n) for n in numels]
     starts = [sum(numels[:i]) for i in range(len(numels))]
     for j, pieces in enumerate(plan):
         lo, hi = bounds[j]
@@ -70,12 +74,18 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
             step = steps.get(pname, 0)
             steps[pname] = step + 1
             segs = [v[a:a + p.numel] for v in node_vals]
-            if cfg.exchange == "reternarized":
-                want = expected_reternarized(segs, pname, step, cfg, average=average, ranks=list(cross))
+            if cfg.exchange in ("reternarized", "requantized"):
+                want, nu = expected_reternarized(segs, pname, step, cfg, average=average, ranks=list(cross), noise=True,
+                                                 second="requant" if cfg.exchange == "requantized" else "ternary")
+                noises[p.member][p.start:p.stop] = nu
             else:
+                if noise:
+                    raise NotImplementedError("the reference noise of the hierarchical exchange: re-ternarized and "
+                                              "requantized cross exchanges only")
                 want, _ = expected_average(segs, pname, step, cfg, average=average, ranks=list(cross))
             outs[p.member][p.start:p.stop] = want
-    return [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
+    outs = [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
+    return (outs, noises) if noise else outs
 
 
 def mlp(width=32, depth=4, seed=0):

@@ -135,6 +135,46 @@ def test_every_rank_gets_the_recomputed_hierarchical_average_bit_for_bit(topo, c
         assert res[r][1] == ref_steps, r
 
 
+@pytest.mark.parametrize("topo", ["2x2", "2x3", "2x2-crossed"])
+@pytest.mark.parametrize("exchange", ["requantized", "reternarized", "allgather"])
+def test_the_noise_estimate_comes_through_the_node_aware_exchange(topo, exchange):
+    """horovod_terngrad.optim's noise estimate on the node-aware path: the cross stage's estimate (its only
+    ternary rounding) of every piece, carried by the intra-node allgather to every local rank and put together
+    per member as the average is: the reference's bit for bit (re-ternarized, requantized), identical on every
+    rank of the job (allgather too), only for the members that asked, and the averages unchanged by asking."""
+    topo = TOPOS[topo]
+    cfg = TernGradConfig(hierarchical=True, exchange=exchange)
+    names = [f"layer{i}" for i in range(len(SHAPES))]
+
+    def body(c, local, cross):
+        ex = engine(cfg, c, local, cross, topo)
+        gs = [grad(s, c.rank, i) for i, s in enumerate(SHAPES)]
+        tickets = ex.start_group(list(zip(gs, names)), "g0")
+        for i, tk in enumerate(tickets):
+            tk.want_noise = i != 1          # one member does not ask
+        outs = [ex.finish(t) for t in tickets]
+        return outs, [t.noise for t in tickets]
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    per_rank = [[grad(s, r, i) for i, s in enumerate(SHAPES)] for r in range(topo.size)]
+    if exchange == "allgather":
+        want = reference(per_rank, names, topo, cfg, {})
+        want_nu = res[0][1]
+    else:
+        want, want_nu = reference(per_rank, names, topo, cfg, {}, noise=True)
+    for r in range(topo.size):
+        outs, noises = res[r]
+        for i in range(len(SHAPES)):
+            assert torch.equal(outs[i], want[i]), (r, i)
+            if i == 1:
+                assert noises[i] is None
+            else:
+                assert torch.equal(noises[i].reshape(-1), want_nu[i].reshape(-1)), (r, i)
+                assert (noises[i] >= 0).all()
+    assert any(bool((n > 0).any()) for n in want_nu if n is not None)
+
+
 @pytest.mark.parametrize("topo", list(TOPOS), ids=list(TOPOS))
 @pytest.mark.parametrize("cfg", ["default", "buckets", "auto"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "alone"])

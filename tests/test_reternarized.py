@@ -202,3 +202,24 @@ def test_ranks_whose_shard_headers_disagree_at_equal_sizes_fail_at_finish_not_a_
     for msg, ok in res:
         assert msg is not None and "'fc.weight'" in msg and "disagree" in msg
         assert torch.equal(ok, res[0][1])
+
+
+@pytest.mark.parametrize("numel,N,fmt,bucket", [(1000, 8, "2bit", 0), (1000, 3, "base3", 0), (4096, 64, "2bit", 0),
+                                                (999, 4, "2bit", 60), (100, 8, "base3", 0), (5, 4, "2bit", 0),
+                                                (12345, 16, "base3", 20)])
+def test_shard_payloads_are_each_shards_own_payload_byte_for_byte(numel, N, fmt, bucket):
+    """The block layout of the full-size shards (reternarized.shard_payloads) gives the bytes shard_payload gives
+    shard by shard, the sender's NaN/Inf flag included."""
+    from horovod_terngrad import backends, codec
+    from horovod_terngrad.exchange.reternarized import shard_payload, shard_payloads
+    g = torch.randn(numel)
+    enc = sizes.reternarized_encode_bucket(numel, N, bucket)
+    backend = backends.for_device(g.device)
+    prep = backend.prepare(g, enc, 2.5)
+    payload = backend.encode(g, prep.threshold, prep.scalers, enc, codec.stream_key(0, 0, 1, 0), fmt, flags=1)
+    got = shard_payloads(payload, numel, N, enc, fmt, bucket)
+    want = [shard_payload(payload, numel, lo, hi, enc, fmt, bucket)
+            for lo, hi in sizes.reternarized_bounds(numel, N, bucket)]
+    assert len(got) == N
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -46,6 +46,9 @@ from .engine import Exchange, Ticket, check_gradient
 log = logging.getLogger("horovod_terngrad")
 
 STATUS_OK, STATUS_NONFINITE, STATUS_MISMATCH, STATUS_FAILED = 0.0, 1.0, 2.0, 3.0
+# added to a piece's status when its cross exchange gave no noise estimate (a transport without one, e.g. the
+# sharded or the join transport): the members it belongs to then hand the optimizer none, on every local rank
+STATUS_NO_NOISE = 16.0
 
 
 class HierarchicalTicket(Ticket):
@@ -58,7 +61,7 @@ class HierarchicalGroup:
     """One fused group on its way through the three stages."""
 
     __slots__ = ("name", "members", "plan", "average", "a2a", "pieces", "node_mean", "ag", "gathered",
-                 "error", "unfinished", "cross_started", "local_mismatch", "device", "outbox", "sent")
+                 "error", "unfinished", "cross_started", "local_mismatch", "device", "outbox", "sent", "noisy")
 
     def __init__(self, name, members, plan, average):
         self.name, self.members, self.plan, self.average = name, members, plan, average
@@ -67,6 +70,7 @@ class HierarchicalGroup:
         self.unfinished = len(members)
         self.cross_started = False
         self.local_mismatch = False     # this node's ranks disagreed on the group's size
+        self.noisy = False              # a member asked for the noise estimate: the allgather carries it
         self.device = members[0].g32.device if members else None
 
 
@@ -333,17 +337,23 @@ class HierarchicalExchange:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.stats.intra_node_bytes_received += 4 * (received.numel() - shard)
+        # Adam's noise estimate (horovod_terngrad.optim) comes from the cross exchange of the node means, the
+        # only ternary rounding on this path; the intra-node allgather carries it beside the shard.  Every rank
+        # of the job runs the same optimizer, so every local rank decides alike (a disagreement shows as sizes).
+        grp.noisy = any(tk.want_noise for tk in grp.members)
+        extra = shard if grp.noisy else 0
         if received.numel() != self.G * shard:
             # Ranks of this node disagree on the group's size.  The cross exchange still runs (its peers on
             # other nodes wait for it), on NaN values, so that every node hears of it; every rank of this
             # node reports the mismatch through the statuses of the intra-node allgather.
             grp.local_mismatch = True
-            grp.outbox = torch.full((shard + len(pieces),), float("nan"), dtype=torch.float32, device=received.device)
+            grp.outbox = torch.full((shard + extra + len(pieces),), float("nan"), dtype=torch.float32,
+                                    device=received.device)
             node = grp.outbox[:shard]
         else:
             # the node sum goes straight into the buffer the intra-node allgather sends (the shard, then one
             # status word per piece): no copy of the shard later
-            grp.outbox = self._spare_outbox(grp.name, shard + len(pieces), received.device)
+            grp.outbox = self._spare_outbox(grp.name, shard + extra + len(pieces), received.device)
             node = grp.outbox[:shard]
             parts = received.view(self.G, shard)
             if self.G > 1:
@@ -372,6 +382,8 @@ class HierarchicalExchange:
         tag = "x" if self.spans_world else f"x{j}"
         grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.{tag}", grp.average, in_place=True,
                                                    mode=mode) if items else []
+        for ptk, p in zip(grp.pieces, pieces):
+            ptk.want_noise = grp.members[p.member].want_noise
         grp.cross_started = True
 
     def _finish_cross(self, grp: HierarchicalGroup) -> None:
@@ -379,16 +391,24 @@ class HierarchicalExchange:
         j = self.local.rank
         pieces = grp.plan[j]
         status = torch.zeros(len(pieces), dtype=torch.float32)
+        shard = sum(p.numel for p in pieces)
         if grp.error is not None or not grp.cross_started:
             status.fill_(STATUS_FAILED)
-            grp.outbox = torch.zeros(sum(p.numel for p in pieces) + len(pieces), dtype=torch.float32,
+            grp.outbox = torch.zeros(shard * (2 if grp.noisy else 1) + len(pieces), dtype=torch.float32,
                                      device=grp.members[0].g32.device)
         else:
+            at = shard
             for i, ptk in enumerate(grp.pieces):
                 try:
                     out = self.cross_engine.finish(ptk)
                     if out.data_ptr() != ptk.g32.data_ptr():
                         ptk.g32.copy_(out.reshape(-1))
+                    if grp.noisy:
+                        if ptk.noise is not None:
+                            grp.outbox[at:at + ptk.g32.numel()] = ptk.noise.reshape(-1)
+                        elif ptk.want_noise:
+                            status[i] += STATUS_NO_NOISE
+                    at += ptk.g32.numel()
                 except NonFiniteGradientError:
                     status[i] = STATUS_NONFINITE
                 except RankMismatchError:
@@ -401,7 +421,7 @@ class HierarchicalExchange:
         data, grp.outbox = grp.outbox, None
         grp.sent = data
         data[data.numel() - len(pieces):] = status.to(data.device)
-        sizes = [sum(p.numel for p in grp.plan[r]) + len(grp.plan[r]) for r in range(self.G)]
+        sizes = [sum(p.numel for p in grp.plan[r]) * (2 if grp.noisy else 1) + len(grp.plan[r]) for r in range(self.G)]
         name = f"terngrad.h.ag.{grp.name}"
         if getattr(self.local, "takes_sizes", False):
             grp.ag = self.local.allgather_async(data, name, sizes=sizes)
@@ -427,23 +447,31 @@ class HierarchicalExchange:
             self.stats.intra_node_bytes_received += grp.gathered.numel() * 4
         if grp.error is not None and isinstance(grp.error, CollectiveError):
             raise grp.error.detailed(f"TernGrad: exchange of gradient '{tk.name}' failed")
-        # walk the G blocks: [shard values | one status per piece], local-rank order
+        # walk the G blocks: [shard values | their noise estimate, if carried | one status per piece], local-rank
+        # order
         out = tk.g32 if tk.in_place else torch.empty_like(tk.g32)
-        bad, at = set(), 0
+        noise = torch.empty_like(tk.g32) if grp.noisy and tk.want_noise else None
+        bad, at, noise_missing = set(), 0, False
         for r in range(self.G):
             pieces = grp.plan[r]
             shard = sum(p.numel for p in pieces)
             values = grp.gathered[at:at + shard]
-            status = grp.gathered[at + shard:at + shard + len(pieces)]
-            at += shard + len(pieces)
+            extra = shard if grp.noisy else 0
+            status = grp.gathered[at + shard + extra:at + shard + extra + len(pieces)]
             off = 0
             for i, p in enumerate(pieces):
                 if p.member == tk.index:
                     code = float(status[i])
+                    if code >= STATUS_NO_NOISE:
+                        code -= STATUS_NO_NOISE
+                        noise_missing = True
                     if code != STATUS_OK:
                         bad.add(code)
                     out[p.start:p.stop] = values[off:off + p.numel]
+                    if noise is not None:
+                        noise[p.start:p.stop] = grp.gathered[at + shard + off:at + shard + off + p.numel]
                 off += p.numel
+            at += shard + extra + len(pieces)
         if at != grp.gathered.numel():
             raise RankMismatchError(f"TernGrad: ranks of this node disagree on group '{grp.name}': gathered "
                                     f"{grp.gathered.numel()} values, expected {at}")
@@ -459,6 +487,8 @@ class HierarchicalExchange:
             if tk.error is not None:
                 raise tk.error
             out.fill_(float("nan") if tk.poisoned else 0.0)
+            noise = None
+        tk.noise = None if noise_missing else noise
         return out
 
 

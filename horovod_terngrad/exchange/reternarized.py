@@ -82,14 +82,54 @@ def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bu
     return torch.cat([head, scalers[k0 * sizes.SCALER_BYTES:k1 * sizes.SCALER_BYTES], codes[b0:b1]])
 
 
+def shard_payloads(payload: torch.Tensor, numel: int, n_ranks: int, encode_bucket_size: int, fmt: str,
+                   bucket_size: int) -> list:
+    """Every shard's payload (``shard_payload`` of each owner, the same bytes).  The full-size shards, all but the
+    last one or few, are laid out by four copies into one [shards, bytes] block (one header, the flag byte from
+    the sender's, the scalers and codes, which tile the payload), its rows handed out as views: a rank sends N
+    shards per tensor, and one small tensor op per shard cost about 70 us each (0.7 s per step at 64 ranks on
+    a ResNet-50's 161 tensors)."""
+    bounds = sizes.reternarized_bounds(numel, n_ranks, bucket_size)
+    full = sizes.reternarized_shard(numel, n_ranks, bucket_size)
+    count = sum(1 for lo, hi in bounds if hi - lo == full) if full else 0
+    if count < 2:
+        return [shard_payload(payload, numel, lo, hi, encode_bucket_size, fmt, bucket_size) for lo, hi in bounds]
+    per_scalers = -(-full // encode_bucket_size) * sizes.SCALER_BYTES
+    per_codes = sizes.code_byte_range(0, full, fmt)[1]
+    nb = sizes.num_buckets(numel, encode_bucket_size)
+    at = sizes.codes_offset(nb)
+    width = sizes.HEADER_BYTES + per_scalers + per_codes
+    block = torch.empty((count, width), dtype=torch.uint8, device=payload.device)
+    block[:, :sizes.HEADER_BYTES] = _header_template(full, fmt, bucket_size, payload.device)
+    block[:, 3] = payload[3]
+    block[:, sizes.HEADER_BYTES:sizes.HEADER_BYTES + per_scalers] = \
+        payload[sizes.HEADER_BYTES:sizes.HEADER_BYTES + count * per_scalers].view(count, per_scalers)
+    block[:, sizes.HEADER_BYTES + per_scalers:] = payload[at:at + count * per_codes].view(count, per_codes)
+    return list(block.unbind(0)) + [shard_payload(payload, numel, lo, hi, encode_bucket_size, fmt, bucket_size)
+                                    for lo, hi in bounds[count:]]
+
+
+_HEADERS: dict = {}
+
+
+def _header_template(n: int, fmt: str, bucket_size: int, device) -> torch.Tensor:
+    key = (n, fmt, bucket_size, str(device))
+    head = _HEADERS.get(key)
+    if head is None:
+        if len(_HEADERS) > 4096:
+            _HEADERS.clear()
+        head = _HEADERS[key] = torch.frombuffer(bytearray(header_bytes(n, fmt, bucket_size)),
+                                                dtype=torch.uint8).to(device)
+    return head
+
+
 def send(ex, grp, sends: list) -> None:
     """Alltoall: to rank o, the payload of shard o of every member (members in order)."""
     N, cfg = ex.coll.size, ex.config
     to_rank = [[] for _ in range(N)]
     for tk, payload in sends:
-        n = tk.g32.numel()
-        for o, (lo, hi) in enumerate(sizes.reternarized_bounds(n, N, cfg.bucket_size)):
-            to_rank[o].append(shard_payload(payload, n, lo, hi, tk.bucket, cfg.packing, cfg.bucket_size))
+        for o, chunk in enumerate(shard_payloads(payload, tk.g32.numel(), N, tk.bucket, cfg.packing, cfg.bucket_size)):
+            to_rank[o].append(chunk)
     sharded.launch_alltoall(ex, grp, [tk for tk, _ in sends], torch.cat([c for chunks in to_rank for c in chunks]),
                             [sum(c.numel() for c in chunks) for chunks in to_rank], f"terngrad.rt.{grp.name}")
 

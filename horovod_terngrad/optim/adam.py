@@ -18,7 +18,10 @@ Two ways to keep the noise out of v, both measured (docs/adam.md); the first is 
   v - n is smaller than fp32's v by up to the minibatch's own share; the floor (``v_floor``, default 0.1: at
   most sqrt(10) ≈ 3.2x longer steps than plain v) keeps elements whose estimate is all noise finite.  A norm clip
   or a GradScaler's unscale between the exchange and the step scales nu by the same factor squared (recovered
-  from the two norms).  Where no estimate comes (the sharded or node-aware exchange, a rank in ``hvd.join()``),
+  from the two norms).  The re-ternarized and requantized exchanges give it too (requantized: the owner's estimate
+  of its shard, one stochastic unbiased bit per element), and so does the node-aware exchange (its cross-node
+  stage's, carried by the intra-node allgather).  Where no estimate comes (the sharded exchange, a rank in
+  ``hvd.join()``),
   v takes the ternary gradient as plain AdamW would, said once.
 * ``refresh=RefreshSchedule(...)``: **v from full-precision refreshes only** (0/1 Adam's idea, arXiv
   2202.06009).  The exchange sends the gradient at full precision on the schedule's steps; there both moments
@@ -185,8 +188,9 @@ class _RefreshedAdam:
                 if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
                     _RefreshedAdam._warned_no_noise = True
                     log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "
-                                "the allgather and re-ternarized exchanges give one (not 'sharded', the node-aware "
-                                "exchange or a step with a rank in hvd.join()); its second moment takes the ternary "
+                                "the allgather, re-ternarized and requantized exchanges give one, flat or across "
+                                "nodes (not 'sharded', nor a step with a rank in hvd.join()); its second moment takes "
+                                "the ternary "
                                 "gradient as plain AdamW does", tuple(p.shape))
             else:
                 refresh = record != precision.TERNARY
