@@ -208,14 +208,18 @@ def block_headline(m: dict, be: dict) -> str:
     ])
 
 
-def _settings_dp(d: dict, adam: bool, M: int) -> str:
+def _settings_dp(a: dict, g: dict, adam: bool, M: int) -> str:
+    """The settings of a data-parallel row, from its modelled speedups (AlexNet ``a``, GoogLeNet ``g``)."""
+    key = "flat_allgather" if adam else "auto"
+    if a[key] < 1.0 and g[key] < 1.0:
+        return "TernGrad off: slower than fp32 here"
     if adam:
-        if M == 1:
-            return "`optim.AdamW`; defaults"
-        return "`optim.AdamW`; `hierarchical=False` (keeps the noise estimate)"
-    if M == 1:
-        return "defaults"
-    return "`exchange=\"auto\"`"
+        s = "`optim.AdamW`" + ("" if M == 1 else "; `hierarchical=False` (keeps the noise estimate)")
+    else:
+        s = "`exchange=\"auto\"`"
+    if min(a[key], g[key]) < 1.0:
+        s += "; off for models with little to compress (GoogLeNet-like)"
+    return s
 
 
 def block_choosing(mod: dict, m: dict) -> str:
@@ -237,8 +241,8 @@ def block_choosing(mod: dict, m: dict) -> str:
             for M in NODES:
                 a, g = mod["dp"][(key, G, M, "alexnet")], mod["dp"][(key, G, M, "googlenet")]
                 pair = lambda k: f"{a[k]:.2f} / {g[k]:.2f}"  # noqa: E731
-                lines.append(f"| Horovod, DDP | {net_name[key]} | {G} | {M} | {_settings_dp(a, False, M)} | "
-                             f"{pair('auto')} | {_settings_dp(a, True, M)} | {pair('flat_allgather')} | "
+                lines.append(f"| Horovod, DDP | {net_name[key]} | {G} | {M} | {_settings_dp(a, g, False, M)} | "
+                             f"{pair('auto')} | {_settings_dp(a, g, True, M)} | {pair('flat_allgather')} | "
                              f"{pair('fp16')} | {', '.join(e.replace('terngrad_', '') for e in a['exchanges'])} |")
     lines += [
         "",
