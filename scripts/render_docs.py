@@ -289,6 +289,27 @@ def block_choosing(mod: dict, m: dict) -> str:
     return "\n".join(lines)
 
 
+def block_adam(m: dict) -> str:
+    over = {r["model"]: r["overhead_default"] for r in _load("docs/adam/optim_overhead.json")}
+    return "\n".join([
+        "| | figure (docs/adam.md; held-out loss at equal steps, nanoGPT's recipe, 1000 steps) |",
+        "|---|---|",
+        f"| torch's AdamW with TernGrad vs fp32 AdamW (the gap): GPT-2 4x128, 3 seeds / stdlib corpus 6x96, 1 seed "
+        f"| {_pct(m['adam_plain'])} / {_pct(m['adam_plain_stdlib'])} |",
+        f"| `horovod_terngrad.optim.AdamW` + TernGrad vs fp32 AdamW: DDP / FSDP2 HSDP 2x2 / Horovod (1 seed) / stdlib "
+        f"corpus | {_pct(m['adam_ddp'])} / {_pct(m['adam_hsdp'])} / {_pct(m['adam_hvd'])} / {_pct(m['adam_stdlib'])} |",
+        f"| the same at 4 DDP ranks (3 seeds, widely spread) / with the re-ternarized exchange "
+        f"| {_pct(m['adam_ddp4'])} / {_pct(m['adam_ddp4_ret'])} |",
+        f"| bits per gradient element over the run, `min_numel=0` / TernGrad's defaults | {m['bits_tgc']:.2f} / "
+        f"{m['bits_defaults']:.2f} |",
+        f"| optimizer step + noise estimate, share of one rank's compute: GPT-2 4x256 / 6x512 "
+        f"| {100 * over['gpt2-4x256']:+.1f}% / {100 * over['gpt2-6x512-v16384']:+.1f}% |",
+        f"| alternatives: v from full-precision refreshes (`refresh=RefreshSchedule(max_interval=128)`) / DDP "
+        f"`fp16_compress_hook` / PowerSGD rank 4 | {_pct(m['adam_refresh'])} / {_pct(m['adam_fp16hook'])} / "
+        f"{_pct(m['adam_powersgd4'])} |",
+    ])
+
+
 def block_ddp_status(m: dict) -> str:
     return "\n".join([
         "| goal | status |",
@@ -312,8 +333,8 @@ def block_fsdp_scale(be: dict) -> str:
     first, at16, last = be["first"], be["at16"], be["last"]
     return (f"With the default per-rank-scaler allgather, every rank receives R-1 payloads, so TernGrad's cross-node "
             f"bytes grow with the node count: on the Ethernet cluster it beats HSDP bf16 up to "
-            f"{be['last_win_nodes']} nodes ({_x(first[1])} at {first[0]} nodes), is level at 16 nodes "
-            f"({_x(at16[1])}: the same bytes as bf16's ring) and loses beyond ({_x(last[1])} at {last[0]} nodes); "
+            f"{be['last_win_nodes']} nodes ({_x(first[1])} at {first[0]} nodes), falls just below it at 16 "
+            f"nodes ({_x(at16[1])}: about the same bytes as bf16's ring) and loses beyond ({_x(last[1])} at {last[0]} nodes); "
             f"`exchange=\"sharded\"` (bit for bit in `tests/test_fsdp.py` too) keeps its traffic flat and beats bf16 "
             f"at every size ({_x(at16[2])} at 16 nodes, {_x(last[2])} at {last[0]} nodes). Use it from about 8 "
             f"nodes on, except with `horovod_terngrad.optim.AdamW`, whose noise estimate needs the allgather.")
@@ -385,11 +406,19 @@ def env_vars() -> dict:
             name = name.rstrip("_")
             d = found.setdefault(name, {"default": "", "files": set()})
             d["files"].add(rel)
-            for pat in (rf'environ\.get\(\s*"{name}"\s*,\s*"([^"]*)"', rf'_env_number\(\s*"{name}"\s*,\s*"([^"]*)"',
-                        rf'\$\{{{name}:-([^}}]*)\}}'):
-                mm = re.search(pat, text)
-                if mm:
-                    d["default"] = mm.group(1)
+            if rel.endswith("preflight.py"):      # its defaults are what it prints when a variable is unset
+                continue
+            # read by name, or through a module constant (NODE_GROUPS_ENV = "HOROVOD_TERNGRAD_NODE_GROUPS")
+            refs = [re.escape(f'"{name}"')] + [re.escape(c) for c in
+                                                re.findall(rf'^(\w+)\s*=\s*"{name}"', text, re.M)]
+            for ref in refs:
+                for pat in (rf'environ\.get\(\s*{ref}\s*,\s*"([^"]*)"', rf'_env_number\(\s*{ref}\s*,\s*"([^"]*)"'):
+                    mm = re.search(pat, text)
+                    if mm:
+                        d["default"] = mm.group(1)
+            mm = re.search(rf'\$\{{{name}:-([^}}]*)\}}', text)
+            if mm:
+                d["default"] = mm.group(1)
     return found
 
 
@@ -427,6 +456,9 @@ def _parser_table(p: argparse.ArgumentParser) -> list[str]:
             continue
         opts = ", ".join(f"`{o}`" for o in a.option_strings) or f"`{a.dest}` (positional)"
         default = "" if a.default is None or a.default is argparse.SUPPRESS else f"`{a.default!r}`"
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and a.option_strings and \
+                a.option_strings[-1].lstrip("-").replace("-", "_") != a.dest:
+            default = f"sets `{a.dest}` to `{a.const!r}` (default `{a.default!r}`)"
         choices = ", ".join(f"`{c}`" for c in a.choices) if a.choices else ""
         lines.append(f"| {opts} | {default} | {choices} | {_md(a.help or '')} |")
     return lines
@@ -582,6 +614,7 @@ def blocks() -> dict:
         ("docs/index.md", "headline"): head.replace("DOCS/", ""),
         ("docs/choosing.md", "choosing"): block_choosing(mod, m),
         ("docs/ddp.md", "ddp-status"): block_ddp_status(m),
+        ("docs/quickstart.md", "adam"): block_adam(m),
         ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be),
         ("docs/troubleshooting.md", "inventory"): block_inventory(),
     }
