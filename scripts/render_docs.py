@@ -217,7 +217,7 @@ def _settings_dp(a: dict, g: dict, adam: bool, M: int) -> str:
     """The settings of a data-parallel row, from its modelled speedups (AlexNet ``a``, GoogLeNet ``g``)."""
     key = "flat_allgather" if adam else "auto"
     if a[key] < 1.0 and g[key] < 1.0:
-        return "TernGrad off: slower than fp32 here" + (" (see below the table)" if adam else "")
+        return "TernGrad off: slower than fp32 here" + (" (see the note above the table)" if adam else "")
     if adam:
         s = "`optim.AdamW`" + ("" if M == 1 else "; `hierarchical=False` (keeps the noise estimate)")
     else:
