@@ -284,7 +284,7 @@ def test_auto_exchange_picks_by_cost():
     from horovod_terngrad.exchange.cost import Network, exchange_for
     net = Network.from_gbps("1GbE", 1.0, 50.0)       # what exchange="auto" assumes by default
     assert exchange_for([10_000_000], 2, "2bit", network=net) == "allgather"
-    assert exchange_for([10_000_000], 64, "2bit", network=net) == "sharded"
+    assert exchange_for([10_000_000], 64, "2bit", network=net) == "requantized"
     assert exchange_for([100], 64, "2bit", network=net) == "allgather"       # latency-bound: one collective wins
     with pytest.raises(ValueError, match="needs shared_scaler"):
         TernGradConfig(exchange="sharded", shared_scaler=False)

@@ -63,9 +63,26 @@ FP16 = "fp16"
 TERNGRAD_ALLGATHER = "terngrad_allgather"
 TERNGRAD_SHARDED = "terngrad_sharded"
 TERNGRAD_RETERNARIZED = "terngrad_reternarized"
-TERNGRAD_BEST = "terngrad"        #: per buffer, the cheaper of the two TernGrad exchanges
+TERNGRAD_REQUANTIZED = "terngrad_requantized"
+TERNGRAD_BEST = "terngrad"        #: per buffer, the cheapest of the TernGrad exchanges "auto" picks from
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
+# what exchange="auto" picks from per group: both give horovod_terngrad.optim its noise estimate (the sharded
+# exchange gives none, and needs the shared scaler's handshake)
+AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
+# exchange="default" (TernGradConfig's default): the allgather exchange up to this many ranks in the exchange, the
+# requantized one above.  Received bits per element: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4), requantized
+# (N-1)/N·7.5 with the noise channel (3.75, 5.0, 5.6): the allgather is cheaper on the wire up to N = 3, within
+# 7% at N = 4, where it has one collective instead of two and no second rounding; from N = 5 on the requantized
+# exchange receives less (at most 7.5 bits at any N, where the allgather's grow as 2·(N-1)).
+DEFAULT_ALLGATHER_MAX_RANKS = 4
+
+
+def default_exchange(n_ranks: int) -> str:
+    """The exchange ``exchange="default"`` runs among ``n_ranks`` ranks (the cross group's M for the node-aware
+    exchange): a pure function of N, so every rank decides alike without a collective."""
+    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "requantized"
+
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
 HOROVOD_FUSION_BYTES = 128 * 1024 * 1024
@@ -457,6 +474,36 @@ def terngrad_reternarized_cost(sizes: int | Sequence[int], workers: int, network
     return ExchangeCost(TERNGRAD_RETERNARIZED, t, 2 * (N - 1) * c + hs_b, 2 * _stages(N, link) + hs_m, n)
 
 
+def requantized_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit", bucket_size: int = 0,
+                      noise: bool = True) -> tuple[int, int]:
+    """(c, P): the most bytes of one group any owner receives from one peer in the alltoall (the re-ternarized
+    exchange's first stage), and the most any owner hands the allgather (its shard of every member in 4-bit groups,
+    with the noise channel if ``noise``: codec.sizes.requantized_owner_chunk_bytes)."""
+    N = int(workers)
+    up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size) for x in sizes]
+    down = [wire.requantized_owner_chunk_bytes(x, N, noise, bucket_size) for x in sizes]
+    return (max((sum(m[r] for m in up) for r in range(N)), default=0),
+            max((sum(m[r] for m in down) for r in range(N)), default=0))
+
+
+def terngrad_requantized_cost(sizes: int | Sequence[int], workers: int, network: Network,
+                              packing: str = "2bit", bucket_size: int = 0, noise: bool = True) -> ExchangeCost:
+    """TernGrad requantized exchange (exchange/requantized.py): alltoall of each shard's ternary payload to its
+    owner, allgather of the owners' 4-bit averages (and, with ``noise``, the noise channel: the default, as
+    horovod_terngrad.optim asks for it).  With (c, P) = :func:`requantized_bytes`,
+    T = alltoall(c) + (N-1)·alpha + (N-1)·P·beta.  Received bytes per rank (N-1)·(c + P) ~ (N-1)/N·n·(b + 4.25
+    [+ 1.25])/8, flat in N.  Messages 2(N-1) (ring).  Per-rank scalers: no handshake."""
+    ns = _sizes(sizes)
+    n, N = sum(ns), int(workers)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_REQUANTIZED, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    c, P = requantized_bytes(ns, N, packing, bucket_size, noise)
+    G = network.ranks_per_node if link is network else N
+    t = alltoall_time(c, N, link, G) + ring_allgather_time(P, N, link)
+    return ExchangeCost(TERNGRAD_REQUANTIZED, t, (N - 1) * (c + P), 2 * _stages(N, link), n)
+
+
 _COST_FUNCTIONS = {
     FP32: lambda s, N, net, packing, bucket_size, shared: fp32_allreduce_cost(s, N, net),
     FP16: lambda s, N, net, packing, bucket_size, shared: fp16_allreduce_cost(s, N, net),
@@ -467,6 +514,8 @@ _COST_FUNCTIONS = {
     # per-rank scalers unless set otherwise (its default): no handshake
     TERNGRAD_RETERNARIZED: lambda s, N, net, packing, bucket_size, shared: terngrad_reternarized_cost(
         s, N, net, packing, bucket_size, False),
+    TERNGRAD_REQUANTIZED: lambda s, N, net, packing, bucket_size, shared: terngrad_requantized_cost(
+        s, N, net, packing, bucket_size),
 }
 
 
@@ -484,10 +533,11 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
     """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad).
     ``shared_scaler`` is the allgather's scaler setting (``TernGradConfig.scaler_shared_for("allgather")``)."""
     if method == TERNGRAD_BEST:
-        return choose_exchange(sizes, workers, network, packing, bucket_size=bucket_size,
-                               shared_scaler=shared_scaler).cost
+        return choose_exchange(sizes, workers, network, packing, candidates=auto_candidates(workers),
+                               bucket_size=bucket_size, shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
-        raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED,)}, got {method!r}")
+        raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)}, "
+                         f"got {method!r}")
     return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size, shared_scaler)
 
 
@@ -525,10 +575,14 @@ def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, 
     N = int(workers)
     if exchange in (None, "auto"):
         exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
+    elif exchange == "default":
+        exchange = default_exchange(N)
     if exchange == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
     if exchange == "reternarized":
         return terngrad_reternarized_cost(ns, N, network, packing, bucket_size)
+    if exchange == "requantized":
+        return terngrad_requantized_cost(ns, N, network, packing, bucket_size)
     return terngrad_allgather_cost(ns, N, network, packing, bucket_size, shared_scaler)
 
 
@@ -667,13 +721,18 @@ def _env_number(name: str, default: str, kind, least, positive: bool = False):
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
                  network: Network | None = None, shared_scaler: bool = False) -> str:
-    """``exchange="auto"``: 'allgather' or 'sharded', whichever this model predicts to be faster for a
-    group of tensors of these sizes.  With two ranks or fewer sharding cannot receive less and costs one
-    more collective, so it is never chosen.  ``shared_scaler``: whether an allgather group would share
-    its scaler (``TernGradConfig.scaler_shared_for("allgather")``; False, "auto"'s default, charges it no
-    handshake)."""
+    """``exchange="auto"``: 'allgather' or 'requantized' (:data:`AUTO_EXCHANGES`: both give horovod_terngrad.optim
+    its noise estimate), whichever this model predicts to be faster for a group of tensors of these sizes.
+    With two ranks or fewer sharding cannot receive less and costs one more collective, so it is never chosen.
+    ``shared_scaler``: whether an allgather group would share its scaler
+    (``TernGradConfig.scaler_shared_for("allgather")``; False, "auto"'s default, charges it no handshake)."""
     if n_ranks <= 2:
         return "allgather"
     choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
-                             bucket_size=bucket_size, shared_scaler=shared_scaler)
-    return "sharded" if choice.method == TERNGRAD_SHARDED else "allgather"
+                             candidates=AUTO_EXCHANGES, bucket_size=bucket_size, shared_scaler=shared_scaler)
+    return "requantized" if choice.method == TERNGRAD_REQUANTIZED else "allgather"
+
+
+def auto_candidates(workers: int) -> tuple:
+    """The exchanges "auto" weighs among ``workers`` ranks: the allgather alone at two ranks or fewer."""
+    return (TERNGRAD_ALLGATHER,) if int(workers) <= 2 else AUTO_EXCHANGES

@@ -444,6 +444,8 @@ class Exchange:
             network = self.link.network(cost.configured_network().latency_s) if self.link else None
             return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size,
                                      network=network, shared_scaler=self.config.scaler_shared_for("allgather"))
+        if self.config.exchange == "default":
+            return cost.default_exchange(self.coll.size)
         return self.config.exchange
 
     def _advance(self, queue: list, handle, step, block: bool, keep: "Group | None" = None) -> list:

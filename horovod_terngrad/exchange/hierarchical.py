@@ -80,6 +80,8 @@ class HierarchicalExchange:
     the groups of steps with a joined rank, and those ``hierarchical="auto"`` finds cheaper flat);
     ``local`` and ``cross`` are the collectives of this rank's node and of its cross group."""
 
+    _warned_world_allgather = False      # the world-collectives fallback across nodes, said once per process
+
     def __init__(self, flat: Exchange, local: Collectives, cross: Collectives, topo: topology.Topology,
                  end_of_step_sync: bool = False):
         self.flat = flat
@@ -124,7 +126,7 @@ class HierarchicalExchange:
     def world_groups_fit(config) -> bool:
         """Whether ``config``'s cross-node exchange can run over world collectives: per-rank scalers with the
         allgather transport (``exchange="auto"`` then keeps to the allgather across nodes)."""
-        return config.exchange in ("allgather", "auto") and not config.scaler_shared_for("allgather")
+        return config.exchange in ("allgather", "auto", "default") and not config.scaler_shared_for("allgather")
 
     # -- what the frontends call ------------------------------------------------------------------
     @property
@@ -373,6 +375,14 @@ class HierarchicalExchange:
         mode = None
         if self.spans_world:
             mode = "allgather"
+            if self.config.exchange == "default" and cost.default_exchange(self.M) != "allgather" \
+                    and not HierarchicalExchange._warned_world_allgather and self.coll.rank == 0:
+                HierarchicalExchange._warned_world_allgather = True
+                log.warning("TernGrad: the node-aware exchange runs over world collectives (no process sets), "
+                            "where the exchange across nodes is the allgather: %d nodes receive %d bits per "
+                            "element instead of the requantized exchange's <= 7.5 (Horovod: "
+                            "HOROVOD_DYNAMIC_PROCESS_SETS=1 gives the node-aware exchange process sets)",
+                            self.M, 2 * (self.M - 1))
         elif self.config.exchange == "auto":
             net = cost.configured_network()
             shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import codec
 from ..codec import requant, sizes
 from ..codec.packing import FLAG_NONFINITE, Header
-from ..errors import RankMismatchError
 from . import allgather, reternarized
 
 send = reternarized.send
@@ -49,13 +47,7 @@ class RequantizedStage:
     def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:
         cfg, N, m = ex.config, ex.coll.size, hi - lo
         head = Header(cfg.packing, 0, cfg.bucket_size, m)
-        if received.device.type == "cpu":       # the senders' headers name the shard: checked on the host
-            for o in offsets:
-                got = codec.packing.read_header(received, o, f"shard of '{tk.name}'")
-                if (got.numel, got.fmt, got.bucket_size) != (m, head.fmt, head.bucket_size):
-                    raise RankMismatchError(f"TernGrad: ranks disagree on gradient '{tk.name}': a shard of "
-                                            f"{got.numel} elements ({got.fmt}, buckets {got.bucket_size}) where this "
-                                            f"rank owns {m} ({head.fmt}, buckets {head.bucket_size})")
+        reternarized.check_shard_headers(received, offsets, head, tk.name)
         flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
         bad = (flags & FLAG_NONFINITE).ne(0).any()
         divisor = N if tk.average else 1

@@ -203,18 +203,31 @@ def after_alltoall(ex, grp, stage=TernaryStage) -> None:
                      f"terngrad.rg.{grp.name}", sizes=owners)
 
 
+def check_shard_headers(received: torch.Tensor, offsets: list, head: Header, name: str) -> None:
+    """The senders' headers name the shard, its packing and buckets: on the host (a CPU tensor), all N compared at
+    once with the header this owner expects (every byte but the flags); RankMismatchError naming the tensor and
+    what a sender said where one differs.  On an accelerator the sizes check alone (no host read)."""
+    if received.device.type != "cpu" or not offsets:
+        return
+    want = _header_template(head.numel, head.fmt, head.bucket_size, received.device)
+    cols = torch.tensor([i for i in range(sizes.HEADER_BYTES) if i != 3], dtype=torch.int64)
+    at = torch.tensor(offsets, dtype=torch.int64).unsqueeze(1) + cols
+    if torch.equal(received[at], want[cols].expand(len(offsets), -1)):
+        return
+    for o in offsets:
+        got = codec.packing.read_header(received, o, f"shard of '{name}'")
+        if (got.numel, got.fmt, got.bucket_size) != (head.numel, head.fmt, head.bucket_size):
+            raise RankMismatchError(f"TernGrad: ranks disagree on gradient '{name}': a shard of {got.numel} "
+                                    f"elements ({got.fmt}, buckets {got.bucket_size}) where this rank owns "
+                                    f"{head.numel} ({head.fmt}, buckets {head.bucket_size})")
+
+
 def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex) -> torch.Tensor:
     """The owner's payload of one member's shard (m elements): the N senders' payloads at ``offsets`` averaged,
     then ternarized again with its own scalers and stream; a NaN/Inf flag of any sender carried on."""
     cfg, N = ex.config, ex.coll.size
     head = Header(cfg.packing, 0, cfg.bucket_size, m)
-    for o in offsets:          # the senders' headers name the shard, its packing and buckets: checked here
-        got = codec.packing.read_header(received, o, f"shard of '{tk.name}'") if received.device.type == "cpu" \
-            else None
-        if got is not None and (got.numel, got.fmt, got.bucket_size) != (m, head.fmt, head.bucket_size):
-            raise RankMismatchError(f"TernGrad: ranks disagree on gradient '{tk.name}': a shard of {got.numel} "
-                                    f"elements ({got.fmt}, buckets {got.bucket_size}) where this rank owns {m} "
-                                    f"({head.fmt}, buckets {head.bucket_size})")
+    check_shard_headers(received, offsets, head, tk.name)
     flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any().to(torch.uint8)
     if m == 0:
