@@ -74,7 +74,8 @@ def parse_args(argv=None):
                    help="fsdp: the mesh's replicate size (default: torchrun's nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
     p.add_argument("--bucket-size", type=int, default=0, help="TernGrad's bucket_size (0: one scaler per tensor)")
-    p.add_argument("--exchange", choices=["allgather", "sharded", "reternarized", "auto"], default=None,
+    p.add_argument("--exchange", choices=["default", "allgather", "sharded", "reternarized", "requantized", "auto"],
+                   default=None,
                    help="TernGrad's exchange (default: the frontend's)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank and step (default 8)")

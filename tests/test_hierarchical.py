@@ -418,3 +418,38 @@ def test_cost_model_charges_the_plans_sizes_and_prefers_the_hierarchy_on_slow_li
     # inside a node slower than between nodes, reducing there first does not pay
     odd = cost.Network.from_gbps("ib", 100, 1, 4, cost.Network.from_gbps("slow-bus", 0.1, 500))
     assert not cost.hierarchy_for(numels, 2, 4, network=odd)
+
+
+def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatch, caplog):
+    """hierarchical="auto" without a configured rate (no HOROVOD_TERNGRAD_GBPS): the first group measures the link
+    across nodes (a world probe) and inside a node (each node's, agreed as the mean over the job), every rank
+    prices the same measured network, rank 0 says what it measured and chose in one line; the averages are still
+    bit for bit one of the two plans' (both are exact functions of the data).  With a rate given, nothing is
+    measured."""
+    import logging
+    monkeypatch.delenv("HOROVOD_TERNGRAD_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_MEASURE_LINKS", raising=False)
+    topo = TOPOS["2x2"]
+    cfg = TernGradConfig()
+
+    def body(c, local, cross):
+        ex = engine(cfg, c, local, cross, topo)
+        outs = [ex.allreduce(grad((300, 300), c.rank, step), "w") for step in range(2)]
+        net = ex.network(torch.device("cpu"))
+        return outs, (net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps)
+
+    with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
+        res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    assert len({r[1] for r in res}) == 1 and res[0][1][0] == "measured" and res[0][1][1] > 0
+    said = [r.getMessage() for r in caplog.records if "measured" in r.getMessage() and "across nodes" in r.getMessage()]
+    assert len(said) == 1 and "hierarchical='auto'" in said[0], said
+    for step in range(2):
+        assert all(torch.equal(r[0][step], res[0][0][step]) for r in res)
+
+    monkeypatch.setenv("HOROVOD_TERNGRAD_GBPS", "1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
+        res2, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size and res2[0][1][0] == "configured"
+    assert not [r for r in caplog.records if "across nodes" in r.getMessage()]

@@ -255,3 +255,27 @@ def test_a_step_with_a_joined_rank_goes_by_the_join_transport_exactly():
                                TernGradConfig(shared_scaler=True, bucket_size=bucket), ranks=[0, 1], world=world)
     for r in (0, 1):
         assert torch.equal(results[r][1], want)
+
+
+@pytest.mark.parametrize("N", [2, 3, 4, 5, 8])
+def test_the_default_exchange_is_the_allgather_up_to_4_ranks_and_requantized_above(N):
+    """TernGradConfig()'s exchange="default": every rank gets the allgather reference at N <= 4 and the requantized
+    reference above (cost.default_exchange), noise estimate included; a pure function of N, no collective."""
+    cfg = TernGradConfig()
+    assert cfg.exchange == "default"
+    shape = (64, 100)
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        tk = ex.start(grad(shape, c.rank, 4), "w")
+        tk.want_noise = True
+        return ex.finish(tk), tk.noise
+
+    res = run_ranks(N, body)
+    grads = [grad(shape, r, 4) for r in range(N)]
+    if N <= 4:
+        want, _ = expected_average(grads, "w", 0, cfg.replace(exchange="allgather"))
+    else:
+        want = expected_reternarized(grads, "w", 0, cfg.replace(exchange="requantized"), second="requant")
+    for out, nu in res:
+        assert torch.equal(out, want) and nu is not None and torch.equal(nu, res[0][1])

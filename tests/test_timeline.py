@@ -375,6 +375,7 @@ def test_node_aware_and_flat_groups_in_one_step_issue_what_the_engine_issues(mon
     from horovod_terngrad.exchange.topology import Topology
     for var in ("GBPS", "ALPHA_US", "INTRA_GBPS", "INTRA_ALPHA_US", "INTRA_LINKS"):
         monkeypatch.delenv(f"HOROVOD_TERNGRAD_{var}", raising=False)
+    monkeypatch.setenv("HOROVOD_TERNGRAD_MEASURE_LINKS", "0")     # the configured network's decisions
     sizes, N, topo = [200_000, 5000, 100, 150_000, 6000], 4, Topology.contiguous(4, 2)
     for cfg in (TernGradConfig(fusion_numel=0), TernGradConfig(fusion_numel=0, shared_scaler=True)):
         kw = dict(config=cfg, auto_network=cost.configured_network())

@@ -33,13 +33,14 @@ groups go by the flat engine (its join transport), because Horovod refuses allto
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 
 import torch
 
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import cost, topology
+from . import cost, link, topology
 from .collectives import CollectiveError, Collectives
 from .engine import Exchange, Ticket, check_gradient
 
@@ -121,6 +122,7 @@ class HierarchicalExchange:
                                 "exchange='sharded' need process sets)")
         self._live = 0                    # hierarchical groups of this step not finished by every member
         self._step_open = False           # a group started since the last finish
+        self._links = None                # the measured network (links across and inside nodes), once agreed
 
     @staticmethod
     def world_groups_fit(config) -> bool:
@@ -142,9 +144,53 @@ class HierarchicalExchange:
     def allreduce(self, tensor, name, average=True):
         return self.finish(self.start(tensor, name, average))
 
-    def uses_hierarchy(self, numels: list) -> bool:
+    def measures_links(self) -> bool:
+        """Whether ``hierarchical="auto"`` prices measured links rather than the configured ones: unless a rate was
+        given (HOROVOD_TERNGRAD_GBPS, which terngrad-launch's profiles set) or HOROVOD_TERNGRAD_MEASURE_LINKS=0.
+        Why: a job started with plain torchrun, mpirun or srun on InfiniBand was priced as 1 Gbit/s Ethernet."""
+        return (self.config.hierarchical == "auto" and "HOROVOD_TERNGRAD_GBPS" not in os.environ
+                and os.environ.get("HOROVOD_TERNGRAD_MEASURE_LINKS", "1") != "0")
+
+    def network(self, device) -> cost.Network:
+        """The inter-node link with its intra-node link, as ``hierarchical="auto"`` prices them: measured once
+        (``measures_links``) at the first group, by every rank at the same point, and agreed; else the configured
+        one (cost.configured_network).  While a rank is in hvd.join() the measurement waits for a later step."""
+        if self._links is None and self.measures_links():
+            try:
+                self._links = self._measure_links(device)
+            except CollectiveError as e:
+                raise e.detailed("TernGrad: measuring the links for hierarchical='auto' failed")
+        return self._links or cost.configured_network(self.G)
+
+    def _measure_links(self, device) -> "cost.Network | None":
+        """exchange/link.py's probe on the world (its ring crosses every node's link: the inter-node rate) and on
+        this node's ranks (the intra-node rate; each node measures its own, the mean over every rank of the job is
+        agreed by one more allreduce), the configured latencies kept.  Said once, on rank 0."""
+        packing = self.config.packing
+        world = link.measure(self.coll, device, packing, name="terngrad.link.world")
+        if world is None:
+            return None
+        node = link.measure(self.local, device, packing, name="terngrad.link.node")
+        mine = torch.tensor([node.allreduce_Bps if node is not None else 0.0], dtype=torch.float64, device=device)
+        intra_Bps = float(self.coll.synchronize(self.coll.allreduce_sum_async(mine, "terngrad.link.node.agree"))
+                          .cpu()[0]) / self.coll.size
+        configured = cost.configured_network(self.G)
+        inside = configured.intra_node or configured
+        net = replace(configured, name="measured", bandwidth_Bps=world.allreduce_Bps,
+                      intra_node=replace(inside, name="measured intra-node",
+                                         bandwidth_Bps=intra_Bps if intra_Bps > 0 else inside.bandwidth_Bps))
+        if self.coll.rank == 0:
+            across = cost.default_exchange(self.M) if self.config.exchange == "default" else self.config.exchange
+            log.info("TernGrad: measured %.2f Gbit/s across nodes (fp32 allreduce of %d ranks) and %.2f Gbit/s inside "
+                     "a node (%d ranks); %d nodes of %d ranks: each group goes node-aware where the cost model finds "
+                     "it faster on these links (hierarchical='auto'), with the %s exchange across nodes "
+                     "(exchange=%r)", 8 * world.allreduce_Bps / 1e9, self.coll.size,
+                     8 * net.intra_node.bandwidth_Bps / 1e9, self.G, self.M, self.G, across, self.config.exchange)
+        return net
+
+    def uses_hierarchy(self, numels: list, device=None) -> bool:
         """Whether a group of these sizes goes through the node-aware plan (``hierarchical``: True, or
-        "auto" and the cost model finds it cheaper than the flat exchange)."""
+        "auto" and the cost model finds it cheaper than the flat exchange, on ``network``'s links)."""
         if self.spans_world and sum(numels) < self.G:
             return False
         if self.config.hierarchical is True:
@@ -153,7 +199,8 @@ class HierarchicalExchange:
         # 4-byte world allreduces this engine adds to a step (presence check, end-of-step sync) charged to it
         exchange = self.config.exchange
         return cost.hierarchy_for(numels, self.M, self.G, self.config.packing, self.config.bucket_size,
-                                  network=cost.configured_network(self.G),
+                                  network=self.network(device) if device is not None else
+                                  cost.configured_network(self.G),
                                   shared_scaler=self.config.scaler_shared_for(
                                       "sharded" if exchange == "sharded" else "allgather"),
                                   exchange=None if exchange == "auto" else exchange,
@@ -165,7 +212,7 @@ class HierarchicalExchange:
         for tensor, name in items:
             check_gradient(tensor, name)
         numels = [t.numel() for t, _ in items]
-        if not self.uses_hierarchy(numels) or not self._all_present(items[0][0].device, group):
+        if not self.uses_hierarchy(numels, items[0][0].device) or not self._all_present(items[0][0].device, group):
             tickets = self.flat.start_group(items, group, average, in_place)
             for tk in tickets:      # finished through this engine, so that it sees the step end
                 tk.engine = self
@@ -384,7 +431,7 @@ class HierarchicalExchange:
                             "HOROVOD_DYNAMIC_PROCESS_SETS=1 gives the node-aware exchange process sets)",
                             self.M, 2 * (self.M - 1))
         elif self.config.exchange == "auto":
-            net = cost.configured_network()
+            net = self._links or cost.configured_network()
             shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link
             mode = cost.exchange_for([p.numel for p in pieces], self.M, self.config.packing, self.config.bucket_size,
                                      network=shared, shared_scaler=self.config.scaler_shared_for("allgather"))
