@@ -6,12 +6,10 @@ from setuptools import find_packages, setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SOURCES = ["*.c", "*.cu", "*.h", "*.cpp"]
 
-# What the test suite runs on (scripts/setup.sh installs exactly these).  The floors below are what the code
-# needs: Python 3.10 for the ``X | None`` annotations evaluated at import; torch 2.6 for FSDP2's public
-# ``torch.distributed.fsdp.fully_shard`` (the DDP hook and the Horovod compressor need less, untested).
-TESTED = {"python": "3.11", "torch": "2.13.0", "horovod": "0.28.1", "lightning": "2.6.6",
-          "transformers": "5.23.0", "accelerate": "1.15.0"}
-TORCH_FLOOR = "2.6"
+# Supported versions.  Tested (scripts/setup.sh installs exactly these): Python 3.11, torch 2.13.0, Horovod 0.28.1,
+# Lightning 2.6.6, transformers 5.23.0, Accelerate 1.15.0.  The floors are what the code needs: Python 3.10 for
+# the ``X | None`` annotations evaluated at import; torch 2.6 for FSDP2's public ``torch.distributed.fsdp.
+# fully_shard`` (the DDP hook and the Horovod compressor may run on older torch: untested).
 HOROVOD_FLOOR = "0.28.1"
 
 
