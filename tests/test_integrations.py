@@ -57,6 +57,89 @@ def test_a_source_without_terngrad_counters_is_refused_clearly():
         StepFigures(torch.nn.Linear(2, 2))
 
 
+def exchange(stats, elements=4096, payload=1040):
+    """What one step's exchange adds to the counters (one tensor of ``elements``, 2-bit payload)."""
+    stats.tensors += 1
+    stats.elements += elements
+    stats.payload_bytes_sent += payload
+    stats.codec_s += 0.002
+
+
+def test_lightning_callback_in_one_process_logs_the_sources_figures_and_warns_without_ddp(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from horovod_terngrad.integrations.lightning import TernGradLoggingCallback
+    src = Holder()
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            exchange(src.stats)                  # the exchange a frontend would have made for this step
+            return self.lin(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=4)
+    common = dict(accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(callbacks=[TernGradLoggingCallback(src)], logger=CSVLogger(tmp_path, name="one"), **common)
+    trainer.fit(Module(), data)
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "one" / "**" / "metrics.csv"), recursive=True)[0])))
+    assert [float(r["terngrad/bits_per_element"]) for r in rows] == [8 * 1040 / 4096] * 3
+    assert {float(r["terngrad/bytes_saved_vs_fp32"]) for r in rows} == {4 * 4096 - 1040}
+    # without a source and without DDP: a warning, nothing logged, training goes on
+    trainer = pl.Trainer(callbacks=[TernGradLoggingCallback()], logger=CSVLogger(tmp_path, name="none"), **common)
+    with pytest.warns(UserWarning, match="has no DDP model"):
+        trainer.fit(Module(), data)
+    assert trainer.global_step == 3
+    # (the module logs nothing itself: the logger writes a metrics.csv only if something was logged)
+    assert all("terngrad/" not in open(f).read()
+               for f in glob.glob(str(tmp_path / "none" / "**" / "metrics.csv"), recursive=True))
+
+
+def test_trainer_callback_divides_by_the_steps_since_the_last_log_and_fills_only_its_own_entry():
+    pytest.importorskip("transformers")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from horovod_terngrad.integrations.transformers import TernGradTrainerCallback
+    src = Holder()
+    cb = TernGradTrainerCallback(lambda: src)           # a callable source: the state made at on_train_begin
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    state, control = TrainerState(), TrainerControl()
+    for _ in range(3):                                    # 3 steps, then a log as Trainer.log makes it
+        cb.on_step_begin(args, state, control)
+        exchange(src.stats)
+        state.global_step += 1
+    logs = {"loss": 1.5}
+    state.log_history.append({**logs, "step": state.global_step})
+    cb.on_log(args, state, control, logs=logs)
+    assert logs["terngrad/bytes_sent"] == 1040 and logs["terngrad/codec_ms"] == pytest.approx(2.0)
+    assert state.log_history[-1]["terngrad/bytes_saved_vs_bf16"] == 2 * 4096 - 1040
+    # a log whose entry is not the last of the history (a callback's own log): the logs get the figures, no entry does
+    exchange(src.stats)
+    state.global_step += 1
+    state.log_history.append({"eval_loss": 2.0, "step": state.global_step})
+    other = {"custom": 1.0}
+    cb.on_log(args, state, control, logs=other)
+    assert other["terngrad/bytes_sent"] == 1040 and "terngrad/bytes_sent" not in state.log_history[-1]
+    cb.on_log(args, state, control, logs={"x": 0.0})    # nothing exchanged since: nothing added
+    assert all("terngrad/bytes_sent" not in e for e in state.log_history[-1:])
+
+
+def test_figures_read_any_frontends_counters():
+    from horovod_terngrad import TernGradCompressor
+    comp = TernGradCompressor()
+    fig = StepFigures(comp)
+    exchange(comp.stats)
+    assert fig.read()["terngrad/bytes_sent"] == 1040
+
+
 def plausible(row, elements_per_step=None):
     bits = row["terngrad/bits_per_element"]
     assert 1.5 < bits < 32, row

@@ -37,7 +37,10 @@ class TernGradTrainerCallback(TrainerCallback):
     def _resolve(self):
         src = self.source
         if hasattr(src, "model_wrapped") and hasattr(src, "callback_handler"):     # a Trainer
-            return find_state(src)
+            try:
+                return find_state(src)
+            except TypeError:            # the Trainer wrapped the model in no DDP (one process)
+                return None
         if callable(src) and not hasattr(src, "stats"):
             return src()
         return src
