@@ -57,7 +57,11 @@ def venv(tmp_path_factory):
     assert p.returncode == 0, f"pip install torch=={torch_version}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     tree = base / "src"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=NOT_COPIED)
-    run([py, "-m", "pip", "install", "-q", "--no-build-isolation", "."], "pip install .", cwd=tree, env=env)
+    p = subprocess.run([py, "-m", "pip", "install", "-q", "--no-build-isolation", "."], capture_output=True, text=True,
+                       timeout=600, cwd=tree, env=env)
+    if p.returncode != 0 and "No matching distribution" in p.stderr:     # numpy or tqdm unreachable (offline)
+        pytest.skip(f"the package's requirements cannot be installed here: {p.stderr[-500:]}")
+    assert p.returncode == 0, f"pip install .:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     return folder, py
 
 
