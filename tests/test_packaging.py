@@ -114,6 +114,11 @@ def test_ddp_hook_and_fsdp2_train_with_terngrad_adamw_in_the_clean_venv(venv, tm
         "torchrun clean_venv.py", timeout=300, cwd=str(tmp_path), env=clean_env())
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(NP)]
     for r in ranks:
+        print(f"rank {r['rank']}: package {r['package_file']}, horovod importable: {r['horovod_found']}; "
+              + "; ".join(f"{fe}: losses {[round(x, 4) for x in r[fe].get('losses', [])]}, checksum "
+                          f"{r[fe].get('checksum')}, {r[fe].get('bits_per_element', 0):.3f} bits/element, AdamW "
+                          f"ternary steps {r[fe].get('adam_ternary_steps')}" for fe in ("ddp", "fsdp")))
+    for r in ranks:
         assert r["size"] == NP and r["prefix"] == str(folder) and not r["horovod_found"]
         assert r["package_file"].startswith(str(folder))
         for frontend in ("ddp", "fsdp"):
