@@ -82,7 +82,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--optim", choices=["tg-adamw", "adamw"], default="tg-adamw",
                    help="horovod_terngrad.optim.AdamW (default: one more state tensor, the noise estimate's running "
-                        "mean, per ternarized parameter) or torch.optim.AdamW")
+                        "mean, beside every parameter, ternarized or not) or torch.optim.AdamW")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
