@@ -188,6 +188,11 @@ def main(argv=None):
         if rank == 0:
             print(f"{amp.summary()} (initial {args.init_scale:g}); steps skipped on each rank: {per_rank}", flush=True)
     if rank == 0:
+        if tg_state is not None:
+            st = tg_state.stats
+            print(f"TernGrad on rank 0: sent {st.bytes_sent / 1e6:.2f} MB for {st.elements} ternarized elements against "
+                  f"{4 * st.elements / 1e6:.2f} MB in fp32: {(4 * st.elements - st.bytes_sent) / 1e6:.2f} MB saved "
+                  f"({4 * st.elements / max(st.bytes_sent, 1):.1f}x fewer)", flush=True)
         print("result: " + json.dumps(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -48,20 +48,28 @@ def build(kind, args, mesh):
     model = make_model(args)
     units = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
     root = sum(p.numel() for p in model.parameters()) - sum(units)
+    state = None
     if kind == "ddp-terngrad":
         model = torch.nn.parallel.DistributedDataParallel(model)
-        tg_ddp.register(model)
+        state = tg_ddp.register(model)
         transient = 0
     else:
         for b in model.transformer.h:
             fully_shard(b, mesh=mesh["shard"] if kind == "hsdp-terngrad" else mesh)
         fully_shard(model, mesh=mesh["shard"] if kind == "hsdp-terngrad" else mesh)
         if kind == "hsdp-terngrad":
-            tg_fsdp.register(model, mesh)
+            state = tg_fsdp.register(model, mesh)
         # all-gathered parameters and unsharded gradients of the largest unit, and the next one prefetched
         largest = sorted(units + [root])[-2:]
         transient = 4 * (2 * largest[-1] + largest[0])
-    return model, transient
+    return model, transient, state
+
+
+def make_optimizer(args, model):
+    if args.optim == "tg-adamw":
+        from horovod_terngrad.optim import AdamW
+        return AdamW(model.parameters(), lr=1e-3)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def main(argv=None):
@@ -72,6 +80,9 @@ def main(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--optim", choices=["tg-adamw", "adamw"], default="tg-adamw",
+                   help="horovod_terngrad.optim.AdamW (default: one more state tensor, the noise estimate's running "
+                        "mean, beside every parameter, ternarized or not) or torch.optim.AdamW")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -82,8 +93,8 @@ def main(argv=None):
     mesh = init_device_mesh("cpu", (args.replicas, G), mesh_dim_names=("replicate", "shard"))
     rows = []
     for kind in ("ddp-terngrad", "hsdp-fp32", "hsdp-terngrad"):
-        model, transient = build(kind, args, mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, transient, state = build(kind, args, mesh)
+        opt = make_optimizer(args, model)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(args.steps):
             x = torch.randint(0, 256, (4, args.seq_len), generator=gen)
@@ -93,13 +104,15 @@ def main(argv=None):
         mine = held(model, opt)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
+        sent = (state.stats.bytes_sent, state.stats.elements) if state is not None else None
         rows.append({"config": kind, "per_rank": everyone, "transient": transient,
-                     "max_persistent": max(e["persistent"] for e in everyone)})
+                     "max_persistent": max(e["persistent"] for e in everyone), "terngrad_sent_elements": sent})
         del model, opt
     if rank == 0:
         params = sum(p.numel() for p in make_model(args).parameters())
         base = rows[0]["max_persistent"]
-        print(f"GPT-2 {args.n_layer} layers x {args.n_embd}, {params} parameters, AdamW; {world} ranks = "
+        optim = "horovod_terngrad.optim.AdamW" if args.optim == "tg-adamw" else "torch.optim.AdamW"
+        print(f"GPT-2 {args.n_layer} layers x {args.n_embd}, {params} parameters, {optim}; {world} ranks = "
               f"{args.replicas} nodes x G={G}")
         print("| configuration | params | grads | optimizer state | persistent (largest rank) | vs DDP | "
               "+ transient (FSDP unit gather) | peak vs DDP |")
@@ -110,9 +123,15 @@ def main(argv=None):
             print(f"| {r['config']} | {e['params'] / 1e6:.2f} MB | {e['grads'] / 1e6:.2f} MB | "
                   f"{e['optimizer'] / 1e6:.2f} MB | {r['max_persistent'] / 1e6:.2f} MB | "
                   f"{r['max_persistent'] / base:.3f}x | {r['transient'] / 1e6:.2f} MB | {peak / base:.3f}x |")
+        for r in rows:
+            if r["terngrad_sent_elements"]:
+                sent, elements = r["terngrad_sent_elements"]
+                print(f"{r['config']}: TernGrad on rank 0 sent {sent / 1e6:.2f} MB for {elements} ternarized elements "
+                      f"in {args.steps} steps, against {4 * elements / 1e6:.2f} MB in fp32 "
+                      f"({4 * elements / max(sent, 1):.1f}x fewer)")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"params": params, "ranks": world, "G": G, "rows": rows}, f, indent=1)
+                json.dump({"params": params, "ranks": world, "G": G, "optim": args.optim, "rows": rows}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -3,12 +3,17 @@
 
     python examples/lightning_ddp.py                          # 2 CPU processes, Lightning's spawn launcher
     python examples/lightning_ddp.py --start-method popen     # Lightning's default launcher (re-runs this script)
+    python examples/lightning_ddp.py --log-dir logs           # TernGrad's figures per step in logs/.../metrics.csv
 
 The state is built before the Trainer starts its processes (no process group exists yet: TernGradState makes
 its groups at the first bucket), and the spawn launcher pickles it with the strategy, the callback and the model
 (one pickle: the state's parameters stay the model's).  Lightning registers communication hooks only when the
 root device is CUDA (``DDPStrategy._register_ddp_hooks``); on CPU it skips them without a word, so the callback
 ``RegisterOnCPU`` registers the same state and hook there (on CUDA it leaves Lightning's registration alone).
+
+``TernGradLoggingCallback`` (horovod_terngrad.integrations.lightning) logs TernGrad's figures on every step through
+Lightning's own logger (here a ``CSVLogger`` with ``--log-dir``): bits per element, bytes sent and saved against
+fp32 and bf16, codec and wait milliseconds, as columns ``terngrad/...`` beside the loss.
 
 Every rank writes ``--out/rank<R>.json``: TernGrad's counters (proof that the hook ran), the step counters of
 its random streams per parameter name, and a checksum of the trained parameters; rank 0 prints a summary.
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 
 from horovod_terngrad import ddp as tg_ddp
+from horovod_terngrad.integrations.lightning import TernGradLoggingCallback
 
 
 class RegisterOnCPU(pl.Callback):
@@ -94,6 +100,10 @@ class Report(pl.Callback):
                   f"TernGrad exchanged {rec['tensors']} tensors ({rec['elements']} elements, "
                   f"{rec['bits_per_element']:.2f} bits/element), {rec['uncompressed_elements']} elements in fp32; "
                   f"{st}", flush=True)
+            sent = st.stats.bytes_sent
+            print(f"rank 0: TernGrad sent {sent / 1e6:.2f} MB for its {st.stats.elements} elements, against "
+                  f"{4 * st.stats.elements / 1e6:.2f} MB in fp32: {4 * st.stats.elements - sent} bytes saved "
+                  f"({4 * st.stats.elements / max(sent, 1):.1f}x fewer)", flush=True)
 
 
 def main(argv=None):
@@ -102,6 +112,7 @@ def main(argv=None):
     p.add_argument("--start-method", choices=["spawn", "popen"], default="spawn")
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--out", default="lightning_terngrad")
+    p.add_argument("--log-dir", default=None, help="a CSVLogger here (metrics.csv under it); default: no logger")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -109,9 +120,14 @@ def main(argv=None):
     state = tg_ddp.TernGradState(model, seed=1)       # no process group yet; names are the LightningModule's
     strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=tg_ddp.terngrad_hook,
                            start_method=args.start_method, process_group_backend="gloo")
+    logger = False
+    if args.log_dir:
+        from lightning.pytorch.loggers import CSVLogger
+        logger = CSVLogger(args.log_dir, name="terngrad")
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-                         callbacks=[RegisterOnCPU(state), Report(state, args.out)], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         callbacks=[RegisterOnCPU(state), TernGradLoggingCallback(), Report(state, args.out)],
+                         logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=32, shuffle=True)
     trainer.fit(model, loader)
 

@@ -52,9 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--compression", choices=["terngrad", "none", "bf16", "fp16", "powersgd"], default="terngrad",
                    help="bf16: --frontend fsdp only (native HSDP, bf16 reduce); fp16, powersgd: --frontend ddp only "
                         "(PyTorch's fp16_compress_hook, PowerSGD with error feedback)")
-    p.add_argument("--optim", choices=["adamw", "tg-adamw"], default="adamw",
-                   help="torch.optim.AdamW, or horovod_terngrad.optim.AdamW (the ternary noise kept out of the "
-                        "second moment; the same as torch's without TernGrad)")
+    p.add_argument("--optim", choices=["adamw", "tg-adamw"], default="tg-adamw",
+                   help="horovod_terngrad.optim.AdamW (default: the ternary noise kept out of the second moment; "
+                        "the same as torch's without TernGrad), or torch.optim.AdamW")
     p.add_argument("--refresh", default=None, metavar="W,I,K,M",
                    help="tg-adamw in its refresh mode (v from full-precision refreshes only), RefreshSchedule: "
                         "warm-up W, first interval I, K refreshes per interval, max interval M (default: the "
@@ -372,12 +372,20 @@ def main(argv=None):
         result["elements_ternarized"] = front.counters.stats.elements
         result["elements_uncompressed"] = front.uncompressed()
         result["nonfinite_propagated"] = front.counters.stats.nonfinite_propagated   # ternarized, averaged to NaN
+        result["bytes_sent"] = front.counters.stats.bytes_sent
+        result["bytes_saved_vs_fp32"] = 4 * front.counters.stats.elements - front.counters.stats.bytes_sent
     if rank == 0:
         print(f"held-out loss {held:.3f} ({held / math.log(2):.2f} bits/byte); {result['tokens_per_s']:.0f} tokens/s; "
               f"parameters identical on every rank: {same}", flush=True)
         if amp.scaler is not None:
             print(f"{amp.summary()} (initial {args.init_scale:g}); steps skipped on each rank: "
                   f"{result['skipped_steps_per_rank']}", flush=True)
+        if front.counters is not None:
+            sent, fp32 = result["bytes_sent"], 4 * result["elements_ternarized"]
+            print(f"TernGrad on rank 0: sent {sent / 1e6:.2f} MB for {result['elements_ternarized']} ternarized "
+                  f"elements against {fp32 / 1e6:.2f} MB in fp32: {result['bytes_saved_vs_fp32'] / 1e6:.2f} MB saved "
+                  f"({fp32 / max(sent, 1):.1f}x fewer); {result['elements_uncompressed']} elements at full "
+                  f"precision", flush=True)
         print("result: " + json.dumps(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -880,3 +881,17 @@ def test_mnist_examples_take_optim_tg_adamw(script):
         log = _launch_ranks(_hvd_cmd(script, "--optim", "tg-adamw", "--epochs", 1, "--max-steps", 12,
                                      "--test-limit", 200), f"{script} --optim tg-adamw")
         assert "test acc" in log
+
+
+def test_docs_examples_has_an_entry_with_a_command_for_every_example():
+    """docs/examples.md: a heading naming each file of examples/, and, for each one that runs, a command."""
+    doc = open(os.path.join(ROOT, "docs", "examples.md")).read()
+    entries = {}
+    for block in doc.split("\n### ")[1:]:
+        head, _, text = block.partition("\n")
+        for name in re.findall(r"`examples/([\w]+\.py)`", head):
+            entries[name] = text
+    scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
+    assert sorted(entries) == scripts
+    for name, text in entries.items():
+        assert "Imported, not run." in text or f"examples/{name}" in text.split("```")[1], name

@@ -15,6 +15,7 @@ LAYERS = {"errors": 0, "codec": 1, "config": 2, "backends": 2, "exchange": 3, "f
           "__init__": 4.5,   # the package's public names (TernGrad, allreduce, ...), on top of the frontends
           "ddp": 4.5,        # horovod_terngrad.ddp: the DDP frontend's public names (frontends/ddp.py)
           "fsdp": 4.5,       # horovod_terngrad.fsdp: the FSDP frontend's public names (frontends/fsdp.py)
+          "integrations": 4.6,  # per-step figures in Lightning, transformers, Accelerate logs (frontends' stats)
           "modelling": 4.7,  # the step models (perfmodel, timeline, simulator, plots), on the exchange's plans
           "operations": 5}
 TORCH_FREE = ("codec/sizes.py", "exchange/cost.py", "exchange/topology.py")

@@ -11,7 +11,8 @@ tag=$1 seed=$2; shift 2
 out=docs/adam/runs/$tag.s$seed
 [ -f "$out.json" ] && exit 0
 frontend=${FRONTEND:-ddp}
-common=(examples/transformers_lm.py --frontend "$frontend" --recipe nanogpt --n-layer 4 --steps 1000
+# --optim adamw: the study's runs were made when torch's AdamW was the example's default (a tag's --optim overrides it)
+common=(examples/transformers_lm.py --frontend "$frontend" --recipe nanogpt --optim adamw --n-layer 4 --steps 1000
         --log-every 100 --seed "$seed" --json "$out.json")
 case "$frontend" in
   ddp) cmd=(.venv/bin/torchrun --nproc_per_node "${NPROC:-2}" --master_port $((29500 + RANDOM % 1000)) "${common[@]}") ;;
