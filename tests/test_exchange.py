@@ -18,11 +18,11 @@ SHAPES = [(20, 50), (50,), (7, 3, 3), (1,), (1000,)]
 
 @pytest.mark.parametrize("N", [2, 3, 4])
 @pytest.mark.parametrize("cfg", [
-    TernGradConfig(),
-    TernGradConfig(packing="base3", seed=5),
-    TernGradConfig(shared_scaler=False),
-    TernGradConfig(bucket_size=64, packing="base3"),
-    TernGradConfig(clip_factor=0.0),
+    TernGradConfig(exchange="allgather"),
+    TernGradConfig(exchange="allgather", packing="base3", seed=5),
+    TernGradConfig(exchange="allgather", shared_scaler=False),
+    TernGradConfig(exchange="allgather", bucket_size=64, packing="base3"),
+    TernGradConfig(exchange="allgather", clip_factor=0.0),
     TernGradConfig(exchange="sharded"),
     TernGradConfig(exchange="sharded", packing="base3", bucket_size=50),
 ], ids=["default", "base3", "per-rank-scaler", "buckets", "noclip", "sharded", "sharded-base3-buckets"])
@@ -46,7 +46,7 @@ def test_every_rank_gets_the_recomputed_average_bit_for_bit(N, cfg):
 
 
 def test_sum_instead_of_average():
-    cfg = TernGradConfig()
+    cfg = TernGradConfig(exchange="allgather")
 
     def body(c):
         return Exchange(c, cfg).allreduce(grad((100,), c.rank), "w", average=False)
@@ -58,7 +58,7 @@ def test_sum_instead_of_average():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_low_and_high_precision_grads_keep_their_dtype(dtype):
-    cfg = TernGradConfig()
+    cfg = TernGradConfig(exchange="allgather")
 
     def body(c):
         return Exchange(c, cfg).allreduce(grad((300,), c.rank, dtype=dtype), "w")
@@ -69,7 +69,7 @@ def test_low_and_high_precision_grads_keep_their_dtype(dtype):
 
 
 def test_non_contiguous_gradient():
-    cfg = TernGradConfig()
+    cfg = TernGradConfig(exchange="allgather")
     base = [grad((30, 40), r) for r in range(2)]
 
     def body(c):
@@ -84,7 +84,7 @@ def test_non_contiguous_gradient():
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_zero_and_empty_tensors(shared):
-    cfg = TernGradConfig(shared_scaler=shared)
+    cfg = TernGradConfig(exchange="allgather", shared_scaler=shared)
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -97,7 +97,7 @@ def test_zero_and_empty_tensors(shared):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_integer_gradient_is_a_clear_error(dtype):
-    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig(exchange="allgather"))
     with pytest.raises(TypeError, match=r"'counts' has dtype .*floating-point"):
         ex.start(torch.ones(4, dtype=dtype), "counts")
 
@@ -105,7 +105,7 @@ def test_integer_gradient_is_a_clear_error(dtype):
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_on_one_rank_raises_on_every_rank(shared, bad):
-    cfg = TernGradConfig(shared_scaler=shared, on_nonfinite="raise")
+    cfg = TernGradConfig(exchange="allgather", shared_scaler=shared, on_nonfinite="raise")
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -158,7 +158,7 @@ def test_nonfinite_propagates_by_default_the_same_nan_on_every_rank(exchange, sh
 
 
 def test_nonfinite_zero_policy_is_agreed():
-    cfg = TernGradConfig(on_nonfinite="zero")
+    cfg = TernGradConfig(exchange="allgather", on_nonfinite="zero")
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -171,8 +171,8 @@ def test_nonfinite_zero_policy_is_agreed():
         assert torch.equal(out, torch.zeros(64)) and zeroed == 1
 
 
-@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
-                                 TernGradConfig(bucket_size=4)], ids=["shared", "per-rank", "buckets"])
+@pytest.mark.parametrize("cfg", [TernGradConfig(exchange="allgather"), TernGradConfig(exchange="allgather", shared_scaler=False),
+                                 TernGradConfig(exchange="allgather", bucket_size=4)], ids=["shared", "per-rank", "buckets"])
 @pytest.mark.parametrize("shapes", [[(10,), (11,)], [(2, 5), (5, 2)]], ids=["numel", "shape"])
 def test_ranks_with_mismatched_shapes_get_a_clear_error_not_a_hang(cfg, shapes):
     def body(c):
@@ -209,7 +209,7 @@ def test_start_waits_only_for_groups_before_the_previous_one(ordered):
     import threading
     world = ThreadWorld(2)
     cs = [CountingCollectives(world, r) for r in range(2)]
-    cfg = TernGradConfig(shared_scaler=True)
+    cfg = TernGradConfig(exchange="allgather", shared_scaler=True)
     names = [f"t{i}" for i in range(60)]
     free = 60 if not ordered else 2
     ready = threading.Event()
@@ -241,7 +241,7 @@ def test_wire_size_per_element_on_a_1M_parameter_model():
     assert total >= 1_000_000
     for fmt, limit in [("2bit", 2.05), ("base3", 1.65)]:
         world = ThreadWorld(2)
-        cfg = TernGradConfig(packing=fmt)
+        cfg = TernGradConfig(exchange="allgather", packing=fmt)
 
         def body(c):
             ex = Exchange(c, cfg)
@@ -343,8 +343,8 @@ class KindCounting:
         return self.inner.synchronize(handle)
 
 
-@pytest.mark.parametrize("cfg", [TernGradConfig(), TernGradConfig(shared_scaler=False),
-                                 TernGradConfig(packing="base3", bucket_size=64, seed=9),
+@pytest.mark.parametrize("cfg", [TernGradConfig(exchange="allgather"), TernGradConfig(exchange="allgather", shared_scaler=False),
+                                 TernGradConfig(exchange="allgather", packing="base3", bucket_size=64, seed=9),
                                  TernGradConfig(exchange="sharded", seed=2),
                                  TernGradConfig(exchange="sharded", packing="base3", bucket_size=64)],
                          ids=["shared", "per-rank", "base3-buckets", "sharded", "sharded-base3-buckets"])
@@ -421,7 +421,7 @@ def test_a_finished_group_lets_go_of_its_gradients_without_the_cycle_collector(e
 def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     if backend == "torch":
         monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
-    cfg = TernGradConfig(on_nonfinite=policy, shared_scaler=True)
+    cfg = TernGradConfig(exchange="allgather", on_nonfinite=policy, shared_scaler=True)
 
     def body(c):
         ex = Exchange(c, cfg)
@@ -451,7 +451,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
 
 def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_rank():
     def body(c):
-        ex = Exchange(c, TernGradConfig(shared_scaler=True))
+        ex = Exchange(c, TernGradConfig(exchange="allgather", shared_scaler=True))
         members = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 10), "b")]
         if c.rank == 1:
             members.append((torch.randn(5), "c"))      # a member the other rank does not have
@@ -472,7 +472,7 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
     """A fused group's handshake costs 32 + 16 per member + 8 per scaler bytes (72 per tensor alone);
     members of equal count whose sizes differ between ranks are caught by the layout checksum."""
     def body(c):
-        ex = Exchange(c, TernGradConfig(shared_scaler=True))
+        ex = Exchange(c, TernGradConfig(exchange="allgather", shared_scaler=True))
         tks = ex.start_group([(grad((7,), c.rank, i), f"t{i}") for i in range(5)], "g")
         for tk in tks:
             ex.finish(tk)
@@ -492,9 +492,9 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
         assert all(m and "disagree" in m and "group 'g2'" in m for m in msgs), msgs
 
 
-@pytest.mark.parametrize("cfg", [TernGradConfig(shared_scaler=True), TernGradConfig(bucket_size=7, packing="base3"),
+@pytest.mark.parametrize("cfg", [TernGradConfig(exchange="allgather", shared_scaler=True), TernGradConfig(exchange="allgather", bucket_size=7, packing="base3"),
                                  TernGradConfig(exchange="sharded"), TernGradConfig(shared_scaler=False),
-                                 TernGradConfig(shared_scaler=False, bucket_size=7, packing="base3")],
+                                 TernGradConfig(exchange="allgather", shared_scaler=False, bucket_size=7, packing="base3")],
                          ids=["shared", "base3-buckets", "sharded", "per-rank", "per-rank-base3-buckets"])
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
@@ -615,7 +615,7 @@ def test_auto_measures_the_link_once_and_every_rank_agrees(world):
     results = run_ranks(world, body, timeout=60)
     assert len(set(results)) == 1 and results[0][1][0] == world and results[0][1][1] > 0
     # not "auto": nothing is measured
-    assert run_ranks(2, lambda c: (Exchange(c, TernGradConfig()).compression_pays(torch.device("cpu")),)) == [(True,)] * 2
+    assert run_ranks(2, lambda c: (Exchange(c, TernGradConfig(exchange="allgather")).compression_pays(torch.device("cpu")),)) == [(True,)] * 2
 
 
 def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
@@ -639,7 +639,7 @@ def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_si
     this rank's own payload sizes, NaN/Inf flags combined with tensor ops (no host read on a GPU).  The same
     bits as the header walk, fused members and lone tensors; a flagged member NaN (or zero) on every rank, its
     neighbours untouched."""
-    cfg = TernGradConfig(on_nonfinite=policy, bucket_size=bucket_size, min_numel=0)
+    cfg = TernGradConfig(exchange="allgather", on_nonfinite=policy, bucket_size=bucket_size, min_numel=0)
 
     def body(c, known):
         ex = Exchange(c, cfg)
@@ -666,7 +666,7 @@ def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_si
 
 def test_known_layout_catches_ranks_that_disagree_on_sizes():
     def body(c):
-        ex = Exchange(c, TernGradConfig(min_numel=0))
+        ex = Exchange(c, TernGradConfig(exchange="allgather", min_numel=0))
         ex.layout_known = True
         try:
             ex.allreduce(grad((40 + 8 * c.rank,), c.rank), "w")
