@@ -493,7 +493,7 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
 
 
 @pytest.mark.parametrize("cfg", [TernGradConfig(exchange="allgather", shared_scaler=True), TernGradConfig(exchange="allgather", bucket_size=7, packing="base3"),
-                                 TernGradConfig(exchange="sharded"), TernGradConfig(shared_scaler=False),
+                                 TernGradConfig(exchange="sharded"), TernGradConfig(exchange="allgather", shared_scaler=False),
                                  TernGradConfig(exchange="allgather", shared_scaler=False, bucket_size=7, packing="base3")],
                          ids=["shared", "base3-buckets", "sharded", "per-rank", "per-rank-base3-buckets"])
 @pytest.mark.parametrize("world", [2, 3, 5])
@@ -574,7 +574,7 @@ def issue_orders(cfg, ordered):
     return run_ranks(2, body)
 
 
-@pytest.mark.parametrize("cfg", [TernGradConfig(shared_scaler=True), TernGradConfig(exchange="sharded")],
+@pytest.mark.parametrize("cfg", [TernGradConfig(exchange="allgather", shared_scaler=True), TernGradConfig(exchange="sharded")],
                          ids=["allgather", "sharded"])
 def test_ranks_issue_the_same_collectives_in_the_same_order_whatever_their_timing(cfg):
     """Horovod names unnamed ops after a rank-local handle counter, so a user's unnamed hvd.allreduce issued
