@@ -172,11 +172,17 @@ def main(argv=None):
     p.add_argument("--exchanges", default="none,allgather,requantized,reternarized")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=None)
-    p.add_argument("--table", default=None, metavar="DIR", help="print the table of DIR/runs.jsonl and exit")
+    p.add_argument("--table", default=None, metavar="DIR[,DIR...]",
+                   help="print the table of the runs in DIR/runs.jsonl (several: together) and exit")
+    p.add_argument("--write", default=None, metavar="FILE", help="with --table: also write it to FILE")
     args = p.parse_args(argv)
     if args.table:
-        rows = [json.loads(line) for line in open(os.path.join(args.table, "runs.jsonl"))]
-        print(table(rows))
+        rows = [json.loads(line) for d in args.table.split(",") for line in open(os.path.join(d, "runs.jsonl"))]
+        text = table(rows)
+        print(text)
+        if args.write:
+            with open(args.write, "w") as f:
+                f.write(text + "\n")
         return rows
     torch.set_num_threads(1)
     data = load_corpus(args.corpus)

@@ -176,14 +176,14 @@ def test_the_noise_estimate_comes_through_the_node_aware_exchange(topo, exchange
 
 
 @pytest.mark.parametrize("topo", list(TOPOS), ids=list(TOPOS))
-@pytest.mark.parametrize("cfg", ["default", "buckets", "auto"])
+@pytest.mark.parametrize("cfg", ["default", "buckets", "auto", "requantized"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "alone"])
 def test_world_groups_give_the_subgroups_bits(topo, cfg, fused):
     """The node and cross groups carried by world alltoalls (no process sets): the same average, bit for bit,
     as the reference; a tensor of fewer elements than a node has ranks goes flat there (some local rank would
     own nothing and post nothing); the cross collectives are named alike in every cross group."""
     topo = TOPOS[topo]
-    cfg = CONFIGS[cfg] if cfg != "auto" else TernGradConfig(hierarchical=True, exchange="auto")
+    cfg = CONFIGS[cfg] if cfg not in ("auto", "requantized") else TernGradConfig(hierarchical=True, exchange=cfg)
     names = [f"layer{i}" for i in range(len(SHAPES))]
     posted = []
 

@@ -81,8 +81,6 @@ class HierarchicalExchange:
     the groups of steps with a joined rank, and those ``hierarchical="auto"`` finds cheaper flat);
     ``local`` and ``cross`` are the collectives of this rank's node and of its cross group."""
 
-    _warned_world_allgather = False      # the world-collectives fallback across nodes, said once per process
-
     def __init__(self, flat: Exchange, local: Collectives, cross: Collectives, topo: topology.Topology,
                  end_of_step_sync: bool = False):
         self.flat = flat
@@ -127,8 +125,11 @@ class HierarchicalExchange:
     @staticmethod
     def world_groups_fit(config) -> bool:
         """Whether ``config``'s cross-node exchange can run over world collectives: per-rank scalers with the
-        allgather transport (``exchange="auto"`` then keeps to the allgather across nodes)."""
-        return config.exchange in ("allgather", "auto", "default") and not config.scaler_shared_for("allgather")
+        allgather or the requantized transport, whose collectives (one allgather; one alltoall and one allgather)
+        every cross group posts whatever its data ("default" picks one of them by the number of nodes, the same
+        in every cross group; ``exchange="auto"``, which would decide per cross group, keeps to the allgather)."""
+        return (config.exchange in ("allgather", "auto", "default", "requantized")
+                and not config.scaler_shared_for("allgather"))
 
     # -- what the frontends call ------------------------------------------------------------------
     @property
@@ -420,16 +421,9 @@ class HierarchicalExchange:
             items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.g32.numel())))
             at += p.numel
         mode = None
-        if self.spans_world:
-            mode = "allgather"
-            if self.config.exchange == "default" and cost.default_exchange(self.M) != "allgather" \
-                    and not HierarchicalExchange._warned_world_allgather and self.coll.rank == 0:
-                HierarchicalExchange._warned_world_allgather = True
-                log.warning("TernGrad: the node-aware exchange runs over world collectives (no process sets), "
-                            "where the exchange across nodes is the allgather: %d nodes receive %d bits per "
-                            "element instead of the requantized exchange's <= 7.5 (Horovod: "
-                            "HOROVOD_DYNAMIC_PROCESS_SETS=1 gives the node-aware exchange process sets)",
-                            self.M, 2 * (self.M - 1))
+        if self.spans_world:       # every cross group must post the same collectives: no per-group decision
+            mode = {"default": cost.default_exchange(self.M), "requantized": "requantized"}.get(self.config.exchange,
+                                                                                              "allgather")
         elif self.config.exchange == "auto":
             net = self._links or cost.configured_network()
             shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link
