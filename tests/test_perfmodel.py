@@ -970,3 +970,121 @@ def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
     rows = pm.predict_hsdp(pm.GPT_MODELS["gpt3-1.3b"], pm.CLUSTERS["infiniband"], [512])
     rt = rows[0][pm.HSDP_TERNGRAD_RETERNARIZED]
     assert rt.limit_s <= rt.step_s <= 1.1 * rt.limit_s
+
+
+# ---------------------------------------------------------------- the requantized exchange and the default (issue #39)
+@pytest.mark.parametrize("N", [3, 5])
+def test_requantized_cost_charges_exactly_codec_sizes_bytes(N):
+    """exchange.cost.terngrad_requantized_cost (and so the plan, the HSDP rows and the schedule) charges c = the
+    re-ternarized shard payload to each peer and P = the owner's 4-bit payload with the noise channel
+    (codec.sizes); the engine on thread ranks receives exactly (N-1)·(c + P) of them (without the noise channel:
+    no optimizer asked for it there)."""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import Exchange, cost, run_ranks
+    from horovod_terngrad.modelling import timeline as tl
+    for noise in (True, False):
+        c = max(sum(sizes.reternarized_chunk_bytes(n, N, "2bit")[r] for n in AWKWARD) for r in range(N))
+        P = max(sum(sizes.requantized_owner_chunk_bytes(n, N, noise)[r] for n in AWKWARD) for r in range(N))
+        assert cost.requantized_bytes(AWKWARD, N, noise=noise) == (c, P)
+        model = cost.terngrad_requantized_cost(AWKWARD, N, RING, noise=noise)
+        assert model.bytes_received == (N - 1) * (c + P) and model.messages == 2 * (N - 1)
+        assert model.time_s == pytest.approx(2 * (N - 1) * 1e-3 + (N - 1) * (c + P) * 1e-6)
+    # the plan charges it (with the noise channel: horovod_terngrad.optim's recipe) and one presence check
+    cfg = TernGradConfig(exchange="requantized", min_numel=0, fusion_numel=10**6)
+    total, used = pm.model_exchange_cost("terngrad_requantized", AWKWARD, N, RING, config=cfg)
+    assert used == ["terngrad_requantized"]
+    assert total.time_s == pytest.approx(cost.terngrad_requantized_cost(AWKWARD, N, RING).time_s
+                                         + pm.presence_cost(N, RING).time_s)
+    # the schedule: the same collectives' times, nothing else to overlap (no compute, free codec)
+    t = tl.timeline_step(AWKWARD, 0.0, N, RING, "terngrad_requantized", config=cfg)
+    assert t.issued == ("terngrad.presence.0", "terngrad.rt.0", "terngrad.rg.0")
+    assert t.step_s == pytest.approx(total.time_s, rel=1e-12)
+    # the engine's counters (no noise channel asked)
+    plain = TernGradConfig(exchange="requantized")
+
+    def body(comm):
+        ex = Exchange(comm, plain)
+        gen = torch.Generator().manual_seed(7 + comm.rank)
+        for tk in ex.start_group([(torch.randn(n, generator=gen), f"t{i}") for i, n in enumerate(AWKWARD)], "g"):
+            ex.finish(tk)
+        return ex.stats.bytes_received
+
+    received = run_ranks(N, body, timeout=120)
+    # rank r receives its shard's payload from N-1 peers and every other owner's 4-bit payload
+    up = [sum(sizes.reternarized_chunk_bytes(n, N, "2bit")[r] for n in AWKWARD) for r in range(N)]
+    down = [sum(sizes.requantized_owner_chunk_bytes(n, N, False)[r] for n in AWKWARD) for r in range(N)]
+    assert received == [(N - 1) * up[r] + sum(down) - down[r] for r in range(N)]
+    c, P = cost.requantized_bytes(AWKWARD, N, noise=False)
+    assert (c, P) == (max(up), max(down))         # the model: the slowest owner's, each stage
+    assert max(received) <= (N - 1) * (c + P)
+
+
+def test_default_method_is_allgather_up_to_4_ranks_and_requantized_above():
+    """TERNGRAD_DEFAULT (TernGradConfig(): exchange="default") equals the allgather exchange among <= 4 ranks and
+    the requantized one among more: flat on N ranks, across the M nodes of the node-aware exchange, and across
+    the R replicas of HSDP."""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import cost
+    assert TernGradConfig().exchange == "default" and TernGradConfig().hierarchical == "auto"
+    sizes_ = pm.MODELS["alexnet"].sizes
+    names = [n for n, _ in pm.MODELS["alexnet"].tensors]
+    one = pm.Network("one rank per node", 5e-6, 12.5e9)
+    for N in (2, 3, 4, 5, 8, 64):
+        want = "terngrad_allgather" if N <= 4 else "terngrad_requantized"
+        d = pm.predict_step(sizes_, 0.05, N, one, "terngrad_default", names=names)
+        w = pm.predict_step(sizes_, 0.05, N, one, want, names=names)
+        assert d.step_s == w.step_s and d.exchanges == w.exchanges
+        assert set(d.exchanges) == {want, "fp32"}
+        assert pm.codec_work_elements("terngrad_default", 1000, N) == pm.codec_work_elements(want, 1000, N)
+    assert pm.codec_work_elements("terngrad_requantized", 800, 8) == 4 * 800 + 100
+    # node-aware: the exchange across nodes is default_exchange(M)
+    ib = pm.INFINIBAND_100G
+    for M in (2, 4, 5, 128):
+        plan = pm.plan_buffers("terngrad_default", sizes_, 4 * M, ib, names=names, hierarchical=True)
+        hier = [b for b in plan if b.exchange == "terngrad_hierarchical"]
+        assert hier and all(b.cross == "default" for b in hier)
+        across = "allgather" if M <= 4 else "requantized"
+        for b in hier:
+            assert (cost.hierarchical_cost(list(b.sizes), M, 4, ib, cross="default").time_s
+                    == cost.hierarchical_cost(list(b.sizes), M, 4, ib, cross=across).time_s)
+        assert pm.model_exchange_cost("terngrad_default", sizes_, 4 * M, ib, names=names, hierarchical=True)[0].time_s \
+            == pm.model_exchange_cost("terngrad_" + across, sizes_, 4 * M, ib, names=names,
+                                      hierarchical=True)[0].time_s
+    # HSDP: default_exchange(R)
+    for N in (8, 16, 20, 512):
+        R = N // 4
+        want = pm.HSDP_TERNGRAD if R <= 4 else pm.HSDP_TERNGRAD_REQUANTIZED
+        d = pm.predict_hsdp_step(GPT, N, ib, pm.HSDP_TERNGRAD_DEFAULT, compute_s=1.0)
+        w = pm.predict_hsdp_step(GPT, N, ib, want, compute_s=1.0)
+        assert (d.step_s, d.cross_bytes, d.payload_bytes) == (w.step_s, w.cross_bytes, w.payload_bytes)
+        assert pm.hsdp_exchange(pm.HSDP_TERNGRAD_DEFAULT, R) == ("terngrad_allgather" if R <= 4
+                                                                 else "terngrad_requantized")
+
+
+def test_the_cli_tables_have_a_default_column(capsys):
+    """The Horovod tables (additive and scheduled) and the HSDP tables (additive and scheduled) have a column
+    headed "default" (what TernGradConfig() picks) beside fp32 and fp16/bf16, and "auto" for exchange="auto";
+    --gpus-per-node 8 gives nodes of 8 GPUs."""
+    def header(out, marker):
+        return next(line for line in out.splitlines() if line.lstrip("| ").startswith(marker))
+
+    assert cli.main(["--model", "alexnet", "--cluster", "infiniband", "--max-workers", "16"]) == 0
+    out = capsys.readouterr().out
+    cols = header(out, "workers").split()
+    assert cols[:4] == ["workers", "fp32", "img/s", "fp16"] and "default" in cols and "auto" in cols
+    assert "TernGrad" not in cols
+    assert cli.main(["--model", "vgga", "--cluster", "ethernet", "--max-workers", "16", "--scheduled"]) == 0
+    cols = [c.strip() for c in header(capsys.readouterr().out, "GPUs").strip("| ").split("|")]
+    assert cols[2:] == ["fp32", "fp16", "default", "auto", "reternarized", "requantized"]
+    for extra in ([], ["--scheduled"]):
+        assert cli.main(["hsdp", "--cluster", "ethernet", "--workers", "8,32", "--markdown"] + extra) == 0
+        cols = [c.strip() for c in header(capsys.readouterr().out, "GPUs").strip("| ").split("|")]
+        assert cols[2:5] == ["fp32 s", "bf16 s", "default"] and "default vs bf16" in cols
+    assert cli.main(["--gpus-per-node", "8", "--model", "alexnet", "--cluster", "infiniband",
+                     "--max-workers", "16"]) == 0
+    assert "8 ranks per node" in capsys.readouterr().out
+    assert cli.main(["hsdp", "--gpus-per-node", "8", "--workers", "16", "--cluster", "ethernet"]) == 0
+    out = capsys.readouterr().out
+    assert "8 ranks per node" in out and "\n  16      2 " in out
+    with pytest.raises(SystemExit):
+        cli.main(["hsdp", "--gpus-per-node", "8", "--workers", "12"])
