@@ -547,7 +547,8 @@ def test_the_command_line_prints_the_scheduled_tables(capsys):
     from horovod_terngrad.modelling import cli
     assert cli.main(["--model", "alexnet", "--cluster", "infiniband", "--max-workers", "8", "--scheduled"]) == 0
     out = capsys.readouterr().out
-    assert "scheduled step model" in out and "| 8 | 0.530 |" in out and "terngrad_reternarized" in out
+    assert "scheduled step model" in out and "| 8 | 0.530 |" in out and "| reternarized |" in out
+    assert "| fp32 | fp16 | default | auto |" in out      # default: TernGradConfig(); auto: exchange="auto"
     assert cli.main(["hsdp", "--cluster", "ethernet", "--workers", "8", "--scheduled", "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "| 8 | 2 |" in out and "TG-rt / limit" in out
+    assert "| 8 | 2 |" in out and "TG-rt / limit" in out and "| default |" in out

@@ -69,6 +69,14 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
       T = (N-1)·alpha + (N-1)·c·beta  +  (N-1)·alpha + (N-1)·P_sum·beta  +  handshake
   No headers in either stage (the scalers come from the handshake).  Received bits per element ~
   (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
+* re-ternarized and requantized exchanges (``exchange/reternarized.py``, ``exchange/requantized.py``): the same
+  alltoall of each shard's ternary payload (c bytes to each peer, ``exchange.cost.reternarized_bytes``), then
+  the owners' allgather of their shard: ternarized again (c bytes) or the exact average in 4-bit groups with the
+  1-bit noise channel (P bytes, ``exchange.cost.requantized_bytes``): T = (N-1)·alpha + (N-1)·c·beta +
+  (N-1)·alpha + (N-1)·(c or P)·beta, per-rank scalers (no handshake).  ~4 and ~7.5 bits per element at any N.
+* the default, ``TernGradConfig()`` (:data:`TERNGRAD_DEFAULT`): ``exchange="default"`` =
+  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the requantized exchange above
+  (node-aware: of the cross group's M ranks), with ``hierarchical="auto"``.
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
 crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link
@@ -82,7 +90,8 @@ Buffers (:func:`exchange_plan`): fp32/fp16 tensors are fused by Horovod up to ``
 wire.  TernGrad tensors are cut by ``exchange.fusion.cut`` with a ``TernGradConfig`` (fusion_numel, and
 exclude / min_numel: the tensors the policy keeps at full precision travel as fp32 allreduce buffers);
 each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) the one
-``exchange.cost.exchange_for`` picks for it, exactly as the engine decides.
+``exchange.cost.exchange_for`` picks for it (allgather or requantized), for "terngrad_default" the one
+``exchange.cost.default_exchange`` gives, exactly as the engine decides.
 
 Crossovers these formulas give (one large tensor, 2-bit, shared scaler: fp32 by ring, the 72-byte
 handshake by tree from N = 4 on): allgather is cheaper than the fp32 allreduce iff
@@ -863,8 +872,11 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 #                 (``exchange.cost.terngrad_allgather_cost``, per-rank scalers: no handshake; the FSDP engine
 #                 runs with joins=False, so no presence check either); the rest (LayerNorm weights and biases,
 #                 biases: all under 4096 elements per shard) is one fp32 allreduce per unit.  The slowest
-#                 local rank sets each unit's time.  ``exchange="sharded"`` (a setting the frontend passes to
-#                 its engine; modelled, not the default) charges ``terngrad_sharded_cost`` instead.
+#                 local rank sets each unit's time.  ``exchange="sharded"``, "reternarized", "requantized" (settings
+#                 the frontend passes to its engine) charge ``terngrad_sharded_cost``, ``..._reternarized_cost``,
+#                 ``..._requantized_cost`` instead; the default, ``TernGradConfig()``'s ``exchange="default"``
+#                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_exchange(R)``: the allgather among R <= 4
+#                 replicas, the requantized exchange among more.
 # * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
 #   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
 #   sharded 3·n_c, bf16 2·S (cast out and back), fp32 0, over the given rate.

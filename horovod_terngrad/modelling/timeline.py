@@ -30,6 +30,12 @@ of its last member hands it over:
   the group's handshake (allreduce-max, ``terngrad.hs.<group>``), then every group started before the
   previous one is advanced, waiting: its handshake, encoding, its payload collective (allgather, or the
   sharded alltoall), and for the sharded exchange the alltoall, the owners' sums and their allgather.
+* **two-stage per-rank exchanges** (``exchange="reternarized"``, ``"requantized"``; ``"default"``'s and
+  ``"auto"``'s requantized groups): as per-rank scalers above, but the payload collective is the alltoall of each
+  shard to its owner (``terngrad.rt.<group>``); at the engine's next progress the owner decodes its shard's N
+  payloads and sends its payload by allgather (``terngrad.rg.<group>``: both exchanges use the re-ternarized
+  exchange's names): re-ternarized, the average ternarized again (c bytes, as the alltoall's); requantized, the
+  average in 4-bit groups with the noise channel (P bytes, ``exchange.cost.requantized_bytes``).
 * **synchronize** (the optimizer's, tensors in hook order): the first TernGrad tensor advances every group
   still in flight (all handshakes, then all alltoalls); each member then waits for its group's allgather
   and is decoded.  Tensors the config keeps at full precision (``min_numel``, ``exclude``) go through
