@@ -231,7 +231,7 @@ def block_choosing(mod: dict, m: dict) -> str:
     lines = [
         "Modelled speedup of a step over fp32 allreduce (AlexNet / GoogLeNet, the paper's models and batch sizes; "
         "weak scaling; `horovod_terngrad.modelling`). \"auto\" is TernGrad with `exchange=\"auto\"` and "
-        "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, sharded or "
+        "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, requantized or "
         "node-aware exchange); \"flat allgather\" is `exchange=\"allgather\", hierarchical=False`, the one exchange "
         "that gives `horovod_terngrad.optim.AdamW` its noise estimate. fp16 allreduce for comparison. A speedup "
         "below 1.00x means TernGrad is slower than fp32 there: leave it off. With AdamW where the flat allgather "

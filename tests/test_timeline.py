@@ -113,18 +113,24 @@ def test_collectives_per_step_and_their_order(method, cfg, issued):
                                  TernGradConfig(min_numel=100, fusion_numel=0, exchange="sharded"),
                                  TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded"),
                                  TernGradConfig(min_numel=100, fusion_numel=0, exchange="reternarized"),
-                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="reternarized")],
+                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="reternarized"),
+                                 TernGradConfig(min_numel=100, fusion_numel=0, exchange="requantized"),
+                                 TernGradConfig(min_numel=100, fusion_numel=1500, exchange="requantized"),
+                                 (TernGradConfig(min_numel=100, fusion_numel=1500), 5),
+                                 (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="auto"), 5)],
                          ids=["per-rank", "per-rank-fused", "shared", "shared-fused", "sharded", "sharded-fused",
-                              "reternarized", "reternarized-fused"])
+                              "reternarized", "reternarized-fused", "requantized", "requantized-fused",
+                              "default-5-ranks", "auto-5-ranks"])
 def test_the_schedule_issues_what_the_engine_issues(cfg):
-    # the real engine on three thread-ranks, started group by group as the frontend does (the plan's groups,
-    # members in backward order; the two tensors under min_numel in no group), then finished in hook order:
-    # the timeline names the same collectives in the same order
+    # the real engine on three thread-ranks (five: where "default" runs the requantized exchange), started group
+    # by group as the frontend does (the plan's groups, members in backward order; the two tensors under min_numel
+    # in no group), then finished in hook order: the timeline names the same collectives in the same order
     import torch
     from test_exchange import KindCounting
 
     from horovod_terngrad.exchange import Exchange, run_ranks
-    sizes, N = [300, 700, 40, 900, 500, 1000, 60], 3
+    cfg, N = cfg if isinstance(cfg, tuple) else (cfg, 3)
+    sizes = [300, 700, 40, 900, 500, 1000, 60]
     method = method_of(cfg)
     t = timeline_step(sizes, 0.05, N, FLAT, method, config=cfg)
     groups = [b.members for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.exchange != "fp32"]
@@ -142,9 +148,13 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
 
     (issued, count), *_ = run_ranks(N, body)
     assert issued == list(t.issued)
+    kinds = [b.exchange for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.exchange != "fp32"]
+    if cfg.exchange == "default":       # TernGradConfig()'s: the allgather up to 4 ranks, requantized above
+        assert set(kinds) == {"terngrad_allgather" if N <= 4 else "terngrad_requantized"}
     per_group = {"terngrad_allgather": 1 if not cfg.shares_scaler else 2, "terngrad_sharded": 3,
-                 "terngrad_reternarized": 2}[method]     # re-ternarized: alltoall + allgather, per-rank scalers
-    assert t.collectives == count == len(groups) * per_group + (0 if cfg.scaler_shared_for(cfg.exchange) else 1)
+                 "terngrad_reternarized": 2, "terngrad_requantized": 2}
+    # re-ternarized, requantized: alltoall + allgather, per-rank scalers
+    assert t.collectives == count == sum(per_group[k] for k in kinds) + (0 if cfg.shares_scaler else 1)
 
 
 def test_tensors_under_min_numel_travel_by_horovods_allreduce():
@@ -340,8 +350,10 @@ def engine_issued(topo, cfg, groups, sizes, joins):
     (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="sharded", hierarchical=True), (3, 2), True),
     (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="reternarized", hierarchical=True), (3, 2), True),
     (TernGradConfig(min_numel=100, fusion_numel=0, exchange="auto", hierarchical=True), (2, 3), True),
+    (TernGradConfig(min_numel=100, fusion_numel=1500, exchange="requantized", hierarchical=True), (3, 2), True),
+    (TernGradConfig(min_numel=100, fusion_numel=1500, hierarchical=True), (5, 2), True),
 ], ids=["per-rank", "per-rank-fused", "per-rank-ddp", "shared", "shared-fused", "sharded", "sharded-fused-3x2",
-        "reternarized-fused-3x2", "auto-2x3"])
+        "reternarized-fused-3x2", "auto-2x3", "requantized-fused-3x2", "default-5x2"])
 def test_node_aware_schedule_issues_what_the_hierarchical_engine_issues(cfg, shape, joins):
     """The node-aware engine on M x G thread-ranks with subgroups (the Horovod frontend's: presence check and
     end-of-step sync; joins=False: the DDP hook's, neither), started group by group and finished in hook
@@ -536,7 +548,8 @@ def test_the_command_line_prints_the_scheduled_tables(capsys):
     from horovod_terngrad.modelling import cli
     assert cli.main(["--model", "alexnet", "--cluster", "infiniband", "--max-workers", "8", "--scheduled"]) == 0
     out = capsys.readouterr().out
-    assert "scheduled step model" in out and "| 8 | 0.530 |" in out and "terngrad_reternarized" in out
+    assert "scheduled step model" in out and "| 8 | 0.530 |" in out and "| reternarized |" in out
+    assert "| fp32 | fp16 | default | auto |" in out      # default: TernGradConfig(); auto: exchange="auto"
     assert cli.main(["hsdp", "--cluster", "ethernet", "--workers", "8", "--scheduled", "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "| 8 | 2 |" in out and "TG-rt / limit" in out
+    assert "| 8 | 2 |" in out and "TG-rt / limit" in out and "| default |" in out

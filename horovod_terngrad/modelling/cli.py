@@ -9,10 +9,24 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..config import TernGradConfig
-from .perfmodel import (ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, Cluster, GPT_MODELS, HOROVOD_FUSION_BYTES,
-                        HSDP_WORKERS, METHODS, MODELS, TERNGRAD_FUSION_NUMEL, TERNGRAD_RETERNARIZED, Network,
-                        format_hsdp_table,
-                        format_table, predict_hsdp, predict_scaling, scheduled_hsdp, worker_counts)
+from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP16, FP32, Cluster, GPT_MODELS,
+                        HOROVOD_FUSION_BYTES, HSDP_WORKERS, MODELS, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_DEFAULT,
+                        TERNGRAD_FUSION_NUMEL, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, Network,
+                        format_hsdp_table, format_table, predict_hsdp, predict_scaling, scheduled_hsdp, worker_counts)
+
+#: the column each method of the tables is headed by: ``default`` is what ``TernGradConfig()`` picks
+#: (exchange="default", hierarchical="auto"), ``auto`` is exchange="auto"
+LABELS = {FP32: "fp32", FP16: "fp16", TERNGRAD_DEFAULT: "default", TERNGRAD_BEST: "auto",
+          TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
+          TERNGRAD_REQUANTIZED: "requantized"}
+
+
+def with_gpus_per_node(cluster: Cluster, gpus_per_node: int | None) -> Cluster:
+    """``cluster`` with nodes of ``gpus_per_node`` GPUs sharing its NIC (None: the paper's 4); the link inside a
+    node stays the cluster's (its ``peer_links`` too)."""
+    if gpus_per_node is None or gpus_per_node == cluster.network.ranks_per_node:
+        return cluster
+    return replace(cluster, network=replace(cluster.network, ranks_per_node=int(gpus_per_node)))
 
 
 def hsdp_main(argv: Sequence[str] | None = None) -> int:
@@ -23,7 +37,9 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cluster", choices=("ethernet", "infiniband", "both"), default="both")
     p.add_argument("--model", choices=sorted(GPT_MODELS), default="gpt3-1.3b")
     p.add_argument("--workers", default=",".join(map(str, HSDP_WORKERS)),
-                   help="comma-separated GPU counts, multiples of the 4 GPUs of a node")
+                   help="comma-separated GPU counts, multiples of the GPUs of a node (--gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node sharing its NIC, FSDP2's shard group (default: the paper's 4)")
     p.add_argument("--sequences", type=int, default=1, help="sequences of the model's context per GPU and step")
     p.add_argument("--compute-s", type=float, help="override the compute time per iteration, seconds")
     p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
@@ -40,10 +56,12 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
                         "the additive one")
     a = p.parse_args(argv)
     workers = [int(w) for w in a.workers.split(",") if w.strip()]
+    if a.gpus_per_node is not None and a.gpus_per_node < 1:
+        p.error("--gpus-per-node must be >= 1")
     cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel)
     keys = list(CLUSTERS) if a.cluster == "both" else [a.cluster]
     for key in keys:
-        cl = CLUSTERS[key]
+        cl = with_gpus_per_node(CLUSTERS[key], a.gpus_per_node)
         cl = replace(cl, network=cl.network.with_allreduce(a.allreduce))
         if any(w % cl.network.ranks_per_node for w in workers):
             p.error(f"--workers must be multiples of {cl.network.ranks_per_node}")
@@ -61,11 +79,13 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
 
 def format_scheduled(model, cluster: Cluster, workers, rows, negotiation) -> str:
     """Markdown: per N, the negotiation wait per collective and each method's step and fraction of linear
-    scaling (compute alone / step) from the scheduled step model."""
+    scaling (compute alone / step) from the scheduled step model, each method's column headed by its
+    :data:`LABELS` name (``default``: what ``TernGradConfig()`` picks; ``auto``: exchange="auto")."""
     methods = list(rows[0])
-    head = ["GPUs", "negotiation per collective, ms"] + [f"{m} ms (of linear)" for m in methods]
-    lines = [f"{model.name} on {cluster.name} ({cluster.network.name}), scheduled step model, world-group "
-             "negotiation", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = ["GPUs", "negotiation per collective, ms"] + [LABELS.get(m, m) for m in methods]
+    lines = [f"{model.name} on {cluster.name} ({cluster.network.name}, {cluster.network.ranks_per_node} GPUs per node), "
+             "scheduled step model, world-group negotiation; per method the step in ms (fraction of linear scaling)",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for N, row in zip(workers, rows):
         cells = [str(N), f"{1e3 * negotiation(N, cluster.network):.3f}"]
         cells += [f"{1e3 * t.step_s:.1f} ({t.compute_s / t.step_s:.3f})" for t in row.values()]
@@ -84,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bandwidth-gbps", type=float, help="custom cluster: inter-node bandwidth, Gbit/s")
     p.add_argument("--latency-us", type=float, help="custom cluster: per-message latency alpha, us")
     p.add_argument("--ranks-per-node", type=int, default=1, help="custom cluster: ranks sharing a NIC")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="the paper's clusters with nodes of this many GPUs sharing a NIC (default: their 4)")
     p.add_argument("--gpu", choices=("gtx1080", "p100"), default="gtx1080",
                    help="custom cluster: which published compute time to use")
     p.add_argument("--compute-ms", type=float, help="override the compute time per iteration (one model)")
@@ -122,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--max-workers must be >= 1")
     if a.intra_links is not None and a.intra_links < 1:
         p.error("--intra-links must be >= 1")
+    if a.gpus_per_node is not None and (a.gpus_per_node < 1 or a.cluster == "custom"):
+        p.error("--gpus-per-node must be >= 1, for the paper's clusters (custom: --ranks-per-node)")
     if a.cluster == "custom":
         if a.bandwidth_gbps is None or a.latency_us is None:
             p.error("--cluster custom needs --bandwidth-gbps and --latency-us")
@@ -134,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         clusters = {a.cluster: CLUSTERS[a.cluster]}
     for key, cl in clusters.items():
+        cl = with_gpus_per_node(cl, a.gpus_per_node)
         net = cl.network.with_allreduce(a.allreduce)
         if a.intra_links is not None and net.intra_node is not None:
             net = replace(net, intra_node=replace(net.intra_node, peer_links=a.intra_links))
@@ -163,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[mkey] = {}
         for ckey, cluster in clusters.items():
             rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
-                                   methods=METHODS + (TERNGRAD_RETERNARIZED,),
+                                   methods=ALL_METHODS,
                                    flat_too=hierarchical is not False and cluster.network.ranks_per_node > 1,
                                    **kwargs)
             results[mkey][ckey] = rows

@@ -69,6 +69,14 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
       T = (N-1)·alpha + (N-1)·c·beta  +  (N-1)·alpha + (N-1)·P_sum·beta  +  handshake
   No headers in either stage (the scalers come from the handshake).  Received bits per element ~
   (N-1)/N · (b + L): 9.84 at N = 64 with 2-bit (L = 8), 12.97 at N = 512 (L = 11).
+* re-ternarized and requantized exchanges (``exchange/reternarized.py``, ``exchange/requantized.py``): the same
+  alltoall of each shard's ternary payload (c bytes to each peer, ``exchange.cost.reternarized_bytes``), then
+  the owners' allgather of their shard: ternarized again (c bytes) or the exact average in 4-bit groups with the
+  1-bit noise channel (P bytes, ``exchange.cost.requantized_bytes``): T = (N-1)·alpha + (N-1)·c·beta +
+  (N-1)·alpha + (N-1)·(c or P)·beta, per-rank scalers (no handshake).  ~4 and ~7.5 bits per element at any N.
+* the default, ``TernGradConfig()`` (:data:`TERNGRAD_DEFAULT`): ``exchange="default"`` =
+  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the requantized exchange above
+  (node-aware: of the cross group's M ranks), with ``hierarchical="auto"``.
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
 crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link
@@ -82,7 +90,8 @@ Buffers (:func:`exchange_plan`): fp32/fp16 tensors are fused by Horovod up to ``
 wire.  TernGrad tensors are cut by ``exchange.fusion.cut`` with a ``TernGradConfig`` (fusion_numel, and
 exclude / min_numel: the tensors the policy keeps at full precision travel as fp32 allreduce buffers);
 each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) the one
-``exchange.cost.exchange_for`` picks for it, exactly as the engine decides.
+``exchange.cost.exchange_for`` picks for it (allgather or requantized), for "terngrad_default" the one
+``exchange.cost.default_exchange`` gives, exactly as the engine decides.
 
 Crossovers these formulas give (one large tensor, 2-bit, shared scaler: fp32 by ring, the 72-byte
 handshake by tree from N = 4 on): allgather is cheaper than the fp32 allreduce iff
@@ -118,15 +127,16 @@ from ..codec import sizes as wire
 from ..config import TernGradConfig
 from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
-    _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, TERNGRAD_ALLGATHER, TERNGRAD_BEST,
-    TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED,
-    ExchangeChoice,
+    _COLLECTIVE_TIME, AUTO_EXCHANGES, DEFAULT_ALLGATHER_MAX_RANKS, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS,
+    TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL,
+    TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
     choose_exchange,
-    configured_network, cross_network, exchange_cost, exchange_for, fp16_allreduce_cost, fp32_allreduce_cost,
-    hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost, sharded_bytes,
-    terngrad_allgather_cost, terngrad_reternarized_cost, terngrad_sharded_cost, tree_allreduce_time)
+    configured_network, cross_network, default_exchange, exchange_cost, exchange_for, fp16_allreduce_cost,
+    fp32_allreduce_cost, hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost,
+    requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
+    terngrad_sharded_cost, tree_allreduce_time)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -238,9 +248,23 @@ class PlannedBuffer:
 #: ``plan_buffers`` weighs them when given ``step_allreduces``; ``exchange.cost.hierarchy_plan`` per step.)
 HOROVOD_STEP_ALLREDUCES = 2
 
+#: ``TernGradConfig()``'s exchange (``exchange="default"``, ``hierarchical="auto"``): per group the allgather
+#: exchange among up to 4 ranks, the requantized one among more (``exchange.cost.default_exchange`` of the ranks
+#: in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
+TERNGRAD_DEFAULT = "terngrad_default"
+#: every TernGrad method of the model (``TERNGRAD_BEST`` is ``exchange="auto"``)
+TERNGRAD_METHODS = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED,
+                    TERNGRAD_DEFAULT)
+#: the methods of the CLI tables: fp32, fp16, what TernGradConfig() picks, and each TernGrad exchange
+ALL_METHODS = (FP32, FP16, TERNGRAD_DEFAULT, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST,
+               TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)
+
 # the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
 _SETTING = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_BEST: None,
-            TERNGRAD_RETERNARIZED: "reternarized"}
+            TERNGRAD_RETERNARIZED: "reternarized", TERNGRAD_REQUANTIZED: "requantized", TERNGRAD_DEFAULT: "default"}
+# the model's method for an exchange the engine runs (exchange.cost.exchange_for / default_exchange's answers)
+_METHOD_OF = {"allgather": TERNGRAD_ALLGATHER, "sharded": TERNGRAD_SHARDED, "reternarized": TERNGRAD_RETERNARIZED,
+              "requantized": TERNGRAD_REQUANTIZED}
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -269,8 +293,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         width = 4.0 if method == FP32 else 2.0
         return [PlannedBuffer(method, tuple(b), tuple(sizes[i] for i in b))
                 for b in _fuse_indices(list(range(len(sizes))), sizes, fusion_bytes, width)]
-    if method not in (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST, TERNGRAD_RETERNARIZED):
-        raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED,)}, got {method!r}")
+    if method not in TERNGRAD_METHODS:
+        raise ValueError(f"method must be one of {(FP32, FP16) + TERNGRAD_METHODS}, got {method!r}")
     cfg = terngrad_config(config, packing, fusion_numel)
     if hierarchical is not None:
         cfg = cfg.replace(hierarchical=hierarchical)
@@ -292,9 +316,10 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
             out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), _SETTING[method]))
             continue
         if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
-            kind = exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
-                                shared_scaler=shared)
-            exchange = TERNGRAD_SHARDED if kind == "sharded" else TERNGRAD_ALLGATHER
+            exchange = _METHOD_OF[exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
+                                               shared_scaler=shared)]
+        elif method == TERNGRAD_DEFAULT:  # exchange="default": a pure function of the ranks in the exchange
+            exchange = _METHOD_OF[default_exchange(int(workers))]
         else:
             exchange = method
         out.append(PlannedBuffer(exchange, members, tuple(numels)))
@@ -362,7 +387,10 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
             cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size, shared)
         total = cost if total is None else total + cost
         used.append(b.exchange)
-    if TERNGRAD_ALLGATHER in used and not shared:
+    # per-rank scalers (the allgather's default, the re-ternarized and requantized exchanges'): the engine's
+    # presence check, once per step
+    if any(e in used and not cfg.scaler_shared_for(_SETTING[e])
+           for e in (TERNGRAD_ALLGATHER, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)):
         total = total + presence_cost(workers, network)
     if TERNGRAD_HIERARCHICAL in used:       # presence check + end-of-step sync
         for _ in range(HOROVOD_STEP_ALLREDUCES):
@@ -373,29 +401,39 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
 
 
 def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: int = 1,
-                        cross: str = "allgather") -> float:
+                        cross: str | None = "allgather") -> float:
     """Element operations of the codec per step (for the optional codec term).
 
     fp32: 0; fp16: 2n (cast out and back); allgather: n encode + N·n decode (every payload is decoded);
-    sharded: n encode + n (owners sum N chunks of n/N) + n decode of the sums = 3n.  N = 1: 0.
+    sharded: n encode + n (owners sum N chunks of n/N) + n decode of the sums = 3n; re-ternarized: n encode +
+    n (the owner decodes N chunks of n/N) + n/N (it ternarizes its shard again) + n decode = 3n + n/N;
+    requantized: n encode + n (the owner decodes N chunks of n/N) + n (its noise estimate from the same N chunks)
+    + n/N (its 4-bit encode) + n decode = 4n + n/N; "default": the allgather's among up to 4 ranks, the
+    requantized one's above (``default_exchange(N)``).  N = 1: 0.
     Node-aware (G = ``ranks_per_node``, M = N/G nodes): n (the node sum of G slices of n/G) plus the
-    ``cross`` exchange's work on n/G elements among M ranks.
+    ``cross`` exchange's work on n/G elements among M ranks ("allgather", "sharded", "reternarized",
+    "requantized", "default": ``default_exchange(M)``).
     """
     if method == TERNGRAD_HIERARCHICAL:
         G = max(1, int(ranks_per_node))
+        M = max(1, int(workers) // G)
         shard = numel / G
-        inner = TERNGRAD_SHARDED if cross == "sharded" else TERNGRAD_ALLGATHER
-        return float(numel) + codec_work_elements(inner, shard, max(1, int(workers) // G))
+        inner = {"default": TERNGRAD_DEFAULT}.get(cross, _METHOD_OF.get(cross, TERNGRAD_ALLGATHER))
+        return float(numel) + codec_work_elements(inner, shard, M)
     if workers <= 1 or method == FP32:
         return 0.0
     if method == FP16:
         return 2.0 * numel
+    if method == TERNGRAD_DEFAULT:
+        method = _METHOD_OF[default_exchange(workers)]
     if method == TERNGRAD_ALLGATHER:
         return float(numel) * (1 + workers)
     if method == TERNGRAD_SHARDED:
         return 3.0 * numel
     if method == TERNGRAD_RETERNARIZED:      # encode n, owner: decode N chunks of n/N and encode n/N, decode n
         return 3.0 * numel + numel / workers
+    if method == TERNGRAD_REQUANTIZED:       # as re-ternarized, and the owner's noise estimate of its N chunks
+        return 4.0 * numel + numel / workers
     raise ValueError(method)
 
 
@@ -476,7 +514,7 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
 
 
 def compare_exchanges(model_or_sizes, compute_s: float, workers: int, network: Network,
-                      methods: Sequence[str] = METHODS, **kwargs) -> dict[str, StepPrediction]:
+                      methods: Sequence[str] = ALL_METHODS, **kwargs) -> dict[str, StepPrediction]:
     """Predicted step of a user's model under each method, with ``speedup_vs_fp32`` filled in.
 
     ``model_or_sizes``: a ``torch.nn.Module`` (its trainable parameters) or a list of tensor sizes.
@@ -703,7 +741,7 @@ TERNGRAD_FLAT = "terngrad_flat"   #: a row of predict_scaling(flat_too=True): "t
 
 
 def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] = None,
-                    methods: Sequence[str] = METHODS, compute_s: float | None = None,
+                    methods: Sequence[str] = ALL_METHODS, compute_s: float | None = None,
                     batch_per_worker: int | None = None, flat_too: bool = False,
                     **kwargs) -> list[dict[str, StepPrediction]]:
     """Fig.-5 predictions: for each N, {method: StepPrediction} (images/s and speedup vs fp32).
@@ -730,36 +768,54 @@ def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] =
 
 # --------------------------------------------------------------------------------------------------
 # Output: table (figures: modelling/plots.py)
-_SHORT = {TERNGRAD_HIERARCHICAL: "hier", TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded"}
+_SHORT = {TERNGRAD_HIERARCHICAL: "hier", TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded",
+          TERNGRAD_RETERNARIZED: "reternarized", TERNGRAD_REQUANTIZED: "requantized"}
+
+
+def _chosen(p: StepPrediction) -> str:
+    """The exchanges a prediction's buffers use, short names joined by "+" ("-" on one worker)."""
+    return "-" if p.workers == 1 else "+".join(_SHORT.get(c, c) for c in sorted(set(p.exchanges)))
 
 
 def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPrediction]]) -> str:
-    """Workers x images/s for fp32, fp16 and TernGrad (both exchanges and the chosen one), speedup, the
-    fraction of linear scaling (N x one GPU's images/s) TernGrad reaches, and, where the rows hold
-    :data:`TERNGRAD_FLAT`, the flat exchange's images/s and speedup beside them."""
+    """Workers x images/s for fp32, fp16, ``default`` (what ``TernGradConfig()`` picks: exchange="default",
+    node-aware where cheaper), its speedup and fraction of linear scaling (N x one GPU's images/s), TernGrad's
+    exchanges one by one (allgather, sharded, and where the rows hold them re-ternarized and requantized),
+    ``auto`` (exchange="auto") with its speedup and fraction of linear scaling, and, where the rows hold
+    :data:`TERNGRAD_FLAT`, auto's flat exchange beside them; then auto's bits per element and the exchanges
+    default and auto use."""
     first = rows[0][FP32]
     head = (f"{model.name} on {cluster.name} ({cluster.network.describe()}); {model.parameters / 1e6:.1f}M "
             f"parameters in {len(model.tensors)} tensors; batch {first.batch_per_worker}/worker; compute "
             f"{first.compute_s * 1e3:.1f} ms/iteration")
     flat = all(TERNGRAD_FLAT in r for r in rows)
     rt = all(TERNGRAD_RETERNARIZED in r for r in rows)
-    cols = ["workers", "fp32 img/s", "fp16 img/s", "TG-allgather", "TG-sharded", "TernGrad", "speedup", "TG/linear"]
-    cols += ["flat TG", "flat spd"] if flat else []
+    rq = all(TERNGRAD_REQUANTIZED in r for r in rows)
+    dflt = all(TERNGRAD_DEFAULT in r for r in rows)
+    cols = ["workers", "fp32 img/s", "fp16 img/s"]
+    cols += ["default", "dflt spd", "dflt/linear"] if dflt else []
+    cols += ["TG-allgather", "TG-sharded"]
     cols += ["TG-reternarized", "RT/linear"] if rt else []
-    cols += ["TG bits/elt", "chosen"]
+    cols += ["TG-requantized", "RQ/linear"] if rq else []
+    cols += ["auto", "speedup", "TG/linear"]
+    cols += ["flat TG", "flat spd"] if flat else []
+    cols += ["TG bits/elt"] + (["default chose"] if dflt else []) + ["chosen"]
     rows_out = []
     for r in rows:
         tg = r[TERNGRAD_BEST]
-        chosen = sorted(set(tg.exchanges))
-        chosen = "-" if tg.workers == 1 else "+".join(_SHORT.get(c, c) for c in chosen)
-        vals = [f"{tg.workers}", f"{r[FP32].images_per_s:.0f}", f"{r[FP16].images_per_s:.0f}",
-                f"{r[TERNGRAD_ALLGATHER].images_per_s:.0f}", f"{r[TERNGRAD_SHARDED].images_per_s:.0f}",
-                f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.scaling_efficiency:.3f}"]
-        if flat:
-            vals += [f"{r[TERNGRAD_FLAT].images_per_s:.0f}", f"{r[TERNGRAD_FLAT].speedup_vs_fp32:.2f}x"]
+        vals = [f"{tg.workers}", f"{r[FP32].images_per_s:.0f}", f"{r[FP16].images_per_s:.0f}"]
+        if dflt:
+            d = r[TERNGRAD_DEFAULT]
+            vals += [f"{d.images_per_s:.0f}", f"{d.speedup_vs_fp32:.2f}x", f"{d.scaling_efficiency:.3f}"]
+        vals += [f"{r[TERNGRAD_ALLGATHER].images_per_s:.0f}", f"{r[TERNGRAD_SHARDED].images_per_s:.0f}"]
         if rt:
             vals += [f"{r[TERNGRAD_RETERNARIZED].images_per_s:.0f}", f"{r[TERNGRAD_RETERNARIZED].scaling_efficiency:.3f}"]
-        vals += [f"{tg.bits_per_element:.2f}", chosen]
+        if rq:
+            vals += [f"{r[TERNGRAD_REQUANTIZED].images_per_s:.0f}", f"{r[TERNGRAD_REQUANTIZED].scaling_efficiency:.3f}"]
+        vals += [f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.scaling_efficiency:.3f}"]
+        if flat:
+            vals += [f"{r[TERNGRAD_FLAT].images_per_s:.0f}", f"{r[TERNGRAD_FLAT].speedup_vs_fp32:.2f}x"]
+        vals += [f"{tg.bits_per_element:.2f}"] + ([_chosen(r[TERNGRAD_DEFAULT])] if dflt else []) + [_chosen(tg)]
         rows_out.append(vals)
     width = [max(len(c), 8, *(len(v[i]) for v in rows_out)) for i, c in enumerate(cols)]
     lines = [head, "  ".join(f"{c:>{w}}" for c, w in zip(cols, width))]
@@ -816,8 +872,11 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 #                 (``exchange.cost.terngrad_allgather_cost``, per-rank scalers: no handshake; the FSDP engine
 #                 runs with joins=False, so no presence check either); the rest (LayerNorm weights and biases,
 #                 biases: all under 4096 elements per shard) is one fp32 allreduce per unit.  The slowest
-#                 local rank sets each unit's time.  ``exchange="sharded"`` (a setting the frontend passes to
-#                 its engine; modelled, not the default) charges ``terngrad_sharded_cost`` instead.
+#                 local rank sets each unit's time.  ``exchange="sharded"``, "reternarized", "requantized" (settings
+#                 the frontend passes to its engine) charge ``terngrad_sharded_cost``, ``..._reternarized_cost``,
+#                 ``..._requantized_cost`` instead; the default, ``TernGradConfig()``'s ``exchange="default"``
+#                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_exchange(R)``: the allgather among R <= 4
+#                 replicas, the requantized exchange among more.
 # * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
 #   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
 #   sharded 3·n_c, bf16 2·S (cast out and back), fp32 0, over the given rate.
@@ -832,10 +891,27 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 # activations: the GTX 1080's 8 GB are tight).
 HSDP_FP32 = "hsdp_fp32"
 HSDP_BF16 = "hsdp_bf16"
-HSDP_TERNGRAD = "hsdp_terngrad"                  #: the frontend's default: allgather, per-rank scalers
+HSDP_TERNGRAD = "hsdp_terngrad"                  #: TernGradConfig(exchange="allgather"): per-rank scalers
 HSDP_TERNGRAD_SHARDED = "hsdp_terngrad_sharded"  #: TernGradConfig(exchange="sharded") across nodes (what-if)
 HSDP_TERNGRAD_RETERNARIZED = "hsdp_terngrad_reternarized"  #: TernGradConfig(exchange="reternarized") across nodes
-HSDP_METHODS = (HSDP_FP32, HSDP_BF16, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED)
+HSDP_TERNGRAD_REQUANTIZED = "hsdp_terngrad_requantized"    #: TernGradConfig(exchange="requantized") across nodes
+#: the frontend's default, TernGradConfig(): exchange="default" among the R replicas, ``default_exchange(R)``
+#: (the allgather up to 4 nodes, the requantized exchange above)
+HSDP_TERNGRAD_DEFAULT = "hsdp_terngrad_default"
+HSDP_TERNGRAD_METHODS = (HSDP_TERNGRAD_DEFAULT, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED,
+                         HSDP_TERNGRAD_REQUANTIZED)
+HSDP_METHODS = (HSDP_FP32, HSDP_BF16) + HSDP_TERNGRAD_METHODS
+# the flat Horovod/DDP method each HSDP TernGrad method's cross-node exchange is (for its cost and codec work)
+_HSDP_FLAT = {HSDP_TERNGRAD: TERNGRAD_ALLGATHER, HSDP_TERNGRAD_SHARDED: TERNGRAD_SHARDED,
+              HSDP_TERNGRAD_RETERNARIZED: TERNGRAD_RETERNARIZED, HSDP_TERNGRAD_REQUANTIZED: TERNGRAD_REQUANTIZED,
+              HSDP_TERNGRAD_DEFAULT: TERNGRAD_DEFAULT}
+
+
+def hsdp_exchange(method: str, replicas: int) -> str:
+    """The flat method (``TERNGRAD_ALLGATHER``, ...) that an HSDP TernGrad method runs among R = ``replicas``
+    ranks across nodes: the default's is ``default_exchange(R)``'s."""
+    flat = _HSDP_FLAT[method]
+    return _METHOD_OF[default_exchange(int(replicas))] if flat == TERNGRAD_DEFAULT else flat
 HSDP_WORKERS = (8, 16, 32, 64, 128, 256, 512)
 
 
@@ -1041,7 +1117,7 @@ def _hsdp_replicas(network: Network, workers: int) -> tuple[int, int, int]:
 
 def _hsdp_payload(method: str, units: Sequence[HSDPUnitShard], cfg: TernGradConfig) -> int:
     """Bytes this rank puts in its TernGrad payloads per step (0 for fp32/bf16)."""
-    if method not in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED):
+    if method not in HSDP_TERNGRAD_METHODS:
         return 0
     return sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
 
@@ -1064,15 +1140,18 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
         if method in (HSDP_FP32, HSDP_BF16):
             total = total + allreduce_cost(u.padded, R, network, 4 if method == HSDP_FP32 else 2)
             continue
-        if method not in (HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED):
+        if method not in HSDP_TERNGRAD_METHODS:
             raise ValueError(f"method must be one of {HSDP_METHODS}, got {method!r}")
+        flat = hsdp_exchange(method, R)
         for g in u.groups:
-            if method == HSDP_TERNGRAD:
+            if flat == TERNGRAD_ALLGATHER:
                 total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
                                                         cfg.scaler_shared_for("allgather"))
-            elif method == HSDP_TERNGRAD_RETERNARIZED:
+            elif flat == TERNGRAD_RETERNARIZED:
                 total = total + terngrad_reternarized_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
                                                            cfg.scaler_shared_for("reternarized"))
+            elif flat == TERNGRAD_REQUANTIZED:      # with the noise channel: the optimizer's default recipe
+                total = total + terngrad_requantized_cost(list(g), R, network, cfg.packing, cfg.bucket_size)
             else:
                 total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, cfg.bucket_size)
         if u.plain:
@@ -1100,10 +1179,12 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
         codec = 0.0
         if codec_elements_per_s and R > 1:
             n_c = sum(u.compressed for u in units)
-            work = {HSDP_FP32: 0.0, HSDP_BF16: codec_work_elements(FP16, sum(u.padded for u in units), R),
-                    HSDP_TERNGRAD: codec_work_elements(TERNGRAD_ALLGATHER, n_c, R),
-                    HSDP_TERNGRAD_SHARDED: codec_work_elements(TERNGRAD_SHARDED, n_c, R),
-                    HSDP_TERNGRAD_RETERNARIZED: codec_work_elements(TERNGRAD_RETERNARIZED, n_c, R)}[method]
+            if method == HSDP_FP32:
+                work = 0.0
+            elif method == HSDP_BF16:
+                work = codec_work_elements(FP16, sum(u.padded for u in units), R)
+            else:
+                work = codec_work_elements(hsdp_exchange(method, R), n_c, R)
             codec = work / codec_elements_per_s
         payload = _hsdp_payload(method, units, cfg)
         if worst is None or cost.time_s + codec > worst[0].time_s + worst[1]:
@@ -1213,25 +1294,40 @@ def predict_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HS
 
 def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, HSDPStep]],
                       markdown: bool = False) -> str:
-    """GPUs x step time of fp32, bf16 and TernGrad HSDP (and TernGrad with the sharded exchange), TernGrad's
-    tokens/s, speedups over bf16 HSDP, and the cross-node MB one rank receives per step (bf16 / TernGrad)."""
+    """GPUs x step time of fp32 and bf16 HSDP, of ``default`` (TernGrad as ``TernGradConfig()`` runs it across
+    nodes: ``default_exchange(R)``) with its ratio to the limit and its speedup over bf16 HSDP, of TernGrad with
+    each exchange named (TG: allgather, TG-sh: sharded, TG-rt: re-ternarized, TG-rq: requantized), the limit
+    (compute, intra-node, the 2-bit payload once at the cross link's rate; the same for every TernGrad exchange)
+    and the re-ternarized exchange against it, speedups over bf16 HSDP, and the cross-node MB one rank receives
+    per step.  A method the rows do not hold shows "-"."""
     first = rows[0][HSDP_BF16]
     head = (f"HSDP {model.name} ({model.parameters / 1e9:.3f}B parameters in {len(model.tensors())} tensors) on "
             f"{cluster.name} ({cluster.network.describe()}); {first.tokens_per_worker} tokens/GPU; compute "
             f"{first.compute_s:.2f} s/iteration")
-    cols = ["GPUs", "nodes", "fp32 s", "bf16 s", "TG s", "TG-sh s", "TG-rt s", "TG-rt limit s", "TG-rt / limit",
-            "TG vs bf16", "TG-sh vs bf16", "TG-rt vs bf16", "limit vs bf16", "intra s", "bf16 MB", "TG MB",
-            "TG-rt MB"]
+    cols = ["GPUs", "nodes", "fp32 s", "bf16 s", "default", "default / limit", "default vs bf16", "TG s", "TG-sh s",
+            "TG-rt s", "TG-rq s", "TG-rt limit s", "TG-rt / limit", "TG vs bf16", "TG-sh vs bf16", "TG-rt vs bf16",
+            "TG-rq vs bf16", "limit vs bf16", "intra s", "bf16 MB", "TG MB", "TG-rt MB", "TG-rq MB", "default MB"]
     out = []
+
+    def sec(p):
+        return f"{p.step_s:.2f}" if p else "-"
+
+    def vs(p):
+        return f"{p.speedup_vs_bf16:.2f}x" if p else "-"
+
+    def mb(p):
+        return f"{p.cross_bytes / 1e6:.0f}" if p else "-"
+
     for r in rows:
-        tg, sh, rt, bf = r[HSDP_TERNGRAD], r.get(HSDP_TERNGRAD_SHARDED), r.get(HSDP_TERNGRAD_RETERNARIZED), r[HSDP_BF16]
+        tg, bf = r[HSDP_TERNGRAD], r[HSDP_BF16]
+        sh, rt = r.get(HSDP_TERNGRAD_SHARDED), r.get(HSDP_TERNGRAD_RETERNARIZED)
+        rq, df = r.get(HSDP_TERNGRAD_REQUANTIZED), r.get(HSDP_TERNGRAD_DEFAULT)
         out.append([f"{bf.workers}", f"{bf.nodes}", f"{r[HSDP_FP32].step_s:.2f}", f"{bf.step_s:.2f}",
-                    f"{tg.step_s:.2f}", f"{sh.step_s:.2f}" if sh else "-", f"{rt.step_s:.2f}" if rt else "-",
+                    sec(df), f"{df.step_s / df.limit_s:.2f}x" if df else "-", vs(df),
+                    f"{tg.step_s:.2f}", sec(sh), sec(rt), sec(rq),
                     f"{rt.limit_s:.2f}" if rt else "-", f"{rt.step_s / rt.limit_s:.2f}x" if rt else "-",
-                    f"{tg.speedup_vs_bf16:.2f}x", f"{sh.speedup_vs_bf16:.2f}x" if sh else "-",
-                    f"{rt.speedup_vs_bf16:.2f}x" if rt else "-", f"{bf.step_s / rt.limit_s:.2f}x" if rt else "-",
-                    f"{tg.intra_s:.2f}", f"{bf.cross_bytes / 1e6:.0f}", f"{tg.cross_bytes / 1e6:.0f}",
-                    f"{rt.cross_bytes / 1e6:.0f}" if rt else "-"])
+                    vs(tg), vs(sh), vs(rt), vs(rq), f"{bf.step_s / tg.limit_s:.2f}x",
+                    f"{tg.intra_s:.2f}", mb(bf), mb(tg), mb(rt), mb(rq), mb(df)])
     if markdown:
         lines = [f"**{head}**", "", "| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
         return "\n".join(lines + ["| " + " | ".join(v) + " |" for v in out])

@@ -6,8 +6,9 @@
 """
 from __future__ import annotations
 
-from ..exchange.cost import FP16, FP32, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_SHARDED, Network, exchange_cost
-from .perfmodel import CLUSTERS, MODELS, TERNGRAD_FLAT
+from ..exchange.cost import (FP16, FP32, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED,
+                             TERNGRAD_SHARDED, Network, exchange_cost)
+from .perfmodel import CLUSTERS, MODELS, TERNGRAD_DEFAULT, TERNGRAD_FLAT
 
 
 def _pyplot():
@@ -18,8 +19,9 @@ def _pyplot():
 
 
 def plot_fig5(results: dict, path: str, title: str | None = None) -> str:
-    """Fig.-5-like PNG: one subplot per model, images/s vs workers, fp32 and TernGrad per cluster (and the
-    flat TernGrad exchange where the rows hold it: ``predict_scaling(flat_too=True)``).
+    """Fig.-5-like PNG: one subplot per model, images/s vs workers, fp32 and TernGrad per cluster: "default"
+    (``TernGradConfig()``) where the rows hold it, "auto" (exchange="auto"), and auto's flat exchange where the
+    rows hold it (``predict_scaling(flat_too=True)``).
 
     ``results``: {model_key: {cluster_key: rows from predict_scaling}}.  matplotlib (Agg) is imported here.
     """
@@ -35,11 +37,14 @@ def plot_fig5(results: dict, path: str, title: str | None = None) -> str:
             N = [r[FP32].workers for r in rows]
             ax.plot(N, [r[FP32].images_per_s for r in rows], "--o", color=color, ms=3,
                     label=f"{cname} fp32")
-            ax.plot(N, [r[TERNGRAD_BEST].images_per_s for r in rows], "-s", color=color, ms=3,
-                    label=f"{cname} TernGrad")
+            if all(TERNGRAD_DEFAULT in r for r in rows):   # what TernGradConfig() picks
+                ax.plot(N, [r[TERNGRAD_DEFAULT].images_per_s for r in rows], "-s", color=color, ms=3,
+                        label=f"{cname} TernGrad default")
+            ax.plot(N, [r[TERNGRAD_BEST].images_per_s for r in rows], "-^", color=color, ms=2, lw=0.8, alpha=0.8,
+                    label=f"{cname} TernGrad auto")
             if all(TERNGRAD_FLAT in r for r in rows):      # the flat exchange beside the node-aware one
                 ax.plot(N, [r[TERNGRAD_FLAT].images_per_s for r in rows], "-.", color=color, lw=0.9,
-                        label=f"{cname} TernGrad flat")
+                        label=f"{cname} TernGrad auto, flat")
             ideal = [n * rows[0][FP32].images_per_s for n in N]
             ax.plot(N, ideal, ":", color=color, lw=0.8, alpha=0.6)
         ax.set_xscale("log", base=2)
@@ -61,7 +66,7 @@ def plot_exchanges(numel: int, network: Network, path: str, max_workers: int = 5
     plt = _pyplot()
     N = list(range(2, max_workers + 1))
     fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
-    for m in (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED):
+    for m in (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED):
         costs = [exchange_cost(m, numel, k, network, packing) for k in N]
         axes[0].plot(N, [c.time_s for c in costs], label=m)
         axes[1].plot(N, [c.bits_per_element for c in costs], label=m)

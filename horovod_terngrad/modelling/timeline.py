@@ -30,6 +30,12 @@ of its last member hands it over:
   the group's handshake (allreduce-max, ``terngrad.hs.<group>``), then every group started before the
   previous one is advanced, waiting: its handshake, encoding, its payload collective (allgather, or the
   sharded alltoall), and for the sharded exchange the alltoall, the owners' sums and their allgather.
+* **two-stage per-rank exchanges** (``exchange="reternarized"``, ``"requantized"``; ``"default"``'s and
+  ``"auto"``'s requantized groups): as per-rank scalers above, but the payload collective is the alltoall of each
+  shard to its owner (``terngrad.rt.<group>``); at the engine's next progress the owner decodes its shard's N
+  payloads and sends its payload by allgather (``terngrad.rg.<group>``: both exchanges use the re-ternarized
+  exchange's names): re-ternarized, the average ternarized again (c bytes, as the alltoall's); requantized, the
+  average in 4-bit groups with the noise channel (P bytes, ``exchange.cost.requantized_bytes``).
 * **synchronize** (the optimizer's, tensors in hook order): the first TernGrad tensor advances every group
   still in flight (all handshakes, then all alltoalls); each member then waits for its group's allgather
   and is decoded.  Tensors the config keeps at full precision (``min_numel``, ``exclude``) go through
@@ -251,9 +257,14 @@ class Timeline:
 
 # the engine's ``exchange`` setting behind each TernGrad method of the performance model
 TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: "auto",
-                    pm.TERNGRAD_RETERNARIZED: "reternarized"}
-# the two-stage exchanges' collective names (exchange/sharded.py, exchange/reternarized.py): (alltoall, allgather)
-_TWO_STAGE = {"sharded": ("a2a", "sg"), "reternarized": ("rt", "rg")}
+                    pm.TERNGRAD_RETERNARIZED: "reternarized", pm.TERNGRAD_REQUANTIZED: "requantized",
+                    pm.TERNGRAD_DEFAULT: "default"}
+# the two-stage exchanges' collective names (exchange/sharded.py, exchange/reternarized.py): (alltoall, allgather);
+# the requantized exchange is sent by reternarized.send and gathered by reternarized.after_alltoall (its own
+# owner stage), so its collectives carry the re-ternarized exchange's names
+_TWO_STAGE = {"sharded": ("a2a", "sg"), "reternarized": ("rt", "rg"), "requantized": ("rt", "rg")}
+# the flat groups' exchanges of a plan (perfmodel.plan_buffers) that the two-stage schedule runs
+_TWO_STAGE_KINDS = (pm.TERNGRAD_SHARDED, pm.TERNGRAD_RETERNARIZED, pm.TERNGRAD_REQUANTIZED)
 
 
 def method_of(config: pm.TernGradConfig) -> str:
@@ -261,12 +272,26 @@ def method_of(config: pm.TernGradConfig) -> str:
     return {v: k for k, v in TERNGRAD_METHODS.items()}[config.exchange]
 
 
+def _two_stage_bytes(mode: str, sizes: Sequence[int], ranks: int, cfg: pm.TernGradConfig) -> tuple:
+    """(bytes to each peer in the alltoall, bytes per owner in the allgather) of a two-stage exchange of a group
+    (exchange/cost.py's, from codec/sizes.py): the sharded exchange's codes and sums, the re-ternarized one's
+    shard payload (both stages), the requantized one's shard payload up and 4-bit owner payload with the noise
+    channel down (``requantized_bytes``: P differs from c); (0, 0) for the allgather."""
+    if mode == "sharded":
+        return pm.sharded_bytes(sizes, ranks, cfg.packing)
+    if mode == "reternarized":
+        return (cost.reternarized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size),) * 2
+    if mode == "requantized":
+        return cost.requantized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size)
+    return (0, 0)
+
+
 def _decode_rate(c: "CodecRates", mode: str, ranks: int) -> float:
     """Seconds per output element of a group's final decode: the owners' sums (sharded), one owner's payload
     per element (re-ternarized), or the N payloads of the allgather exchange."""
     if mode == "sharded":
         return c.decode_sums
-    if mode == "reternarized":
+    if mode in ("reternarized", "requantized"):   # one owner's payload per element (requantized: 4-bit groups)
         return c.decode_base + c.decode_per_payload
     return c.decode_base + c.decode_per_payload * ranks
 
@@ -276,7 +301,7 @@ class _Payload(NamedTuple):
     of a node-aware group among the M ranks of its cross group."""
     key: str                  # the collectives' name suffix: "<group>" or "<group>.x<j>"
     elements: int
-    sharded: str              # "" (allgather), or the two-stage exchange: "sharded" or "reternarized"
+    sharded: str              # "" (allgather), or the two-stage exchange: "sharded", "reternarized", "requantized"
     payload: float            # allgather: packed bytes per rank
     sharded_bytes: tuple      # two-stage: (bytes per peer in the alltoall, bytes per rank in the allgather)
     ranks: int
@@ -358,7 +383,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         return Timeline(method, N, end, compute_s, backward_end, busy, codec_s, chan.rounds())
 
     if method not in TERNGRAD_METHODS:
-        raise ValueError(f"method must be one of {pm.METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {(pm.FP32, pm.FP16) + tuple(TERNGRAD_METHODS)}, got {method!r}")
     # the groups as the frontend cuts them (exchange.fusion), each with the engine's exchange or node-aware;
     # members in backward order; every size from codec/sizes.py, exchange/topology.py and exchange/cost.py
     cfg = pm.terngrad_config(config, packing)
@@ -371,7 +396,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                            step_allreduces=pm.HOROVOD_STEP_ALLREDUCES if joins else 0,
                            ranks_per_node=network.ranks_per_node)
     node_aware = pm.TERNGRAD_HIERARCHICAL
-    groups = [b for b in plan if b.exchange in pm.TERNGRAD_EXCHANGES + (pm.TERNGRAD_RETERNARIZED, node_aware)]
+    groups = [b for b in plan if b.exchange in (pm.TERNGRAD_ALLGATHER,) + _TWO_STAGE_KINDS + (node_aware,)]
     plain = {i for b in plan if b.exchange == pm.FP32 for i in b.members}   # kept at fp32
     group_of = {i: g for g, b in enumerate(groups) for i in b.members}
     last_member = {b.members[-1]: g for g, b in enumerate(groups)}
@@ -380,9 +405,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     handshake = [wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in b.sizes]) for b in groups]
     payload = [sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in b.sizes) for b in groups]
     # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
-    shard = [pm.sharded_bytes(b.sizes, N, cfg.packing) if k == pm.TERNGRAD_SHARDED else
-             (cost.reternarized_bytes(b.sizes, N, cfg.packing, cfg.bucket_size),) * 2
-             if k == pm.TERNGRAD_RETERNARIZED else (0, 0) for b, k in zip(groups, kinds)]
+    shard = [_two_stage_bytes(TERNGRAD_METHODS.get(k, ""), b.sizes, N, cfg) for b, k in zip(groups, kinds)]
     hier = [g for g, k in enumerate(kinds) if k == node_aware]
     M = G = 1
     if hier:
@@ -401,6 +424,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         G-th of the node's link, as hierarchical._start_cross decides)."""
         pieces = [p.numel for p in split[g][j]]
         mode = groups[g].cross
+        if mode == "default":                    # the cross engine's exchange="default": default_exchange(M)
+            mode = cost.default_exchange(M)
         if mode is None:
             mode = cost.exchange_for(pieces, M, cfg.packing, cfg.bucket_size,
                                      network=cost.cross_network(decide_on, G),
@@ -408,9 +433,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
                 "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
                 "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
-                "sharded": cost.sharded_bytes(pieces, M, cfg.packing) if mode == "sharded" else
-                (cost.reternarized_bytes(pieces, M, cfg.packing, cfg.bucket_size),) * 2
-                if mode == "reternarized" else (0, 0)}
+                "sharded": _two_stage_bytes(mode, pieces, M, cfg)}
 
     def schedule(j: int | None) -> Timeline:
         chan, local = _Channel(cycle_s), _Channel(cycle_s)     # inter-node channel, intra-node channel
@@ -436,8 +459,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         # -- the engine's payload stages (exchange/engine.py), for the flat groups and, as the node-aware
         # transport reuses that engine among the M ranks of its cross group, for local rank j's pieces
         def exchange_of(g: int) -> _Payload:
-            return _Payload(str(g), numel[g], TERNGRAD_METHODS.get(kinds[g], "") if kinds[g] in
-                            (pm.TERNGRAD_SHARDED, pm.TERNGRAD_RETERNARIZED) else "", payload[g], shard[g], N, link,
+            return _Payload(str(g), numel[g], TERNGRAD_METHODS[kinds[g]] if kinds[g] in _TWO_STAGE_KINDS else "",
+                            payload[g], shard[g], N, link,
                             network.ranks_per_node if link is network else N, "allgather")
 
         def cross_exchange_of(q: int) -> _Payload:
@@ -473,8 +496,12 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                     wait(chan, f"{a2a}.{e.key}")
                     if e.sharded == "sharded":
                         work(c.owner_sum * e.elements)
-                    else:   # the owner decodes its shard's N payloads and ternarizes the average again
+                    elif e.sharded == "reternarized":   # the owner decodes its shard's N payloads, ternarizes again
                         work((c.decode_base + c.decode_per_payload * e.ranks + c.prepare + c.encode)
+                             * e.elements / e.ranks)
+                    else:   # requantized: decodes them, forms the noise estimate from them (a second decode's
+                        # work), and encodes the average in 4-bit groups (charged as statistics + encode)
+                        work((2 * (c.decode_base + c.decode_per_payload * e.ranks) + c.prepare + c.encode)
                              * e.elements / e.ranks)
                     submit(chan, e.allgather_kind, f"{ag}.{e.key}", pm.ring_allgather_time, e.sharded_bytes[1],
                            e.ranks, e.link)
@@ -622,7 +649,8 @@ def negotiation_s(workers: int, network: pm.Network, cycle_time_s: float = HOROV
 
 
 def scheduled_scaling(model: pm.ModelSpec, cluster: pm.Cluster, workers: Sequence[int] = None,
-                      methods: Sequence[str] = (pm.FP32, pm.FP16, pm.TERNGRAD_BEST, pm.TERNGRAD_RETERNARIZED),
+                      methods: Sequence[str] = (pm.FP32, pm.FP16, pm.TERNGRAD_DEFAULT, pm.TERNGRAD_BEST,
+                                                pm.TERNGRAD_RETERNARIZED, pm.TERNGRAD_REQUANTIZED),
                       negotiation: bool = True, compute_s: float | None = None, **kwargs) -> list[dict[str, Timeline]]:
     """Weak scaling from the scheduled step model: for each N, {method: Timeline} of one worker's step with
     the paper's batch per GPU, each collective waiting :func:`negotiation_s` (``negotiation=False``: none).
