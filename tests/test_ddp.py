@@ -23,7 +23,8 @@ LAUNCH_TIMEOUT = 300
 NP = 2
 
 EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "sync_on_ddps_group", "shared_sharded_base3", "shared_sharded_2bit_buckets",
-         "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "reternarized_2bit", "small_fusion_groups",
+         "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "reternarized_2bit", "requantized_2bit",
+         "small_fusion_groups",
          "auto_exchange",
          "exclude_min_numel", "worker_restarts",
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16", "compiled"]
@@ -85,8 +86,9 @@ def check_exact(ranks):
             assert all(p is None for p in present) and all(not g.any() for g in grads), name
             continue
         if cfg.compresses(name, grads[0].numel()):
-            want = (expected_reternarized(grads, name, step, cfg) if cfg.exchange == "reternarized"
-                    else expected_average(grads, name, step, cfg)[0])
+            want = (expected_reternarized(grads, name, step, cfg,
+                                          second="requant" if cfg.exchange == "requantized" else "ternary")
+                    if cfg.exchange in ("reternarized", "requantized") else expected_average(grads, name, step, cfg)[0])
             for r in range(NP):
                 assert present[r].dtype == grads[r].dtype
                 assert torch.equal(present[r], want), f"{name} step {step} rank {r}"

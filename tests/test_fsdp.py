@@ -19,7 +19,7 @@ from test_ddp import load, run_launch
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fsdp_scenarios.py")
-EXACT = ["exact", "exact_sharded", "exact_reternarized", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]
+EXACT = ["exact", "exact_sharded", "exact_reternarized", "exact_requantized", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]
 
 
 def launch(out, nproc, replicas, scenarios, what="torchrun"):
@@ -95,8 +95,9 @@ def check_exact(ranks, skipped_units=()):
                     continue
                 segs = [i[off:off + n] for i in inputs]
                 got = outputs[0][off:off + n]
-                if cfg.compresses(fqn, n) and cfg.exchange == "reternarized":
-                    want = expected_reternarized(segs, fqn, step, unit_cfg, ranks=group)
+                if cfg.compresses(fqn, n) and cfg.exchange in ("reternarized", "requantized"):
+                    want = expected_reternarized(segs, fqn, step, unit_cfg, ranks=group,
+                                                 second="requant" if cfg.exchange == "requantized" else "ternary")
                     assert torch.equal(got, want), f"{fqn} (shard {s}, step {step}) differs from the reference"
                 elif cfg.compresses(fqn, n):
                     want, _ = expected_average(segs, fqn, step, unit_cfg, ranks=group)

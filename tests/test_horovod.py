@@ -84,8 +84,9 @@ def check_exact(ranks):
     for (name, step) in sorted(inputs[0]):
         grads = [inputs[r][(name, step)] for r in range(N)]
         if cfg.compresses(name, grads[0].numel()):
-            want = (expected_reternarized(grads, name, step, cfg) if cfg.exchange == "reternarized"
-                    else expected_average(grads, name, step, cfg)[0])
+            want = (expected_reternarized(grads, name, step, cfg,
+                                          second="requant" if cfg.exchange == "requantized" else "ternary")
+                    if cfg.exchange in ("reternarized", "requantized") else expected_average(grads, name, step, cfg)[0])
             for r in range(N):
                 got = outputs[r][(name, step)]
                 assert got.dtype == grads[r].dtype
@@ -101,7 +102,7 @@ def check_exact(ranks):
     return checked
 
 
-ALL = ["auto_on", "auto_off", "fusion_partial", "exact", "exact_unfused", "exact_sharded_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_reternarized", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
+ALL = ["auto_on", "auto_off", "fusion_partial", "exact", "exact_unfused", "exact_sharded_unfused", "exact_small_groups", "exact_base3_buckets", "exact_sharded", "exact_reternarized", "exact_requantized", "exact_per_rank_bpps2", "exclude", "bf16", "nan_raise", "nan_zero",
        "fp_inf_min_numel", "fp_inf_exclude", "fp_inf_auto_off", "fp_inf_min_numel_zero", "fp_inf_auto_off_zero",
        "mismatch", "functional"]
 
@@ -113,7 +114,7 @@ def gloo2(tmp_path_factory):
 
 @pytest.mark.parametrize("sc", ["exact", "exact_unfused", "exact_small_groups", "exact_base3_buckets",
                                 "exact_per_rank_bpps2", "bf16", "exact_sharded", "exact_sharded_unfused",
-                                "exact_reternarized"])
+                                "exact_reternarized", "exact_requantized"])
 def test_gloo2_exact(gloo2, sc):
     assert check_exact(gloo2[sc]) > 0
 

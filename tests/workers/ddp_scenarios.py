@@ -188,6 +188,7 @@ CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "per_rank_allgather_base3_buckets": ({"seed": 8, "shared_scaler": False, "packing": "base3",
                                           "bucket_size": 64}, {}),
     "reternarized_2bit": ({"seed": 12, "exchange": "reternarized"}, {}),
+    "requantized_2bit": ({"seed": 13, "exchange": "requantized"}, {}),
     "small_fusion_groups": ({"seed": 9, "fusion_numel": 300}, {}),
     "auto_exchange": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 0.0}),        # ternarizing pays
     "auto_off": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 1e-3}),            # it does not

@@ -152,7 +152,8 @@ def exact(mesh, rank, scenario):
           "exact_bf16p": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}.get(scenario)
     model = build(mesh, mp=mp, compile_blocks=scenario == "compile", frozen=scenario == "frozen_unused")
     settings = {"exact_sharded": dict(SETTINGS, exchange="sharded"),
-                "exact_reternarized": dict(SETTINGS, exchange="reternarized")}.get(scenario, SETTINGS)
+                "exact_reternarized": dict(SETTINGS, exchange="reternarized"),
+                "exact_requantized": dict(SETTINGS, exchange="requantized")}.get(scenario, SETTINGS)
     state = tg_fsdp.register(model, mesh, **settings)
     calls = record(state)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -188,6 +188,8 @@ def run(name):
         return scenario_exact({"exchange": "sharded", "seed": 8})
     if name == "exact_reternarized":
         return scenario_exact({"exchange": "reternarized", "seed": 8})
+    if name == "exact_requantized":
+        return scenario_exact({"exchange": "requantized", "seed": 9})
     if name == "exact_sharded_unfused":
         return scenario_exact({"exchange": "sharded", "seed": 8, "fusion_numel": 0})
     if name == "exact_unfused":
