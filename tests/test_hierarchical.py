@@ -453,3 +453,27 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
         res2, errs = run_hier(topo, body)
     assert errs == [None] * topo.size and res2[0][1][0] == "configured"
     assert not [r for r in caplog.records if "across nodes" in r.getMessage()]
+
+
+def test_the_simulator_with_nodes_and_the_defaults_does_not_measure_links(monkeypatch):
+    """hierarchical="auto" (the default) with no configured rate measures the links in the frontends; the
+    simulator plays every rank from one thread, where a probe would wait for ranks that cannot post: it prices the
+    configured links instead, and a step completes."""
+    from horovod_terngrad.modelling.simulate import Simulator
+    monkeypatch.delenv("HOROVOD_TERNGRAD_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_MEASURE_LINKS", raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    sim = Simulator(model, 4, TernGradConfig(min_numel=0), ranks_per_node=2)
+    done = []
+
+    def step():
+        sim.step(torch.randn(8, 64), torch.randint(0, 4, (8,)), torch.nn.functional.cross_entropy,
+                 torch.optim.SGD(model.parameters(), lr=0.1))
+        done.append(True)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(60)
+    assert done == [True]
+    assert isinstance(sim.engines[0], HierarchicalExchange) and not sim.engines[0].measures_links()

@@ -148,8 +148,10 @@ class HierarchicalExchange:
     def measures_links(self) -> bool:
         """Whether ``hierarchical="auto"`` prices measured links rather than the configured ones: unless a rate was
         given (HOROVOD_TERNGRAD_GBPS, which terngrad-launch's profiles set) or HOROVOD_TERNGRAD_MEASURE_LINKS=0.
-        Why: a job started with plain torchrun, mpirun or srun on InfiniBand was priced as 1 Gbit/s Ethernet."""
-        return (self.config.hierarchical == "auto" and "HOROVOD_TERNGRAD_GBPS" not in os.environ
+        Why: a job started with plain torchrun, mpirun or srun on InfiniBand was priced as 1 Gbit/s Ethernet.  Not
+        for a driver that plays every rank from one thread (``ordered=False``, the simulator): a probe waits for
+        every rank, and there is no link to measure."""
+        return (self.config.hierarchical == "auto" and self.ordered and "HOROVOD_TERNGRAD_GBPS" not in os.environ
                 and os.environ.get("HOROVOD_TERNGRAD_MEASURE_LINKS", "1") != "0")
 
     def network(self, device) -> cost.Network:
