@@ -119,6 +119,18 @@ def link_codec_cost(codec_s_per_element: float):
         link.measure = measured
 
 
+def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
+    """The average every rank must get from the exchange ``cfg`` names among len(grads) ranks ("default": the one
+    exchange/cost.default_exchange picks for that many): the allgather reference, or the re-ternarized or
+    requantized one."""
+    from horovod_terngrad.exchange.cost import default_exchange
+    exchange = default_exchange(len(grads)) if cfg.exchange == "default" else cfg.exchange
+    if exchange in ("reternarized", "requantized"):
+        return expected_reternarized(grads, name, step, cfg, ranks=ranks,
+                                     second="requant" if exchange == "requantized" else "ternary")
+    return expected_average(grads, name, step, cfg, ranks=ranks)[0]
+
+
 def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None,
                           second="ternary"):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import expected_average, expected_reternarized
+from helpers import expected_average, expected_exchange
 from test_horovod import BIN, HERE, by_name_and_step, rank_env
 
 WORKER = os.path.join(HERE, "workers", "ddp_scenarios.py")
@@ -86,9 +86,7 @@ def check_exact(ranks):
             assert all(p is None for p in present) and all(not g.any() for g in grads), name
             continue
         if cfg.compresses(name, grads[0].numel()):
-            want = (expected_reternarized(grads, name, step, cfg,
-                                          second="requant" if cfg.exchange == "requantized" else "ternary")
-                    if cfg.exchange in ("reternarized", "requantized") else expected_average(grads, name, step, cfg)[0])
+            want = expected_exchange(grads, name, step, cfg)
             for r in range(NP):
                 assert present[r].dtype == grads[r].dtype
                 assert torch.equal(present[r], want), f"{name} step {step} rank {r}"

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import expected_average, expected_reternarized
+from helpers import expected_exchange
 from test_ddp import load, run_launch
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
@@ -95,12 +95,8 @@ def check_exact(ranks, skipped_units=()):
                     continue
                 segs = [i[off:off + n] for i in inputs]
                 got = outputs[0][off:off + n]
-                if cfg.compresses(fqn, n) and cfg.exchange in ("reternarized", "requantized"):
-                    want = expected_reternarized(segs, fqn, step, unit_cfg, ranks=group,
-                                                 second="requant" if cfg.exchange == "requantized" else "ternary")
-                    assert torch.equal(got, want), f"{fqn} (shard {s}, step {step}) differs from the reference"
-                elif cfg.compresses(fqn, n):
-                    want, _ = expected_average(segs, fqn, step, unit_cfg, ranks=group)
+                if cfg.compresses(fqn, n):
+                    want = expected_exchange(segs, fqn, step, unit_cfg, ranks=group)
                     assert torch.equal(got, want), f"{fqn} (shard {s}, step {step}) differs from the reference"
                 else:
                     want = (sum(x.float() for x in segs) / R).to(got.dtype)

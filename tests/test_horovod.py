@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import expected_average, expected_reternarized
+from helpers import expected_average, expected_exchange
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_scenarios.py")
@@ -84,9 +84,7 @@ def check_exact(ranks):
     for (name, step) in sorted(inputs[0]):
         grads = [inputs[r][(name, step)] for r in range(N)]
         if cfg.compresses(name, grads[0].numel()):
-            want = (expected_reternarized(grads, name, step, cfg,
-                                          second="requant" if cfg.exchange == "requantized" else "ternary")
-                    if cfg.exchange in ("reternarized", "requantized") else expected_average(grads, name, step, cfg)[0])
+            want = expected_exchange(grads, name, step, cfg)
             for r in range(N):
                 got = outputs[r][(name, step)]
                 assert got.dtype == grads[r].dtype
