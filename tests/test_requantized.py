@@ -1,7 +1,7 @@
 """Layers 1 and 3: the requantized exchange (exchange/requantized.py, codec/requant.py) on thread ranks: bit for
 bit against the reference written out from the codec (tests/helpers.expected_reternarized(second="requant")),
 identical ranks, unbiased average and noise channel, the second rounding's variance, bits per element flat in N,
-NaN/Inf policies, ranks that disagree, joined ranks."""
+NaN/Inf policies, ranks that disagree (joined ranks: test_reternarized.py, which shares the first stage)."""
 import pytest
 import torch
 
@@ -236,25 +236,6 @@ def test_ranks_that_disagree_get_a_clear_error_not_a_hang():
             assert msg is not None and "conv.weight" in msg and "disagree" in msg, msgs
         assert "noise estimate" in msgs[1]
         assert torch.equal(ok, res[0][1])
-
-
-def test_a_step_with_a_joined_rank_goes_by_the_join_transport_exactly():
-    world = 3
-    cfg = TernGradConfig(exchange="requantized")
-
-    def body(c):
-        if c.rank == world - 1:
-            return c.join(), None
-        ex = Exchange(c, cfg)
-        out = ex.allreduce(grad((257,), c.rank, 4), "lone")
-        return c.join(), out
-
-    results = run_ranks(world, body, timeout=60)
-    bucket = sizes.reternarized_encode_bucket(257, world)
-    want, _ = expected_average([grad((257,), r, 4) for r in (0, 1)], "lone", 0,
-                               TernGradConfig(shared_scaler=True, bucket_size=bucket), ranks=[0, 1], world=world)
-    for r in (0, 1):
-        assert torch.equal(results[r][1], want)
 
 
 @pytest.mark.parametrize("N", [2, 3, 4, 5, 8])

@@ -142,12 +142,14 @@ def test_ranks_that_disagree_on_a_shape_get_a_clear_error_not_a_hang():
         assert msg is not None and "'conv.weight'" in msg and "disagree" in msg
 
 
-def test_a_step_with_a_joined_rank_goes_by_the_join_transport_exactly():
+@pytest.mark.parametrize("exchange", ["reternarized", "requantized"])
+def test_a_step_with_a_joined_rank_goes_by_the_join_transport_exactly(exchange):
     """hvd.join() on thread ranks: the last rank joins; the step's presence check sends the group by the
     shared-scaler handshake and the join transport, with the scalers of the re-ternarized exchange's encode
-    (one per shard of the world's N): the active ranks get the shared-scaler reference at that bucket size."""
+    (one per shard of the world's N; the requantized exchange shares it): the active ranks get the shared-scaler
+    reference at that bucket size."""
     world = 3
-    cfg = TernGradConfig(exchange="reternarized")
+    cfg = TernGradConfig(exchange=exchange)
 
     def body(c):
         if c.rank == world - 1:
