@@ -129,14 +129,13 @@ def modelled() -> dict:
                 c, b = model.compute_s[cl.gpu], model.batch_per_gpu
                 for M in NODES:
                     N = M * G
-                    row = pm.compare_exchanges(model, c, N, cl.network, (pm.FP32, pm.FP16, pm.TERNGRAD_BEST),
+                    row = pm.compare_exchanges(model, c, N, cl.network,
+                                               (pm.FP32, pm.FP16, pm.TERNGRAD_BEST, pm.TERNGRAD_DEFAULT),
                                                batch_per_worker=b)
-                    flat = pm.compare_exchanges(model, c, N, cl.network, (pm.FP32, pm.TERNGRAD_ALLGATHER),
-                                                batch_per_worker=b, hierarchical=False)
                     fp32 = row[pm.FP32].step_s
                     out["dp"][(key, G, M, mk)] = {
                         "auto": fp32 / row[pm.TERNGRAD_BEST].step_s,
-                        "flat_allgather": flat[pm.FP32].step_s / flat[pm.TERNGRAD_ALLGATHER].step_s,
+                        "default": fp32 / row[pm.TERNGRAD_DEFAULT].step_s,
                         "fp16": fp32 / row[pm.FP16].step_s,
                         "exchanges": sorted(set(row[pm.TERNGRAD_BEST].exchanges)),
                     }
@@ -215,11 +214,11 @@ def block_headline(m: dict, be: dict, mod: dict) -> str:
 
 def _settings_dp(a: dict, g: dict, adam: bool, M: int) -> str:
     """The settings of a data-parallel row, from its modelled speedups (AlexNet ``a``, GoogLeNet ``g``)."""
-    key = "flat_allgather" if adam else "auto"
+    key = "default" if adam else "auto"
     if a[key] < 1.0 and g[key] < 1.0:
         return "TernGrad off: slower than fp32 here" + (" (see the note above the table)" if adam else "")
     if adam:
-        s = "`optim.AdamW`" + ("" if M == 1 else "; `hierarchical=False` (keeps the noise estimate)")
+        s = "`optim.AdamW` with the defaults"
     else:
         s = "`exchange=\"auto\"`"
     if min(a[key], g[key]) < 1.0:
@@ -232,13 +231,12 @@ def block_choosing(mod: dict, m: dict) -> str:
         "Modelled speedup of a step over fp32 allreduce (AlexNet / GoogLeNet, the paper's models and batch sizes; "
         "weak scaling; `horovod_terngrad.modelling`). \"auto\" is TernGrad with `exchange=\"auto\"` and "
         "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, requantized or "
-        "node-aware exchange); \"flat allgather\" is `exchange=\"allgather\", hierarchical=False`, the one exchange "
-        "that gives `horovod_terngrad.optim.AdamW` its noise estimate. fp16 allreduce for comparison. A speedup "
-        "below 1.00x means TernGrad is slower than fp32 there: leave it off. With AdamW where the flat allgather "
-        "loses, the other choice is TernGrad with `exchange=\"auto\"` (the SGD column's speed) and the accuracy of "
-        "AdamW without the noise estimate (measured below the table).",
+        "node-aware exchange); \"default\" is `TernGradConfig()`: `exchange=\"default\"` (the allgather among up to 4 "
+        "ranks or nodes, the requantized exchange among more) and `hierarchical=\"auto\"`, every path of which gives "
+        "`horovod_terngrad.optim.AdamW` its noise estimate (docs/scale.md). fp16 allreduce for comparison. A speedup "
+        "below 1.00x means TernGrad is slower than fp32 there: leave it off.",
         "",
-        "| framework | network | GPUs/node | nodes | SGD: settings | SGD: auto | AdamW: settings | AdamW: flat allgather "
+        "| framework | network | GPUs/node | nodes | SGD: settings | SGD: auto | AdamW: settings | AdamW: default "
         "| fp16 | exchanges auto picks (AlexNet) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -249,7 +247,7 @@ def block_choosing(mod: dict, m: dict) -> str:
                 a, g = mod["dp"][(key, G, M, "alexnet")], mod["dp"][(key, G, M, "googlenet")]
                 pair = lambda k: f"{a[k]:.2f} / {g[k]:.2f}"  # noqa: E731
                 lines.append(f"| Horovod, DDP | {net_name[key]} | {G} | {M} | {_settings_dp(a, g, False, M)} | "
-                             f"{pair('auto')} | {_settings_dp(a, g, True, M)} | {pair('flat_allgather')} | "
+                             f"{pair('auto')} | {_settings_dp(a, g, True, M)} | {pair('default')} | "
                              f"{pair('fp16')} | {', '.join(e.replace('terngrad_', '') for e in a['exchanges'])} |")
     lines += [
         "",
@@ -337,7 +335,8 @@ def block_fsdp_scale(be: dict) -> str:
             f"nodes ({_x(at16[1])}: about the same bytes as bf16's ring) and loses beyond ({_x(last[1])} at {last[0]} nodes); "
             f"`exchange=\"sharded\"` (bit for bit in `tests/test_fsdp.py` too) keeps its traffic flat and beats bf16 "
             f"at every size ({_x(at16[2])} at 16 nodes, {_x(last[2])} at {last[0]} nodes). Use it from about 8 "
-            f"nodes on, except with `horovod_terngrad.optim.AdamW`, whose noise estimate needs the allgather.")
+            f"nodes on with SGD. With `horovod_terngrad.optim.AdamW` keep the default exchange, which takes the "
+            f"requantized exchange (noise estimate included, flat in the replica count) above 4 replicas.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
