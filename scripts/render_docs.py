@@ -329,7 +329,7 @@ def block_ddp_status(m: dict) -> str:
 
 def block_fsdp_scale(be: dict) -> str:
     first, at16, last = be["first"], be["at16"], be["last"]
-    return (f"With the default per-rank-scaler allgather, every rank receives R-1 payloads, so TernGrad's cross-node "
+    return (f"With the per-rank-scaler allgather (the default up to 4 replicas), every rank receives R-1 payloads, so TernGrad's cross-node "
             f"bytes grow with the node count: on the Ethernet cluster it beats HSDP bf16 up to "
             f"{be['last_win_nodes']} nodes ({_x(first[1])} at {first[0]} nodes), falls just below it at 16 "
             f"nodes ({_x(at16[1])}: about the same bytes as bf16's ring) and loses beyond ({_x(last[1])} at {last[0]} nodes); "
