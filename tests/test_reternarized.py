@@ -101,24 +101,31 @@ def test_bits_per_element_stay_flat_from_2_to_8_ranks():
     assert table[8]["reternarized"][1] - table[2]["reternarized"][1] < 1.51    # 2 x 2 x (7/8 - 1/2)
 
 
+@pytest.mark.parametrize("exchange", ["reternarized", "requantized"])
 @pytest.mark.parametrize("policy", ["propagate", "zero", "raise"])
-def test_nonfinite_on_one_rank_is_decided_alike_on_every_rank(policy):
-    cfg = TernGradConfig(exchange="reternarized", on_nonfinite=policy)
+def test_nonfinite_on_one_rank_is_decided_alike_on_every_rank(policy, exchange):
+    """Both shard-owner exchanges (the requantized one with its noise channel asked for): the owner carries the
+    sender's flag on, so every rank propagates, zeroes or raises alike, and nothing is left waiting."""
+    cfg = TernGradConfig(exchange=exchange, on_nonfinite=policy)
 
     def body(c):
         ex = Exchange(c, cfg)
         items = [(grad((300,), c.rank, i), f"m{i}") for i in range(2)]
         if c.rank == 2:
             items[0][0][250] = float("nan")          # in the last owner's shard only
+        tickets = ex.start_group(items, "g")
+        for tk in tickets:
+            tk.want_noise = exchange == "requantized"
         try:
-            outs = [ex.finish(t) for t in ex.start_group(items, "g")]
+            outs = [ex.finish(t) for t in tickets]
         except NonFiniteGradientError as e:
             outs = str(e)
         after = ex.allreduce(grad((40,), c.rank, 5), "next")         # nothing left waiting
         return outs, after
 
     res = run_ranks(3, body, timeout=60)
-    want1 = expected_reternarized([grad((300,), r, 1) for r in range(3)], "m1", 0, cfg)
+    want1 = expected_reternarized([grad((300,), r, 1) for r in range(3)], "m1", 0, cfg,
+                                  second="requant" if exchange == "requantized" else "ternary")
     for outs, after in res:
         assert torch.equal(after, res[0][1])
         if policy == "raise":

@@ -58,17 +58,7 @@ def run_ddp(rank):
     model = make_model()
     ddp = DDP(model)
     state = tg_ddp.register(ddp, min_numel=MIN_NUMEL)
-    opt = AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "checksum": checksum(model.parameters()), "tensors": state.stats.tensors,
-            "bits_per_element": state.stats.bits_per_element(), "adam_ternary_steps": ternary_steps(opt)}
+    return train(rank, ddp, model, state)
 
 
 def run_fsdp(rank):
@@ -83,12 +73,18 @@ def run_fsdp(rank):
         fully_shard(model[i], mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     state = tg_fsdp.register(model, mesh, min_numel=MIN_NUMEL)
-    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    return train(rank, model, model, state)
+
+
+def train(rank, forward, model, state) -> dict:
+    """STEPS steps of horovod_terngrad.optim.AdamW through ``forward`` (the wrapped model), and what the test checks:
+    the losses, a checksum of ``model``'s parameters, the frontend ``state``'s counters, the ternary steps."""
+    opt = AdamW(forward.parameters(), lr=3e-3, weight_decay=0.1)
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
         x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(forward(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
