@@ -8,7 +8,8 @@ its gradients went out.  Every survivor writes ``OUT.rank<R>.json``: the excepti
 seconds from the victim's death (the step's start, on a shared clock: time.time()) to the exception.  With
 ``--nodes`` the ranks report those host names to TernGrad (HOROVOD_TERNGRAD_HOST: emulated nodes, so the
 node-aware exchange runs on one machine).  ``--compression``: terngrad (defaults), terngrad-flat
-(hierarchical=False), none (Horovod's Compression.none).
+(hierarchical=False), terngrad-requantized (exchange="requantized", the default beyond 4
+ranks or nodes), none (Horovod's Compression.none).
 """
 import argparse
 import json
@@ -22,7 +23,7 @@ import horovod.torch as hvd
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compression", choices=["terngrad", "terngrad-flat", "none"], default="terngrad")
+    ap.add_argument("--compression", choices=["terngrad", "terngrad-flat", "terngrad-requantized", "none"], default="terngrad")
     ap.add_argument("--nodes", default="", help="comma list of a host name per rank (emulated nodes)")
     ap.add_argument("--die-at", type=int, default=20)
     ap.add_argument("--victim", type=int, default=-1)
@@ -34,6 +35,7 @@ def main():
         os.environ["HOROVOD_TERNGRAD_HOST"] = args.nodes.split(",")[hvd.rank()]
     from horovod_terngrad import TernGrad
     comp = {"terngrad": TernGrad, "terngrad-flat": TernGrad.configure(hierarchical=False),
+            "terngrad-requantized": TernGrad.configure(exchange="requantized"),
             "none": hvd.Compression.none}[args.compression]
     victim = args.victim % hvd.size()
     torch.manual_seed(0)

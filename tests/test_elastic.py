@@ -73,11 +73,14 @@ def test_elastic_shrink_when_a_worker_dies(tmp_path, compression):
     assert sizes == sorted(sizes, reverse=True)
 
 
-@pytest.mark.parametrize("kind", ["gloo", "mpi"])
-def test_peer_loss_ends_the_job_with_an_error_not_a_hang(tmp_path, kind):
+@pytest.mark.parametrize("kind,exchange", [("gloo", ""), ("mpi", ""), ("gloo", "requantized")])
+def test_peer_loss_ends_the_job_with_an_error_not_a_hang(tmp_path, kind, exchange):
+    """Also on the requantized exchange (the default beyond 4 ranks or nodes): its alltoall and allgather
+    stages end the survivors as the allgather exchange does."""
     cmd = launcher(kind, 2) + [sys.executable, USAGE_WORKER, str(tmp_path), "terngrad", "peer_loss"]
     try:
-        p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        p = subprocess.run(cmd, env=dict(rank_env(), HVD_USAGE_EXCHANGE=exchange), capture_output=True, text=True,
+                           timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{kind}: the survivor hung after its peer died:\n{e.stdout}\n{e.stderr}")
     # Guaranteed: the job ends, with an error and not a hang, in bounded time.  Whether the survivor saves
