@@ -52,6 +52,14 @@ CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", 
            "powersgd4": ("DDP PowerSGD rank 4", "powersgd", {"powersgd_rank": 4}),
            "terngrad": ("TernGrad-DDP (defaults)", "terngrad", {}),
            "terngrad-tgadamw": ("TernGrad-DDP, horovod_terngrad.optim.AdamW", "terngrad", {"optim": "tg-adamw"}),
+           # each exchange named (the defaults' exchange="default" picks allgather up to 4 ranks or nodes,
+           # requantized beyond)
+           "terngrad-allgather": ("TernGrad-DDP exchange=allgather", "terngrad", {"exchange": "allgather"}),
+           "terngrad-sharded": ("TernGrad-DDP exchange=sharded", "terngrad", {"exchange": "sharded"}),
+           "terngrad-reternarized": ("TernGrad-DDP exchange=reternarized", "terngrad",
+                                     {"exchange": "reternarized"}),
+           "terngrad-requantized": ("TernGrad-DDP exchange=requantized", "terngrad", {"exchange": "requantized"}),
+           "terngrad-flat": ("TernGrad-DDP hierarchical=False", "terngrad", {"hierarchical": False}),
            "local": ("local compute, no DDP", None, {})}
 POWERSGD_START = 2
 
@@ -70,6 +78,8 @@ def worker(argv):
     p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--profile", action="store_true", help="TernGrad's step broken down (see profile)")
+    p.add_argument("--link-counters", default="", metavar="IFACE",
+                   help="bytes through this interface of each host per timed step, per configuration")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -78,6 +88,7 @@ def worker(argv):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from horovod_terngrad.operations import ddp_hooks, models
+    from horovod_terngrad.operations.bench import _iface_bytes, link_bytes_per_host
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -98,7 +109,7 @@ def worker(argv):
             bits = ddp_hooks.powersgd_bits(module, kw["powersgd_rank"])
         opt = make_optimizer(optim, model)
         setups.append({"key": key, "label": label, "hook": hook, "model": model, "opt": opt, "x": x, "marks": [],
-                       "state": state, "times": [], "bits": bits, "nparams": nparams})
+                       "state": state, "times": [], "bits": bits, "nparams": nparams, "link": [0, 0]})
     described = f"{args.model} ({models.describe(setups[0]['model'])})"
 
     def one_step(su, timed=True):
@@ -125,18 +136,33 @@ def worker(argv):
                                         st.state.uncompressed_elements, st.stats.elements, len(su["times"]))
             if args.profile and su["hook"] == "terngrad" and su["state"].trace is None:
                 su["state"].trace = []
+            if args.link_counters:        # every rank at the start line, so the counters see only timed steps
+                dist.barrier()
+                before = _iface_bytes(args.link_counters)
             for _ in range(args.steps):
                 one_step(su)
             dist.barrier()
+            if args.link_counters:
+                su["link"] = [a + b1 - b0 for a, b0, b1 in zip(su["link"], before, _iface_bytes(args.link_counters))]
 
     def med(v):
         return sorted(v)[len(v) // 2]
 
+    hosts = [None] * size
+    if args.link_counters:
+        import socket
+        dist.all_gather_object(hosts, socket.gethostname())
     rows = []
     for su in setups:
+        if args.link_counters:           # {host: [sent, received] bytes per step}, the first rank of each host
+            deltas = [None] * size
+            dist.all_gather_object(deltas, su["link"])
+            su["link_per_host"] = link_bytes_per_host(hosts, deltas, args.rounds * args.steps)
         row = {"config": su["key"], "label": su["label"], "step_ms": 1000 * med(su["times"]),
                "step_ms_by_round": [1000 * med(su["times"][i * args.steps:(i + 1) * args.steps])
                                     for i in range(args.rounds)], "bits_per_param": su["bits"]}
+        if su.get("link_per_host"):
+            row["link_bytes_per_step"] = su["link_per_host"]
         if su.get("marks"):
             row["forward_backward_ms"] = 1000 * med([b - a for a, b, _ in su["marks"]])
             row["optimizer_ms"] = 1000 * med([c - b for _, b, c in su["marks"]])
@@ -255,28 +281,33 @@ def run_case(model: str, hosts: int, rate: str, args) -> dict:
     """One cell.  ``rate``: a tc rate, ``none``, or ``regime<RATIO>``: the link at which fp32's ring payload
     per host link takes RATIO x one rank's compute alone (measured here first, with the same optimizer)."""
     from emulated_cluster_benchmark import regime_rate
-    out = cell_path(args.out, model, hosts, rate, args.tag)
+    G = args.ranks_per_host
+    out = cell_path(args.out, model, hosts, rate, args.tag, G)
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     regime, tc = None, rate
     if rate.startswith("regime"):
         measured = compute_alone(model, args)
-        regime = regime_rate(float(rate[len("regime"):]), measured["compute_ms"] / 1000, measured["params"], hosts)
+        regime = regime_rate(float(rate[len("regime"):]), measured["compute_ms"] / 1000, measured["params"],
+                             hosts * G, G)
         tc = regime["rate"]
         print(f"regime {regime['ratio']:g}: compute alone {regime['compute_alone_ms']:.1f} ms; fp32's ring payload "
               f"{regime['bytes_per_host'] / 1e6:.1f} MB per host link -> {regime['gbps']:.3f} Gbit/s ({tc})",
               flush=True)
-    cmd = [DDP_TORCHRUN, "--netns", PREFIX, "--nproc", "1", "--port", "29613", "--", os.path.abspath(__file__),
+    prefix = getattr(args, "prefix", PREFIX)
+    cmd = [DDP_TORCHRUN, "--netns", prefix, "--nproc", str(G), "--port", "29613", "--", os.path.abspath(__file__),
            "worker", "--model", model, "--batch", str(args.batch), "--image", str(args.image),
            "--context", str(args.context), "--configs", args.configs, "--steps", str(args.steps),
-           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--optim", args.optim, "--json", out]
+           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--optim", args.optim, "--json", out,
+           "--link-counters", "eth0"]
     if args.profile:
         cmd.append("--profile")
     if args.bucket_cap_mb is not None:
         cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
-    run_on_cluster(hosts, tc, PREFIX, SUBNET, cmd, args.timeout, f"{model} N={hosts} {rate}", env=env)
+    run_on_cluster(hosts, tc, prefix, SUBNET, cmd, args.timeout, f"{model} N={hosts}x{G} {rate}", env=env)
     with open(out) as f:
         res = json.load(f)
-    res.update(rate=rate, hosts=hosts, context=args.context, image=args.image, optim=args.optim, regime=regime)
+    res.update(rate=rate, hosts=hosts, ranks_per_host=G, context=args.context, image=args.image, optim=args.optim,
+               regime=regime)
     if args.horovod:
         res["rows"] += horovod_rows(model, hosts, rate, args)
     with open(out, "w") as f:
@@ -292,7 +323,9 @@ def horovod_rows(model: str, hosts: int, rate: str, args) -> list:
     from horovod_terngrad.operations.bench import step_config
     hargs = argparse.Namespace(out=os.path.join(args.out, "horovod"), tag=args.tag, configs=args.horovod,
                                batch=args.batch, image=args.image, context=args.context, layers=4, width=2500,
-                               steps=args.steps, rounds=args.rounds, warmup=args.warmup, timeout=args.timeout)
+                               steps=args.steps, rounds=args.rounds, warmup=args.warmup, timeout=args.timeout,
+                               ranks_per_host=getattr(args, "ranks_per_host", 1),
+                               prefix=getattr(args, "prefix", PREFIX))
     os.makedirs(hargs.out, exist_ok=True)
     cell = horovod_cell(model, hosts, rate, hargs)
     rows = []
@@ -304,7 +337,9 @@ def horovod_rows(model: str, hosts: int, rate: str, args) -> list:
             small = sum(n for n, name in zip(cell["sizes"], cell["names"]) if not cfg.compresses(name, n))
             bits = (r["bits_per_element"] * (cell["params"] - small) + 32.0 * small) / cell["params"]
         rows.append({"config": f"horovod-{key}", "label": f"Horovod {r['label']}", "step_ms": r["step_ms"],
-                     "step_ms_by_round": r["step_ms_by_round"], "bits_per_param": bits})
+                     "step_ms_by_round": r["step_ms_by_round"], "bits_per_param": bits,
+                     **({"link_bytes_per_step": r["link_bytes_per_step"]} if r.get("link_bytes_per_step") else {}),
+                     **({"codec_ms": r["codec_ms"]} if "codec_ms" in r else {})})
     return rows
 
 
@@ -330,28 +365,49 @@ def wire_bytes(row: dict, params: int, ranks: int):
     return ring * bits / 8 * params
 
 
+def link_bytes(row: dict):
+    """The most bytes any host's link carried in one direction per step (measured: ``link_bytes_per_step``),
+    or None where the row was not counted."""
+    per_host = row.get("link_bytes_per_step")
+    return max(max(v) for v in per_host.values()) if per_host else None
+
+
 def rows(res: dict, rate: str) -> list[str]:
     """Table rows; with a known link rate and a compute alone (the regime's, or the cell's local row), each
-    row's limit: compute alone + codec (TernGrad's, when profiled) + its bytes at link rate."""
+    row's limit: compute alone + codec (TernGrad's, when profiled, or Horovod's own clock) + the bytes its
+    busiest host link carried in one direction per step (measured on eth0; else its ring payload) at link rate.
+    With a ``local`` row, a second limit puts that row's step (every rank computing at once, no DDP: what the
+    emulated hosts' shared cores allow) in place of compute alone."""
     by = {r["config"]: r for r in res["rows"]}
     fp16, fp32 = by.get("fp16", {}).get("step_ms"), by.get("fp32", {}).get("step_ms")
     bps = link_bps(res)
     alone = res["regime"]["compute_alone_ms"] if res.get("regime") else by.get("local", {}).get("step_ms")
+    shared = by.get("local", {}).get("step_ms")
     params = res.get("params") or (res["regime"]["params"] if res.get("regime") else None)
     lines = []
     for r in res["rows"]:
         bits = f"{r['bits_per_param']:.2f}" if r.get("bits_per_param") is not None else ""
-        cells = [res["model"], str(res["ranks"]), rate, r["label"], f"{r['step_ms']:.0f}",
-                 ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]),
-                 f"{r['step_ms'] / fp32:.2f}x" if fp32 else "", f"{r['step_ms'] / fp16:.2f}x" if fp16 else "", bits]
-        nbytes = wire_bytes(r, params, res["ranks"]) if params else None
-        if bps and alone and nbytes is not None:
+        per_host = r.get("link_bytes_per_step")
+        link = ", ".join(f"{h.split('-')[-1]} {v[0] / 1e6:.1f} / {v[1] / 1e6:.1f}" for h, v in sorted(per_host.items())) \
+            if per_host else ""
+        cells = [res["model"], f"{res.get('hosts', res['ranks'])} x {res.get('ranks_per_host', 1)}", rate, r["label"],
+                 f"{r['step_ms']:.0f}", ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]),
+                 f"{r['step_ms'] / fp32:.2f}x" if fp32 else "", f"{r['step_ms'] / fp16:.2f}x" if fp16 else "", bits,
+                 link]
+        nbytes = link_bytes(r)
+        if nbytes is None and params:
+            nbytes = wire_bytes(r, params, res["ranks"])
+        if bps and alone and nbytes is not None and r["config"] != "local":
             wire = 1000 * 8 * nbytes / bps
-            codec = r.get("profile", {}).get("codec", 0.0)
+            codec = r.get("profile", {}).get("codec", r.get("codec_ms", 0.0))
             limit = alone + codec + wire
             cells += [f"{limit:.0f} = {alone:.0f} + {codec:.0f} + {wire:.0f}", f"{r['step_ms'] / limit:.2f}x"]
+            if shared:
+                cells += [f"{shared + codec + wire:.0f}", f"{r['step_ms'] / (shared + codec + wire):.2f}x"]
+            else:
+                cells += ["", ""]
         else:
-            cells += ["", ""]
+            cells += ["", "", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -398,9 +454,11 @@ def plot(results: list, path: str) -> list:
     return ["", f"Plot: `{os.path.relpath(path, ROOT)}`"]
 
 
-HEADER = ["| model | N | link | configuration | ms/step | by round | time vs fp32 | time vs fp16 | bits/param sent "
-          "| limit ms = compute + codec + wire | step / limit |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+HEADER = ["| model | hosts x ranks | link | configuration | ms/step | by round | time vs fp32 | time vs fp16 "
+          "| bits/param sent | MB/step through each host link (sent / received) "
+          "| limit ms = compute alone + codec + wire | step / limit "
+          "| limit with shared cores (local row + codec + wire) | step / that limit |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def main(argv=None):
@@ -410,6 +468,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,resnet50,transformer")
     p.add_argument("--hosts", default="2")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="torchrun --nproc_per_node on each emulated host (ranks of a host talk through lo)")
     p.add_argument("--rates", default="1gbit")
     p.add_argument("--configs", default="fp32,fp16,powersgd1,powersgd4,terngrad,local")
     p.add_argument("--batch", type=int, default=32)
@@ -430,6 +490,8 @@ def main(argv=None):
                    help="break TernGrad-DDP's step down (forward/backward, tail, optimizer; the worker's encode, "
                         "wait, copies) into the cell's JSON and docs")
     p.add_argument("--tag", default="", help="suffix of the cells' file names (and of the plot)")
+    p.add_argument("--prefix", default=PREFIX, help="name prefix of the emulated hosts' namespaces (two benchmarks "
+                   "at once need two)")
     p.add_argument("--out", default="docs/ddp")
     args = p.parse_args(argv)
     if os.geteuid() != 0:

@@ -599,17 +599,30 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         os.path.join(ROOT, "examples", "ddp_benchmark.py"), "worker", "--model", "tiny",
                         "--batch", "4", "--steps", "1", "--rounds", "2", "--warmup", "3",
-                        "--configs", "fp32,fp16,powersgd1,terngrad,local", "--json", str(out)],
+                        "--configs", "fp32,fp16,powersgd1,terngrad,terngrad-requantized,local",
+                        "--link-counters", "lo", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
     by = {r["config"]: r for r in res["rows"]}
-    assert list(by) == ["fp32", "fp16", "powersgd1", "terngrad", "local"]
+    assert list(by) == ["fp32", "fp16", "powersgd1", "terngrad", "terngrad-requantized", "local"]
     assert all(len(r["step_ms_by_round"]) == 2 and r["step_ms"] > 0 for r in res["rows"])
     assert by["fp32"]["bits_per_param"] == 32 and by["fp16"]["bits_per_param"] == 16
     # tiny: 300 tensors of 64 elements, all under min_numel, so TernGrad sends every one at full precision
     assert by["terngrad"]["compressed_fraction"] == 0 and by["terngrad"]["bits_per_param"] == 32
+    # the loopback's counters, one host: fp32's 2 steps carried at least its gradients once; no DDP, no bytes
+    # beyond the barriers'
+    (host, (sent, received)), = by["fp32"]["link_bytes_per_step"].items()
+    assert sent >= 4 * res["params"] and received >= 4 * res["params"]
+    assert max(by["local"]["link_bytes_per_step"][host]) < 0.1 * sent
+    # the table: each row's limit from its busiest link direction, beside the shared-core limit (local row)
+    res.update(ranks_per_host=2, hosts=1, regime={"compute_alone_ms": 10.0, "gbps": 1.0, "params": res["params"]})
+    table = {line.split(" | ")[3]: line for line in ddp_benchmark.rows(res, "regime8")}
+    wire = 1000 * 8 * max(sent, received) / 1e9
+    local = by["local"]["step_ms"]
+    assert f"| {10 + wire:.0f} = 10 + 0 + {wire:.0f} |" in table["DDP fp32"]
+    assert f"| {local + wire:.0f} | {by['fp32']['step_ms'] / (local + wire):.2f}x |" in table["DDP fp32"]
 
     cell = json.load(open(os.path.join(ROOT, "docs", "cluster", "resnet50-n2-1gbit-r1.json")))
     cell["rows"] = [r for r in cell["rows"] if r["config"] in ("fp16", "terngrad")]
@@ -867,6 +880,24 @@ def test_transformers_lm_tg_adamw_trains_alike_on_ddp_and_horovod():
         # 16 steps of the default schedule: 8 warm-up refreshes + steps 11 and 15 at 32 bits, the rest 2-bit
         assert 2.1 < rec["bits_per_element_overall"] < 32
     assert recs["ddp"]["held_out_loss"] == recs["horovod"]["held_out_loss"]
+
+
+def test_transformers_lm_eval_every_writes_a_learning_curve(tmp_path):
+    """examples/transformers_lm.py --eval-every 3 over 7 steps (DDP, 2 ranks): a curve at steps 3, 6 and the last,
+    7, its training time growing, its last point the run's held-out loss, and ranks still in step (identical)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "lm.json"
+    log = _launch_ranks(_torchrun_cmd("transformers_lm.py", "--frontend", "ddp", "--compression", "terngrad",
+                                      "--steps", 7, "--eval-every", 3, "--log-every", 0, "--n-embd", 64,
+                                      "--n-head", 2, "--json", out), "transformers_lm.py --eval-every 3")
+    rec = json.loads(out.read_text())
+    curve = rec["curve"]
+    assert rec["eval_every"] == 3 and [c["step"] for c in curve] == [3, 6, 7], curve
+    times = [c["train_s"] for c in curve]
+    assert 0 < times[0] <= times[1] <= times[2], curve
+    assert all(np.isfinite(c["held_out_loss"]) for c in curve)
+    assert curve[-1]["held_out_loss"] == rec["held_out_loss"] and rec["params_identical"]
+    assert log.count("eval step ") == 3
 
 
 @pytest.mark.parametrize("script", ["ddp_mnist.py", "mnist_lenet.py"])

@@ -116,6 +116,8 @@ STEP_CONFIGS = {
     "terngrad-sharded": ("TernGrad sharded exchange", lambda hvd, T: T(exchange="sharded")),
     "terngrad-reternarized": ("TernGrad re-ternarized exchange", lambda hvd, T: T(exchange="reternarized")),
     "terngrad-auto": ("TernGrad exchange=auto", lambda hvd, T: T(exchange="auto")),
+    "terngrad-allgather": ("TernGrad allgather exchange", lambda hvd, T: T(exchange="allgather")),
+    "terngrad-requantized": ("TernGrad requantized exchange", lambda hvd, T: T(exchange="requantized")),
     # the node-aware exchange forced on / off (the defaults' hierarchical="auto" decides by the cost model)
     "terngrad-hier": ("TernGrad hierarchical=True", lambda hvd, T: T(hierarchical=True)),
     "terngrad-flat": ("TernGrad hierarchical=False", lambda hvd, T: T(hierarchical=False)),
