@@ -24,6 +24,12 @@ headers) and over every gradient element (the small tensors under ``min_numel`` 
 the held-out loss, whether every rank holds bit-identical parameters, and one ``result: {...}`` JSON line (also
 written to ``--json``).
 
+``--eval-every K`` (default 0: off) adds a learning curve: every K steps and after the last one the held-out loss
+(the same ``held_out_loss`` as at the end), with ``train_s``, the training wall time so far without the
+evaluations' own time, recorded in the result as ``"curve": [{"step", "train_s", "held_out_loss"}, ...]``
+(examples/time_to_quality.py reads it).  Every rank evaluates (on DDP and Horovod without a collective), so the
+ranks pause alike and go on in step; ``tokens_per_s`` then leaves the evaluations out too.
+
 ``--amp fp16`` runs forward and loss under ``torch.autocast`` in fp16 with a ``torch.amp.GradScaler``, in each
 frontend's recipe (Horovod: ``synchronize``, ``unscale_``, ``step`` under ``skip_synchronize``; DDP: ``step``; see
 examples/mixed_precision.py); the log lines then show the steps the scaler skipped so far and the loss scale
@@ -86,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=256, help="the model's vocabulary (the data are bytes: 256)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out loss every K steps and at the end, into the result's 'curve' with the training "
+                        "time so far without the evaluations (0: only at the end)")
     p.add_argument("--corpus", default=None,
                    help="a text file, or 'stdlib' (the top-level modules of Python's standard library, ~4.7 MB "
                         "of code); default: Python's pydoc_data.topics")
@@ -333,6 +342,7 @@ def main(argv=None):
         def clip():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
     losses, t_start, t_log, last_log = [], time.perf_counter(), time.perf_counter(), 0
+    curve, eval_s = [], 0.0          # --eval-every: the learning curve; seconds spent evaluating so far
     model.train()
     for step in range(1, args.steps + 1):
         x = windows(train, args.batch_size, args.seq_len, gen)
@@ -352,9 +362,29 @@ def main(argv=None):
                   f"{tern:.2f} bits/element ternarized, {overall:.2f} over all gradient elements"
                   + (f"  {amp.summary()}" if amp.enabled else ""), flush=True)
             t_log, last_log = now, step
-    elapsed = time.perf_counter() - t_start
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            # EVERY rank evaluates, not rank 0 alone.  On DDP and Horovod evaluation runs no collective, and
+            # were rank 0 alone to evaluate, the others would run ahead into the next step and wait for it
+            # inside a collective, so the pause would leak into the next step's time (and its overlap of
+            # compute and exchange); on FSDP the forward all-gathers shards, so every rank must run it anyway.
+            # With every rank doing the same work on the same parameters, all pause alike and go on in step;
+            # rank 0's clock, less its own evaluations, is the training time.  No barrier is needed.
+            t_eval = time.perf_counter()
+            model.eval()                             # the bare module: DDP's forward would sync buffers
+            curve_loss = held_out_loss(model, held_out, args.seq_len)
+            model.train()
+            now = time.perf_counter()
+            eval_s += now - t_eval
+            t_log += now - t_eval                    # the log's tokens/s leaves the evaluation out as well
+            curve.append({"step": step, "train_s": now - t_start - eval_s, "held_out_loss": curve_loss})
+            if rank == 0:
+                print(f"eval step {step}: held-out loss {curve_loss:.4f} after {curve[-1]['train_s']:.1f} s of "
+                      f"training", flush=True)
+    elapsed = time.perf_counter() - t_start - eval_s
     model.eval()
-    held = held_out_loss(model, held_out, args.seq_len)
+    # with --eval-every the curve's last point is this very loss (same parameters, same function): not twice
+    held = curve[-1]["held_out_loss"] if curve and curve[-1]["step"] == len(losses) else \
+        held_out_loss(model, held_out, args.seq_len)
     same = replicas_identical(front, model)
     tern, overall = bits(front, args, model, len(losses))
     k = max(1, min(20, len(losses) // 4))
@@ -364,6 +394,8 @@ def main(argv=None):
               "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,
               "bits_per_element_overall": overall, "params_identical": same, **amp.record()}
+    if args.eval_every:
+        result["eval_every"], result["curve"] = args.eval_every, curve
     if args.frontend == "fsdp":
         result["replicas"] = front.mesh.size(0)          # the (replicate, shard) mesh's replicate size
     if amp.scaler is not None:       # every rank saw the same averaged gradients, so every rank skipped the same steps
