@@ -59,6 +59,8 @@ CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", 
            "terngrad-reternarized": ("TernGrad-DDP exchange=reternarized", "terngrad",
                                      {"exchange": "reternarized"}),
            "terngrad-requantized": ("TernGrad-DDP exchange=requantized", "terngrad", {"exchange": "requantized"}),
+           "terngrad-requantized-tgadamw": ("TernGrad-DDP exchange=requantized, horovod_terngrad.optim.AdamW",
+                                            "terngrad", {"exchange": "requantized", "optim": "tg-adamw"}),
            "terngrad-flat": ("TernGrad-DDP hierarchical=False", "terngrad", {"hierarchical": False}),
            "local": ("local compute, no DDP", None, {})}
 POWERSGD_START = 2

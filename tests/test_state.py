@@ -2,6 +2,7 @@
 restored and reset as a whole, and a resumed run draws the random streams an uninterrupted run draws."""
 import json
 
+import pytest
 import torch
 
 from horovod_terngrad import TernGradCompressor, TernGradConfig
@@ -23,8 +24,11 @@ def _steps(c, state, config, steps):
     return outs
 
 
-def test_a_resumed_state_continues_the_same_random_streams():
-    cfg = TernGradConfig(seed=3)
+@pytest.mark.parametrize("N,exchange", [(2, "default"), (2, "requantized"), (5, "default")])
+def test_a_resumed_state_continues_the_same_random_streams(N, exchange):
+    """Also on the requantized exchange (the default beyond 4 ranks): its owners' second rounding draws from
+    streams keyed by the same step counters."""
+    cfg = TernGradConfig(seed=3, exchange=exchange)
 
     def body(c):
         straight = CompressorState()
@@ -38,7 +42,7 @@ def test_a_resumed_state_continues_the_same_random_streams():
         fresh = _steps(c, CompressorState(), cfg, range(2, 4))   # without the counters: other streams
         return whole, head + tail, fresh, saved, resumed.stats.tensors
 
-    for whole, resumed, fresh, saved, tensors in run_ranks(2, body):
+    for whole, resumed, fresh, saved, tensors in run_ranks(N, body):
         assert all(torch.equal(a, b) for x, y in zip(whole, resumed) for a, b in zip(x, y))
         assert not all(torch.equal(a, b) for x, y in zip(whole[2:], fresh) for a, b in zip(x, y))
         assert saved["steps"] == {"global": {"w": 2, "b": 2}}
