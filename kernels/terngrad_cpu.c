@@ -24,7 +24,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 8; }
+int tg_abi_version(void) { return 9; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -493,5 +493,153 @@ void tg_adam_corrected(float *p, float *m, float *v, float *n, const float *g, c
         }
         m[i] = mi; v[i] = vi; n[i] = ni;
         p[i] = p[i] * decay - step * mi / (sqrtf(vh) * inv_bias2_sqrt + eps);
+    }
+}
+
+/* The requantized exchange's owner payload (codec/requant.py, the reference; sizes.requantized_owner_bytes):
+ *   8 header bytes: 'R' 'Q' '4', flags (| 0x02 with the noise channel), m as uint32 little-endian;
+ *   G = ceil(m/128) fp32 steps, step = max|a| / 7 over the group;
+ *   ceil(m/2) bytes of codes c + 7 in 4 bits, low nibble first (an odd m's last high nibble 7, code 0);
+ *   with the noise channel: G fp32 maxima νmax of ν = noise + Δ²·f·(1 - f), ceil(m/8) bytes of bits, least
+ *   significant first; zeros up to a multiple of 4 bytes.
+ * Per element, in the reference's fp32 operations and order: q = Δ > 0 ? a / Δ : 0, clamped to [-7, 7];
+ * f = q - floor(q); up = (float)u < f·2^24 with u = uniform24(key, start + i) (tg_ternarize_pack's stream);
+ * code = clamp(floor(q) + up, -7, 7) as int8 (a NaN, which only a non-finite shard produces, reads 0, as
+ * torch casts it on x86); variance ((Δ·Δ)·f)·(1 - f); bit = (float)u' < (νmax > 0 ? ν / νmax : 0)·2^24.
+ * Maxima: exact in any order; a NaN in a group makes its maximum the quiet NaN 0x7fc00000, as torch's amax. */
+#define TG_RQ_GROUP 128
+#define TG_RQ_CHUNK 1024 /* 8 groups: chunks start on a code byte, a bit byte and a group */
+
+static inline uint32_t tg_u24(uint64_t i, uint32_t k0, uint32_t k1) {
+    return mix32(mix32((uint32_t)i ^ k0) ^ (uint32_t)(i >> 32) ^ k1) >> 8;
+}
+
+/* max over x[0..cnt) starting from 0 (the reference pads a short group with zeros); with a NaN there, the
+ * quiet NaN 0x7fc00000 whatever the NaN's sign and payload, as torch's amax returns */
+static inline float rq_group_max(const float *x, int cnt, int take_abs) {
+    float m = 0.0f;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int j = 0; j < cnt; j++) {
+        float v = take_abs ? fabsf(x[j]) : x[j];
+        nan |= v != v;
+        m = v > m ? v : m;
+    }
+    if (nan) {
+        const uint32_t bits = 0x7fc00000U;
+        memcpy(&m, &bits, 4);
+    }
+    return m;
+}
+
+/* noise: the first stage's estimate (m floats), read when with_noise (it may be NULL for m = 0). */
+void tg_requant_encode(const float *a, const float *noise, int with_noise, int64_t m, int64_t start, uint32_t ka0,
+                       uint32_t ka1, uint32_t kn0, uint32_t kn1, int flags, uint8_t *out, int64_t total,
+                       int nthreads) {
+    const int64_t G = (m + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+    uint8_t *steps_at = out + 8, *codes_at = steps_at + 4 * G;
+    uint8_t *tops_at = codes_at + (m + 1) / 2, *bits_at = tops_at + 4 * G;
+    const int64_t used = with_noise ? (int64_t)(bits_at - out) + (m + 7) / 8 : (int64_t)(tops_at - out);
+    const uint32_t m32 = (uint32_t)m;
+    out[0] = 'R'; out[1] = 'Q'; out[2] = '4';
+    out[3] = (uint8_t)(flags | (with_noise ? 0x02 : 0));
+    for (int q = 0; q < 4; q++) out[4 + q] = (uint8_t)(m32 >> (8 * q));
+    for (int64_t b = used; b < total; b++) out[b] = 0;
+    const int64_t nchunks = (m + TG_RQ_CHUNK - 1) / TG_RQ_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        const int64_t lo = ch * TG_RQ_CHUNK;
+        const int cnt = (int)(m - lo < TG_RQ_CHUNK ? m - lo : TG_RQ_CHUNK);
+        const float *ac = a + lo;
+        uint32_t h[TG_RQ_CHUNK];
+        uint8_t u[TG_RQ_CHUNK + 1];
+        float var[TG_RQ_CHUNK];
+        for (int j = 0; j < cnt; j++) h[j] = tg_u24((uint64_t)(start + lo + j), ka0, ka1);
+        for (int g0 = 0; g0 < cnt; g0 += TG_RQ_GROUP) {
+            const int gc = cnt - g0 < TG_RQ_GROUP ? cnt - g0 : TG_RQ_GROUP;
+            const float d = rq_group_max(ac + g0, gc, 1) / 7.0f;
+            memcpy(steps_at + 4 * ((lo + g0) / TG_RQ_GROUP), &d, 4);
+            for (int j = g0; j < g0 + gc; j++) {
+                float q = d > 0.0f ? ac[j] / d : 0.0f;
+                q = q < -7.0f ? -7.0f : q;
+                q = q > 7.0f ? 7.0f : q;
+                const float low = floorf(q);
+                const float f = q - low;
+                float c = low + ((float)(int32_t)h[j] < f * 16777216.0f ? 1.0f : 0.0f);
+                c = c < -7.0f ? -7.0f : c;
+                c = c > 7.0f ? 7.0f : c;
+                u[j] = (uint8_t)((c == c ? (int)c : 0) + 7);
+                var[j] = ((d * d) * f) * (1.0f - f);
+            }
+        }
+        u[cnt] = 7;                                  /* an odd m's last high nibble: code 0 */
+        uint8_t *oc = codes_at + lo / 2;
+        for (int b = 0; b < (cnt + 1) / 2; b++) oc[b] = (uint8_t)(u[2 * b] | (u[2 * b + 1] << 4));
+        if (!with_noise) continue;
+        const float *nc = noise + lo;
+        for (int j = 0; j < cnt; j++) {
+            var[j] = nc[j] + var[j];                 /* ν, in the reference's order: noise + variance */
+            h[j] = tg_u24((uint64_t)(start + lo + j), kn0, kn1);
+        }
+        for (int g0 = 0; g0 < cnt; g0 += TG_RQ_GROUP) {
+            const int gc = cnt - g0 < TG_RQ_GROUP ? cnt - g0 : TG_RQ_GROUP;
+            const float top = rq_group_max(var + g0, gc, 0);
+            memcpy(tops_at + 4 * ((lo + g0) / TG_RQ_GROUP), &top, 4);
+            for (int j = g0; j < g0 + gc; j++) {
+                const float p = top > 0.0f ? var[j] / top : 0.0f;
+                u[j] = (float)(int32_t)h[j] < p * 16777216.0f;
+            }
+        }
+        for (int j = cnt; j < (cnt + 7) / 8 * 8; j++) u[j] = 0;
+        uint8_t *ob = bits_at + lo / 8;
+        for (int b = 0; b < (cnt + 7) / 8; b++) {
+            const uint8_t *x = u + 8 * b;
+            ob[b] = (uint8_t)(x[0] | (x[1] << 1) | (x[2] << 2) | (x[3] << 3) | (x[4] << 4) | (x[5] << 5) |
+                              (x[6] << 6) | (x[7] << 7));
+        }
+    }
+}
+
+/* Decode an owner's payload of m elements at buf (any alignment): out[i] = ((float)nibble - 7) · step;
+ * noise_out (NULL: not read) [i] = (float)bit · νmax, as codec/requant.py's decode. */
+void tg_requant_decode(const uint8_t *buf, int64_t m, float *out, float *noise_out, int nthreads) {
+    const int64_t G = (m + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+    const uint8_t *steps_at = buf + 8, *codes_at = steps_at + 4 * G;
+    const uint8_t *tops_at = codes_at + (m + 1) / 2, *bits_at = tops_at + 4 * G;
+    const int64_t nchunks = (m + TG_RQ_CHUNK - 1) / TG_RQ_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        const int64_t lo = ch * TG_RQ_CHUNK;
+        const int cnt = (int)(m - lo < TG_RQ_CHUNK ? m - lo : TG_RQ_CHUNK);
+        const int ng = (cnt + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+        float s[TG_RQ_CHUNK / TG_RQ_GROUP];
+        float c[TG_RQ_CHUNK + 8];
+        memcpy(s, steps_at + 4 * (lo / TG_RQ_GROUP), 4 * (size_t)ng);
+        const uint8_t *ic = codes_at + lo / 2;
+        const int nb = (cnt + 1) / 2;
+        for (int b = 0; b < nb; b++) {              /* the codes as floats, nibble - 7 (exact) */
+            const uint8_t x = ic[b];
+            c[2 * b] = (float)(x & 0x0F) - 7.0f;
+            c[2 * b + 1] = (float)(x >> 4) - 7.0f;
+        }
+        float *o = out + lo;
+        for (int g = 0; g < ng; g++) {
+            const int j0 = g * TG_RQ_GROUP, j1 = j0 + TG_RQ_GROUP < cnt ? j0 + TG_RQ_GROUP : cnt;
+            const float d = s[g];
+            for (int j = j0; j < j1; j++) o[j] = c[j] * d;
+        }
+        if (!noise_out) continue;
+        memcpy(s, tops_at + 4 * (lo / TG_RQ_GROUP), 4 * (size_t)ng);
+        const uint8_t *ib = bits_at + lo / 8;
+        for (int b = 0; b < (cnt + 7) / 8; b++) {
+            const uint8_t x = ib[b];
+            for (int q = 0; q < 8; q++) c[8 * b + q] = (float)((x >> q) & 1);
+        }
+        float *n = noise_out + lo;
+        for (int g = 0; g < ng; g++) {
+            const int j0 = g * TG_RQ_GROUP, j1 = j0 + TG_RQ_GROUP < cnt ? j0 + TG_RQ_GROUP : cnt;
+            const float t = s[g];
+            for (int j = j0; j < j1; j++) n[j] = c[j] * t;
+        }
     }
 }

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from horovod_terngrad import codec as C
-from horovod_terngrad.backends import (ADAM_CORRECTED, NOISE_DECODE, REFERENCE, SHARDED_SUMS, AdamCorrectedBackend,
-                                       Backend, NoiseDecodeBackend, ShardedSumsBackend, cpu, cpu_fused,
-                                       has_capability)
+from horovod_terngrad.backends import (ADAM_CORRECTED, NOISE_DECODE, REFERENCE, REQUANT, SHARDED_SUMS,
+                                       AdamCorrectedBackend, Backend, NoiseDecodeBackend, ShardedSumsBackend, cpu,
+                                       cpu_fused, has_capability)
 from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
@@ -104,7 +104,7 @@ def test_prepared_holds_0d_tensors_on_the_gradient_device(fused, n, bucket, bad)
 def test_backends_declare_their_capabilities(fused):
     assert isinstance(REFERENCE, Backend) and isinstance(fused, Backend)
     assert REFERENCE.capabilities == frozenset() and not has_capability(REFERENCE, SHARDED_SUMS)
-    assert fused.capabilities == frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED})
+    assert fused.capabilities == frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT})
     assert has_capability(fused, SHARDED_SUMS) and has_capability(fused, ADAM_CORRECTED)
     assert not has_capability(REFERENCE, ADAM_CORRECTED) and isinstance(fused, AdamCorrectedBackend)
     assert has_capability(fused, NOISE_DECODE) and not has_capability(REFERENCE, NOISE_DECODE)

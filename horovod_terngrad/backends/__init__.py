@@ -18,12 +18,12 @@ import logging
 import os
 import threading
 
-from .base import (ADAM_CORRECTED, NOISE_DECODE, SHARDED_SUMS, AdamCorrectedBackend, Backend, NoiseDecodeBackend,
-                   ShardedSumsBackend, has_capability)
+from .base import (ADAM_CORRECTED, NOISE_DECODE, REQUANT, SHARDED_SUMS, AdamCorrectedBackend, Backend,
+                   NoiseDecodeBackend, RequantBackend, ShardedSumsBackend, has_capability)
 from .reference import ReferenceBackend
 
 __all__ = ["Backend", "ShardedSumsBackend", "SHARDED_SUMS", "NoiseDecodeBackend", "NOISE_DECODE",
-           "AdamCorrectedBackend", "ADAM_CORRECTED",
+           "AdamCorrectedBackend", "ADAM_CORRECTED", "RequantBackend", "REQUANT",
            "has_capability", "REFERENCE", "for_device",
            "cpu_fused", "cuda_kernels"]
 

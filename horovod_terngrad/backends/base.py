@@ -15,6 +15,10 @@ Capabilities:
 * ``ADAM_CORRECTED``: ``adam_corrected``, horovod_terngrad.optim's default-mode Adam(W) update of one contiguous
   fp32 tensor in one pass (``AdamCorrectedBackend``).  Only the fused CPU backend has it; elsewhere the
   optimizer runs foreach ops.
+* ``REQUANT``: ``requant_encode`` and ``requant_decode``, the requantized exchange's owner payload
+  (codec/requant.py: 4-bit groups and the noise channel's bits) in one pass each (``RequantBackend``), the
+  reference's bytes and values exactly.  Only the fused CPU backend has it; elsewhere exchange/requantized.py
+  calls codec/requant.py's torch ops.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from .. import codec
 SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
 ADAM_CORRECTED = "adam_corrected"
+REQUANT = "requant"
 
 
 @runtime_checkable
@@ -92,6 +97,23 @@ class AdamCorrectedBackend(Backend, Protocol):
                        floor: float, maximize: bool) -> None:
         """The default-mode update of one contiguous fp32 tensor in place (the formula: kernels/terngrad_cpu.c,
         tg_adam_corrected); ``noise`` / ``vmax`` may be None."""
+        ...
+
+
+@runtime_checkable
+class RequantBackend(Backend, Protocol):
+    """A backend with the ``REQUANT`` capability."""
+
+    def requant_encode(self, a: torch.Tensor, keys: tuple, start: int, noise: torch.Tensor | None = None,
+                       flags: int = 0) -> torch.Tensor:
+        """``codec.requant.encode``'s payload of the fp32 shard ``a`` (elements start..start+m-1 of its tensor),
+        byte for byte."""
+        ...
+
+    def requant_decode(self, buf: torch.Tensor, offset: int, m: int, with_noise: bool, out: torch.Tensor,
+                       noise_out: torch.Tensor | None = None) -> None:
+        """``codec.requant.decode``: the payload of m elements at ``offset`` of ``buf`` into ``out`` (and its noise
+        channel into ``noise_out`` when given and ``with_noise``), bit for bit."""
         ...
 
 

@@ -4,7 +4,7 @@ One pass per stage and no tensor-sized temporaries besides the output; OpenMP th
 ``torch.get_num_threads()``.  The shared object goes to the compile cache (``compile_cache.py``) keyed by
 a hash of the source, the flags, the compiler and the CPU.  Without a working compiler ``load()`` returns
 None and the caller falls back to the torch reference (with one warning).  The only backend with the
-``SHARDED_SUMS`` capability.
+``SHARDED_SUMS``, ``NOISE_DECODE``, ``ADAM_CORRECTED`` and ``REQUANT`` capabilities.
 """
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ import tempfile
 import torch
 
 from .. import codec
-from ..codec import packing
+from ..codec import packing, sizes
 from ..codec.packing import FORMATS
-from .base import ADAM_CORRECTED, NOISE_DECODE, SHARDED_SUMS
+from .base import ADAM_CORRECTED, NOISE_DECODE, REQUANT, SHARDED_SUMS
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
 log = logging.getLogger("horovod_terngrad")
 SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing", "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -75,7 +75,7 @@ class FusedCPUBackend:
     payloads and averages written in place by one C pass each."""
 
     name = "cpu-fused"
-    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED})
+    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT})
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
@@ -88,8 +88,11 @@ class FusedCPUBackend:
         lib.tg_owner_sums.argtypes = [_P, _c_int, _c_int64, _c_int, _c_int, _P, _c_int]
         lib.tg_unpack_sums.argtypes = [_P, _c_int64, _c_int, _c_int, _P, _c_int64, _c_int64, _c_float, _P, _c_int]
         lib.tg_adam_corrected.argtypes = [_P, _P, _P, _P, _P, _P, _P, _c_int64] + [_c_float] * 10 + [_c_int, _c_int]
+        lib.tg_requant_encode.argtypes = [_P, _P, _c_int, _c_int64, _c_int64, _u32, _u32, _u32, _u32, _c_int, _P,
+                                          _c_int64, _c_int]
+        lib.tg_requant_decode.argtypes = [_P, _c_int64, _P, _P, _c_int]
         for fn in (lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
-                   lib.tg_unpack_sums, lib.tg_adam_corrected):
+                   lib.tg_unpack_sums, lib.tg_adam_corrected, lib.tg_requant_encode, lib.tg_requant_decode):
             fn.restype = None
         self.lib = lib
 
@@ -193,6 +196,52 @@ class FusedCPUBackend:
             s = scalers.to(torch.float32).contiguous()
             self.lib.tg_unpack_sums(_ptr(data), m, n_ranks, bits, _ptr(s), bucket_size, start, float(divisor),
                                     _ptr(out), self._threads())
+
+    # -- REQUANT capability -------------------------------------------------------------------------------
+    def requant_encode(self, a: torch.Tensor, keys: tuple, start: int, noise: torch.Tensor | None = None,
+                       flags: int = 0) -> torch.Tensor:
+        """``RequantBackend.requant_encode``: codec/requant.py's ``encode`` in one pass (kernels/terngrad_cpu.c,
+        tg_requant_encode), the same bytes."""
+        m = a.numel()
+        if m >= 1 << 32:          # the header holds m in 32 bits (the reference's struct.pack raises too)
+            raise ValueError(f"TernGrad: a requantized shard of {m} elements does not fit its 32-bit header")
+        if start < 0:
+            raise ValueError(f"random stream element words must be >= 0, got {start}")
+        a = a.to(torch.float32).contiguous()
+        nu = None if noise is None else noise.to(torch.float32).contiguous()
+        if nu is not None and nu.numel() != m:
+            raise ValueError(f"TernGrad: noise of {nu.numel()} elements for a shard of {m}")
+        out = torch.empty(sizes.requantized_owner_bytes(m, noise is not None), dtype=torch.uint8)
+        (ka0, ka1), (kn0, kn1) = keys
+        self.lib.tg_requant_encode(_ptr(a), None if nu is None else _ptr(nu), int(nu is not None), m, start, ka0, ka1,
+                                   kn0, kn1, int(flags) & 0xFF, _ptr(out), out.numel(), self._threads())
+        return out
+
+    def requant_decode(self, buf: torch.Tensor, offset: int, m: int, with_noise: bool, out: torch.Tensor,
+                       noise_out: torch.Tensor | None = None) -> None:
+        """``RequantBackend.requant_decode``: codec/requant.py's ``decode`` in one pass (tg_requant_decode), the
+        same bits; straight from ``buf`` at any offset, into ``out`` / ``noise_out`` (copied back if they are not
+        contiguous fp32)."""
+        if m == 0:
+            return
+        need = sizes.REQUANT_HEADER_BYTES + 4 * sizes.requant_groups(m) + -(-m // 2)
+        if with_noise:
+            need += 4 * sizes.requant_groups(m) + -(-m // 8)
+        if not buf.is_contiguous() or buf.dtype != torch.uint8 or offset < 0 or offset + need > buf.numel():
+            raise ValueError(f"TernGrad: no requantized payload of {m} elements at byte {offset} of a "
+                             f"{buf.numel()}-byte buffer")
+        if out.numel() != m or (noise_out is not None and noise_out.numel() != m):
+            raise ValueError(f"TernGrad: outputs of {out.numel()} elements for a payload of {m}")
+        nu = noise_out if with_noise else None
+        o = out if out.is_contiguous() and out.dtype == torch.float32 else torch.empty(m, dtype=torch.float32)
+        n = (None if nu is None else
+             nu if nu.is_contiguous() and nu.dtype == torch.float32 else torch.empty(m, dtype=torch.float32))
+        self.lib.tg_requant_decode(buf.data_ptr() + offset, m, _ptr(o), None if n is None else _ptr(n),
+                                   self._threads())
+        if o is not out:
+            out.copy_(o.view(out.shape))
+        if n is not None and n is not nu:
+            nu.copy_(n.view(nu.shape))
 
 
 def load() -> FusedCPUBackend | None:

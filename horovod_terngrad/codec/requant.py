@@ -1,6 +1,9 @@
 """The requantized exchange's second stage: an owner's exact average sent as 4-bit groups, and the noise estimate
 Adam needs as one stochastic bit per element.  Reference math, in torch ops on any device (fp32 division, floor
-and comparisons are exact in IEEE arithmetic, so a CPU and a GPU produce the same bytes).
+and comparisons are exact in IEEE arithmetic, so a CPU and a GPU produce the same bytes).  A backend with the
+``REQUANT`` capability (the fused CPU one: kernels/terngrad_cpu.c, tg_requant_encode / tg_requant_decode) computes
+``encode`` and ``decode`` in one pass each, the same bytes and bits (tests/test_requant_kernel.py); the exchange
+(exchange/requantized.py) calls it where it has one.
 
 Average (``quantize``).  Per group of ``GROUP`` = 128 consecutive elements of a shard, the step
 Δ = max|a| / LEVELS (LEVELS = 7: codes -7..7, 15 levels in 4 bits) and, per element, q = a/Δ, f = q - floor(q):

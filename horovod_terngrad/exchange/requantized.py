@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import backends
 from ..codec import requant, sizes
 from ..codec.packing import FLAG_NONFINITE, Header
 from . import allgather, reternarized
@@ -55,19 +56,37 @@ class RequantizedStage:
             avg = torch.zeros(0, dtype=torch.float32, device=received.device)
         else:
             avg = backend.decode(received, [head] * N, offsets, divisor)
-            avg = torch.where(bad, torch.zeros_like(avg), avg)     # a flagged shard is NaN anyway: keep it finite
         noise = None
         if tk.want_noise:
             noise = (allgather.noise_estimate(received, [head] * N, offsets, divisor) if m else avg.clone())
-            noise = torch.where(bad, torch.zeros_like(noise), noise)
+        _zero_if(bad, avg, noise)                  # a flagged shard is NaN anyway: keep it finite
         keys = requant.keys(cfg.seed, tk.step, tk.name, ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
-        payload = requant.encode(avg, keys, lo, noise)
+        if backends.has_capability(backend, backends.REQUANT):
+            payload = backend.requant_encode(avg, keys, lo, noise)
+        else:
+            payload = requant.encode(avg, keys, lo, noise)
         payload[3:4] |= bad.to(torch.uint8).reshape(1)                # the flag, set on the device: no sync
         return payload
 
     @staticmethod
     def decode(gathered, off, lo, hi, tk, ex, out, noise) -> None:
-        requant.decode(gathered, off, hi - lo, tk.want_noise, out[lo:hi], None if noise is None else noise[lo:hi])
+        backend = backends.for_device(gathered.device)
+        fn = backend.requant_decode if backends.has_capability(backend, backends.REQUANT) else requant.decode
+        fn(gathered, off, hi - lo, tk.want_noise, out[lo:hi], None if noise is None else noise[lo:hi])
+
+
+def _zero_if(bad: torch.Tensor, *tensors) -> None:
+    """Zero ``tensors`` (None skipped) in place where the 0-d bool ``bad`` is set: decided on the host for a CPU
+    tensor (free there, and no pass over a clean shard), on the device otherwise (no synchronization)."""
+    if bad.device.type == "cpu":
+        if bool(bad):
+            for t in tensors:
+                if t is not None:
+                    t.zero_()
+        return
+    for t in tensors:
+        if t is not None:
+            t.masked_fill_(bad, 0.0)
 
 
 def after_alltoall(ex, grp) -> None:

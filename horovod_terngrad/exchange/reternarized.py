@@ -275,7 +275,11 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
             return None
         bad = None
     out = tk.g32 if tk.in_place else torch.empty(n, dtype=torch.float32, device=gathered.device)
-    noise = torch.empty(n, dtype=torch.float32, device=gathered.device) if tk.want_noise else None
+    noise = None
+    if tk.want_noise:      # on the CPU the engine's reused buffer (engine.noise_buffer: no fresh pages per step)
+        noise = ex.noise_buffer(tk)
+        if noise is None:
+            noise = torch.empty(n, dtype=torch.float32, device=gathered.device)
     for (lo, hi), off in zip(sizes.reternarized_bounds(n, N, cfg.bucket_size), offsets):
         if hi > lo:
             stage.decode(gathered, off, lo, hi, tk, ex, out, noise)
