@@ -69,7 +69,9 @@ def quantize(a: torch.Tensor, key, start: int) -> tuple:
     """(steps [G] fp32, codes [m] int8 in -7..7, variance [m] fp32) of the fp32 shard ``a`` (elements
     start .. start+m-1 of its tensor); variance is the rounding's own, Δ²·f·(1 - f)."""
     m = a.numel()
-    steps = _grouped(a.abs()).amax(dim=1) / LEVELS
+    # divided by a 0-d tensor on a's device, not by the Python number: CUDA turns division by a scalar into a
+    # multiplication by its reciprocal (other bits than the CPU's true division)
+    steps = _grouped(a.abs()).amax(dim=1) / torch.full((), LEVELS, dtype=torch.float32, device=a.device)
     delta = steps.repeat_interleave(GROUP)[:m] if m else steps
     safe = torch.where(delta > 0, delta, torch.ones_like(delta))
     q = torch.where(delta > 0, a / safe, torch.zeros_like(a)).clamp_(-LEVELS, LEVELS)

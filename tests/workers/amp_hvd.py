@@ -32,11 +32,12 @@ STATIC_SCALE = 128.0   # the .half() model's fixed loss scale
 def compression(kind):
     """'none': Horovod's Compression.none; 'terngrad': TernGrad at its defaults (a fresh compressor, so that
     scenarios do not share state); 'terngrad_min0': every tensor ternarized; 'terngrad_hier': the node-aware
-    exchange forced on."""
+    exchange forced on; 'terngrad_rq': the requantized exchange (the default beyond 4 ranks) named."""
     return {"none": lambda: hvd.Compression.none,
             "terngrad": lambda: TernGrad.configure(),
             "terngrad_min0": lambda: TernGrad.configure(min_numel=0),
-            "terngrad_hier": lambda: TernGrad.configure(hierarchical=True)}[kind]()
+            "terngrad_hier": lambda: TernGrad.configure(hierarchical=True),
+            "terngrad_rq": lambda: TernGrad.configure(exchange="requantized")}[kind]()
 
 
 def build(prefix, comp, checkpoint=None):
