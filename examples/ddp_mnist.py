@@ -199,10 +199,13 @@ def main(argv=None):
                 json.dump(result, f, indent=1)
     if tg_state is not None:
         tg_state.close()
-    dist.destroy_process_group()
     return result
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()
+    # torch.distributed ends after main's DDP model is gone: destroyed under a live one, gloo aborts the process
+    # now and then at exit ("terminate called without an active exception"; a CI run saw it with --hook none)
+    from transformers_lm import shutdown
+    shutdown()
