@@ -9,4 +9,15 @@ before links were measured); the measurement itself is tested on thread ranks
 """
 import os
 
+import pytest
+
 os.environ.setdefault("HOROVOD_TERNGRAD_GBPS", "1")
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """The fused CPU backend (kernels/terngrad_cpu.c), for the tests that compare it with the reference."""
+    from horovod_terngrad.backends import cpu_fused
+    be = cpu_fused()
+    assert be is not None, "the fused CPU codec did not build (gcc is installed by scripts/setup.sh)"
+    return be

@@ -7,18 +7,11 @@ import torch
 from horovod_terngrad import codec as C
 from horovod_terngrad.backends import (ADAM_CORRECTED, NOISE_DECODE, REFERENCE, REQUANT, SHARDED_SUMS,
                                        AdamCorrectedBackend, Backend, NoiseDecodeBackend, ShardedSumsBackend, cpu,
-                                       cpu_fused, has_capability)
+                                       has_capability)
 from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
 SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 1279, 1280, 1281, 2047, 2048, 2049, 4097, 65537, 1 << 20, (1 << 21) + 3]
-
-
-@pytest.fixture(scope="module")
-def fused():
-    be = cpu_fused()
-    assert be is not None, "the fused CPU codec did not build (gcc is installed by scripts/setup.sh)"
-    return be
 
 
 def sample(n, seed):
