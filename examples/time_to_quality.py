@@ -87,20 +87,13 @@ def compute_alone_worker(argv) -> dict:
     model = lm.make_model(args)
     opt = lm.make_optimizer(args, model)
     gen = torch.Generator().manual_seed(1000 + args.seed)
+    amp = lm.mixed_precision.MixedPrecision()          # off: the plain backward, clip, step
+    clip = (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)) if args.clip_grad else None
     model.train()
     times = []
     for step in range(1, 3 + a.compute_steps + 1):
         t = time.perf_counter()
-        x = lm.windows(train, args.batch_size, args.seq_len, gen)
-        for group in opt.param_groups:
-            group["lr"] = lm.lr_at(args, step)
-        opt.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        if args.clip_grad:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        opt.step()
-        loss.item()
+        lm.train_step(args, step, model, opt, amp, clip, train, gen).item()
         if step > 3:
             times.append(time.perf_counter() - t)
     res = {"compute_ms": 1000 * sorted(times)[len(times) // 2], "times_ms": [1000 * t for t in times],

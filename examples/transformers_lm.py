@@ -313,6 +313,20 @@ def bits(front, args=None, model=None, steps: int = 0) -> tuple[float, float]:
     return st.bits_per_element(), (8.0 * st.bytes_sent + 32.0 * plain) / total if total else 0.0
 
 
+def train_step(args, step: int, forward, opt, amp, clip, train: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One training step of the recipe: a batch of random windows, the step's lr, forward (under ``amp``'s
+    autocast), backward, ``clip``, the optimizer's step (``amp.step``: with --amp fp16, GradScaler's recipe).
+    Returns the loss.  Also examples/time_to_quality.py's compute-alone step."""
+    x = windows(train, args.batch_size, args.seq_len, gen)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(args, step)
+    opt.zero_grad()
+    with amp.autocast():
+        loss = forward(input_ids=x, labels=x).loss
+    amp.step(loss, opt, clip=clip)
+    return loss
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -345,14 +359,7 @@ def main(argv=None):
     curve, eval_s = [], 0.0          # --eval-every: the learning curve; seconds spent evaluating so far
     model.train()
     for step in range(1, args.steps + 1):
-        x = windows(train, args.batch_size, args.seq_len, gen)
-        for group in front.opt.param_groups:
-            group["lr"] = lr_at(args, step)
-        front.opt.zero_grad()
-        with amp.autocast():
-            loss = front.forward(input_ids=x, labels=x).loss
-        # loss.backward(); [clip]; opt.step() (with --amp fp16: GradScaler's recipe)
-        amp.step(loss, front.opt, clip=clip)
+        loss = train_step(args, step, front.forward, front.opt, amp, clip, train, gen)
         losses.append(loss.item())
         if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()
