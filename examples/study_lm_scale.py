@@ -99,8 +99,9 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data) -> dict:
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     opt = AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    cfg = TernGradConfig(exchange=method if method != "none" else "allgather",
-                         hierarchical=bool(G > 1))
+    exchange, _, bucket = method.partition("@b")      # e.g. reternarized@b128: one scaler per 128 elements
+    cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
+                         hierarchical=bool(G > 1), bucket_size=int(bucket or 0))
     sim = Simulator(model, N, cfg, compression="none" if method == "none" else "terngrad",
                     ranks_per_node=max(G, 1))
     gen = torch.Generator().manual_seed(seed)
@@ -169,7 +170,9 @@ def main(argv=None):
     p.add_argument("--lr", default="2e-3", help="comma-separated: every method at each")
     p.add_argument("--workers", default="8,16,32,64")
     p.add_argument("--nodes-of", type=int, default=0, help="ranks per node (0 or 1: flat)")
-    p.add_argument("--exchanges", default="none,allgather,requantized,reternarized")
+    p.add_argument("--exchanges", default="none,allgather,requantized,reternarized",
+                   help="comma-separated: none (fp32) or an exchange, optionally @bK for bucket_size=K "
+                        "(one scaler per K elements; e.g. reternarized@b128)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None, metavar="DIR[,DIR...]",

@@ -521,6 +521,28 @@ def test_node_aware_variance_study(tmp_path):
     assert "| 0 | 8 | 2 x 4 |" in md and f"{got['ratio']:.2f}x" in md
 
 
+def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
+    """study_lm_scale: ``reternarized@b128`` is the re-ternarized exchange with one scaler per 128 elements in both
+    stages (bucket_size=128): the same bytes of codes as without buckets plus a scaler per bucket, so more bits
+    received per element; every run is one JSON line with its method's name and a finite held-out loss."""
+    import study_lm_scale as sls
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("The quick brown fox jumps over the lazy dog. " * 3000).encode())
+    out = tmp_path / "runs"
+    rows = sls.main(["--model", "gpt2", "--corpus", str(corpus), "--width", "32", "--layers", "1", "--seq-len", "32",
+                     "--batch", "8", "--steps", "2", "--workers", "4", "--seeds", "0",
+                     "--exchanges", "none,reternarized,reternarized@b128", "--out", str(out)])
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"none", "reternarized", "reternarized@b128"}
+    assert all(np.isfinite(r["held_out"]) for r in rows)
+    # 32-bit scaler per 128 elements in each stage: about 2·(N-1)/N·32/128 = 0.375 bits more at N = 4, and up
+    # to about as much again on this tiny model, whose shards round up to whole buckets
+    extra = by["reternarized@b128"]["bits_received"] - by["reternarized"]["bits_received"]
+    assert 0.3 < extra < 1.0, (by["reternarized@b128"]["bits_received"], by["reternarized"]["bits_received"])
+    assert len(open(out / "runs.jsonl").read().splitlines()) == 3
+    assert "reternarized@b128" in sls.table(rows)
+
+
 def _tiny_image_data(n_train=256, n_test=64):
     g = torch.Generator().manual_seed(5)
     return {"train": (torch.randint(0, 256, (n_train, 1, 28, 28), generator=g, dtype=torch.uint8),

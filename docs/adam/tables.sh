@@ -20,7 +20,7 @@ echo "### 5. FSDP2 / HSDP, mesh (2 replicas x 2 shards), 8 sequences per rank (3
 T --baseline fsdp-hsdp-fp32 --tags fsdp-hsdp-fp32,fsdp-tgc
 echo "### 6. Horovod (horovodrun --gloo -np 2), lr 2e-3"; echo
 T --baseline hvd-fp32 --tags hvd-fp32,hvd-tgc,fp32,tgc
-echo "### 7. DDP, 4 ranks x 8 sequences: fp32 AdamW, the allgather and the re-ternarized exchange (issue 35) with the default tg AdamW (3 seeds); plain AdamW and owner error feedback (seed 0; feedback measured at 76c7be9, since reverted)"; echo
+echo "### 7. DDP, 4 ranks x 16 sequences (the recipe's; 64 per step): fp32 AdamW, the allgather and the re-ternarized exchange (issue 35) with the default tg AdamW (3 seeds); plain AdamW and owner error feedback (seed 0; feedback measured at 76c7be9, since reverted)"; echo
 T --baseline ddp4-fp32 --tags ddp4-fp32,ddp4-tgc-allgather,ddp4-tgc-reternarized,ddp4-terngrad-adamw-reternarized,ddp4-tgc-reternarized-feedback
 echo "### 8. Issue 39: DDP on 2 emulated nodes x 2 with the defaults (node-aware, its noise estimate now carried; ddp2x2-adamw-defaults: torch AdamW there, i.e. what tg AdamW did before without an estimate, seed 0) and 4 flat ranks with the requantized exchange (min_numel=0 as table 7, seed 0), beside table 7's fp32 and allgather (3 seeds; written to docs/adam/scale-table.md, which docs/scale.md includes)"; echo
 T --baseline ddp4-fp32 --tags ddp4-fp32,ddp4-tgc-allgather,ddp4-tgc-reternarized,ddp2x2-tg-adamw-defaults,ddp2x2-adamw-defaults,ddp4-tgc-requantized,hvd2x2-tg-adamw-defaults | tee docs/adam/scale-table.md
