@@ -951,6 +951,22 @@ def test_hsdp_cli(capsys):
         cli.main(["hsdp", "--workers", "6"])
 
 
+def test_hsdp_cli_bucket_size_prices_a_scaler_per_bucket(capsys):
+    """``--bucket-size 128`` puts one fp32 scaler per 128 elements into every TernGrad column: the re-ternarized
+    exchange's megabytes per step grow by about 32/128 bits per element in each of its two stages (2 + 2 ->
+    2.25 + 2.25 bits: 9/8), and its step with them."""
+    def row(bucket):
+        assert cli.main(["hsdp", "--cluster", "ethernet", "--workers", "512", "--markdown",
+                         "--bucket-size", str(bucket)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        head = next(line for line in lines if line.startswith("| GPUs"))
+        cells = next(line for line in lines if line.startswith("| 512 "))
+        return dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in cells.split("|")]))
+    plain, bucketed = row(0), row(128)
+    assert 1.08 < float(bucketed["TG-rt MB"]) / float(plain["TG-rt MB"]) < 1.16, (plain["TG-rt MB"], bucketed["TG-rt MB"])
+    assert float(bucketed["TG-rt s"]) > float(plain["TG-rt s"])
+
+
 def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
     """The re-ternarized exchange's model (exchange.cost.terngrad_reternarized_cost): received bytes
     2·(N-1)·c with c its shard's payload (codec.sizes), ~4 bits per element at any N; on the paper's InfiniBand

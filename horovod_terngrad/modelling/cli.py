@@ -44,6 +44,9 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compute-s", type=float, help="override the compute time per iteration, seconds")
     p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
     p.add_argument("--min-numel", type=int, default=TernGradConfig.min_numel)
+    p.add_argument("--bucket-size", type=int, default=TernGradConfig.bucket_size,
+                   help="TernGradConfig.bucket_size for every TernGrad column (0: one scaler per tensor or shard; "
+                        "k: one per k elements, in both stages of the re-ternarized exchange)")
     p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL)
     p.add_argument("--allreduce", choices=ALLREDUCE_ALGORITHMS, default=ALLREDUCE_AUTO)
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
@@ -58,7 +61,8 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
     workers = [int(w) for w in a.workers.split(",") if w.strip()]
     if a.gpus_per_node is not None and a.gpus_per_node < 1:
         p.error("--gpus-per-node must be >= 1")
-    cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel)
+    cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel,
+                         bucket_size=a.bucket_size)
     keys = list(CLUSTERS) if a.cluster == "both" else [a.cluster]
     for key in keys:
         cl = with_gpus_per_node(CLUSTERS[key], a.gpus_per_node)
@@ -114,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
     p.add_argument("--fusion-mb", type=float, default=HOROVOD_FUSION_BYTES / 2**20,
                    help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod 0.28.1's 128")
+    p.add_argument("--bucket-size", type=int, default=TernGradConfig.bucket_size,
+                   help="TernGradConfig.bucket_size for every TernGrad column (0: one scaler per tensor or shard)")
     p.add_argument("--fusion-numel", type=int, default=TERNGRAD_FUSION_NUMEL,
                    help="TernGrad's tensor fusion: elements per fused group (0: none); default TernGradConfig's")
     p.add_argument("--hierarchical", choices=("auto", "true", "false"), default="auto",
@@ -170,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hierarchical = {"auto": "auto", "true": True, "false": False}[a.hierarchical]
     kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
                   overlap=a.overlap, hierarchical=hierarchical,
-                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
+                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None,
+                  config=TernGradConfig(bucket_size=a.bucket_size))
     compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
     workers = worker_counts(a.max_workers)
     if a.scheduled:
@@ -179,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for ckey, cluster in clusters.items():
                 rows = scheduled_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, packing=a.packing,
                                          fusion_bytes=kwargs["fusion_bytes"], fusion_numel=a.fusion_numel,
-                                         hierarchical=hierarchical)
+                                         hierarchical=hierarchical, config=kwargs["config"])
                 print(format_scheduled(MODELS[mkey], cluster, workers, rows, negotiation_s))
                 print()
         return 0
