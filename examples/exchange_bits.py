@@ -7,6 +7,7 @@ ranks, and from the cost model (exchange/cost.py, whose sizes are codec/sizes.py
 
 The tensors are those the default policy ternarizes (``min_numel``), each its own group (fusion changes headers
 only).  Requantized: with the noise channel (what horovod_terngrad.optim.AdamW asks for) and without (SGD).
+``reternarized@b128``: the re-ternarized exchange with one scaler per 128 elements in both stages (bucket_size=128).
 """
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import sys
 
 import torch
 
-EXCHANGES = ("allgather", "sharded", "reternarized", "requantized", "requantized (SGD: no noise channel)")
+EXCHANGES = ("allgather", "sharded", "reternarized", "reternarized@b128", "requantized",
+             "requantized (SGD: no noise channel)")
+
+
+def _bucket(exchange: str) -> int:
+    """K of "name@bK" (bucket_size=K: one scaler per K elements), else 0."""
+    return int(exchange.split(" ")[0].partition("@b")[2] or 0)
 
 
 def shapes(model_name: str) -> list:
@@ -34,8 +41,8 @@ def modelled(numels: list, N: int, exchange: str) -> float:
         c = [cost.terngrad_allgather_cost(n, N, net, shared_scaler=False) for n in numels]
     elif exchange == "sharded":
         c = [cost.terngrad_sharded_cost(n, N, net) for n in numels]
-    elif exchange == "reternarized":
-        c = [cost.terngrad_reternarized_cost(n, N, net) for n in numels]
+    elif exchange.startswith("reternarized"):
+        c = [cost.terngrad_reternarized_cost(n, N, net, bucket_size=_bucket(exchange)) for n in numels]
     else:
         c = [cost.terngrad_requantized_cost(n, N, net, noise="no noise" not in exchange) for n in numels]
     return 8 * sum(x.bytes_received for x in c) / sum(numels)
@@ -44,7 +51,8 @@ def modelled(numels: list, N: int, exchange: str) -> float:
 def measured(shape_list: list, N: int, exchange: str) -> float:
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Exchange, run_ranks
-    cfg = TernGradConfig(exchange=exchange.split(" ")[0], fusion_numel=0)
+    cfg = TernGradConfig(exchange=exchange.split(" ")[0].partition("@b")[0], fusion_numel=0,
+                         bucket_size=_bucket(exchange))
     noise = "no noise" not in exchange
 
     def body(c):
