@@ -5,7 +5,9 @@
 One row per configuration (the run tag): held-out loss per seed, mean and spread (max - min over seeds), the gap
 of the mean to the baseline's mean, the worst per-seed gap (seeds paired: same initial weights and data), and
 the bits per gradient element handed to collectives, averaged over the whole run (refreshes, warm-up and
-full-precision tensors included).
+full-precision tensors included).  A row whose runs record another global batch (sequences per step over all
+ranks, ``global_batch`` in transformers_lm.py's result) or sequence length than the baseline's gets no gaps: its
+gap cells say what differs (runs written before those fields existed are not checked).
 """
 from __future__ import annotations
 
@@ -45,10 +47,24 @@ def table(runs: dict, baseline: str, tags=None) -> str:
         gap = f"{100 * (mean / base_mean - 1):+.2f}%" if base_mean else "-"
         paired = [100 * (losses[s] / base[s]["held_out_loss"] - 1) for s in losses if s in base]
         worst = f"{max(paired):+.2f}%" if paired and tag != baseline else "-"
+        differs = _differs(rs, base) if base else None
+        if differs:
+            gap = worst = f"not comparable: {differs}"
         bits = statistics.mean(r.get("bits_per_element_overall", float("nan")) for r in rs.values())
         cells = " | ".join(f"{losses[s]:.4f}" if s in losses else "" for s in seeds)
         lines.append(f"| {tag} | {cells} | {mean:.4f} | {spread:.4f} | {gap} | {worst} | {bits:.2f} |")
     return "\n".join(lines)
+
+
+def _differs(runs: dict, base: dict) -> str | None:
+    """What makes these runs' held-out losses incomparable with the baseline's: another global batch or sequence
+    length (as recorded; None where either side does not record it)."""
+    for key, what in (("global_batch", "global batch"), ("seq_len", "sequence length")):
+        mine = {r[key] for r in runs.values() if key in r}
+        theirs = {r[key] for r in base.values() if key in r}
+        if mine and theirs and mine != theirs:
+            return f"{what} {'/'.join(map(str, sorted(mine)))} vs {'/'.join(map(str, sorted(theirs)))}"
+    return None
 
 
 def bits_projection(model_args: list, min_numel: int, schedule=None, steps=(1000, 100_000)) -> dict:

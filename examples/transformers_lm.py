@@ -397,6 +397,8 @@ def main(argv=None):
     k = max(1, min(20, len(losses) // 4))
     result = {"frontend": args.frontend, "compression": args.compression, "optim": args.optim, "recipe": args.recipe,
               "seed": args.seed, "lr": args.lr, "ranks": size, "steps": len(losses),
+              # what a comparison of held-out losses must hold equal (examples/adam_study_table.py checks it)
+              "batch_size": args.batch_size, "seq_len": args.seq_len, "global_batch": args.batch_size * size,
               "params": nparams, "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k,
               "held_out_loss": held, "held_out_bits_per_byte": held / math.log(2),
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "bits_per_element_ternarized": tern,

@@ -192,6 +192,7 @@ def test_transformers_lm_example_on_both_frontends(tmp_path):
     hvd = results(hvd_out)[0]
     for r in (ddp, hvd):
         assert r["ranks"] == 2 and r["steps"] == 30 and r["params_identical"]
+        assert r["batch_size"] == 8 and r["global_batch"] == 16 and r["seq_len"] > 0      # the plain recipe's 8
         assert r["loss_last"] < 0.8 * r["loss_first"], r
         assert 2.0 <= r["bits_per_element_ternarized"] < 2.02 and r["bits_per_element_overall"] < 2.6
         assert r["tokens_per_s"] > 0

@@ -543,6 +543,29 @@ def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
     assert "reternarized@b128" in sls.table(rows)
 
 
+def test_adam_study_table_refuses_to_compare_runs_of_another_global_batch(tmp_path):
+    """adam_study_table: gaps against the baseline only for runs of its global batch and sequence length; a run
+    with half the batch (the Horovod 2 x 2 mix-up of issue 39) gets 'not comparable' instead of a gap, and runs
+    that record neither (written before the fields existed) are compared as before."""
+    import adam_study_table as ast
+
+    def run(tag, seed, loss, **extra):
+        (tmp_path / f"{tag}.s{seed}.json").write_text(json.dumps({"held_out_loss": loss,
+                                                                   "bits_per_element_overall": 2.0, **extra}))
+    for seed in (0, 1):
+        run("fp32", seed, 1.20, global_batch=64, seq_len=64)
+        run("same", seed, 1.14, global_batch=64, seq_len=64)
+        run("half", seed, 1.23, global_batch=32, seq_len=64)
+        run("longer", seed, 1.10, global_batch=64, seq_len=128)
+        run("old", seed, 1.18)
+    rows = {line.split(" | ")[0].strip("| "): line for line in
+            ast.table(ast.load(str(tmp_path)), "fp32").splitlines()[2:]}
+    assert "-5.00%" in rows["same"] and "not comparable" not in rows["same"]
+    assert "not comparable: global batch 32 vs 64" in rows["half"] and "+2.50%" not in rows["half"]
+    assert "not comparable: sequence length 128 vs 64" in rows["longer"]
+    assert "-1.67%" in rows["old"]
+
+
 def _tiny_image_data(n_train=256, n_test=64):
     g = torch.Generator().manual_seed(5)
     return {"train": (torch.randint(0, 256, (n_train, 1, 28, 28), generator=g, dtype=torch.uint8),
