@@ -21,9 +21,12 @@ EXCHANGES = ("allgather", "sharded", "reternarized", "reternarized@b128", "requa
              "requantized (SGD: no noise channel)")
 
 
-def _bucket(exchange: str) -> int:
-    """K of "name@bK" (bucket_size=K: one scaler per K elements), else 0."""
-    return int(exchange.split(" ")[0].partition("@b")[2] or 0)
+def exchange_spec(label: str) -> tuple[str, int]:
+    """(exchange, bucket_size) of a label "name[@bK][ (comment)]": "reternarized@b128" is the re-ternarized
+    exchange with bucket_size=128 (one scaler per 128 elements); without @bK, bucket_size 0.  Also
+    examples/study_lm_scale.py's --exchanges."""
+    name, _, bucket = label.split(" ")[0].partition("@b")
+    return name, int(bucket or 0)
 
 
 def shapes(model_name: str) -> list:
@@ -41,8 +44,8 @@ def modelled(numels: list, N: int, exchange: str) -> float:
         c = [cost.terngrad_allgather_cost(n, N, net, shared_scaler=False) for n in numels]
     elif exchange == "sharded":
         c = [cost.terngrad_sharded_cost(n, N, net) for n in numels]
-    elif exchange.startswith("reternarized"):
-        c = [cost.terngrad_reternarized_cost(n, N, net, bucket_size=_bucket(exchange)) for n in numels]
+    elif exchange_spec(exchange)[0] == "reternarized":
+        c = [cost.terngrad_reternarized_cost(n, N, net, bucket_size=exchange_spec(exchange)[1]) for n in numels]
     else:
         c = [cost.terngrad_requantized_cost(n, N, net, noise="no noise" not in exchange) for n in numels]
     return 8 * sum(x.bytes_received for x in c) / sum(numels)
@@ -51,8 +54,8 @@ def modelled(numels: list, N: int, exchange: str) -> float:
 def measured(shape_list: list, N: int, exchange: str) -> float:
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Exchange, run_ranks
-    cfg = TernGradConfig(exchange=exchange.split(" ")[0].partition("@b")[0], fusion_numel=0,
-                         bucket_size=_bucket(exchange))
+    name, bucket = exchange_spec(exchange)
+    cfg = TernGradConfig(exchange=name, fusion_numel=0, bucket_size=bucket)
     noise = "no noise" not in exchange
 
     def body(c):

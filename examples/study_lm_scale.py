@@ -99,9 +99,10 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data) -> dict:
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     opt = AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    exchange, _, bucket = method.partition("@b")      # e.g. reternarized@b128: one scaler per 128 elements
+    from exchange_bits import exchange_spec
+    exchange, bucket = exchange_spec(method)          # e.g. reternarized@b128: one scaler per 128 elements
     cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
-                         hierarchical=bool(G > 1), bucket_size=int(bucket or 0))
+                         hierarchical=bool(G > 1), bucket_size=bucket)
     sim = Simulator(model, N, cfg, compression="none" if method == "none" else "terngrad",
                     ranks_per_node=max(G, 1))
     gen = torch.Generator().manual_seed(seed)
