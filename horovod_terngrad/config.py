@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .codec.sizes import FORMATS
+from .codec.sizes import DEFAULT_RETERNARIZED_BUCKET, FORMATS
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
@@ -18,7 +18,9 @@ class TernGradConfig:
 
     clip_factor:   c of Eq. 21; gradients are clipped to ±c·σ before ternarizing. 0 disables.
     packing:       "2bit" (4 elements per byte) or "base3" (5 per byte, 1.6 bits per element).
-    bucket_size:   0 = one scaler per tensor (layer-wise ternarizing); k > 0 = one per k elements.
+    bucket_size:   0 = one scaler per tensor (layer-wise ternarizing; the two-stage exchanges: per shard),
+                   except where exchange="default" runs the re-ternarized exchange (above 4 ranks), which
+                   takes one per 128 elements (``bucket_for``); k > 0 = one per k elements everywhere.
     min_numel:     tensors with fewer elements travel uncompressed (Horovod's own allreduce, which fuses
                    them).  Default 4096: below it the codec's fixed cost per tensor (statistics, header,
                    scaler, decode: ~0.1-0.2 ms on a CPU core, docs/realshapes.md) exceeds the time its
@@ -50,10 +52,11 @@ class TernGradConfig:
                    costs one synchronization per tensor sent at full precision); "zero" = the tensor's
                    averaged gradient is zero on every rank this step (counted in the stats, warned once;
                    it hides overflows from a GradScaler, whose scale then never comes down).
-    exchange:      "default": "allgather" among up to 4 ranks, "requantized" among more (per exchange:
-                   the node-aware exchange decides on its cross group's size), a pure function of N, so
-                   no collective decides it; both give horovod_terngrad.optim its noise estimate, and the
-                   bits received per element stay under 7.5 at any N (exchange/cost.default_exchange).
+    exchange:      "default": "allgather" among up to 4 ranks, "reternarized" with one scaler per 128
+                   elements among more (per exchange: the node-aware exchange decides on its cross group's
+                   size), a pure function of N, so no collective decides it; both give
+                   horovod_terngrad.optim its noise estimate, and the bits received per element stay
+                   about 4.5 at any N (5.5 on GPT-2's tensors at N = 512; exchange/cost.default_exchange).
                    "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
                    nearly constant in N; needs shared_scaler), "reternarized" (alltoall of each shard's
@@ -138,6 +141,18 @@ class TernGradConfig:
         """Whether a group sent by ``transport`` ("allgather" or "sharded") uses the shared scaler: the
         setting, else only the sharded transport (its owners add ternary values)."""
         return transport == "sharded" if self.shared_scaler is None else bool(self.shared_scaler)
+
+    def bucket_for(self, exchange: str) -> int:
+        """The bucket size a group exchanged by ``exchange`` (the transport a group runs: "allgather",
+        "reternarized", ...) ternarizes with: ``bucket_size`` where set (> 0); else one scaler per tensor (per
+        shard in the two-stage exchanges), except the re-ternarized exchange that ``exchange="default"`` picks
+        above 4 ranks, which takes one per DEFAULT_RETERNARIZED_BUCKET (128) elements in both stages (measured
+        accurate; one per shard is not: codec/sizes.py)."""
+        if self.bucket_size > 0:
+            return int(self.bucket_size)
+        if self.exchange == "default" and exchange == "reternarized":
+            return DEFAULT_RETERNARIZED_BUCKET
+        return 0
 
     def compresses(self, name: str, numel: int) -> bool:
         """Whether a tensor of this name and size is ternarized (else it travels uncompressed)."""

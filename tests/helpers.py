@@ -52,6 +52,10 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
     ``noise`` (the re-ternarized and requantized cross exchanges), also the cross stage's noise estimate of each
     member, put together from its pieces as the average is: (averages, noises)."""
     G = topo.ranks_per_node
+    if cfg.exchange == "default":     # what exchange="default" runs among the M nodes, with its buckets
+        from horovod_terngrad.exchange.cost import default_exchange
+        across = default_exchange(topo.size // G)
+        cfg = cfg.replace(exchange=across, bucket_size=cfg.bucket_for(across))
     numels = [t.numel() for t in per_rank[0]]
     plan = shard_plan(numels, G)
     flat = {r: torch.cat([t.reshape(-1).float() for t in per_rank[r]]) for r in range(topo.size)}
@@ -125,6 +129,7 @@ def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     requantized one."""
     from horovod_terngrad.exchange.cost import default_exchange
     exchange = default_exchange(len(grads)) if cfg.exchange == "default" else cfg.exchange
+    cfg = cfg.replace(exchange=exchange, bucket_size=cfg.bucket_for(exchange))   # "default": its buckets too
     if exchange in ("reternarized", "requantized"):
         return expected_reternarized(grads, name, step, cfg, ranks=ranks,
                                      second="requant" if exchange == "requantized" else "ternary")

@@ -71,17 +71,28 @@ TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
 # exchange gives none, and needs the shared scaler's handshake)
 AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
 # exchange="default" (TernGradConfig's default): the allgather exchange up to this many ranks in the exchange, the
-# requantized one above.  Received bits per element: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4), requantized
-# (N-1)/N·7.5 with the noise channel (3.75, 5.0, 5.6): the allgather is cheaper on the wire up to N = 3, within
-# 7% at N = 4, where it has one collective instead of two and no second rounding; from N = 5 on the requantized
-# exchange receives less (at most 7.5 bits at any N, where the allgather's grow as 2·(N-1)).
+# re-ternarized one with 128-element buckets (codec.sizes.DEFAULT_RETERNARIZED_BUCKET) above.  Received bits per
+# element: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4), bucketed re-ternarized (N-1)/N·2·2.25 plus 20-byte shard
+# headers (3.38 at N = 4 on GPT-2, 3.95 at 8, 4.54 at 64, 5.49 at 512): up to N = 4 the allgather has one
+# collective instead of two and no second rounding; from N = 5 on the two-stage exchange receives less.  Chosen
+# over the requantized exchange (4-bit second stage and a noise channel: 7.4-7.7 bits at N >= 64) because the
+# project's model needs at most about 4.8 bits across nodes for 1.3B HSDP at 512 GPUs on Ethernet to reach 4x
+# bf16, and both are within the accuracy goal where measured (docs/scale.md: LM simulator N = 8-64, DDP 4 ranks).
 DEFAULT_ALLGATHER_MAX_RANKS = 4
 
 
 def default_exchange(n_ranks: int) -> str:
     """The exchange ``exchange="default"`` runs among ``n_ranks`` ranks (the cross group's M for the node-aware
     exchange): a pure function of N, so every rank decides alike without a collective."""
-    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "requantized"
+    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "reternarized"
+
+
+def default_bucket_size(n_ranks: int, bucket_size: int = 0) -> int:
+    """The bucket size ``exchange="default"`` ternarizes with among ``n_ranks`` ranks, for a configured
+    ``bucket_size`` (TernGradConfig.bucket_for of default_exchange(N))."""
+    if bucket_size > 0:
+        return int(bucket_size)
+    return wire.DEFAULT_RETERNARIZED_BUCKET if default_exchange(n_ranks) == "reternarized" else 0
 
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
@@ -570,13 +581,14 @@ def cross_network(network: Network, ranks_per_node: int) -> Network:
 
 def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, bucket_size: int,
                         shared_scaler: bool, exchange: str | None) -> ExchangeCost:
-    """The flat exchange of one group on all ranks: ``exchange`` "allgather", "sharded", or None/"auto"
-    (the cheaper, as :func:`exchange_for` picks it)."""
+    """The flat exchange of one group on all ranks: ``exchange`` "allgather", "sharded", "reternarized",
+    "requantized", "default" (``default_exchange(N)`` with its buckets) or None/"auto" (the cheaper, as
+    :func:`exchange_for` picks it)."""
     N = int(workers)
     if exchange in (None, "auto"):
         exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
     elif exchange == "default":
-        exchange = default_exchange(N)
+        exchange, bucket_size = default_exchange(N), default_bucket_size(N, bucket_size)
     if exchange == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
     if exchange == "reternarized":

@@ -128,11 +128,12 @@ class Group:
     """The tensors that share one handshake and one exchange (one tensor, or several fused), and the
     state of their collectives."""
 
-    __slots__ = ("name", "members", "mode", "presence", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent",
+    __slots__ = ("name", "members", "mode", "bucket_size", "presence", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent",
                  "gathered", "walked", "gather_error", "unfinished")
 
-    def __init__(self, name: str, members: list, mode: str):
+    def __init__(self, name: str, members: list, mode: str, bucket_size: int = 0):
         self.name, self.members, self.mode = name, members, mode
+        self.bucket_size = bucket_size   # the configured buckets of its exchange (TernGradConfig.bucket_for(mode))
         self.presence = self.hs = self.a2a = self.ag = None
         self.a2a_own = 0                 # sharded: bytes of the alltoall addressed to this rank itself
         self.sent: list = []             # members whose payloads travel, in payload order
@@ -242,6 +243,7 @@ class Exchange:
         device = items[0][0].device if items else None
         backend = backends.for_device(device) if items else None
         mode = mode or (self._mode([t.numel() for t, _ in items]) if items else cfg.exchange)
+        buckets = cfg.bucket_for(mode)
         for tensor, name in items:
             check_gradient(tensor, name)
             step = self.steps.get(name, 0)
@@ -249,7 +251,8 @@ class Exchange:
             g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
             if g32.device != device:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
-            bucket = reternarized.encode_bucket(self, g32.numel()) if mode in SHARDED_FIRST_STAGE else cfg.bucket_size
+            bucket = (reternarized.encode_bucket(self, g32.numel(), buckets) if mode in SHARDED_FIRST_STAGE
+                      else buckets)
             prep = backend.prepare(g32, bucket, cfg.clip_factor)
             tk = Ticket(self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
                         codec.stream_key(cfg.seed, step, codec.tensor_id(name),
@@ -259,7 +262,7 @@ class Exchange:
                         step, bucket)
             tk.prep = prep
             tickets.append(tk)
-        grp = Group(group, tickets, mode)
+        grp = Group(group, tickets, mode, buckets)
         for tk in tickets:
             tk.group = grp
         if not tickets:

@@ -125,10 +125,11 @@ class HierarchicalExchange:
     @staticmethod
     def world_groups_fit(config) -> bool:
         """Whether ``config``'s cross-node exchange can run over world collectives: per-rank scalers with the
-        allgather or the requantized transport, whose collectives (one allgather; one alltoall and one allgather)
-        every cross group posts whatever its data ("default" picks one of them by the number of nodes, the same
-        in every cross group; ``exchange="auto"``, which would decide per cross group, keeps to the allgather)."""
-        return (config.exchange in ("allgather", "auto", "default", "requantized")
+        allgather, re-ternarized or requantized transport, whose collectives (one allgather; one alltoall and one
+        allgather) every cross group posts whatever its data ("default" picks one of them by the number of nodes,
+        the same in every cross group; ``exchange="auto"``, which would decide per cross group, keeps to the
+        allgather)."""
+        return (config.exchange in ("allgather", "auto", "default", "reternarized", "requantized")
                 and not config.scaler_shared_for("allgather"))
 
     # -- what the frontends call ------------------------------------------------------------------
@@ -424,8 +425,8 @@ class HierarchicalExchange:
             at += p.numel
         mode = None
         if self.spans_world:       # every cross group must post the same collectives: no per-group decision
-            mode = {"default": cost.default_exchange(self.M), "requantized": "requantized"}.get(self.config.exchange,
-                                                                                              "allgather")
+            mode = {"default": cost.default_exchange(self.M), "requantized": "requantized",
+                    "reternarized": "reternarized"}.get(self.config.exchange, "allgather")
         elif self.config.exchange == "auto":
             net = self._links or cost.configured_network()
             shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link

@@ -42,23 +42,22 @@ class RequantizedStage:
 
     @staticmethod
     def owner_chunks(ex, tk) -> list:
-        return sizes.requantized_owner_chunk_bytes(tk.g32.numel(), ex.coll.size, tk.want_noise, ex.config.bucket_size)
+        return sizes.requantized_owner_chunk_bytes(tk.g32.numel(), ex.coll.size, tk.want_noise, tk.group.bucket_size)
 
     @staticmethod
     def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:
         cfg, N, m = ex.config, ex.coll.size, hi - lo
-        head = Header(cfg.packing, 0, cfg.bucket_size, m)
+        if m == 0:                 # an empty shard: nothing came, nothing goes (sizes.requantized_owner_chunk_bytes)
+            return reternarized.empty_payload(received.device)
+        head = Header(cfg.packing, 0, tk.group.bucket_size, m)
         reternarized.check_shard_headers(received, offsets, head, tk.name)
         flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
         bad = (flags & FLAG_NONFINITE).ne(0).any()
         divisor = N if tk.average else 1
-        if m == 0:
-            avg = torch.zeros(0, dtype=torch.float32, device=received.device)
-        else:
-            avg = backend.decode(received, [head] * N, offsets, divisor)
+        avg = backend.decode(received, [head] * N, offsets, divisor)
         noise = None
         if tk.want_noise:
-            noise = (allgather.noise_estimate(received, [head] * N, offsets, divisor) if m else avg.clone())
+            noise = allgather.noise_estimate(received, [head] * N, offsets, divisor)
         _zero_if(bad, avg, noise)                  # a flagged shard is NaN anyway: keep it finite
         keys = requant.keys(cfg.seed, tk.step, tk.name, ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
         if backends.has_capability(backend, backends.REQUANT):

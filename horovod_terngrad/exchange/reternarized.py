@@ -51,18 +51,16 @@ from . import allgather, sharded
 OWNER_SUFFIX = "#owner"      # the owner's random stream: tensor word of '<name>#owner'
 
 
-def encode_bucket(ex, numel: int) -> int:
-    """The bucket size a rank ternarizes a tensor of ``numel`` elements with (step 1)."""
-    return sizes.reternarized_encode_bucket(numel, ex.coll.size, ex.config.bucket_size)
+def encode_bucket(ex, numel: int, bucket_size: int) -> int:
+    """The bucket size a rank ternarizes a tensor of ``numel`` elements with (step 1), for the group's configured
+    ``bucket_size`` (Group.bucket_size: 0 = one scaler per shard)."""
+    return sizes.reternarized_encode_bucket(numel, ex.coll.size, bucket_size)
 
 
-def empty_payload(fmt: str, bucket_size: int, flags: torch.Tensor, device) -> torch.Tensor:
-    """The payload of an empty shard (past the end of a short tensor): a header for 0 elements, one zero scaler,
-    the flag byte copied from ``flags`` (a 1-byte tensor on the device)."""
-    out = torch.cat([torch.frombuffer(bytearray(header_bytes(0, fmt, bucket_size)), dtype=torch.uint8).to(device),
-                     torch.zeros(sizes.SCALER_BYTES, dtype=torch.uint8, device=device)])
-    out[3:4] = flags
-    return out
+def empty_payload(device) -> torch.Tensor:
+    """The payload of an empty shard (past the end of a short tensor): no bytes (codec.sizes.reternarized_chunk_bytes;
+    every owner of a non-empty shard carries each sender's flag on)."""
+    return torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bucket_size: int, fmt: str,
@@ -71,7 +69,7 @@ def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bu
     own: a header for hi - lo elements with the user's ``bucket_size`` and the sender's flags (copied on the
     device), the shard's scalers, its packed codes."""
     if hi <= lo:
-        return empty_payload(fmt, bucket_size, payload[3:4], payload.device)
+        return empty_payload(payload.device)
     nb = sizes.num_buckets(numel, encode_bucket_size)
     scalers = payload[sizes.HEADER_BYTES:sizes.codes_offset(nb)]
     codes = payload[sizes.codes_offset(nb):]
@@ -128,7 +126,7 @@ def send(ex, grp, sends: list) -> None:
     N, cfg = ex.coll.size, ex.config
     to_rank = [[] for _ in range(N)]
     for tk, payload in sends:
-        for o, chunk in enumerate(shard_payloads(payload, tk.g32.numel(), N, tk.bucket, cfg.packing, cfg.bucket_size)):
+        for o, chunk in enumerate(shard_payloads(payload, tk.g32.numel(), N, tk.bucket, cfg.packing, grp.bucket_size)):
             to_rank[o].append(chunk)
     sharded.launch_alltoall(ex, grp, [tk for tk, _ in sends], torch.cat([c for chunks in to_rank for c in chunks]),
                             [sum(c.numel() for c in chunks) for chunks in to_rank], f"terngrad.rt.{grp.name}")
@@ -145,7 +143,7 @@ class TernaryStage:
     @staticmethod
     def owner_chunks(ex, tk) -> list:
         """Bytes of each owner's payload of this member (what each owner adds to the allgather)."""
-        return sizes.reternarized_chunk_bytes(tk.g32.numel(), ex.coll.size, ex.config.packing, ex.config.bucket_size)
+        return sizes.reternarized_chunk_bytes(tk.g32.numel(), ex.coll.size, ex.config.packing, tk.group.bucket_size)
 
     @staticmethod
     def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:
@@ -154,7 +152,7 @@ class TernaryStage:
     @staticmethod
     def decode(gathered, off, lo, hi, tk, ex, out, noise) -> None:
         backend = backends.for_device(gathered.device)
-        head = Header(ex.config.packing, 0, ex.config.bucket_size, hi - lo)
+        head = Header(ex.config.packing, 0, tk.group.bucket_size, hi - lo)
         backend.decode(gathered, [head], [off], 1, out=out[lo:hi])
         if noise is not None:
             allgather.noise_estimate(gathered, [head], [off], 1, out=noise[lo:hi])
@@ -169,8 +167,8 @@ def after_alltoall(ex, grp, stage=TernaryStage) -> None:
     t0 = time.perf_counter()
     N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
     members = grp.sent
-    bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, cfg.bucket_size)[me] for tk in members]
-    chunks = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, cfg.bucket_size) for tk in members]
+    bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, grp.bucket_size)[me] for tk in members]
+    chunks = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, grp.bucket_size) for tk in members]
     nbytes = [c[me] for c in chunks]
     block = sum(nbytes)
     if received.numel() != N * block:
@@ -225,19 +223,19 @@ def check_shard_headers(received: torch.Tensor, offsets: list, head: Header, nam
 def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex) -> torch.Tensor:
     """The owner's payload of one member's shard (m elements): the N senders' payloads at ``offsets`` averaged,
     then ternarized again with its own scalers and stream; a NaN/Inf flag of any sender carried on."""
-    cfg, N = ex.config, ex.coll.size
-    head = Header(cfg.packing, 0, cfg.bucket_size, m)
+    cfg, N, buckets = ex.config, ex.coll.size, tk.group.bucket_size
+    if m == 0:                 # an empty shard: nothing came, nothing goes
+        return empty_payload(received.device)
+    head = Header(cfg.packing, 0, buckets, m)
     check_shard_headers(received, offsets, head, tk.name)
     flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any().to(torch.uint8)
-    if m == 0:
-        return empty_payload(cfg.packing, cfg.bucket_size, bad, received.device)
     avg = backend.decode(received, [head] * N, offsets, N if tk.average else 1)
     avg = torch.where(bad.bool(), torch.zeros_like(avg), avg)      # a flagged shard is NaN anyway: keep it finite
-    prep = backend.prepare(avg, cfg.bucket_size, 0.0)
+    prep = backend.prepare(avg, buckets, 0.0)
     key = codec.stream_key(cfg.seed, tk.step, codec.tensor_id(tk.name + OWNER_SUFFIX),
                            ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
-    payload = backend.encode(avg, prep.threshold, prep.scalers, cfg.bucket_size, key, cfg.packing, shape=(m,))
+    payload = backend.encode(avg, prep.threshold, prep.scalers, buckets, key, cfg.packing, shape=(m,))
     payload[3:4] = bad
     return payload
 
@@ -264,7 +262,9 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
             at += block[o]
         grp.walked = walked
     offsets = grp.walked[tk.slot]
-    flags = gathered[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=gathered.device)]
+    bounds = sizes.reternarized_bounds(n, N, grp.bucket_size)
+    flags = gathered[torch.tensor([o + 3 for (lo, hi), o in zip(bounds, offsets) if hi > lo],   # empty: no bytes
+                                  dtype=torch.int64, device=gathered.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any()
     if gathered.device.type == "cpu" or cfg.on_nonfinite == "raise":      # on the host: free on a CPU
         if bool(bad):
@@ -280,7 +280,7 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
         noise = ex.noise_buffer(tk)
         if noise is None:
             noise = torch.empty(n, dtype=torch.float32, device=gathered.device)
-    for (lo, hi), off in zip(sizes.reternarized_bounds(n, N, cfg.bucket_size), offsets):
+    for (lo, hi), off in zip(bounds, offsets):
         if hi > lo:
             stage.decode(gathered, off, lo, hi, tk, ex, out, noise)
     if bad is not None:          # an accelerator: the flags decided on the device, no synchronization

@@ -133,7 +133,8 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
     choose_exchange,
-    configured_network, cross_network, default_exchange, exchange_cost, exchange_for, fp16_allreduce_cost,
+    configured_network, cross_network, default_bucket_size, default_exchange, exchange_cost, exchange_for,
+    fp16_allreduce_cost,
     fp32_allreduce_cost, hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost,
     requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
     terngrad_sharded_cost, tree_allreduce_time)
@@ -240,6 +241,7 @@ class PlannedBuffer:
     members: tuple
     sizes: tuple
     cross: str | None = None
+    bucket_size: int = 0      #: a flat buffer's configured buckets (``TernGradConfig.bucket_for``: the default's 128)
 
 
 #: 4-byte allreduces of all ranks that the node-aware engine adds to a step under the Horovod frontend
@@ -265,6 +267,14 @@ _SETTING = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGR
 # the model's method for an exchange the engine runs (exchange.cost.exchange_for / default_exchange's answers)
 _METHOD_OF = {"allgather": TERNGRAD_ALLGATHER, "sharded": TERNGRAD_SHARDED, "reternarized": TERNGRAD_RETERNARIZED,
               "requantized": TERNGRAD_REQUANTIZED}
+
+
+def method_buckets(method: str, exchange: str, config: TernGradConfig) -> int:
+    """The buckets a group of the model's ``method`` ternarizes with when it runs ``exchange`` (a method of
+    :data:`_SETTING`, e.g. ``TERNGRAD_RETERNARIZED``), as the engine decides (``TernGradConfig.bucket_for`` of the
+    method's exchange setting): ``config.bucket_size``, except the default's re-ternarized exchange (128)."""
+    setting = _SETTING.get(method) or "auto"
+    return config.replace(exchange=setting).bucket_for(_SETTING.get(exchange) or exchange)
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -322,7 +332,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
             exchange = _METHOD_OF[default_exchange(int(workers))]
         else:
             exchange = method
-        out.append(PlannedBuffer(exchange, members, tuple(numels)))
+        out.append(PlannedBuffer(exchange, members, tuple(numels),
+                                 bucket_size=method_buckets(method, exchange, cfg)))
     # tensors the policy keeps at full precision: Horovod's own fp32 allreduce, fused by its threshold
     plain = [index[n] for n in cut.uncompressed]
     out += [PlannedBuffer(FP32, tuple(b), tuple(sizes[i] for i in b))
@@ -384,7 +395,7 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
             M, G = node_shape(workers, network)
             cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross)
         else:
-            cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, cfg.bucket_size, shared)
+            cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost
         used.append(b.exchange)
     # per-rank scalers (the allgather's default, the re-ternarized and requantized exchanges'): the engine's
@@ -1115,11 +1126,20 @@ def _hsdp_replicas(network: Network, workers: int) -> tuple[int, int, int]:
     return G, N, N // G
 
 
-def _hsdp_payload(method: str, units: Sequence[HSDPUnitShard], cfg: TernGradConfig) -> int:
+def _hsdp_buckets(method: str, replicas: int, cfg: TernGradConfig) -> int:
+    """The buckets an HSDP TernGrad method ternarizes with among R = ``replicas`` (the default's re-ternarized
+    exchange: 128, ``exchange.cost.default_bucket_size``)."""
+    if _HSDP_FLAT.get(method) == TERNGRAD_DEFAULT:
+        return default_bucket_size(int(replicas), cfg.bucket_size)
+    return cfg.bucket_size
+
+
+def _hsdp_payload(method: str, units: Sequence[HSDPUnitShard], cfg: TernGradConfig, replicas: int) -> int:
     """Bytes this rank puts in its TernGrad payloads per step (0 for fp32/bf16)."""
     if method not in HSDP_TERNGRAD_METHODS:
         return 0
-    return sum(wire.payload_size(x, cfg.packing, cfg.bucket_size) for u in units for g in u.groups for x in g)
+    k = _hsdp_buckets(method, replicas, cfg)
+    return sum(wire.payload_size(x, cfg.packing, k) for u in units for g in u.groups for x in g)
 
 
 def _hsdp_limit(compute_s: float, intra_s: float, payload: int, cross: Network, R: int) -> float:
@@ -1142,18 +1162,18 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
             continue
         if method not in HSDP_TERNGRAD_METHODS:
             raise ValueError(f"method must be one of {HSDP_METHODS}, got {method!r}")
-        flat = hsdp_exchange(method, R)
+        flat, k = hsdp_exchange(method, R), _hsdp_buckets(method, R, cfg)
         for g in u.groups:
             if flat == TERNGRAD_ALLGATHER:
-                total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
+                total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, k,
                                                         cfg.scaler_shared_for("allgather"))
             elif flat == TERNGRAD_RETERNARIZED:
-                total = total + terngrad_reternarized_cost(list(g), R, network, cfg.packing, cfg.bucket_size,
+                total = total + terngrad_reternarized_cost(list(g), R, network, cfg.packing, k,
                                                            cfg.scaler_shared_for("reternarized"))
             elif flat == TERNGRAD_REQUANTIZED:      # with the noise channel: the optimizer's default recipe
-                total = total + terngrad_requantized_cost(list(g), R, network, cfg.packing, cfg.bucket_size)
+                total = total + terngrad_requantized_cost(list(g), R, network, cfg.packing, k)
             else:
-                total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, cfg.bucket_size)
+                total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, k)
         if u.plain:
             total = total + allreduce_cost(u.plain, R, network, 4)
     return replace(total, method=method)
@@ -1186,7 +1206,7 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
             else:
                 work = codec_work_elements(hsdp_exchange(method, R), n_c, R)
             codec = work / codec_elements_per_s
-        payload = _hsdp_payload(method, units, cfg)
+        payload = _hsdp_payload(method, units, cfg, R)
         if worst is None or cost.time_s + codec > worst[0].time_s + worst[1]:
             worst = (cost, codec, payload, units)
     cost, codec, payload, units = worst
@@ -1251,7 +1271,7 @@ def scheduled_hsdp_step(model: GPTConfig, workers: int, network: Network, method
         if worst is None or step > worst[0]:
             worst = (step, units, costs)
     step, units, costs = worst
-    payload = _hsdp_payload(method, units, cfg)
+    payload = _hsdp_payload(method, units, cfg, R)
     intra = hsdp_intra_s(units, G, network, reduce_bytes)       # the intra-node link's busy time
     return HSDPStep(method, N, G, compute_s, intra, sum(c.time_s for c in costs), 0.0, step,
                     sum(c.bytes_received for c in costs), payload, sum(u.padded for u in units),

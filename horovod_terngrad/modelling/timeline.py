@@ -279,10 +279,10 @@ def _two_stage_bytes(mode: str, sizes: Sequence[int], ranks: int, cfg: pm.TernGr
     channel down (``requantized_bytes``: P differs from c); (0, 0) for the allgather."""
     if mode == "sharded":
         return pm.sharded_bytes(sizes, ranks, cfg.packing)
-    if mode == "reternarized":
-        return (cost.reternarized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size),) * 2
+    if mode == "reternarized":      # cfg.bucket_for: the default's re-ternarized exchange takes 128-element buckets
+        return (cost.reternarized_bytes(sizes, ranks, cfg.packing, cfg.bucket_for(mode)),) * 2
     if mode == "requantized":
-        return cost.requantized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size)
+        return cost.requantized_bytes(sizes, ranks, cfg.packing, cfg.bucket_for(mode))
     return (0, 0)
 
 
@@ -402,8 +402,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     last_member = {b.members[-1]: g for g, b in enumerate(groups)}
     kinds = [b.exchange for b in groups]
     numel = [sum(b.sizes) for b in groups]
-    handshake = [wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in b.sizes]) for b in groups]
-    payload = [sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in b.sizes) for b in groups]
+    handshake = [wire.handshake_size([wire.num_buckets(n, b.bucket_size) for n in b.sizes]) for b in groups]
+    payload = [sum(wire.payload_size(n, cfg.packing, b.bucket_size) for n in b.sizes) for b in groups]
     # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
     shard = [_two_stage_bytes(TERNGRAD_METHODS.get(k, ""), b.sizes, N, cfg) for b, k in zip(groups, kinds)]
     hier = [g for g, k in enumerate(kinds) if k == node_aware]
@@ -431,8 +431,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                                      network=cost.cross_network(decide_on, G),
                                      shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
         return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
-                "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
-                "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
+                "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_for(mode)) for n in pieces),
+                "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_for(mode)) for n in pieces]),
                 "sharded": _two_stage_bytes(mode, pieces, M, cfg)}
 
     def schedule(j: int | None) -> Timeline:
