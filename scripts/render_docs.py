@@ -140,10 +140,10 @@ def modelled() -> dict:
                         "exchanges": sorted(set(row[pm.TERNGRAD_BEST].exchanges)),
                     }
             W = [M * G for M in NODES if M > 1]
-            rows = pm.predict_hsdp(pm.GPT3_1P3B, cl, W, methods=(pm.HSDP_BF16, pm.HSDP_TERNGRAD,
+            rows = pm.predict_hsdp(pm.GPT3_1P3B, cl, W, methods=(pm.HSDP_BF16, pm.HSDP_TERNGRAD_DEFAULT,
                                                                   pm.HSDP_TERNGRAD_SHARDED))
             for M, r in zip([M for M in NODES if M > 1], rows):
-                out["hsdp"][(key, G, M)] = {"allgather": r[pm.HSDP_TERNGRAD].speedup_vs_bf16,
+                out["hsdp"][(key, G, M)] = {"default": r[pm.HSDP_TERNGRAD_DEFAULT].speedup_vs_bf16,
                                            "sharded": r[pm.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16}
     return out
 
@@ -232,7 +232,7 @@ def block_choosing(mod: dict, m: dict) -> str:
         "weak scaling; `horovod_terngrad.modelling`). \"auto\" is TernGrad with `exchange=\"auto\"` and "
         "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, requantized or "
         "node-aware exchange); \"default\" is `TernGradConfig()`: `exchange=\"default\"` (the allgather among up to 4 "
-        "ranks or nodes, the requantized exchange among more) and `hierarchical=\"auto\"`, every path of which gives "
+        "ranks or nodes, the re-ternarized exchange in 128-element buckets among more) and `hierarchical=\"auto\"`, every path of which gives "
         "`horovod_terngrad.optim.AdamW` its noise estimate (docs/scale.md). fp16 allreduce for comparison. A speedup "
         "below 1.00x means TernGrad is slower than fp32 there: leave it off.",
         "",
@@ -255,7 +255,7 @@ def block_choosing(mod: dict, m: dict) -> str:
         "modelled speedup of the step over HSDP with a bf16 reduce. With 1 node there is no cross-node "
         "exchange: FSDP's own path runs (nothing to set).",
         "",
-        "| framework | network | GPUs/node | nodes | settings (SGD or `optim.AdamW`) | allgather (default) vs bf16 "
+        "| framework | network | GPUs/node | nodes | settings (SGD or `optim.AdamW`) | default vs bf16 "
         "| `exchange=\"sharded\"` vs bf16 |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -263,14 +263,14 @@ def block_choosing(mod: dict, m: dict) -> str:
         for G in (4, 8):
             for M in NODES[1:]:
                 h = mod["hsdp"][(key, G, M)]
-                if h["allgather"] >= h["sharded"] and h["allgather"] > 1.0:
-                    s = "defaults (allgather)"
+                if h["default"] >= h["sharded"] and h["default"] > 1.0:
+                    s = "defaults"
                 elif h["sharded"] > 1.0:
-                    s = ("`exchange=\"sharded\"` (SGD); with `optim.AdamW` the default allgather keeps the estimate"
-                         + (" but is slower than bf16 here" if h["allgather"] <= 1.0 else ""))
+                    s = ("`exchange=\"sharded\"` (SGD); with `optim.AdamW` the default keeps the estimate"
+                         + (" but is slower than bf16 here" if h["default"] <= 1.0 else ""))
                 else:
                     s = "bf16 HSDP (TernGrad does not pay here)"
-                lines.append(f"| FSDP2 / HSDP | {net_name[key]} | {G} | {M} | {s} | {_x(h['allgather'])} | "
+                lines.append(f"| FSDP2 / HSDP | {net_name[key]} | {G} | {M} | {s} | {_x(h['default'])} | "
                              f"{_x(h['sharded'])} |")
     lines += [
         "",
@@ -336,7 +336,8 @@ def block_fsdp_scale(be: dict) -> str:
             f"`exchange=\"sharded\"` (bit for bit in `tests/test_fsdp.py` too) keeps its traffic flat and beats bf16 "
             f"at every size ({_x(at16[2])} at 16 nodes, {_x(last[2])} at {last[0]} nodes). Use it from about 8 "
             f"nodes on with SGD. With `horovod_terngrad.optim.AdamW` keep the default exchange, which takes the "
-            f"requantized exchange (noise estimate included, flat in the replica count) above 4 replicas.")
+            f"re-ternarized exchange in 128-element buckets (noise estimate included, flat in the replica count) above 4 "
+            f"replicas.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
