@@ -75,8 +75,9 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
   1-bit noise channel (P bytes, ``exchange.cost.requantized_bytes``): T = (N-1)·alpha + (N-1)·c·beta +
   (N-1)·alpha + (N-1)·(c or P)·beta, per-rank scalers (no handshake).  ~4 and ~7.5 bits per element at any N.
 * the default, ``TernGradConfig()`` (:data:`TERNGRAD_DEFAULT`): ``exchange="default"`` =
-  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the requantized exchange above
-  (node-aware: of the cross group's M ranks), with ``hierarchical="auto"``.
+  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the re-ternarized exchange with
+  128-element buckets above (``default_bucket_size``; node-aware: of the cross group's M ranks), with
+  ``hierarchical="auto"``.
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
 crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link
@@ -251,7 +252,7 @@ class PlannedBuffer:
 HOROVOD_STEP_ALLREDUCES = 2
 
 #: ``TernGradConfig()``'s exchange (``exchange="default"``, ``hierarchical="auto"``): per group the allgather
-#: exchange among up to 4 ranks, the requantized one among more (``exchange.cost.default_exchange`` of the ranks
+#: exchange among up to 4 ranks, the re-ternarized one in 128-element buckets among more (``default_exchange`` of the ranks
 #: in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
 TERNGRAD_DEFAULT = "terngrad_default"
 #: every TernGrad method of the model (``TERNGRAD_BEST`` is ``exchange="auto"``)
@@ -420,7 +421,7 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
     n (the owner decodes N chunks of n/N) + n/N (it ternarizes its shard again) + n decode = 3n + n/N;
     requantized: n encode + n (the owner decodes N chunks of n/N) + n (its noise estimate from the same N chunks)
     + n/N (its 4-bit encode) + n decode = 4n + n/N; "default": the allgather's among up to 4 ranks, the
-    requantized one's above (``default_exchange(N)``).  N = 1: 0.
+    re-ternarized one's above (``default_exchange(N)``).  N = 1: 0.
     Node-aware (G = ``ranks_per_node``, M = N/G nodes): n (the node sum of G slices of n/G) plus the
     ``cross`` exchange's work on n/G elements among M ranks ("allgather", "sharded", "reternarized",
     "requantized", "default": ``default_exchange(M)``).
@@ -887,7 +888,7 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 #                 the frontend passes to its engine) charge ``terngrad_sharded_cost``, ``..._reternarized_cost``,
 #                 ``..._requantized_cost`` instead; the default, ``TernGradConfig()``'s ``exchange="default"``
 #                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_exchange(R)``: the allgather among R <= 4
-#                 replicas, the requantized exchange among more.
+#                 replicas, the re-ternarized exchange in 128-element buckets among more.
 # * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
 #   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
 #   sharded 3·n_c, bf16 2·S (cast out and back), fp32 0, over the given rate.
@@ -907,7 +908,7 @@ HSDP_TERNGRAD_SHARDED = "hsdp_terngrad_sharded"  #: TernGradConfig(exchange="sha
 HSDP_TERNGRAD_RETERNARIZED = "hsdp_terngrad_reternarized"  #: TernGradConfig(exchange="reternarized") across nodes
 HSDP_TERNGRAD_REQUANTIZED = "hsdp_terngrad_requantized"    #: TernGradConfig(exchange="requantized") across nodes
 #: the frontend's default, TernGradConfig(): exchange="default" among the R replicas, ``default_exchange(R)``
-#: (the allgather up to 4 nodes, the requantized exchange above)
+#: (the allgather up to 4 nodes, the re-ternarized exchange in 128-element buckets above)
 HSDP_TERNGRAD_DEFAULT = "hsdp_terngrad_default"
 HSDP_TERNGRAD_METHODS = (HSDP_TERNGRAD_DEFAULT, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED,
                          HSDP_TERNGRAD_REQUANTIZED)
