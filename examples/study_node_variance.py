@@ -24,7 +24,10 @@ times each way (each draw a new step of the random streams), and reports per tra
     ternarization noise  E||t - g||² / ||g||²   (t: TernGrad's average, g: the fp32 average of the same gradients)
     against SGD's own    E||t - g||² / E||g_b - ḡ||²  (g_b: fp32 average of one batch, ḡ: of --batches batches)
 
-and the node-aware / flat ratio.  Every tensor is ternarized (min_numel=0), per-rank scalers (the default).
+and the node-aware / flat ratio.  Every tensor is ternarized (min_numel=0), per-rank scalers (the default), and
+both run the allgather exchange (flat: one ternarization per rank, the V_flat above; node-aware: across the M
+nodes), whatever ``exchange="default"`` would pick at that N: a second rounding (the two-stage exchanges the
+default runs above 4) is another question (docs/scale.md).
 Writes <out>/node_variance.{json,md}.
 """
 from __future__ import annotations
@@ -93,7 +96,7 @@ def run(workers, ranks_per_node: int, draws: int, points, batches: int, seed: in
     torch.manual_seed(seed)
     model = LeNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    config = TernGradConfig(seed=seed, min_numel=0)
+    config = TernGradConfig(seed=seed, min_numel=0, exchange="allgather")
     rows, done = [], 0
     for point in points:
         for step in range(done, point):              # fp32 training up to this point
