@@ -45,7 +45,8 @@ def modelled(numels: list, N: int, exchange: str) -> float:
     elif exchange == "sharded":
         c = [cost.terngrad_sharded_cost(n, N, net) for n in numels]
     elif exchange_spec(exchange)[0] == "reternarized":
-        c = [cost.terngrad_reternarized_cost(n, N, net, bucket_size=exchange_spec(exchange)[1]) for n in numels]
+        bucket = exchange_spec(exchange)[1]
+        c = [cost.terngrad_reternarized_cost(n, N, net, bucket_size=bucket) for n in numels]
     else:
         c = [cost.terngrad_requantized_cost(n, N, net, noise="no noise" not in exchange) for n in numels]
     return 8 * sum(x.bytes_received for x in c) / sum(numels)

@@ -12,6 +12,15 @@ EXCHANGES = ("default", "allgather", "sharded", "reternarized", "requantized", "
 HIERARCHICAL = ("auto", True, False)
 
 
+def exchange_bucket_size(setting: str, exchange: str, bucket_size: int) -> int:
+    """``TernGradConfig.bucket_for`` on plain values (the cost model's hot paths call it without building a
+    config): the configured ``bucket_size`` where > 0; else DEFAULT_RETERNARIZED_BUCKET for the re-ternarized
+    exchange that the ``setting`` "default" picks; else 0."""
+    if bucket_size > 0:
+        return int(bucket_size)
+    return DEFAULT_RETERNARIZED_BUCKET if setting == "default" and exchange == "reternarized" else 0
+
+
 @dataclass(frozen=True)
 class TernGradConfig:
     """How gradients are ternarized and exchanged.
@@ -148,11 +157,7 @@ class TernGradConfig:
         shard in the two-stage exchanges), except the re-ternarized exchange that ``exchange="default"`` picks
         above 4 ranks, which takes one per DEFAULT_RETERNARIZED_BUCKET (128) elements in both stages (measured
         accurate; one per shard is not: codec/sizes.py)."""
-        if self.bucket_size > 0:
-            return int(self.bucket_size)
-        if self.exchange == "default" and exchange == "reternarized":
-            return DEFAULT_RETERNARIZED_BUCKET
-        return 0
+        return exchange_bucket_size(self.exchange, exchange, self.bucket_size)
 
     def compresses(self, name: str, numel: int) -> bool:
         """Whether a tensor of this name and size is ternarized (else it travels uncompressed)."""

@@ -53,8 +53,8 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
     member, put together from its pieces as the average is: (averages, noises)."""
     G = topo.ranks_per_node
     if cfg.exchange == "default":     # what exchange="default" runs among the M nodes, with its buckets
-        from horovod_terngrad.exchange.cost import default_exchange
-        across = default_exchange(topo.size // G)
+        from horovod_terngrad.exchange.cost import exchange_among
+        across = exchange_among(cfg.exchange, topo.size // G)
         cfg = cfg.replace(exchange=across, bucket_size=cfg.bucket_for(across))
     numels = [t.numel() for t in per_rank[0]]
     plan = shard_plan(numels, G)
@@ -127,8 +127,8 @@ def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     """The average every rank must get from the exchange ``cfg`` names among len(grads) ranks ("default": the one
     exchange/cost.default_exchange picks for that many): the allgather reference, or the re-ternarized or
     requantized one."""
-    from horovod_terngrad.exchange.cost import default_exchange
-    exchange = default_exchange(len(grads)) if cfg.exchange == "default" else cfg.exchange
+    from horovod_terngrad.exchange.cost import exchange_among
+    exchange = exchange_among(cfg.exchange, len(grads))
     cfg = cfg.replace(exchange=exchange, bucket_size=cfg.bucket_for(exchange))   # "default": its buckets too
     if exchange in ("reternarized", "requantized"):
         return expected_reternarized(grads, name, step, cfg, ranks=ranks,

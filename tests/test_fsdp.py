@@ -85,7 +85,7 @@ def check_exact(ranks, skipped_units=()):
             unit_cfg = cfg
             if ranks[group[0]]["layout"][unit] == "buckets":      # the whole flat shard, one scaler per 65536
                 members = [(f"{unit}.shard" if unit else "shard", 0, total)]   # (128 where the default re-ternarizes)
-                across = cost.default_exchange(len(group)) if cfg.exchange == "default" else cfg.exchange
+                across = cost.exchange_among(cfg.exchange, len(group))
                 unit_cfg = cfg.replace(bucket_size=cfg.bucket_for(across) or 65536)
             inputs = [c[k][1] for c in calls]
             outputs = [c[k][2] for c in calls]

@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..codec import sizes as wire
+from ..config import exchange_bucket_size
 from . import topology
 
 FP32 = "fp32"
@@ -87,12 +88,16 @@ def default_exchange(n_ranks: int) -> str:
     return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "reternarized"
 
 
+def exchange_among(exchange: str, n_ranks: int) -> str:
+    """The exchange the setting ``exchange`` runs among ``n_ranks`` ranks: "default" is ``default_exchange(N)``,
+    any other setting itself."""
+    return default_exchange(n_ranks) if exchange == "default" else exchange
+
+
 def default_bucket_size(n_ranks: int, bucket_size: int = 0) -> int:
     """The bucket size ``exchange="default"`` ternarizes with among ``n_ranks`` ranks, for a configured
-    ``bucket_size`` (TernGradConfig.bucket_for of default_exchange(N))."""
-    if bucket_size > 0:
-        return int(bucket_size)
-    return wire.DEFAULT_RETERNARIZED_BUCKET if default_exchange(n_ranks) == "reternarized" else 0
+    ``bucket_size``: ``TernGradConfig.bucket_for``'s rule (config.exchange_bucket_size) for default_exchange(N)."""
+    return exchange_bucket_size("default", default_exchange(n_ranks), bucket_size)
 
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)

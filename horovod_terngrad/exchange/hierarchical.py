@@ -184,7 +184,7 @@ class HierarchicalExchange:
                       intra_node=replace(inside, name="measured intra-node",
                                          bandwidth_Bps=intra_Bps if intra_Bps > 0 else inside.bandwidth_Bps))
         if self.coll.rank == 0:
-            across = cost.default_exchange(self.M) if self.config.exchange == "default" else self.config.exchange
+            across = cost.exchange_among(self.config.exchange, self.M)
             log.info("TernGrad: measured %.2f Gbit/s across nodes (fp32 allreduce of %d ranks) and %.2f Gbit/s inside "
                      "a node (%d ranks); %d nodes of %d ranks: each group goes node-aware where the cost model finds "
                      "it faster on these links (hierarchical='auto'), with the %s exchange across nodes "

@@ -167,7 +167,7 @@ class TernGradFSDPState:
                                stream_rank=me)
         # the flat shard's buckets: the user's, else those the exchange among R replicas takes (exchange="default"
         # above 4 replicas: 128), else FALLBACK_BUCKET
-        across = cost.default_exchange(replicas) if self.config.exchange == "default" else self.config.exchange
+        across = cost.exchange_among(self.config.exchange, replicas)
         bucketed = self.config.replace(bucket_size=self.config.bucket_for(across) or FALLBACK_BUCKET)
         self._bucket_engine = Exchange(coll, bucketed, self.state.stats, self.state.inspection, {}, joins=False,
                                        stream_rank=me)

@@ -125,7 +125,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from ..codec import sizes as wire
-from ..config import TernGradConfig
+from ..config import TernGradConfig, exchange_bucket_size
 from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
     _COLLECTIVE_TIME, AUTO_EXCHANGES, DEFAULT_ALLGATHER_MAX_RANKS, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS,
@@ -134,7 +134,7 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
     choose_exchange,
-    configured_network, cross_network, default_bucket_size, default_exchange, exchange_cost, exchange_for,
+    configured_network, cross_network, default_exchange, exchange_cost, exchange_for,
     fp16_allreduce_cost,
     fp32_allreduce_cost, hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost,
     requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
@@ -252,8 +252,8 @@ class PlannedBuffer:
 HOROVOD_STEP_ALLREDUCES = 2
 
 #: ``TernGradConfig()``'s exchange (``exchange="default"``, ``hierarchical="auto"``): per group the allgather
-#: exchange among up to 4 ranks, the re-ternarized one in 128-element buckets among more (``default_exchange`` of the ranks
-#: in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
+#: exchange among up to 4 ranks, the re-ternarized one in 128-element buckets among more (``default_exchange`` of
+#: the ranks in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
 TERNGRAD_DEFAULT = "terngrad_default"
 #: every TernGrad method of the model (``TERNGRAD_BEST`` is ``exchange="auto"``)
 TERNGRAD_METHODS = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED,
@@ -274,8 +274,7 @@ def method_buckets(method: str, exchange: str, config: TernGradConfig) -> int:
     """The buckets a group of the model's ``method`` ternarizes with when it runs ``exchange`` (a method of
     :data:`_SETTING`, e.g. ``TERNGRAD_RETERNARIZED``), as the engine decides (``TernGradConfig.bucket_for`` of the
     method's exchange setting): ``config.bucket_size``, except the default's re-ternarized exchange (128)."""
-    setting = _SETTING.get(method) or "auto"
-    return config.replace(exchange=setting).bucket_for(_SETTING.get(exchange) or exchange)
+    return exchange_bucket_size(_SETTING.get(method) or "auto", _SETTING.get(exchange) or exchange, config.bucket_size)
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -1128,11 +1127,9 @@ def _hsdp_replicas(network: Network, workers: int) -> tuple[int, int, int]:
 
 
 def _hsdp_buckets(method: str, replicas: int, cfg: TernGradConfig) -> int:
-    """The buckets an HSDP TernGrad method ternarizes with among R = ``replicas`` (the default's re-ternarized
-    exchange: 128, ``exchange.cost.default_bucket_size``)."""
-    if _HSDP_FLAT.get(method) == TERNGRAD_DEFAULT:
-        return default_bucket_size(int(replicas), cfg.bucket_size)
-    return cfg.bucket_size
+    """The buckets an HSDP TernGrad method ternarizes with among R = ``replicas`` (:func:`method_buckets` of its
+    flat method: the default's re-ternarized exchange takes 128)."""
+    return method_buckets(_HSDP_FLAT[method], hsdp_exchange(method, replicas), cfg)
 
 
 def _hsdp_payload(method: str, units: Sequence[HSDPUnitShard], cfg: TernGradConfig, replicas: int) -> int:
