@@ -4,21 +4,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .codec.sizes import DEFAULT_RETERNARIZED_BUCKET, FORMATS
+from .codec.sizes import FORMATS, exchange_bucket_size
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
 EXCHANGES = ("default", "allgather", "sharded", "reternarized", "requantized", "auto")
 HIERARCHICAL = ("auto", True, False)
-
-
-def exchange_bucket_size(setting: str, exchange: str, bucket_size: int) -> int:
-    """``TernGradConfig.bucket_for`` on plain values (the cost model's hot paths call it without building a
-    config): the configured ``bucket_size`` where > 0; else DEFAULT_RETERNARIZED_BUCKET for the re-ternarized
-    exchange that the ``setting`` "default" picks; else 0."""
-    if bucket_size > 0:
-        return int(bucket_size)
-    return DEFAULT_RETERNARIZED_BUCKET if setting == "default" and exchange == "reternarized" else 0
 
 
 @dataclass(frozen=True)

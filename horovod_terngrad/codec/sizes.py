@@ -46,6 +46,15 @@ def packed_size(numel: int, fmt: str) -> int:
     return -(-int(numel) // CODES_PER_BYTE[check_format(fmt)])
 
 
+def exchange_bucket_size(setting: str, exchange: str, bucket_size: int) -> int:
+    """``TernGradConfig.bucket_for`` on plain values (the cost model's hot paths call it without building a
+    config): the configured ``bucket_size`` where > 0; else DEFAULT_RETERNARIZED_BUCKET for the re-ternarized
+    exchange that the ``setting`` "default" picks; else 0."""
+    if bucket_size > 0:
+        return int(bucket_size)
+    return DEFAULT_RETERNARIZED_BUCKET if setting == "default" and exchange == "reternarized" else 0
+
+
 def payload_size(numel: int, fmt: str, bucket_size: int = 0) -> int:
     """One tensor's payload: header + fp32 scalers + packed codes."""
     return codes_offset(num_buckets(numel, bucket_size)) + packed_size(numel, fmt)
@@ -110,7 +119,7 @@ def shard_sum_bytes(numel: int, n_ranks: int) -> list[int]:
 
 
 __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SHARD_ALIGN",
-           "SLOT_BYTES", "DEFAULT_RETERNARIZED_BUCKET", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
+           "SLOT_BYTES", "DEFAULT_RETERNARIZED_BUCKET", "exchange_bucket_size", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
            "reternarized_chunk_bytes", "REQUANT_GROUP", "REQUANT_HEADER_BYTES", "requant_groups",

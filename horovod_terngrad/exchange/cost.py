@@ -56,7 +56,6 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..codec import sizes as wire
-from ..config import exchange_bucket_size
 from . import topology
 
 FP32 = "fp32"
@@ -96,8 +95,8 @@ def exchange_among(exchange: str, n_ranks: int) -> str:
 
 def default_bucket_size(n_ranks: int, bucket_size: int = 0) -> int:
     """The bucket size ``exchange="default"`` ternarizes with among ``n_ranks`` ranks, for a configured
-    ``bucket_size``: ``TernGradConfig.bucket_for``'s rule (config.exchange_bucket_size) for default_exchange(N)."""
-    return exchange_bucket_size("default", default_exchange(n_ranks), bucket_size)
+    ``bucket_size``: ``TernGradConfig.bucket_for``'s rule (codec.sizes.exchange_bucket_size) for default_exchange(N)."""
+    return wire.exchange_bucket_size("default", default_exchange(n_ranks), bucket_size)
 
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)

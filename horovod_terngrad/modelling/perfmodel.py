@@ -125,7 +125,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from ..codec import sizes as wire
-from ..config import TernGradConfig, exchange_bucket_size
+from ..config import TernGradConfig
 from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
     _COLLECTIVE_TIME, AUTO_EXCHANGES, DEFAULT_ALLGATHER_MAX_RANKS, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS,
@@ -274,7 +274,7 @@ def method_buckets(method: str, exchange: str, config: TernGradConfig) -> int:
     """The buckets a group of the model's ``method`` ternarizes with when it runs ``exchange`` (a method of
     :data:`_SETTING`, e.g. ``TERNGRAD_RETERNARIZED``), as the engine decides (``TernGradConfig.bucket_for`` of the
     method's exchange setting): ``config.bucket_size``, except the default's re-ternarized exchange (128)."""
-    return exchange_bucket_size(_SETTING.get(method) or "auto", _SETTING.get(exchange) or exchange, config.bucket_size)
+    return wire.exchange_bucket_size(_SETTING.get(method) or "auto", _SETTING.get(exchange) or exchange, config.bucket_size)
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
