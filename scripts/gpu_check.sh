@@ -4,7 +4,7 @@
 #   CUDA tests, byte identity of the CUDA and CPU backends on GPT-2 and ResNet-50 shapes, the codec's GB/s beside
 #   the device's copy, TernGrad's AdamW step against torch's, and 2 processes on the one GPU (gloo, CUDA tensors).
 # Without a GPU (or with --dry-run) the same steps run on the CPU backends and the table says "no GPU".
-#   scripts/gpu_check.sh [--dry-run] [--no-tests] [--json FILE]
+#   scripts/gpu_check.sh [--dry-run] [--no-tests] [--json FILE] [--pytest-log FILE]
 # Exit status: 0 when every step passed (or was skipped), 1 when one failed, 124 when it ran out of time.
 # Python: $PYTHON, else the repository's .venv, else python3 on PATH.
 set -euo pipefail

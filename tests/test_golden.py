@@ -47,6 +47,7 @@ FUSED = ("alone", "fused")
 
 def _digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().reshape(-1)
+    t = t.cpu()                       # the CUDA check digests device tensors the same way
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
 
 
@@ -90,16 +91,18 @@ class _Recording:
         return self.inner.synchronize(handle)
 
 
-def _run(case: str, n_ranks: int, fused: str) -> dict:
-    cfg = TernGradConfig(**{"shared_scaler": True, **CASES[case]})   # pins predate the per-rank default
+def _run(case: str, n_ranks: int, fused: str, device: str = "cpu", settings: dict | None = None) -> dict:
+    """One pinned case: the gradients live on ``device`` (the same values on every device: drawn on the CPU,
+    then moved), so a CUDA run must reproduce the CPU's pins bit for bit.  ``settings`` replaces the case's."""
+    cfg = TernGradConfig(**({"shared_scaler": True, **CASES[case]} if settings is None else settings))
 
     def body(c):
         rec = _Recording(c)
         ex = Exchange(rec, cfg)
         outs = []
         for step in range(2):
-            grads = [(_grad(s, c.rank, i, step, nan=(case.endswith("zero-nonfinite") and c.rank == n_ranks - 1 and i == 4)),
-                      f"layer{i}") for i, s in enumerate(SHAPES)]
+            grads = [(_grad(s, c.rank, i, step, nan=(case.endswith("zero-nonfinite") and c.rank == n_ranks - 1 and i == 4)
+                            ).to(device), f"layer{i}") for i, s in enumerate(SHAPES)]
             if fused == "fused":      # two groups, as the frontend cuts them: small tensors, then the rest
                 tickets = ex.start_group(grads[:4], "g0") + ex.start_group(grads[4:], "g1")
             else:
@@ -147,3 +150,35 @@ else:
 
     def test_the_pins_cover_every_case():
         assert sorted(_load()) == sorted(f"{c}/{n}/{f}" for c, n, f in _all_keys())
+
+
+# -- the same pins on a GPU ------------------------------------------------------------------------------------------
+# The CUDA backend (CuPy kernels) must be byte-identical to the CPU's: the same payload bytes on every collective and
+# the same decoded averages.  Skipped without a GPU; on CPU the kernels' arithmetic is checked through their host
+# build (tests/test_kernels.py) and every exchange's bytes by the pins above.
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("n_ranks", (2, 4))
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_tensors_reproduce_the_pins(case, n_ranks):
+    torch.set_num_threads(1)
+    want = _load()[f"{case}/{n_ranks}/fused"]
+    got = _run(case, n_ranks, "fused", device="cuda")
+    assert got["outs"] == want["outs"], "CUDA decoded other averages than the CPU pins"
+    for r in range(n_ranks):
+        assert got["logs"][r] == want["logs"][r], f"rank {r}: CUDA sent other bytes than the CPU pins"
+
+
+@cuda
+@pytest.mark.parametrize("n_ranks", (6, 8))
+def test_cuda_default_above_4_ranks_matches_the_cpu(n_ranks):
+    """The default above 4 ranks (re-ternarized, 128-element buckets, per-rank scalers) has no pin: the CPU run is
+    the reference, on the same gradients."""
+    torch.set_num_threads(1)
+    cpu = _run("default", n_ranks, "fused", settings={})
+    assert {e[1].split(".")[1] for e in cpu["logs"][0]} == {"rt", "rg"}     # the re-ternarized exchange ran
+    gpu = _run("default", n_ranks, "fused", device="cuda", settings={})
+    assert gpu["outs"] == cpu["outs"], "CUDA decoded other averages than the CPU"
+    assert gpu["logs"] == cpu["logs"], "CUDA sent other bytes than the CPU"

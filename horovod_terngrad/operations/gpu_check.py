@@ -6,7 +6,8 @@
 Steps, each one row of the table:
 
 1. ``tests``: the CUDA tests of the checkout (tests/test_kernels.py, tests/test_backends.py,
-   tests/test_cuda_nosync.py) under pytest.  Dry run: test_kernels.py (its CUDA sources built for the host) and
+   tests/test_cuda_nosync.py, and tests/test_golden.py's CUDA tests: every exchange's pinned bytes and averages
+   from CUDA tensors, and the default above 4 ranks against the CPU) under pytest.  Dry run: test_kernels.py (its CUDA sources built for the host) and
    test_cuda_nosync.py, whose CUDA tests skip.
 2. ``identity <model>``: byte identity of the device backend against a CPU backend on a model's real tensor
    shapes (GPT-2 in GPT2LMHeadModel's layout, ResNet-50 in torchvision's): per tensor, two ranks' statistics,
@@ -42,7 +43,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GPU_TEST_FILES = ("tests/test_kernels.py", "tests/test_backends.py", "tests/test_cuda_nosync.py")
+GPU_TEST_FILES = ("tests/test_kernels.py", "tests/test_backends.py", "tests/test_cuda_nosync.py",
+                  "tests/test_golden.py::test_cuda_tensors_reproduce_the_pins",
+                  "tests/test_golden.py::test_cuda_default_above_4_ranks_matches_the_cpu")
 DRY_RUN_TEST_FILES = ("tests/test_kernels.py", "tests/test_cuda_nosync.py")
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 
@@ -84,18 +87,25 @@ def resnet50_shapes() -> list[tuple[str, tuple]]:
 
 # -- steps ----------------------------------------------------------------------------------------------------------
 
-def run_tests(files, timeout_s: float, root: str = ROOT) -> tuple[str, str]:
-    """(result, status) of pytest over ``files`` of the checkout at ``root``."""
-    paths = [os.path.join(root, f) for f in files]
-    missing = [f for f, p in zip(files, paths) if not os.path.exists(p)]
+def run_tests(files, timeout_s: float, root: str = ROOT, log: str | None = None) -> tuple[str, str]:
+    """(result, status) of pytest over ``files`` of the checkout at ``root``; pytest's whole output goes to ``log``
+    when given (the table keeps only its summary and the first failures)."""
+    paths = [os.path.join(root, f) for f in files]                      # a file, or a file::test node id
+    missing = [f for f, p in zip(files, paths) if not os.path.exists(p.split("::")[0])]
     if missing:
         return f"not in this tree: {', '.join(missing)} (run from a checkout)", SKIPPED
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", f"timeout={int(timeout_s)}", *paths]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=root, env=env)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        if log:
+            with open(log, "w") as f:
+                f.write(str(e.stdout or "") + str(e.stderr or ""))
         return f"pytest did not finish in {timeout_s:.0f} s", FAIL
+    if log:
+        with open(log, "w") as f:
+            f.write(p.stdout + p.stderr)
     lines = [x for x in p.stdout.strip().splitlines() if x.strip()]
     summary = lines[-1].strip("= ") if lines else (p.stderr.strip().splitlines() or ["no output"])[-1]
     if p.returncode == 0:
@@ -332,7 +342,8 @@ def _timed_row(step: str, device: str, fn) -> Row:
     return Row(step, device, result, status, time.perf_counter() - t0)
 
 
-def check(dry_run: bool, budget_s: float = 420.0, run_test_files: bool = True) -> tuple[str, list[Row]]:
+def check(dry_run: bool, budget_s: float = 420.0, run_test_files: bool = True,
+          pytest_log: str | None = None) -> tuple[str, list[Row]]:
     """Run every step; returns (the heading, the rows)."""
     from .. import backends
     gpu = torch.cuda.is_available() and not dry_run
@@ -361,7 +372,7 @@ def check(dry_run: bool, budget_s: float = 420.0, run_test_files: bool = True) -
         test_files, test_timeout = DRY_RUN_TEST_FILES, 0.4 * budget_s
     rows = []
     if run_test_files:
-        rows.append(_timed_row("tests", device_label, lambda: run_tests(test_files, test_timeout)))
+        rows.append(_timed_row("tests", device_label, lambda: run_tests(test_files, test_timeout, log=pytest_log)))
     else:
         rows.append(Row("tests", device_label, "not asked for (--no-tests)", SKIPPED))
 
@@ -423,8 +434,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-tests", dest="tests", action="store_false", help="skip the pytest step")
     p.add_argument("--budget-s", type=float, default=420.0, help="time for the whole check (the tests' share)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--pytest-log", default=None, help="write the tests step's whole pytest output here")
     args = p.parse_args(argv)
-    heading, rows = check(args.dry_run, args.budget_s, args.tests)
+    heading, rows = check(args.dry_run, args.budget_s, args.tests, args.pytest_log)
     print(table(heading, rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:
