@@ -9,6 +9,10 @@ What "raise" costs there is shown too: it must read whether a full-precision res
 one synchronization per tensor sent at full precision.
 """
 import contextlib
+import os
+import threading
+import traceback
+import warnings
 
 import pytest
 import torch
@@ -120,26 +124,142 @@ def test_reternarized_exchange_runs_without_a_sync(poison):
     assert bool(torch.isnan(outs[0]).all()) == poison
 
 
-def test_terngrad_adamw_steps_without_a_sync():
-    """horovod_terngrad.optim.AdamW on CUDA parameters, on a refresh step, then ternary steps, and the ledger's
-    decision for the next exchange: no host synchronization (its step counts live on the host, as in torch's
-    non-capturable Adam).  On CPU the same update runs in tests/test_optim.py (by hand, and on DDP, Horovod and
-    FSDP2 ranks)."""
+@pytest.mark.parametrize("refresh", [False, True], ids=["noise-corrected", "refresh-schedule"])
+def test_terngrad_adamw_steps_without_a_sync(refresh):
+    """horovod_terngrad.optim.AdamW on CUDA parameters, in both modes, with what an exchange hands over (its record,
+    and in the default mode the noise estimate with each ternary average), and the ledger's decision for the next
+    exchange: no host synchronization (its step counts live on the host, as in torch's non-capturable Adam).  The
+    same steps run on CPU in tests/test_optim.py (by hand, and on DDP, Horovod and FSDP2 ranks)."""
+    from horovod_terngrad.codec.schedule import RefreshSchedule
     from horovod_terngrad.exchange import precision
     from horovod_terngrad.optim import AdamW
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (5000, 300)]
-    opt = AdamW(params, lr=1e-3, weight_decay=0.1)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    precision.decide(*params)            # step 0: a refresh (the schedule's warm-up)
-    opt.step()
-    for p in params:
-        precision._records[p] = precision.TERNARY
-    opt.step()                            # warm up the kernels before the check
+    opt = AdamW(params, lr=1e-3, weight_decay=0.1, refresh=RefreshSchedule(warmup=1, interval=1000, max_interval=1000) if refresh else None)
+
+    def exchange():                          # what a frontend does: decide, record, hand over average (+ noise)
+        precision.decide(*params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+            if not refresh and precision.record_of(p) == precision.TERNARY:
+                precision.attach_noise(p, p.grad.abs() * 0.1, p.grad)
+
+    for _ in range(2):                       # step 0 (a refresh where scheduled), then a ternary one: warm-up
+        exchange()
+        opt.step()
     with no_sync_allowed():
         for _ in range(3):
-            for p in params:
-                precision._records[p] = precision.TERNARY
+            exchange()
             opt.step()
-        assert precision.decide(*params) in (True, False)
-    assert all(int(opt.state[p]["v_steps"]) == 1 and int(opt.state[p]["step"]) == 5 for p in params)
+    want_v = 1 if refresh else 5             # refresh mode: v only from the one full-precision step
+    assert all(int(opt.state[p]["v_steps"]) == want_v and int(opt.state[p]["step"]) == 5 for p in params)
+    if not refresh:
+        assert all(bool(opt.state[p]["exp_avg_noise"].gt(0).any()) for p in params)   # the estimate was taken in
+
+
+# -- every exchange the defaults pick, one sweep -----------------------------------------------------------------------
+
+def sync_sites(fn):
+    """Run ``fn()`` under sync-debug "warn" and return (its result, the sorted distinct places that synchronized):
+    each place is the innermost three frames in horovod_terngrad ("file:function:line < caller < ..."), so one run
+    on a GPU names every site, not only the first."""
+    sites, lock = set(), threading.Lock()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack() if f"{os.sep}horovod_terngrad{os.sep}" in f.filename]
+        where = " < ".join(f"{os.path.basename(f.filename)}:{f.name}:{f.lineno}" for f in reversed(frames[-3:]))
+        with lock:
+            sites.add(where or f"{os.path.basename(filename)}:{lineno}")
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sorted(sites)
+
+
+def _flat(n_ranks, cfg, joins, layout_known):
+    from horovod_terngrad.exchange.engine import Exchange
+    from horovod_terngrad.exchange.thread_collectives import run_ranks
+    shapes = [(3000,), (64, 33), (7,), (20011,)]
+    grads = {(r, i): torch.randn(s, device="cuda", generator=torch.Generator("cuda").manual_seed(10 * r + i))
+             for r in range(n_ranks) for i, s in enumerate(shapes)}
+
+    def body(c):
+        ex = Exchange(c, cfg, stream_rank=c.rank, joins=joins)
+        ex.layout_known = layout_known
+        tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")
+        for tk in tickets:
+            tk.want_noise = True             # as horovod_terngrad.optim.AdamW asks
+        return [ex.finish(tk) for tk in tickets], [tk.noise for tk in tickets]
+
+    return lambda: run_ranks(n_ranks, body)
+
+
+def _node_aware(per_node, nodes, cfg):
+    from horovod_terngrad.exchange import Exchange, ThreadWorld
+    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
+    from horovod_terngrad.exchange.topology import Topology
+    topo = Topology.contiguous(per_node * nodes, per_node)
+    shapes = [(3000,), (64, 33), (20011,)]
+    grads = {(r, i): torch.randn(s, device="cuda", generator=torch.Generator("cuda").manual_seed(10 * r + i))
+             for r in range(topo.size) for i, s in enumerate(shapes)}
+
+    def run():
+        world, sub = ThreadWorld(topo.size), hierarchical_collectives(topo)
+        results, errors = [None] * topo.size, [None] * topo.size
+
+        def body(c):
+            try:
+                ex = HierarchicalExchange(Exchange(c, cfg, stream_rank=c.rank, joins=False), *sub[c.rank], topo)
+                tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")
+                results[c.rank] = [ex.finish(tk) for tk in tickets]
+            except BaseException as e:  # noqa: BLE001 - raised below
+                errors[c.rank] = e
+        threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if any(e is not None for e in errors):
+            raise next(e for e in errors if e is not None)
+        return results
+    return run
+
+
+# (runner, the sites allowed).  Reading the gathered headers on the host (packing.walk: one read per fused group,
+# where the engine must check that ranks agree) is the allgather exchange's design on the Horovod and DDP engines;
+# FSDP2 (layout known) and the two-stage exchanges (the default above 4 ranks) read nothing on the host.
+WALK = "packing.py:walk:"
+SWEEP = {
+    "allgather, FSDP2 engine (layout known)": (lambda: _flat(2, TernGradConfig(min_numel=0), False, True), ()),
+    "allgather, Horovod engine (presence check)": (lambda: _flat(2, TernGradConfig(min_numel=0), True, False),
+                                                    (WALK,)),
+    "allgather, DDP engine": (lambda: _flat(4, TernGradConfig(min_numel=0), False, False), (WALK,)),
+    "default above 4 (re-ternarized b128), DDP engine": (lambda: _flat(6, TernGradConfig(min_numel=0), False, False),
+                                                          ()),
+    "default above 4 (re-ternarized b128), Horovod engine": (lambda: _flat(6, TernGradConfig(min_numel=0), True,
+                                                                           False), ()),
+    "requantized": (lambda: _flat(3, TernGradConfig(min_numel=0, exchange="requantized"), False, False), ()),
+    "node-aware 3 nodes x 2, re-ternarized across": (
+        lambda: _node_aware(2, 3, TernGradConfig(min_numel=0, hierarchical=True, exchange="reternarized")), ()),
+    "node-aware 6 nodes x 2, defaults": (
+        lambda: _node_aware(2, 6, TernGradConfig(min_numel=0, hierarchical=True)), ()),
+}
+
+
+@pytest.mark.parametrize("case", list(SWEEP))
+def test_every_exchange_the_defaults_pick_synchronizes_only_where_designed(case):
+    make, allowed = SWEEP[case]
+    run = make()
+    run()                                    # warm-up: kernels compiled, first-use allocations and constants made
+    _, sites = sync_sites(run)
+    unexpected = [s for s in sites if not any(s.startswith(a) for a in allowed)]
+    assert not unexpected, f"{case}: synchronizing calls at " + "; ".join(unexpected)

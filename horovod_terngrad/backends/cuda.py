@@ -134,7 +134,7 @@ class KernelBackend:
         if n == 0:
             return out
         hb = packing.HEADER_BYTES
-        off = torch.tensor(offsets, dtype=torch.int64, device=dev)
+        off = packing.device_constant(offsets, torch.int64, dev)
         # scalers may sit at any byte offset: gather their bytes into an aligned [N, nb] fp32 tensor
         idx = off[:, None] + hb + torch.arange(4 * nb, device=dev)[None, :]
         scalers = gathered[idx].view(torch.float32).contiguous()

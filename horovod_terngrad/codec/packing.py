@@ -137,14 +137,43 @@ def header_bytes(n: int, fmt: str, bucket_size: int, flags: int = 0, shape=None)
     return bytes(head)
 
 
+_CONSTANTS: dict = {}
+_MAX_CONSTANTS = 16384
+
+
+def device_constant(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small tensor of host-known values (a header's bytes, payload offsets) on ``device``, made once per
+    (values, dtype, device) and shared: callers must never write to it.  Why: on a GPU, a tensor built from host
+    memory each time is a copy from pageable memory, which makes the host wait for the device; one per tensor per
+    step stalls the whole backward pass (torch.cuda.set_sync_debug_mode flags it; tests/test_cuda_nosync.py).
+    The values of a given exchange repeat every step, so after the first step no copy is left.  ``values``: bytes
+    (read as uint8) or a sequence of numbers."""
+    device = torch.device(device)
+    key = (values if isinstance(values, bytes) else tuple(values), dtype, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:      # a bound, not an LRU: shapes that change every step are rare
+            _CONSTANTS.clear()
+        if isinstance(values, bytes):
+            t = torch.frombuffer(bytearray(values), dtype=torch.uint8).to(dtype)
+        else:
+            t = torch.tensor(key[0], dtype=dtype)
+        t = _CONSTANTS[key] = t.to(device)
+    return t
+
+
+def header_tensor(n: int, fmt: str, bucket_size: int, device, flags: int = 0, shape=None) -> torch.Tensor:
+    """``header_bytes`` as a shared uint8 tensor on ``device`` (``device_constant``: never write to it)."""
+    return device_constant(header_bytes(n, fmt, bucket_size, flags, shape), torch.uint8, device)
+
+
 def new_payload(n: int, fmt: str, scalers: torch.Tensor, bucket_size: int, flags: int = 0,
                 shape=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A payload with header and scalers written, and the view of its packed-code region to fill."""
     nb = scalers.numel()
     total = codes_offset(nb) + packed_size(n, fmt)
     payload = torch.empty(total, dtype=torch.uint8, device=scalers.device)
-    payload[:HEADER_BYTES] = torch.frombuffer(bytearray(header_bytes(n, fmt, bucket_size, flags, shape)),
-                                              dtype=torch.uint8)
+    payload[:HEADER_BYTES] = header_tensor(n, fmt, bucket_size, scalers.device, flags, shape)
     payload[HEADER_BYTES:codes_offset(nb)] = scalers.to(torch.float32).contiguous().view(torch.uint8)
     return payload, payload[codes_offset(nb):]
 

@@ -32,6 +32,7 @@ import struct
 import torch
 
 from . import sizes
+from .packing import device_constant
 from .rng import stream_key, tensor_id, uniform24
 
 GROUP = sizes.REQUANT_GROUP
@@ -104,7 +105,7 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     m = bits.numel()
     b = torch.zeros(-(-m // 8) * 8, dtype=torch.uint8, device=bits.device)
     b[:m] = bits.to(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    weights = device_constant((1, 2, 4, 8, 16, 32, 64, 128), torch.uint8, bits.device)
     return (b.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
@@ -120,7 +121,7 @@ def encode(a: torch.Tensor, keys_: tuple, start: int, noise: torch.Tensor | None
     m = a.numel()
     steps, codes, variance = quantize(a, keys_[0], start)
     head = bytearray(MAGIC + bytes([flags | (FLAG_NOISE if noise is not None else 0)]) + struct.pack("<I", m))
-    parts = [torch.frombuffer(head, dtype=torch.uint8).to(a.device), _f32_bytes(steps), _pack_nibbles(codes)]
+    parts = [device_constant(bytes(head), torch.uint8, a.device), _f32_bytes(steps), _pack_nibbles(codes)]
     if noise is not None:
         top, bits = quantize_noise(noise + variance, keys_[1], start)
         parts += [_f32_bytes(top), _pack_bits(bits)]

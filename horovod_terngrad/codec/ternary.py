@@ -99,7 +99,7 @@ def clip_threshold(stats: TensorStats, clip_factor: float) -> torch.Tensor:
     """c·σ as an fp32 device scalar; +inf (no clipping) when c = 0, σ = 0 or the tensor is empty."""
     dev = stats.sum.device
     if clip_factor <= 0 or stats.numel == 0:
-        return torch.tensor(float("inf"), dtype=torch.float32, device=dev)
+        return torch.full((), float("inf"), dtype=torch.float32, device=dev)     # a fill: no copy from the host
     mean = stats.sum / stats.numel
     var = torch.clamp(stats.sumsq / stats.numel - mean * mean, min=0.0)
     thr = (clip_factor * torch.sqrt(var)).to(torch.float32)
@@ -169,7 +169,7 @@ def ternarize(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, b
     if n == 0:
         return torch.empty(0, dtype=torch.int8, device=g.device)
     if not isinstance(threshold, torch.Tensor):
-        threshold = torch.tensor(threshold, dtype=torch.float32, device=g.device)
+        threshold = torch.full((), float(threshold), dtype=torch.float32, device=g.device)
     c = torch.clamp(g, -threshold, threshold)
     p = c.abs() / expand_scalers(scalers, bucket_size, n)                           # NaN where s == 0 (then c == 0 too): compares False
     r = uniform24(key, 0, n, device=g.device).to(torch.float32)

@@ -127,7 +127,7 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
     header = codec.packing.Header(cfg.packing, 0, cfg.bucket_size, n)
     out = backends.for_device(buf.device).decode(buf, [header] * N, offsets, N if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)
-    flags = buf[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=buf.device)]
+    flags = buf[codec.packing.device_constant([o + 3 for o in offsets], torch.int64, buf.device)]
     bad = (flags & codec.packing.FLAG_NONFINITE).ne(0).any()
     if cfg.on_nonfinite == "raise":
         raise TernGradError("TernGrad: on_nonfinite='raise' needs the headers on the host; "

@@ -275,8 +275,10 @@ class Exchange:
             self._send_per_rank(grp)
             return tickets
         if self._presence is None:
+            # a host tensor whatever the gradients' device: the count is read on the host, and reading a device
+            # tensor there would make the host wait for the GPU's queue (Horovod reduces host tensors on its own)
             self._presence = Presence(self.coll.allreduce_sum_async(
-                torch.ones(1, dtype=torch.int32, device=device), f"terngrad.presence.{grp.name}"))
+                torch.ones(1, dtype=torch.int32), f"terngrad.presence.{grp.name}"))
             self.stats.collectives += 1
             self.stats.handshake_bytes_sent += 4
         grp.presence = self._presence

@@ -334,8 +334,8 @@ class HierarchicalExchange:
     def _step_done(self, grp: HierarchicalGroup) -> None:
         """The world's 4-byte allreduce after a step's last group (see ``end_of_step_sync``); every rank
         finishes the same last group (finish order is the frontend's, the same on every rank)."""
-        handle = self.coll.allreduce_sum_async(torch.zeros(1, dtype=torch.int32, device=grp.device),
-                                               f"terngrad.h.done.{grp.name}")
+        # a host tensor: waiting on a device one would make the host wait for the GPU's queue as well
+        handle = self.coll.allreduce_sum_async(torch.zeros(1, dtype=torch.int32), f"terngrad.h.done.{grp.name}")
         self.stats.collectives += 1
         self.stats.handshake_bytes_sent += 4
         try:
@@ -348,7 +348,7 @@ class HierarchicalExchange:
         if not self.joins:
             return True
         if self._presence is None:
-            handle = self.coll.allreduce_sum_async(torch.ones(1, dtype=torch.int32, device=device),
+            handle = self.coll.allreduce_sum_async(torch.ones(1, dtype=torch.int32),     # on the host: read there
                                                    f"terngrad.presence.{group}")
             self.stats.collectives += 1
             self.stats.handshake_bytes_sent += 4

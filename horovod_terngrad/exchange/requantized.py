@@ -27,7 +27,7 @@ import torch
 
 from .. import backends
 from ..codec import requant, sizes
-from ..codec.packing import FLAG_NONFINITE, Header
+from ..codec.packing import FLAG_NONFINITE, Header, device_constant
 from . import allgather, reternarized
 
 send = reternarized.send
@@ -51,7 +51,7 @@ class RequantizedStage:
             return reternarized.empty_payload(received.device)
         head = Header(cfg.packing, 0, tk.group.bucket_size, m)
         reternarized.check_shard_headers(received, offsets, head, tk.name)
-        flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
+        flags = received[device_constant([o + 3 for o in offsets], torch.int64, received.device)]
         bad = (flags & FLAG_NONFINITE).ne(0).any()
         divisor = N if tk.average else 1
         avg = backend.decode(received, [head] * N, offsets, divisor)

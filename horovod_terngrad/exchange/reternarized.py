@@ -44,7 +44,7 @@ import torch
 
 from .. import backends, codec
 from ..codec import sizes
-from ..codec.packing import FLAG_NONFINITE, Header, header_bytes
+from ..codec.packing import FLAG_NONFINITE, Header
 from ..errors import RankMismatchError
 from . import allgather, sharded
 
@@ -73,11 +73,12 @@ def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bu
     nb = sizes.num_buckets(numel, encode_bucket_size)
     scalers = payload[sizes.HEADER_BYTES:sizes.codes_offset(nb)]
     codes = payload[sizes.codes_offset(nb):]
-    head = torch.frombuffer(bytearray(header_bytes(hi - lo, fmt, bucket_size)), dtype=torch.uint8).to(payload.device)
-    head[3:4] = payload[3:4]
+    head = codec.packing.header_tensor(hi - lo, fmt, bucket_size, payload.device)     # shared: not written to
     b0, b1 = sizes.code_byte_range(lo, hi, fmt)
     k0, k1 = lo // encode_bucket_size, -(-hi // encode_bucket_size)
-    return torch.cat([head, scalers[k0 * sizes.SCALER_BYTES:k1 * sizes.SCALER_BYTES], codes[b0:b1]])
+    out = torch.cat([head, scalers[k0 * sizes.SCALER_BYTES:k1 * sizes.SCALER_BYTES], codes[b0:b1]])
+    out[3:4] = payload[3:4]                                                               # the sender's flags
+    return out
 
 
 def shard_payloads(payload: torch.Tensor, numel: int, n_ranks: int, encode_bucket_size: int, fmt: str,
@@ -98,27 +99,13 @@ def shard_payloads(payload: torch.Tensor, numel: int, n_ranks: int, encode_bucke
     at = sizes.codes_offset(nb)
     width = sizes.HEADER_BYTES + per_scalers + per_codes
     block = torch.empty((count, width), dtype=torch.uint8, device=payload.device)
-    block[:, :sizes.HEADER_BYTES] = _header_template(full, fmt, bucket_size, payload.device)
+    block[:, :sizes.HEADER_BYTES] = codec.packing.header_tensor(full, fmt, bucket_size, payload.device)
     block[:, 3] = payload[3]
     block[:, sizes.HEADER_BYTES:sizes.HEADER_BYTES + per_scalers] = \
         payload[sizes.HEADER_BYTES:sizes.HEADER_BYTES + count * per_scalers].view(count, per_scalers)
     block[:, sizes.HEADER_BYTES + per_scalers:] = payload[at:at + count * per_codes].view(count, per_codes)
     return list(block.unbind(0)) + [shard_payload(payload, numel, lo, hi, encode_bucket_size, fmt, bucket_size)
                                     for lo, hi in bounds[count:]]
-
-
-_HEADERS: dict = {}
-
-
-def _header_template(n: int, fmt: str, bucket_size: int, device) -> torch.Tensor:
-    key = (n, fmt, bucket_size, str(device))
-    head = _HEADERS.get(key)
-    if head is None:
-        if len(_HEADERS) > 4096:
-            _HEADERS.clear()
-        head = _HEADERS[key] = torch.frombuffer(bytearray(header_bytes(n, fmt, bucket_size)),
-                                                dtype=torch.uint8).to(device)
-    return head
 
 
 def send(ex, grp, sends: list) -> None:
@@ -207,7 +194,7 @@ def check_shard_headers(received: torch.Tensor, offsets: list, head: Header, nam
     what a sender said where one differs.  On an accelerator the sizes check alone (no host read)."""
     if received.device.type != "cpu" or not offsets:
         return
-    want = _header_template(head.numel, head.fmt, head.bucket_size, received.device)
+    want = codec.packing.header_tensor(head.numel, head.fmt, head.bucket_size, received.device)
     cols = torch.tensor([i for i in range(sizes.HEADER_BYTES) if i != 3], dtype=torch.int64)
     at = torch.tensor(offsets, dtype=torch.int64).unsqueeze(1) + cols
     if torch.equal(received[at], want[cols].expand(len(offsets), -1)):
@@ -228,7 +215,7 @@ def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex
         return empty_payload(received.device)
     head = Header(cfg.packing, 0, buckets, m)
     check_shard_headers(received, offsets, head, tk.name)
-    flags = received[torch.tensor([o + 3 for o in offsets], dtype=torch.int64, device=received.device)]
+    flags = received[codec.packing.device_constant([o + 3 for o in offsets], torch.int64, received.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any().to(torch.uint8)
     avg = backend.decode(received, [head] * N, offsets, N if tk.average else 1)
     avg = torch.where(bad.bool(), torch.zeros_like(avg), avg)      # a flagged shard is NaN anyway: keep it finite
@@ -263,8 +250,8 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
         grp.walked = walked
     offsets = grp.walked[tk.slot]
     bounds = sizes.reternarized_bounds(n, N, grp.bucket_size)
-    flags = gathered[torch.tensor([o + 3 for (lo, hi), o in zip(bounds, offsets) if hi > lo],   # empty: no bytes
-                                  dtype=torch.int64, device=gathered.device)]
+    flags = gathered[codec.packing.device_constant([o + 3 for (lo, hi), o in zip(bounds, offsets) if hi > lo],
+                                                   torch.int64, gathered.device)]               # empty: no bytes
     bad = (flags & FLAG_NONFINITE).ne(0).any()
     if gathered.device.type == "cpu" or cfg.on_nonfinite == "raise":      # on the host: free on a CPU
         if bool(bad):
