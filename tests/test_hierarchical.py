@@ -345,6 +345,53 @@ def test_nan_on_one_rank_of_one_node_reaches_every_rank(policy, world_groups):
     assert all(torch.equal(res[0][1], r[1]) for r in res)
 
 
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+@pytest.mark.parametrize("policy", ["propagate", "raise", "zero"])
+def test_nan_across_a_re_ternarized_cross_stage_and_the_noise_of_the_members_after_it(policy, device_path,
+                                                                                     monkeypatch):
+    """A NaN that reaches a two-stage cross exchange (3 nodes x 2: the re-ternarized one) is told to every rank of the
+    node by the status words, on the host path (the cross engine raises per piece) and on the accelerator's path
+    (the piece comes back NaN-filled and its status is set on the device: no host read per piece), run here on CPU
+    tensors.  The members after the poisoned one keep their own noise estimate, bit for bit the clean run's."""
+    from horovod_terngrad.exchange import allgather
+    monkeypatch.setattr(allgather, "DEVICE_PATH_ON_CPU", device_path)
+    topo = Topology.contiguous(6, 2)
+    cfg = TernGradConfig(hierarchical=True, exchange="reternarized", on_nonfinite=policy)
+
+    def run(poison):
+        def body(c, local, cross):
+            ex = engine(cfg, c, local, cross, topo)
+            gs = [grad((40,), c.rank), grad((90,), c.rank, 1), grad((33,), c.rank, 2)]
+            if poison and c.rank == 3:
+                gs[0][5] = float("nan")
+            tks = ex.start_group([(gs[0], "w"), (gs[1], "b"), (gs[2], "c")], "g")
+            for t in tks:
+                t.want_noise = True
+            outs = []
+            for t in tks:
+                try:
+                    outs.append((ex.finish(t), t.noise))
+                except NonFiniteGradientError as e:
+                    outs.append((e, None))
+            return outs
+        res, errs = run_hier(topo, body)
+        assert errs == [None] * topo.size, errs
+        return res
+
+    clean, poisoned = run(False), run(True)
+    for r in range(topo.size):
+        (w, w_noise), *rest = poisoned[r]
+        if policy == "raise":
+            assert isinstance(w, NonFiniteGradientError) and "'w'" in str(w)
+        elif policy == "propagate":      # NaN on every rank, as an allreduce would give
+            assert w.shape == (40,) and torch.isnan(w).all() and w_noise is None
+        else:
+            assert torch.equal(w, torch.zeros(40)) and w_noise is None
+        for (out, noise), (want, want_noise) in zip(rest, clean[r][1:]):
+            assert torch.equal(out, want)
+            assert noise is not None and torch.equal(noise, want_noise)
+
+
 def test_a_joined_rank_sends_the_step_by_the_flat_engine_with_zeros_for_it():
     topo, cfg = TOPOS["2x2"], CONFIGS["default"]
 

@@ -61,6 +61,16 @@ def collected(ex, tk, own_bytes: int, context: str = "") -> torch.Tensor:
     return grp.gathered
 
 
+# tests set this to run the accelerator's path (flags decided on the device, nothing read on the host) on CPU
+# tensors: the same tensor ops, so a CPU-only CI covers it
+DEVICE_PATH_ON_CPU = False
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the accelerator's path (``DEVICE_PATH_ON_CPU``: also a CPU tensor)."""
+    return DEVICE_PATH_ON_CPU or t.device.type != "cpu"
+
+
 def gathered(ex, tk) -> torch.Tensor:
     """The group's allgather result."""
     return collected(ex, tk, tk.group.bytes_sent)

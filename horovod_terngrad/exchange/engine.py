@@ -190,6 +190,11 @@ class Exchange:
         # the caller guarantees every rank sends the same members, sizes and settings (checked by the caller
         # once): the allgather transport then decodes without reading headers on the host (no GPU sync)
         self.layout_known = False
+        # the caller reads the NaN/Inf outcome itself from the results (the node-aware exchange's status words):
+        # on an accelerator a flagged member comes back NaN-filled on the device even under on_nonfinite="raise",
+        # instead of its flags being read on the host once per member (the re-ternarized and requantized
+        # transports; the allgather's walk reads headers on the host anyway)
+        self.nonfinite_on_device = False
         self._noise_out: dict[str, torch.Tensor] = {}
 
     def noise_buffer(self, tk: Ticket) -> torch.Tensor | None:

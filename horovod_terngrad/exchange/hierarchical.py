@@ -39,8 +39,9 @@ from dataclasses import replace
 
 import torch
 
+from ..codec.packing import device_constant
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import cost, link, topology
+from . import allgather, cost, link, topology
 from .collectives import CollectiveError, Collectives
 from .engine import Exchange, Ticket, check_gradient
 
@@ -62,11 +63,13 @@ class HierarchicalGroup:
     """One fused group on its way through the three stages."""
 
     __slots__ = ("name", "members", "plan", "average", "a2a", "pieces", "node_mean", "ag", "gathered",
-                 "error", "unfinished", "cross_started", "local_mismatch", "device", "outbox", "sent", "noisy")
+                 "error", "unfinished", "cross_started", "local_mismatch", "device", "outbox", "sent", "noisy",
+                 "statuses")
 
     def __init__(self, name, members, plan, average):
         self.name, self.members, self.plan, self.average = name, members, plan, average
         self.a2a = self.ag = self.gathered = self.error = self.node_mean = self.outbox = self.sent = None
+        self.statuses = None            # every local rank's status words, read on the host once per group
         self.pieces: list = []          # this rank's cross tickets, in plan order
         self.unfinished = len(members)
         self.cross_started = False
@@ -95,6 +98,8 @@ class HierarchicalExchange:
         # streams by the global rank; it decides NaN/Inf per piece, this engine applies the policy per member
         self.cross_engine = Exchange(cross, self.config.replace(on_nonfinite="raise"), flat.stats, flat.inspection,
                                      flat.steps, ordered=flat.ordered, joins=False, stream_rank=flat.coll.rank)
+        # on a GPU a flagged piece comes back NaN-filled and _finish_cross tells it from the result on the device
+        self.cross_engine.nonfinite_on_device = True
         self.stats, self.inspection, self.steps = flat.stats, flat.inspection, flat.steps
         self.ordered = flat.ordered
         self.joins = flat.joins
@@ -293,6 +298,7 @@ class HierarchicalExchange:
                     # buffer of tens of MB costs its page faults every step, on the cores that compute)
                     self._outboxes[grp.name] = grp.sent
                 grp.members, grp.gathered, grp.node_mean, grp.pieces, grp.sent = [], None, None, [], None
+                grp.statuses = None
                 self._live -= 1
                 if self._live == 0 and self.end_of_step_sync:
                     self._step_done(grp)
@@ -444,13 +450,16 @@ class HierarchicalExchange:
         """This rank's averaged shard (and a status per piece) to every rank of the node."""
         j = self.local.rank
         pieces = grp.plan[j]
-        status = torch.zeros(len(pieces), dtype=torch.float32)
+        status = [STATUS_OK] * len(pieces)
         shard = sum(p.numel for p in pieces)
+        on_device = False
+        finished = []                # pieces whose exchange completed: on a GPU their NaN/Inf is told there
         if grp.error is not None or not grp.cross_started:
-            status.fill_(STATUS_FAILED)
+            status = [STATUS_FAILED] * len(pieces)
             grp.outbox = torch.zeros(shard * (2 if grp.noisy else 1) + len(pieces), dtype=torch.float32,
                                      device=grp.members[0].g32.device)
         else:
+            on_device = allgather.on_device(grp.outbox)
             at = shard
             for i, ptk in enumerate(grp.pieces):
                 try:
@@ -462,7 +471,7 @@ class HierarchicalExchange:
                             grp.outbox[at:at + ptk.g32.numel()] = ptk.noise.reshape(-1)
                         elif ptk.want_noise:
                             status[i] += STATUS_NO_NOISE
-                    at += ptk.g32.numel()
+                    finished.append(i)
                 except NonFiniteGradientError:
                     status[i] = STATUS_NONFINITE
                 except RankMismatchError:
@@ -470,11 +479,25 @@ class HierarchicalExchange:
                 except CollectiveError as e:
                     status[i] = STATUS_FAILED
                     grp.error = grp.error or e
+                finally:
+                    at += ptk.g32.numel()        # the next piece's noise goes to its own place, whatever this one did
             if grp.local_mismatch:
-                status.fill_(STATUS_MISMATCH)
+                status, finished = [STATUS_MISMATCH] * len(pieces), []
         data, grp.outbox = grp.outbox, None
         grp.sent = data
-        data[data.numel() - len(pieces):] = status.to(data.device)
+        tail = data.numel() - len(pieces)
+        if on_device:
+            # no host read per piece: the statuses known here come as a cached device constant (all ok, step after
+            # step), and a piece the cross exchange flagged NaN/Inf (NaN-filled there: nonfinite_on_device) adds
+            # STATUS_NONFINITE from its first element, on the device
+            data[tail:] = device_constant(status, torch.float32, data.device)
+            told = [i for i in finished if grp.pieces[i].g32.numel() > 0]
+            if told:
+                firsts = torch.stack([grp.pieces[i].g32.reshape(-1)[0] for i in told])
+                data.index_add_(0, device_constant([tail + i for i in told], torch.int64, data.device),
+                                torch.isnan(firsts).to(torch.float32) * STATUS_NONFINITE)
+        else:
+            data[tail:] = torch.tensor(status, dtype=torch.float32)
         sizes = [sum(p.numel for p in grp.plan[r]) * (2 if grp.noisy else 1) + len(grp.plan[r]) for r in range(self.G)]
         name = f"terngrad.h.ag.{grp.name}"
         if getattr(self.local, "takes_sizes", False):
@@ -483,6 +506,23 @@ class HierarchicalExchange:
             grp.ag = self.local.allgather_async(data, name)
         self.stats.collectives += 1
         self.stats.intra_node_bytes_sent += 4 * data.numel()
+
+    def _read_statuses(self, grp: HierarchicalGroup) -> list:
+        """Every local rank's status words of ``grp``, in plan order, read on the host in one go: on a GPU one
+        device-to-host read per group (what they say, a peer's failure or disagreement, must raise on every rank
+        of the node), not one per piece and member."""
+        idx, at = [], 0
+        for r in range(self.G):
+            pieces = grp.plan[r]
+            values = sum(p.numel for p in pieces) * (2 if grp.noisy else 1)
+            idx += range(at + values, at + values + len(pieces))
+            at += values + len(pieces)
+        if at != grp.gathered.numel():
+            raise RankMismatchError(f"TernGrad: ranks of this node disagree on group '{grp.name}': gathered "
+                                    f"{grp.gathered.numel()} values, expected {at}")
+        if not idx:
+            return []
+        return grp.gathered[device_constant(idx, torch.int64, grp.gathered.device)].tolist()
 
     def _member_result(self, tk: HierarchicalTicket) -> torch.Tensor:
         grp = tk.hgroup
@@ -505,17 +545,18 @@ class HierarchicalExchange:
         # order
         out = tk.g32 if tk.in_place else torch.empty_like(tk.g32)
         noise = torch.empty_like(tk.g32) if grp.noisy and tk.want_noise else None
-        bad, at, noise_missing = set(), 0, False
+        if grp.statuses is None:
+            grp.statuses = self._read_statuses(grp)
+        bad, at, noise_missing, k = set(), 0, False, 0
         for r in range(self.G):
             pieces = grp.plan[r]
             shard = sum(p.numel for p in pieces)
             values = grp.gathered[at:at + shard]
             extra = shard if grp.noisy else 0
-            status = grp.gathered[at + shard + extra:at + shard + extra + len(pieces)]
             off = 0
             for i, p in enumerate(pieces):
+                code = grp.statuses[k + i]
                 if p.member == tk.index:
-                    code = float(status[i])
                     if code >= STATUS_NO_NOISE:
                         code -= STATUS_NO_NOISE
                         noise_missing = True
@@ -526,6 +567,7 @@ class HierarchicalExchange:
                         noise[p.start:p.stop] = grp.gathered[at + shard + off:at + shard + off + p.numel]
                 off += p.numel
             at += shard + extra + len(pieces)
+            k += len(pieces)
         if at != grp.gathered.numel():
             raise RankMismatchError(f"TernGrad: ranks of this node disagree on group '{grp.name}': gathered "
                                     f"{grp.gathered.numel()} values, expected {at}")

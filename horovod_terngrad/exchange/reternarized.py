@@ -253,7 +253,8 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
     flags = gathered[codec.packing.device_constant([o + 3 for (lo, hi), o in zip(bounds, offsets) if hi > lo],
                                                    torch.int64, gathered.device)]               # empty: no bytes
     bad = (flags & FLAG_NONFINITE).ne(0).any()
-    if gathered.device.type == "cpu" or cfg.on_nonfinite == "raise":      # on the host: free on a CPU
+    on_host = not allgather.on_device(gathered) or (cfg.on_nonfinite == "raise" and not ex.nonfinite_on_device)
+    if on_host:                                                           # free on a CPU
         if bool(bad):
             ex.nonfinite(tk, f"TernGrad: gradient '{tk.name}' (shape {tuple(tk.shape)}) contains NaN or Inf on at "
                              f"least one rank ({stage.label}: a shard's owner carried the flag on)")
@@ -271,7 +272,7 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
         if hi > lo:
             stage.decode(gathered, off, lo, hi, tk, ex, out, noise)
     if bad is not None:          # an accelerator: the flags decided on the device, no synchronization
-        out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
+        out.masked_fill_(bad, 0.0 if cfg.on_nonfinite == "zero" else float("nan"))   # "raise": the caller reads it
         if noise is not None:
             noise.masked_fill_(bad, 0.0)
     tk.noise = noise
