@@ -214,8 +214,8 @@ def walk(buf: torch.Tensor, count: int, what: str = "payloads", batched: bool | 
         return _walk(lambda off: bytes(raw[off:off + HEADER_BYTES]), buf.numel(), count, what)
     guess = _guess_offsets(buf.numel(), count, period)
     if guess is not None and count > 1:
-        idx = torch.tensor(guess, dtype=torch.int64, device=buf.device)[:, None] + \
-            torch.arange(HEADER_BYTES, device=buf.device)
+        # the one read on the host is the headers' bytes; their offsets repeat each step (a cached constant)
+        idx = device_constant(guess, torch.int64, buf.device)[:, None] + torch.arange(HEADER_BYTES, device=buf.device)
         heads = buf[idx].cpu().numpy().tobytes()
         at = {off: heads[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i, off in enumerate(guess)}
         try:
