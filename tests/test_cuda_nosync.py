@@ -208,7 +208,7 @@ def _flat(n_ranks, cfg, joins, layout_known):
     return lambda: run_ranks(n_ranks, body)
 
 
-def _node_aware(per_node, nodes, cfg):
+def _node_aware(per_node, nodes, cfg, ddp=False):
     from horovod_terngrad.exchange import Exchange, ThreadWorld
     from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
     from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
@@ -225,6 +225,8 @@ def _node_aware(per_node, nodes, cfg):
         def body(c):
             try:
                 ex = HierarchicalExchange(Exchange(c, cfg, stream_rank=c.rank, joins=False), *sub[c.rank], topo)
+                if ddp:                      # as the DDP frontend makes it (frontends/ddp.py, _node_aware)
+                    ex.flat.layout_known = ex.cross_engine.layout_known = True
                 tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")
                 results[c.rank] = [ex.finish(tk) for tk in tickets]
             except BaseException as e:  # noqa: BLE001 - raised below
@@ -251,7 +253,9 @@ SWEEP = {
     "allgather, FSDP2 engine (layout known)": (lambda: _flat(2, TernGradConfig(min_numel=0), False, True), {}),
     "allgather, Horovod engine (presence check)": (lambda: _flat(2, TernGradConfig(min_numel=0), True, False),
                                                     {WALK: 2}),
-    "allgather, DDP engine": (lambda: _flat(4, TernGradConfig(min_numel=0), False, False), {WALK: 4}),
+    "allgather, DDP engine (layout known)": (lambda: _flat(4, TernGradConfig(min_numel=0), False, True), {}),
+    "allgather, header walk (DDP with on_nonfinite='raise')": (
+        lambda: _flat(4, TernGradConfig(min_numel=0), False, False), {WALK: 4}),
     "default above 4 (re-ternarized b128), DDP engine": (lambda: _flat(6, TernGradConfig(min_numel=0), False, False),
                                                           {}),
     "default above 4 (re-ternarized b128), Horovod engine": (lambda: _flat(6, TernGradConfig(min_numel=0), True,
@@ -262,6 +266,10 @@ SWEEP = {
         {STATUSES: 6}),
     "node-aware 6 nodes x 2, defaults": (
         lambda: _node_aware(2, 6, TernGradConfig(min_numel=0, hierarchical=True)), {STATUSES: 12}),
+    "node-aware 2 nodes x 2 (allgather across), DDP engines": (
+        lambda: _node_aware(2, 2, TernGradConfig(min_numel=0, hierarchical=True), ddp=True), {STATUSES: 4}),
+    "node-aware 2 nodes x 2 (allgather across), Horovod engines": (
+        lambda: _node_aware(2, 2, TernGradConfig(min_numel=0, hierarchical=True)), {STATUSES: 4, WALK: 4}),
 }
 
 

@@ -632,13 +632,15 @@ def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
     assert [r[1] for r in results[:2]] == [(True, None)] * 2
 
 
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
 @pytest.mark.parametrize("policy", ["propagate", "zero"])
 @pytest.mark.parametrize("bucket_size", [0, 16])
-def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_size):
-    """``Exchange.layout_known`` (the FSDP frontend's engines): the allgather is decoded at offsets computed from
-    this rank's own payload sizes, NaN/Inf flags combined with tensor ops (no host read on a GPU).  The same
-    bits as the header walk, fused members and lone tensors; a flagged member NaN (or zero) on every rank, its
-    neighbours untouched."""
+def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_size, device_path, monkeypatch):
+    """``Exchange.layout_known`` (the FSDP and DDP frontends' engines): the allgather is decoded at offsets computed
+    from this rank's own payload sizes, NaN/Inf flags combined with tensor ops (no host read on a GPU: the device
+    path, run here on CPU tensors, which leaves the NaN count to the host).  The same bits as the header walk,
+    fused members and lone tensors; a flagged member NaN (or zero) on every rank, its neighbours untouched."""
+    from horovod_terngrad.exchange import allgather
     cfg = TernGradConfig(exchange="allgather", on_nonfinite=policy, bucket_size=bucket_size, min_numel=0)
 
     def body(c, known):
@@ -654,9 +656,10 @@ def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_si
         return outs, ex.stats.nonfinite_propagated + ex.stats.nonfinite_zeroed
 
     walked = run_ranks(3, body, False, timeout=30)
+    monkeypatch.setattr(allgather, "DEVICE_PATH_ON_CPU", device_path)
     known = run_ranks(3, body, True, timeout=30)
     for (w, wcount), (k, kcount) in zip(walked, known):
-        assert wcount == kcount == 1
+        assert wcount == 1 and kcount == (0 if device_path else 1)
         for a, b in zip(w, k):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
         flagged = k[5]

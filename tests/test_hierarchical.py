@@ -347,20 +347,24 @@ def test_nan_on_one_rank_of_one_node_reaches_every_rank(policy, world_groups):
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
 @pytest.mark.parametrize("policy", ["propagate", "raise", "zero"])
-def test_nan_across_a_re_ternarized_cross_stage_and_the_noise_of_the_members_after_it(policy, device_path,
-                                                                                     monkeypatch):
-    """A NaN that reaches a two-stage cross exchange (3 nodes x 2: the re-ternarized one) is told to every rank of the
-    node by the status words, on the host path (the cross engine raises per piece) and on the accelerator's path
-    (the piece comes back NaN-filled and its status is set on the device: no host read per piece), run here on CPU
-    tensors.  The members after the poisoned one keep their own noise estimate, bit for bit the clean run's."""
+@pytest.mark.parametrize("across", ["reternarized", "allgather-layout-known"])
+def test_nan_across_the_cross_stage_and_the_noise_of_the_members_after_it(policy, device_path, across, monkeypatch):
+    """A NaN that reaches the cross exchange (3 nodes x 2: the re-ternarized one; or the allgather one decoding at
+    known offsets, as the DDP frontend's engines do) is told to every rank of the node by the status words, on the
+    host path (the cross engine raises per piece) and on the accelerator's path (the piece comes back NaN-filled
+    and its status is set on the device: no host read per piece), run here on CPU tensors.  The members after the
+    poisoned one keep their own noise estimate, bit for bit the clean run's."""
     from horovod_terngrad.exchange import allgather
     monkeypatch.setattr(allgather, "DEVICE_PATH_ON_CPU", device_path)
     topo = Topology.contiguous(6, 2)
-    cfg = TernGradConfig(hierarchical=True, exchange="reternarized", on_nonfinite=policy)
+    known = across == "allgather-layout-known"
+    cfg = TernGradConfig(hierarchical=True, exchange="allgather" if known else "reternarized", on_nonfinite=policy)
 
     def run(poison):
         def body(c, local, cross):
             ex = engine(cfg, c, local, cross, topo)
+            if known:
+                ex.flat.layout_known = ex.cross_engine.layout_known = True
             gs = [grad((40,), c.rank), grad((90,), c.rank, 1), grad((33,), c.rank, 2)]
             if poison and c.rank == 3:
                 gs[0][5] = float("nan")

@@ -116,13 +116,14 @@ def receive(ex, tk) -> torch.Tensor | None:
     return out
 
 
-def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
+def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor | None:
     """``receive`` without reading the gathered headers on the host, for a caller that guarantees every rank
     sends the same members with the same sizes and settings (``Exchange.layout_known``; the FSDP frontend checks
-    it once, at ``register``).  Offsets follow from this rank's own payload sizes; the decode reads the scalers
-    on the device; the senders' NaN/Inf flags (header byte 3) are combined on the device, and a flagged member's
-    average is filled with NaN ("propagate") or zero ("zero") there: no host synchronization on a GPU.  On the
-    CPU the flags are also counted in ``stats`` (no synchronization to avoid there)."""
+    it once, at ``register``, the DDP frontend at its first bucket).  Offsets follow from this rank's own payload
+    sizes; the decode reads the scalers on the device; the senders' NaN/Inf flags (header byte 3) are combined on
+    the device, and a flagged member's average is filled with NaN ("propagate", or "raise" where the caller reads
+    the result: ``Exchange.nonfinite_on_device``) or zero ("zero") there: no host synchronization on a GPU.  On the
+    CPU the flags are read first, for free, and the policy applied as the header walk applies it."""
     t0 = time.perf_counter()
     grp, N = tk.group, ex.coll.size
     period = [t.payload_bytes for t in grp.sent]
@@ -134,23 +135,30 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor:
     offsets = [r * block + first for r in range(N)]
     cfg = ex.config
     n = tk.g32.numel()
-    header = codec.packing.Header(cfg.packing, 0, cfg.bucket_size, n)
+    header = codec.packing.Header(cfg.packing, 0, tk.bucket, n)
+    flags = buf[codec.packing.device_constant([o + 3 for o in offsets], torch.int64, buf.device)]
+    flagged = (flags & codec.packing.FLAG_NONFINITE).ne(0)
+    if not on_device(buf):
+        if bool(flagged.any()):      # free on the host: the walk's outcome, its policy, stats and warning
+            ranks = flagged.nonzero().flatten().tolist()
+            ex.nonfinite(tk, NonFiniteGradientError.describe(tk.name, tk.shape, ranks[0], ranks[-1]))
+            if tk.error is not None:
+                raise tk.error
+            return None
+        bad = None
+    else:
+        if cfg.on_nonfinite == "raise" and not ex.nonfinite_on_device:
+            raise TernGradError("TernGrad: on_nonfinite='raise' needs the headers on the host; "
+                                "Exchange.layout_known does not read them")
+        bad = flagged.any()
     out = backends.for_device(buf.device).decode(buf, [header] * N, offsets, N if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)
-    flags = buf[codec.packing.device_constant([o + 3 for o in offsets], torch.int64, buf.device)]
-    bad = (flags & codec.packing.FLAG_NONFINITE).ne(0).any()
-    if cfg.on_nonfinite == "raise":
-        raise TernGradError("TernGrad: on_nonfinite='raise' needs the headers on the host; "
-                            "Exchange.layout_known does not read them")
-    out.masked_fill_(bad, float("nan") if cfg.on_nonfinite == "propagate" else 0.0)
+    if bad is not None:
+        out.masked_fill_(bad, 0.0 if cfg.on_nonfinite == "zero" else float("nan"))
     if tk.want_noise:
-        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1,
-                                  out=ex.noise_buffer(tk)).masked_fill_(bad, 0.0)
-    if buf.device.type == "cpu" and bool(bad):
-        if cfg.on_nonfinite == "propagate":
-            ex.stats.nonfinite_propagated += 1
-        else:
-            ex.stats.nonfinite_zeroed += 1
+        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1, out=ex.noise_buffer(tk))
+        if bad is not None:
+            tk.noise.masked_fill_(bad, 0.0)
     ex.stats.codec_s += time.perf_counter() - t0
     return out
 

@@ -317,7 +317,15 @@ class TernGradState:
             # inside a node the shards differ in size (the engine passes them); across nodes every rank of
             # a cross group sends the same pieces, so payload sizes agree as on the hook's own group
             return DistCollectives(group, equal_sizes=not intra_node)
-        return dist_engine(flat, make)
+        # every rank agreed on settings and parameters (_check_agreement, before the engine is made) and DDP's
+        # buckets are the same on every rank: payloads are decoded at offsets known from this rank's own sizes,
+        # without reading the gathered headers on the host (on a GPU, one synchronization less per bucket).
+        # on_nonfinite="raise" needs the headers on the host: the header walk then
+        flat.layout_known = self.config.on_nonfinite != "raise"
+        engine = dist_engine(flat, make)
+        if engine is not flat:        # a cross group's ranks send the same pieces; its NaN/Inf goes by status words
+            engine.cross_engine.layout_known = True
+        return engine
 
     def state_dict(self) -> dict:
         """Step counters of the random streams and counters (plain values); waits for the worker."""

@@ -122,12 +122,13 @@ class _RefreshedAdam:
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             plain, tern = [], []
             on_host = not (group["fused"] or group["capturable"])     # else TernGrad's path is refused anyway
+            records = [precision.record_of(p) for p in params]        # read once per step (weak-keyed map)
             for i, p in enumerate(params):
                 st = self.state[p]
                 # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
                 # TernGrad's after it, for good (host-side count: no GPU sync)
                 ternary_before = on_host and TERNARY_STEPS in st and float(st[TERNARY_STEPS]) > 0
-                (tern if precision.record_of(p) == precision.TERNARY or ternary_before else plain).append(i)
+                (tern if records[i] == precision.TERNARY or ternary_before else plain).append(i)
             if plain:
                 pick = (lambda xs: [xs[i] for i in plain])
                 torch_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
@@ -156,10 +157,11 @@ class _RefreshedAdam:
                 amsgrad = group["amsgrad"]
                 self._terngrad_update(group, [params[i] for i in tern], [grads[i] for i in tern],
                                       [exp_avgs[i] for i in tern], [exp_avg_sqs[i] for i in tern],
-                                      [max_exp_avg_sqs[i] for i in tern] if amsgrad else None)
+                                      [max_exp_avg_sqs[i] for i in tern] if amsgrad else None,
+                                      [records[i] for i in tern])
         return loss
 
-    def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) -> None:
+    def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, records=None) -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if group[flag]:
                 raise ValueError(f"horovod_terngrad.optim.{type(self).__name__}: {flag}=True is not supported for "
@@ -171,15 +173,16 @@ class _RefreshedAdam:
         corrected = group.get("refresh") is None
         by_kind: dict = {}
         noise_of = {}
+        ternary_counts = []       # host step counts, advanced by one foreach call (not one op per tensor)
         for i, p in enumerate(params):
             state = self.state[p]
             if V_STEPS not in state:      # a state from torch's AdamW: v has had as many updates as steps so far
                 state[V_STEPS] = state["step"].clone()
             if TERNARY_STEPS not in state:
                 state[TERNARY_STEPS] = torch.zeros_like(state["step"])
-            record = precision.record_of(p)
+            record = precision.record_of(p) if records is None else records[i]
             if record == precision.TERNARY:
-                state[TERNARY_STEPS] += 1
+                ternary_counts.append(state[TERNARY_STEPS])
             if corrected:
                 refresh = True            # v is updated every step; n carries the noise to take out
                 if NOISE not in state:
@@ -203,6 +206,8 @@ class _RefreshedAdam:
                         log.warning("horovod_terngrad.optim: a parameter (shape %s) got a ternary gradient before "
                                     "any full-precision one; its second moment starts from that", tuple(p.shape))
             by_kind.setdefault((p.device, p.dtype, refresh), []).append(i)
+        if ternary_counts:
+            torch._foreach_add_(ternary_counts, 1)
         for (device, dtype, refresh), idx in by_kind.items():
             if corrected and self._fused_cpu(device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of):
                 self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, noise_of)
@@ -238,14 +243,14 @@ class _RefreshedAdam:
                     torch._foreach_addcmul_([ns[j] for j, _ in got], [x[0].to(ns[j].dtype) for j, x in got],
                                             factor)
             del gs
-            bias1, bias2_sqrt = [], []
-            for i in idx:
-                state = self.state[params[i]]
-                state["step"] += 1
-                if refresh:
-                    state[V_STEPS] += 1
-                bias1.append(1 - beta1 ** float(state["step"]))
-                bias2_sqrt.append(math.sqrt(1 - beta2 ** float(state[V_STEPS])))
+            # the host step counts: one foreach call each, then read (torch's own Adam does the same)
+            counts = [self.state[params[i]]["step"] for i in idx]
+            v_counts = [self.state[params[i]][V_STEPS] for i in idx]
+            torch._foreach_add_(counts, 1)
+            if refresh:
+                torch._foreach_add_(v_counts, 1)
+            bias1 = [1 - beta1 ** c.item() for c in counts]
+            bias2_sqrt = [math.sqrt(1 - beta2 ** v.item()) for v in v_counts]
             if wd != 0 and decoupled:
                 torch._foreach_mul_(ps, 1 - lr * wd)
             if corrected:
