@@ -100,9 +100,12 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data) -> dict:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     opt = AdamW(groups, lr=lr, betas=(0.9, 0.95))
     from exchange_bits import exchange_spec
-    exchange, bucket = exchange_spec(method)          # e.g. reternarized@b128: one scaler per 128 elements
+    # e.g. reternarized@b128: one scaler per 128 elements; a "+bf16" suffix: intra_node_dtype="bfloat16"
+    spec, bf16 = (method[:-len("+bf16")], True) if method.endswith("+bf16") else (method, False)
+    exchange, bucket = exchange_spec(spec)
     cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
-                         hierarchical=bool(G > 1), bucket_size=bucket)
+                         hierarchical=bool(G > 1), bucket_size=bucket,
+                         intra_node_dtype="bfloat16" if bf16 else "float32")
     sim = Simulator(model, N, cfg, compression="none" if method == "none" else "terngrad",
                     ranks_per_node=max(G, 1))
     gen = torch.Generator().manual_seed(seed)
@@ -173,7 +176,8 @@ def main(argv=None):
     p.add_argument("--nodes-of", type=int, default=0, help="ranks per node (0 or 1: flat)")
     p.add_argument("--exchanges", default="none,allgather,requantized,reternarized",
                    help="comma-separated: none (fp32) or an exchange, optionally @bK for bucket_size=K "
-                        "(one scaler per K elements; e.g. reternarized@b128)")
+                        "(one scaler per K elements; e.g. reternarized@b128), and a +bf16 suffix for "
+                        "intra_node_dtype='bfloat16' (with --nodes-of)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None, metavar="DIR[,DIR...]",

@@ -58,7 +58,9 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
         cfg = cfg.replace(exchange=across, bucket_size=cfg.bucket_for(across))
     numels = [t.numel() for t in per_rank[0]]
     plan = shard_plan(numels, G)
-    flat = {r: torch.cat([t.reshape(-1).float() for t in per_rank[r]]) for r in range(topo.size)}
+    # intra_node_dtype="bfloat16": every rank's contribution, and the averaged shards, go through bf16's rounding
+    wire = (lambda t: t.bfloat16().float()) if cfg.intra_node_dtype == "bfloat16" else (lambda t: t)
+    flat = {r: wire(torch.cat([t.reshape(-1).float() for t in per_rank[r]])) for r in range(topo.size)}
     bounds = shard_bounds(sum(numels), G)
     outs = [torch.empty(n) for n in numels]
     noises = [torch.empty(n) for n in numels]
@@ -81,13 +83,13 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
             if cfg.exchange in ("reternarized", "requantized"):
                 want, nu = expected_reternarized(segs, pname, step, cfg, average=average, ranks=list(cross), noise=True,
                                                  second="requant" if cfg.exchange == "requantized" else "ternary")
-                noises[p.member][p.start:p.stop] = nu
+                noises[p.member][p.start:p.stop] = wire(nu)
             else:
                 if noise:
                     raise NotImplementedError("the reference noise of the hierarchical exchange: re-ternarized and "
                                               "requantized cross exchanges only")
                 want, _ = expected_average(segs, pname, step, cfg, average=average, ranks=list(cross))
-            outs[p.member][p.start:p.stop] = want
+            outs[p.member][p.start:p.stop] = wire(want)
     outs = [o.view(t.shape) for o, t in zip(outs, per_rank[0])]
     return (outs, noises) if noise else outs
 

@@ -85,7 +85,10 @@ CONFIGS = {"default": TernGradConfig(hierarchical=True),
            "shared": TernGradConfig(hierarchical=True, shared_scaler=True),
            "sharded": TernGradConfig(hierarchical=True, exchange="sharded", packing="base3"),
            "reternarized": TernGradConfig(hierarchical=True, exchange="reternarized"),
-           "buckets": TernGradConfig(hierarchical=True, bucket_size=7, seed=3)}
+           "buckets": TernGradConfig(hierarchical=True, bucket_size=7, seed=3),
+           # the intra-node stages in bf16: each rank's shard and the averaged shards rounded on the wire
+           "bf16": TernGradConfig(hierarchical=True, intra_node_dtype="bfloat16"),
+           "bf16-reternarized": TernGradConfig(hierarchical=True, exchange="reternarized", intra_node_dtype="bfloat16")}
 SHAPES = [(20, 50), (37,), (7, 3, 3), (1,), (1001,)]
 
 
@@ -135,15 +138,16 @@ def test_every_rank_gets_the_recomputed_hierarchical_average_bit_for_bit(topo, c
         assert res[r][1] == ref_steps, r
 
 
+@pytest.mark.parametrize("intra", ["float32", "bfloat16"])
 @pytest.mark.parametrize("topo", ["2x2", "2x3", "2x2-crossed"])
 @pytest.mark.parametrize("exchange", ["requantized", "reternarized", "allgather"])
-def test_the_noise_estimate_comes_through_the_node_aware_exchange(topo, exchange):
+def test_the_noise_estimate_comes_through_the_node_aware_exchange(topo, exchange, intra):
     """horovod_terngrad.optim's noise estimate on the node-aware path: the cross stage's estimate (its only
     ternary rounding) of every piece, carried by the intra-node allgather to every local rank and put together
     per member as the average is: the reference's bit for bit (re-ternarized, requantized), identical on every
     rank of the job (allgather too), only for the members that asked, and the averages unchanged by asking."""
     topo = TOPOS[topo]
-    cfg = TernGradConfig(hierarchical=True, exchange=exchange)
+    cfg = TernGradConfig(hierarchical=True, exchange=exchange, intra_node_dtype=intra)
     names = [f"layer{i}" for i in range(len(SHAPES))]
 
     def body(c, local, cross):

@@ -604,13 +604,14 @@ def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, 
 
 def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: int, network: Network,
                       packing: str = "2bit", bucket_size: int = 0, shared_scaler: bool = False,
-                      cross: str | None = None) -> ExchangeCost:
+                      cross: str | None = None, intra_width: int = 4) -> ExchangeCost:
     """The node-aware exchange (exchange/hierarchical.py) of one group on M = ``nodes`` nodes of G =
     ``ranks_per_node`` ranks (``topology.shard_plan``: local rank j owns shard j's pieces):
 
     T = alltoall(c, G ranks, intra) + max_j T_cross(pieces of shard j, M ranks, cross link) + allgather(P, G, intra)
 
-    * c, P = ``topology.intra_node_bytes``: the largest fp32 shard each rank sends each local peer, and
+    * c, P = ``topology.intra_node_bytes`` at ``intra_width`` bytes per element (4: fp32, 2: bf16,
+      ``TernGradConfig.intra_node_width``): the largest shard each rank sends each local peer, and
       the largest averaged shard plus one status word per piece; alltoall and allgather on G ranks of
       ``network.intra_node`` (``network`` itself if None): (G-1)·alpha + (G-1)·c·beta and
       (G-1)·alpha + (G-1)·P·beta through one port; with L = min(peer_links, G-1) links per rank (a fully
@@ -637,7 +638,7 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
         return _flat_terngrad_cost(ns, M * G, flat_net, packing, bucket_size, shared_scaler, cross)
     intra = network.intra_node or network
     link = cross_network(network, G)
-    c, P = topology.intra_node_bytes(ns, G)
+    c, P = topology.intra_node_bytes(ns, G, intra_width)
     t_local = alltoall_time(c, G, intra, G) + ring_allgather_time(P, G, intra)
     worst = None
     for pieces in topology.shard_plan(ns, G):
@@ -654,7 +655,7 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
 
 def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packing: str = "2bit",
                   bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
-                  exchange: str | None = None, step_allreduces: int = 0) -> bool:
+                  exchange: str | None = None, step_allreduces: int = 0, intra_width: int = 4) -> bool:
     """``hierarchical="auto"``: whether the node-aware exchange (:func:`hierarchical_cost`) is cheaper
     than the flat TernGrad exchange on all N = M·G ranks (G of them per node sharing its link: the
     collectives' formulas on the inter-node link, the alltoall's G·(N-G) bytes per link) for a group of these sizes.
@@ -672,12 +673,13 @@ def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packin
     ns = _sizes(numels)
     flat = _flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, exchange)
     overhead = int(step_allreduces) * presence_cost(M * G, net).time_s
-    return hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange).time_s + overhead < flat.time_s
+    return hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange,
+                             intra_width).time_s + overhead < flat.time_s
 
 
 def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: int, packing: str = "2bit",
                    bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
-                   exchange: str | None = None, step_allreduces: int = 0) -> list[bool]:
+                   exchange: str | None = None, step_allreduces: int = 0, intra_width: int = 4) -> list[bool]:
     """``hierarchical="auto"`` for a whole step of groups (element counts of each group's members) known in
     advance: the groups the node-aware exchange makes faster than the flat one go node-aware, if together
     they save more than the ``step_allreduces`` 4-byte allreduces it adds to the step (see
@@ -691,7 +693,7 @@ def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: 
     for g in groups:
         ns = _sizes(g)
         d = (_flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, exchange).time_s
-             - hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange).time_s)
+             - hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange, intra_width).time_s)
         out.append(d > 0)
         saved += max(d, 0.0)
     if saved <= int(step_allreduces) * presence_cost(M * G, net).time_s:

@@ -213,7 +213,8 @@ class HierarchicalExchange:
                                   shared_scaler=self.config.scaler_shared_for(
                                       "sharded" if exchange == "sharded" else "allgather"),
                                   exchange=None if exchange == "auto" else exchange,
-                                  step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync))
+                                  step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync),
+                                  intra_width=self.config.intra_node_width)
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
         if not items:
@@ -253,13 +254,17 @@ class HierarchicalExchange:
         buf = tickets[0].g32 if len(tickets) == 1 else torch.cat([tk.g32 for tk in tickets])
         splits = [hi - lo for lo, hi in topology.shard_bounds(sum(numels), self.G)]
         own = splits[self.local.rank]
+        width = self.config.intra_node_width
+        if width == 2:       # intra_node_dtype="bfloat16": rounded to nearest, sent as its bytes
+            buf = _to_wire(buf)
+            splits, own = [2 * s for s in splits], 2 * own
         name = f"terngrad.h.a2a.{group}"
         if getattr(self.local, "takes_sizes", False):   # every local rank sends this rank its shard: same size
             grp.a2a = self.local.alltoall_async(buf, splits, name, received=[own] * self.G)
         else:
             grp.a2a = self.local.alltoall_async(buf, splits, name)
         self.stats.collectives += 1
-        self.stats.intra_node_bytes_sent += 4 * (buf.numel() - own)
+        self.stats.intra_node_bytes_sent += (buf.numel() - own) * (4 if width == 4 else 1)
         self.stats.codec_s += time.perf_counter() - t0
         if not self._step_open:           # a new step: groups an exception abandoned do not count
             self._step_open, self._live = True, 0
@@ -395,7 +400,10 @@ class HierarchicalExchange:
         finally:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.stats.intra_node_bytes_received += 4 * (received.numel() - shard)
+        width = self.config.intra_node_width
+        self.stats.intra_node_bytes_received += width * (received.numel() // (1 if width == 4 else 2) - shard)
+        if width == 2:
+            received = _from_wire(received)
         # Adam's noise estimate (horovod_terngrad.optim) comes from the cross exchange of the node means, the
         # only ternary rounding on this path; the intra-node allgather carries it beside the shard.  Every rank
         # of the job runs the same optimizer, so every local rank decides alike (a disagreement shows as sizes).
@@ -500,12 +508,15 @@ class HierarchicalExchange:
             data[tail:] = torch.tensor(status, dtype=torch.float32)
         sizes = [sum(p.numel for p in grp.plan[r]) * (2 if grp.noisy else 1) + len(grp.plan[r]) for r in range(self.G)]
         name = f"terngrad.h.ag.{grp.name}"
+        width = self.config.intra_node_width
+        self.stats.intra_node_bytes_sent += width * data.numel()
+        if width == 2:       # the averaged shard, its noise estimate and the status words (small integers: exact)
+            data, sizes = _to_wire(data), [2 * s for s in sizes]
         if getattr(self.local, "takes_sizes", False):
             grp.ag = self.local.allgather_async(data, name, sizes=sizes)
         else:
             grp.ag = self.local.allgather_async(data, name)
         self.stats.collectives += 1
-        self.stats.intra_node_bytes_sent += 4 * data.numel()
 
     def _read_statuses(self, grp: HierarchicalGroup) -> list:
         """Every local rank's status words of ``grp``, in plan order, read on the host in one go: on a GPU one
@@ -538,7 +549,9 @@ class HierarchicalExchange:
                                  f"'{grp.name}') failed") from None
             finally:
                 self.stats.gather_wait_s += time.perf_counter() - t0
-            self.stats.intra_node_bytes_received += grp.gathered.numel() * 4
+            if self.config.intra_node_width == 2:
+                grp.gathered = _from_wire(grp.gathered)
+            self.stats.intra_node_bytes_received += grp.gathered.numel() * self.config.intra_node_width
         if grp.error is not None and isinstance(grp.error, CollectiveError):
             raise grp.error.detailed(f"TernGrad: exchange of gradient '{tk.name}' failed")
         # walk the G blocks: [shard values | their noise estimate, if carried | one status per piece], local-rank
@@ -586,6 +599,21 @@ class HierarchicalExchange:
             noise = None
         tk.noise = None if noise_missing else noise
         return out
+
+
+def _to_wire(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values as the bytes of their bf16 rounding (to nearest even), for the intra-node collectives
+    (``intra_node_dtype="bfloat16"``): bytes, because Horovod and gloo move uint8 everywhere and reduce nothing
+    here."""
+    return values.to(torch.bfloat16).view(torch.uint8)
+
+
+def _from_wire(raw: torch.Tensor) -> torch.Tensor:
+    """``_to_wire``'s bytes back as fp32 values (an odd byte count, ranks that disagree: NaN values, which the
+    callers' size checks then report)."""
+    if raw.numel() % 2:
+        return torch.full((raw.numel() // 2 + 1,), float("nan"), dtype=torch.float32, device=raw.device)
+    return raw.view(torch.bfloat16).to(torch.float32)
 
 
 # -- topology from what every rank reports ------------------------------------------------------------

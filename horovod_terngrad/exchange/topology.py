@@ -67,13 +67,14 @@ def shard_plan(numels: Sequence[int], shards: int) -> list[list[Piece]]:
     return plan
 
 
-def intra_node_bytes(numels: Sequence[int], shards: int) -> tuple[int, int]:
-    """(c, P) of the intra-node stages for the slowest local rank: the fp32 bytes it sends each local peer
-    in the reduce-scatter alltoall (that peer's shard), and the bytes it contributes to the allgather (its
-    averaged shard plus one fp32 status word per piece).  The transport sends exactly these."""
+def intra_node_bytes(numels: Sequence[int], shards: int, width: int = 4) -> tuple[int, int]:
+    """(c, P) of the intra-node stages for the slowest local rank: the bytes it sends each local peer in the
+    reduce-scatter alltoall (that peer's shard), and the bytes it contributes to the allgather (its averaged
+    shard plus one status word per piece), at ``width`` bytes per element (4: fp32, 2: bf16; the config's
+    ``intra_node_width``).  The transport sends exactly these (without the noise estimate it may carry too)."""
     plan = shard_plan(numels, shards)
-    c = 4 * max((sum(p.numel for p in pieces) for pieces in plan), default=0)
-    P = max((4 * (sum(p.numel for p in pieces) + len(pieces)) for pieces in plan), default=0)
+    c = width * max((sum(p.numel for p in pieces) for pieces in plan), default=0)
+    P = max((width * (sum(p.numel for p in pieces) + len(pieces)) for pieces in plan), default=0)
     return c, P
 
 

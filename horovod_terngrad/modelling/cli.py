@@ -125,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hierarchical", choices=("auto", "true", "false"), default="auto",
                    help="node-aware exchange (TernGradConfig.hierarchical): auto (default) where the cost model "
                         "finds it cheaper per group, true where the nodes allow it, false never")
+    p.add_argument("--intra-node-dtype", choices=("float32", "bfloat16"), default=TernGradConfig.intra_node_dtype,
+                   help="TernGradConfig.intra_node_dtype: what the node-aware exchange carries inside a node")
     p.add_argument("--intra-gbps", type=float, help="custom cluster: the link inside a node, Gbit/s "
                    "(default: none, the inter-node link is used inside a node too)")
     p.add_argument("--intra-latency-us", type=float, default=5.0, help="custom cluster: its alpha, us")
@@ -177,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
                   overlap=a.overlap, hierarchical=hierarchical,
                   codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None,
-                  config=TernGradConfig(bucket_size=a.bucket_size))
+                  config=TernGradConfig(bucket_size=a.bucket_size, intra_node_dtype=a.intra_node_dtype))
     compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
     workers = worker_counts(a.max_workers)
     if a.scheduled:

@@ -322,7 +322,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         numels = [sizes[i] for i in members]
         if shape is not None and (cfg.hierarchical is True or hierarchy_for(
                 numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
-                exchange=_SETTING[method], step_allreduces=step_allreduces)):   # node-aware, as the engine decides
+                exchange=_SETTING[method], step_allreduces=step_allreduces,
+                intra_width=cfg.intra_node_width)):   # node-aware, as the engine decides
             out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), _SETTING[method]))
             continue
         if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
@@ -393,7 +394,8 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
                           step_allreduces=HOROVOD_STEP_ALLREDUCES):     # decided as the Horovod engine does
         if b.exchange == TERNGRAD_HIERARCHICAL:
             M, G = node_shape(workers, network)
-            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross)
+            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross,
+                                     cfg.intra_node_width)
         else:
             cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost

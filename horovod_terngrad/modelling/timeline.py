@@ -415,7 +415,7 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
     intra = network.intra_node or network          # exchange.cost.hierarchical_cost's links
     xlink = cost.cross_network(network, G)
     # the intra-node stages' bytes: the largest shard to each local peer, the largest shard + status words
-    intra_bytes = {g: topology.intra_node_bytes(groups[g].sizes, G) for g in hier}
+    intra_bytes = {g: topology.intra_node_bytes(groups[g].sizes, G, cfg.intra_node_width) for g in hier}
     split = {g: topology.shard_plan(groups[g].sizes, G) for g in hier}
 
     def cross_of(g: int, j: int) -> dict:

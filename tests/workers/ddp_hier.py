@@ -41,6 +41,7 @@ HierarchicalExchange.start_group, HierarchicalExchange.finish = start_group, fin
 
 def main():
     outdir, hosts = sys.argv[1], sys.argv[2]
+    intra = sys.argv[3] if len(sys.argv) > 3 else "float32"        # intra_node_dtype
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if hosts != "-":
@@ -49,7 +50,7 @@ def main():
     res = {"size": dist.get_world_size()}
     try:
         model = DDP(mlp(width=48), bucket_cap_mb=0.004)       # several buckets
-        state = tg_ddp.register(model, min_numel=0, hierarchical=True)
+        state = tg_ddp.register(model, min_numel=0, hierarchical=True, intra_node_dtype=intra)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(3):

@@ -144,6 +144,7 @@ SCENARIOS = {
     "exact": lambda: scenario_exact("exact.", fusion_numel=0),
     "fused": lambda: scenario_exact("fused."),
     "sharded": lambda: scenario_exact("sharded.", exchange="sharded", fusion_numel=0),
+    "bf16": lambda: scenario_exact("bf16.", intra_node_dtype="bfloat16"),
     "nan": scenario_nan, "join": scenario_join, "resume": scenario_resume, "fallback": scenario_fallback,
 }
 
