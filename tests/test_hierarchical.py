@@ -532,3 +532,27 @@ def test_the_simulator_with_nodes_and_the_defaults_does_not_measure_links(monkey
     t.join(60)
     assert done == [True]
     assert isinstance(sim.engines[0], HierarchicalExchange) and not sim.engines[0].measures_links()
+
+
+def test_intra_node_dtype_is_checked_halves_the_bytes_inside_a_node_and_the_cost_model_knows():
+    from horovod_terngrad.exchange.topology import intra_node_bytes
+    with pytest.raises(ValueError, match="intra_node_dtype must be one of"):
+        TernGradConfig(intra_node_dtype="float8")
+    assert TernGradConfig(intra_node_dtype="bfloat16").intra_node_width == 2 == TernGradConfig().intra_node_width // 2
+    c4, p4 = intra_node_bytes([1000, 37, 5], 2)
+    c2, p2 = intra_node_bytes([1000, 37, 5], 2, 2)
+    assert (c2 * 2, p2 * 2) == (c4, p4)
+    topo = TOPOS["2x2"]
+    sent = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = TernGradConfig(hierarchical=True, intra_node_dtype=dtype)
+
+        def body(c, local, cross):
+            ex = engine(cfg, c, local, cross, topo)
+            ex.finish(ex.start(grad((1000,), c.rank), "w"))
+            return ex.stats.intra_node_bytes_sent, ex.stats.intra_node_bytes_received
+        res, errs = run_hier(topo, body)
+        assert errs == [None] * topo.size, errs
+        sent[dtype] = res
+    assert all(b * 2 == f for fs, bs in zip(sent["float32"], sent["bfloat16"]) for f, b in zip(fs, bs))
+    assert all(f > 0 for fs in sent["float32"] for f in fs)
