@@ -62,6 +62,11 @@ CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", 
            "terngrad-requantized-tgadamw": ("TernGrad-DDP exchange=requantized, horovod_terngrad.optim.AdamW",
                                             "terngrad", {"exchange": "requantized", "optim": "tg-adamw"}),
            "terngrad-flat": ("TernGrad-DDP hierarchical=False", "terngrad", {"hierarchical": False}),
+           # the node-aware exchange's stages inside a node in bf16 or fp32, with horovod_terngrad.optim.AdamW
+           "terngrad-bf16-tgadamw": ("TernGrad-DDP intra_node_dtype=bfloat16, horovod_terngrad.optim.AdamW",
+                                     "terngrad", {"intra_node_dtype": "bfloat16", "optim": "tg-adamw"}),
+           "terngrad-fp32intra-tgadamw": ("TernGrad-DDP intra_node_dtype=float32, horovod_terngrad.optim.AdamW",
+                                          "terngrad", {"intra_node_dtype": "float32", "optim": "tg-adamw"}),
            "local": ("local compute, no DDP", None, {})}
 POWERSGD_START = 2
 

@@ -538,7 +538,8 @@ def test_intra_node_dtype_is_checked_halves_the_bytes_inside_a_node_and_the_cost
     from horovod_terngrad.exchange.topology import intra_node_bytes
     with pytest.raises(ValueError, match="intra_node_dtype must be one of"):
         TernGradConfig(intra_node_dtype="float8")
-    assert TernGradConfig(intra_node_dtype="bfloat16").intra_node_width == 2 == TernGradConfig().intra_node_width // 2
+    assert TernGradConfig(intra_node_dtype="bfloat16").intra_node_width == 2 == TernGradConfig(intra_node_dtype="float32").intra_node_width // 2
+    assert TernGradConfig().intra_node_dtype == "bfloat16"        # the default
     c4, p4 = intra_node_bytes([1000, 37, 5], 2)
     c2, p2 = intra_node_bytes([1000, 37, 5], 2, 2)
     assert (c2 * 2, p2 * 2) == (c4, p4)

@@ -421,12 +421,12 @@ def test_node_aware_communication_is_the_cost_models_at_most(cfg, shape):
     N, net, method = M * G, nodes(ranks_per_node=G), method_of(cfg)
     n = 1_000_003                               # shards of unequal size: the slowest local rank sets the time
     one = cost.hierarchical_cost([n], M, G, net, cfg.packing, cfg.bucket_size, cfg.scaler_shared_for("allgather"),
-                                 None if cfg.exchange == "auto" else cfg.exchange)
+                                 None if cfg.exchange == "auto" else cfg.exchange, cfg.intra_node_width)
     presence = cost.presence_cost(N, net).time_s
     t = timeline_step([n], 0.0, N, net, method, config=cfg)
     assert t.step_s == pytest.approx(one.time_s + 2 * presence, rel=1e-12)
     assert t.collectives == len(t.issued) and t.issued[0] == "terngrad.presence.0"
-    c, P = topology.intra_node_bytes([n], G)
+    c, P = topology.intra_node_bytes([n], G, cfg.intra_node_width)
     assert t.intra_busy_s == pytest.approx(pm.alltoall_time(c, G, net.intra_node, G)
                                            + pm.ring_allgather_time(P, G, net.intra_node))
     assert t.channel_busy_s == pytest.approx(t.step_s - t.intra_busy_s)    # nothing overlaps in one group
@@ -438,7 +438,8 @@ def test_node_aware_communication_is_the_cost_models_at_most(cfg, shape):
     additive = pm.model_exchange_cost(method, sizes, N, net, config=cfg, fusion_numel=0)[0].time_s
     assert additive == pytest.approx(sum(cost.hierarchical_cost([x], M, G, net, cfg.packing, 0,
                                                                 cfg.scaler_shared_for("allgather"),
-                                                                None if cfg.exchange == "auto" else cfg.exchange).time_s
+                                                                None if cfg.exchange == "auto" else cfg.exchange,
+                                                                cfg.intra_node_width).time_s
                                          for x in sizes) + 2 * presence)
     many = timeline_step(sizes, 0.0, N, net, method, config=cfg)
     assert many.step_s <= additive * (1 + 1e-12)
