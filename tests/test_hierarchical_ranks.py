@@ -53,11 +53,13 @@ def check_against_reference(ranks, fused: bool):
 @pytest.mark.parametrize("kind,hosts", [("gloo", "h0,h0,h1,h1"), ("gloo", "h0,h1,h0,h1"), ("mpirun", "h0,h1,h1,h0")],
                          ids=["gloo-contiguous", "gloo-interleaved", "mpirun-crossed"])
 def test_bit_exact_on_real_ranks(tmp_path, kind, hosts):
-    res, _ = launch(tmp_path, kind, hosts, ["exact", "fused", "sharded", "bf16"])
+    # "exact", "fused", "sharded": the default's bf16 inside the node; "fp32inside": fp32 there (one launch)
+    scenarios = ["exact", "fused", "sharded"] + (["fp32inside"] if hosts == "h0,h0,h1,h1" else [])
+    res, _ = launch(tmp_path, kind, hosts, scenarios)
     want_nodes = [list(n) for n in Topology.from_hosts(hosts.split(",")).nodes]
-    for sc in ("exact", "fused", "sharded", "bf16"):
+    for sc in scenarios:
         assert all(r["hierarchical"] and r["nodes"] == want_nodes for r in res[sc]), sc
-        check_against_reference(res[sc], fused=(sc in ("fused", "bf16")))
+        check_against_reference(res[sc], fused=(sc in ("fused", "fp32inside")))
         assert all(r["stats"]["intra_node_bytes_sent"] > 0 for r in res[sc])
     assert len(res["fused"][0]["groups"]) == 1
 
@@ -280,9 +282,8 @@ def test_two_emulated_hosts_of_two_ranks_horovodrun_gloo(tmp_path):
     check_against_reference(ranks, fused=False)
 
 
-@pytest.mark.parametrize("hosts,intra", [("h0,h0,h1,h1", "float32"), ("h0,h1,h0,h1", "float32"),
-                                         ("h0,h0,h1,h1", "bfloat16")],
-                         ids=["contiguous", "interleaved", "contiguous-bf16"])
+@pytest.mark.parametrize("hosts,intra", [("h0,h0,h1,h1", "float32"), ("h0,h1,h0,h1", "bfloat16")],
+                         ids=["contiguous-fp32-inside", "interleaved-bf16-inside"])
 def test_ddp_hook_node_aware_under_torchrun(tmp_path, hosts, intra):
     worker = os.path.join(HERE, "workers", "ddp_hier.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", worker,

@@ -144,7 +144,8 @@ SCENARIOS = {
     "exact": lambda: scenario_exact("exact.", fusion_numel=0),
     "fused": lambda: scenario_exact("fused."),
     "sharded": lambda: scenario_exact("sharded.", exchange="sharded", fusion_numel=0),
-    "bf16": lambda: scenario_exact("bf16.", intra_node_dtype="bfloat16"),
+    # the scenarios above run the default, bf16 inside the node; this one fp32 inside
+    "fp32inside": lambda: scenario_exact("fp32inside.", intra_node_dtype="float32"),
     "nan": scenario_nan, "join": scenario_join, "resume": scenario_resume, "fallback": scenario_fallback,
 }
 
