@@ -5,6 +5,7 @@ the wire format (codec/packing.py) written out again here, so an error in either
 shows up as a mismatch.
 """
 import contextlib
+import threading
 
 import torch
 
@@ -42,6 +43,34 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks
             acc = acc + ternary[r].to(torch.float32) * full(scalers[r])
         out = acc / divisor
     return out.view(grads[0].shape).to(grads[0].dtype), ternary
+
+
+def run_hier(topo: Topology, fn, timeout=120.0, world_groups=False):
+    """``fn(global_collectives, local, cross)`` on every rank of ``topo`` (threads); results by global rank.
+    ``world_groups``: local and cross are carried by the world's collectives (exchange/world_groups.py)
+    instead of subgroups of their own."""
+    from horovod_terngrad.exchange import ThreadWorld
+    from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
+    from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
+    world = ThreadWorld(topo.size)
+    sub = None if world_groups else hierarchical_collectives(topo)
+    results, errors = [None] * topo.size, [None] * topo.size
+
+    def body(c):
+        try:
+            groups = sub[c.rank] if sub else (WorldGroupCollectives(c, topo.local_ranks_of(c.rank)),
+                                              WorldGroupCollectives(c, topo.cross_ranks_of(c.rank)))
+            results[c.rank] = fn(c, *groups)
+        except BaseException as e:  # noqa: BLE001 - collected below
+            errors[c.rank] = e
+
+    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a thread-rank hung"
+    return results, errors
 
 
 def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True,

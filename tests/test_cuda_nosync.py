@@ -209,33 +209,24 @@ def _flat(n_ranks, cfg, joins, layout_known):
 
 
 def _node_aware(per_node, nodes, cfg, ddp=False):
-    from horovod_terngrad.exchange import Exchange, ThreadWorld
+    from helpers import run_hier
+    from horovod_terngrad.exchange import Exchange
     from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
-    from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
     from horovod_terngrad.exchange.topology import Topology
     topo = Topology.contiguous(per_node * nodes, per_node)
     shapes = [(3000,), (64, 33), (20011,)]
     grads = {(r, i): torch.randn(s, device="cuda", generator=torch.Generator("cuda").manual_seed(10 * r + i))
              for r in range(topo.size) for i, s in enumerate(shapes)}
 
-    def run():
-        world, sub = ThreadWorld(topo.size), hierarchical_collectives(topo)
-        results, errors = [None] * topo.size, [None] * topo.size
+    def body(c, local, cross):
+        ex = HierarchicalExchange(Exchange(c, cfg, stream_rank=c.rank, joins=False), local, cross, topo)
+        if ddp:                      # as the DDP frontend makes it (frontends/ddp.py, _node_aware)
+            ex.flat.layout_known = ex.cross_engine.layout_known = True
+        tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")
+        return [ex.finish(tk) for tk in tickets]
 
-        def body(c):
-            try:
-                ex = HierarchicalExchange(Exchange(c, cfg, stream_rank=c.rank, joins=False), *sub[c.rank], topo)
-                if ddp:                      # as the DDP frontend makes it (frontends/ddp.py, _node_aware)
-                    ex.flat.layout_known = ex.cross_engine.layout_known = True
-                tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")
-                results[c.rank] = [ex.finish(tk) for tk in tickets]
-            except BaseException as e:  # noqa: BLE001 - raised below
-                errors[c.rank] = e
-        threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    def run():
+        results, errors = run_hier(topo, body)
         if any(e is not None for e in errors):
             raise next(e for e in errors if e is not None)
         return results

@@ -5,13 +5,11 @@ import threading
 import pytest
 import torch
 
-from helpers import expected_average, expected_hierarchical as reference
+from helpers import expected_average, expected_hierarchical as reference, run_hier
 from horovod_terngrad import NonFiniteGradientError, TernGradConfig
 from horovod_terngrad.exchange import Exchange, ThreadWorld
 from horovod_terngrad.exchange.collectives import CollectiveError
 from horovod_terngrad.exchange.hierarchical import HierarchicalExchange, HierarchicalTicket
-from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
-from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
 from horovod_terngrad.exchange.topology import Piece, Topology, piece_name, shard_bounds, shard_plan  # noqa: F401
 
 
@@ -20,29 +18,6 @@ def grad(shape, rank, tensor=0):
     return torch.randn(shape, generator=gen) * (rank + 1)
 
 
-def run_hier(topo: Topology, fn, timeout=120.0, world_groups=False):
-    """``fn(global_collectives, local, cross)`` on every rank of ``topo`` (threads); results by global rank.
-    ``world_groups``: local and cross are carried by the world's collectives (exchange/world_groups.py)
-    instead of subgroups of their own."""
-    world = ThreadWorld(topo.size)
-    sub = None if world_groups else hierarchical_collectives(topo)
-    results, errors = [None] * topo.size, [None] * topo.size
-
-    def body(c):
-        try:
-            groups = sub[c.rank] if sub else (WorldGroupCollectives(c, topo.local_ranks_of(c.rank)),
-                                              WorldGroupCollectives(c, topo.cross_ranks_of(c.rank)))
-            results[c.rank] = fn(c, *groups)
-        except BaseException as e:  # noqa: BLE001 - collected below
-            errors[c.rank] = e
-
-    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a thread-rank hung"
-    return results, errors
 
 
 def engine(cfg, c, local, cross, topo, steps=None):

@@ -255,6 +255,7 @@ class HierarchicalExchange:
         splits = [hi - lo for lo, hi in topology.shard_bounds(sum(numels), self.G)]
         own = splits[self.local.rank]
         width = self.config.intra_node_width
+        self.stats.intra_node_bytes_sent += width * (buf.numel() - own)
         if width == 2:       # intra_node_dtype="bfloat16": rounded to nearest, sent as its bytes
             buf = _to_wire(buf)
             splits, own = [2 * s for s in splits], 2 * own
@@ -264,7 +265,6 @@ class HierarchicalExchange:
         else:
             grp.a2a = self.local.alltoall_async(buf, splits, name)
         self.stats.collectives += 1
-        self.stats.intra_node_bytes_sent += (buf.numel() - own) * (4 if width == 4 else 1)
         self.stats.codec_s += time.perf_counter() - t0
         if not self._step_open:           # a new step: groups an exception abandoned do not count
             self._step_open, self._live = True, 0
@@ -400,10 +400,9 @@ class HierarchicalExchange:
         finally:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        width = self.config.intra_node_width
-        self.stats.intra_node_bytes_received += width * (received.numel() // (1 if width == 4 else 2) - shard)
-        if width == 2:
+        if self.config.intra_node_width == 2:
             received = _from_wire(received)
+        self.stats.intra_node_bytes_received += self.config.intra_node_width * (received.numel() - shard)
         # Adam's noise estimate (horovod_terngrad.optim) comes from the cross exchange of the node means, the
         # only ternary rounding on this path; the intra-node allgather carries it beside the shard.  Every rank
         # of the job runs the same optimizer, so every local rank decides alike (a disagreement shows as sizes).

@@ -161,7 +161,7 @@ class _RefreshedAdam:
                                       [records[i] for i in tern])
         return loss
 
-    def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, records=None) -> None:
+    def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, records) -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if group[flag]:
                 raise ValueError(f"horovod_terngrad.optim.{type(self).__name__}: {flag}=True is not supported for "
@@ -180,7 +180,7 @@ class _RefreshedAdam:
                 state[V_STEPS] = state["step"].clone()
             if TERNARY_STEPS not in state:
                 state[TERNARY_STEPS] = torch.zeros_like(state["step"])
-            record = precision.record_of(p) if records is None else records[i]
+            record = records[i]
             if record == precision.TERNARY:
                 ternary_counts.append(state[TERNARY_STEPS])
             if corrected:
