@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import time
@@ -80,6 +81,8 @@ def parse_args(argv=None):
                    help="fsdp: the mesh's replicate size (default: torchrun's nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--packing", choices=["2bit", "base3"], default="2bit")
     p.add_argument("--bucket-size", type=int, default=0, help="TernGrad's bucket_size (0: one scaler per tensor)")
+    p.add_argument("--intra-node-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="what the node-aware exchange sends inside a node (default: the library's, bfloat16)")
     p.add_argument("--exchange", choices=["default", "allgather", "sharded", "reternarized", "requantized", "auto"],
                    default=None,
                    help="TernGrad's exchange (default: the frontend's)")
@@ -146,6 +149,8 @@ def terngrad_settings(args) -> dict:
         kw["min_numel"] = args.min_numel
     if getattr(args, "exchange", None) is not None:
         kw["exchange"] = args.exchange
+    if getattr(args, "intra_node_dtype", None) is not None:
+        kw["intra_node_dtype"] = args.intra_node_dtype
     return kw
 
 
@@ -342,6 +347,9 @@ def main(argv=None):
     front = Frontend(args, model)
     amp = mixed_precision.MixedPrecision(args.amp, "cpu", args.init_scale, horovod=args.frontend == "horovod")
     rank, size = front.rank, front.size
+    # rank 0 shows TernGrad's one-time INFO lines: the links it measured and the exchange the defaults chose
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("horovod_terngrad").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"GPT-2 ({args.n_layer} layers, {args.n_embd} wide, {nparams} parameters, byte vocabulary) on {what}; "

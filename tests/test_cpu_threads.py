@@ -40,6 +40,15 @@ def test_a_rank_pinned_to_one_core_with_many_threads_is_warned(machine):
     assert "OMP_NUM_THREADS=1" in cpu_threads.oversubscription(2)
 
 
+def test_more_ranks_than_cores_at_one_thread_are_not_told_to_set_one_thread(machine):
+    """Four ranks on two cores, each already at one thread: the warning says the ranks outnumber the cores,
+    not to set OMP_NUM_THREADS=1, which they have."""
+    machine(threads=1, cores=2, affinity=2)
+    msg = cpu_threads.oversubscription(4)
+    assert "4 ranks on this host share 2 cores, one torch thread each" in msg and "at most 2 ranks per host" in msg
+    assert "OMP_NUM_THREADS" not in msg and "set_num_threads" not in msg
+
+
 def test_the_warning_is_logged_once_per_process(machine, caplog):
     machine(threads=2, cores=2, affinity=2)
     with caplog.at_level("WARNING", logger="horovod_terngrad"):

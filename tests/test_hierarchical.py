@@ -485,6 +485,26 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
     assert not [r for r in caplog.records if "across nodes" in r.getMessage()]
 
 
+def test_the_frontends_say_once_on_rank_0_what_travels_inside_a_node(caplog):
+    """The frontends' one line on rank 0 when the node-aware exchange runs names the topology and what the
+    exchange sends inside a node (the default bf16, or float32), once per topology and transport."""
+    import logging
+    from types import SimpleNamespace
+
+    from horovod_terngrad.frontends import hierarchy
+    topo = TOPOS["2x2"]
+    for dtype in ("bfloat16", "float32"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
+            for rank in (0, 1, 0):
+                flat = SimpleNamespace(coll=SimpleNamespace(rank=rank),
+                                       config=TernGradConfig(intra_node_dtype=dtype))
+                hierarchy._said_on(flat, topo, f"test transport {dtype}")
+        said = [r.getMessage() for r in caplog.records if "node-aware exchange" in r.getMessage()]
+        assert said == [f"TernGrad: node-aware exchange (hierarchical='auto') on {topo.describe()}, {dtype} inside "
+                        f"a node, test transport {dtype}"], said
+
+
 def test_the_simulator_with_nodes_and_the_defaults_does_not_measure_links(monkeypatch):
     """hierarchical="auto" (the default) with no configured rate measures the links in the frontends; the
     simulator plays every rank from one thread, where a probe would wait for ranks that cannot post: it prices the

@@ -39,6 +39,11 @@ def oversubscription(local_ranks: int) -> str | None:
     if local_ranks * threads <= machine and threads <= mine:
         return None
     fit = max(1, min(machine // local_ranks, mine))
+    if threads <= fit:
+        # one thread per rank already: fewer threads cannot help, the ranks themselves outnumber the cores
+        return (f"TernGrad: {local_ranks} ranks on this host share {machine} cores, one torch thread each: every "
+                f"rank gets less than a core, and that, not the network, will set the step time. Start at most "
+                f"{machine} ranks per host (an emulated cluster on one machine is slowed by this, not by its links).")
     return (f"TernGrad: {local_ranks} rank(s) on this host each run {threads} torch threads, on {machine} cores "
             f"({mine} available to this rank): the threads will compete for cores, and that, not the network, "
             f"will set the step time (a 2-rank job on 2 cores ran 37x slower than one rank). Set "

@@ -61,8 +61,8 @@ def _said_on(flat, topo, how: str) -> None:
     if key not in _said:
         _said.add(key)
         if flat.coll.rank == 0:
-            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s", flat.config.hierarchical,
-                     topo.describe(), how)
+            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s inside a node, %s",
+                     flat.config.hierarchical, topo.describe(), flat.config.intra_node_dtype, how)
 
 
 def node_groups_setting() -> str:

@@ -50,6 +50,10 @@ class SlurmCluster:
              f"--pid-file={r}/munge/munged.pid", f"--log-file={r}/munge/munged.log", f"--seed-file={r}/munge/seed"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait(lambda: os.path.exists(self.munge_socket), timeout, "munged socket")
+        # MinJobAge=16: `sbatch --wait` sleeps 2 s, then multiplies its sleep by 4 while it is under MinJobAge/2
+        # (capped at 32 s), so that a finished job cannot be purged before it looks again.  With 16 it polls
+        # every 8 s (2, 10, 18, ... s); with a long MinJobAge (3600) at 2, 10, 42 s, which made every job of
+        # 11-40 s take 42 s.  Tests take a job's result from sbatch's exit code, not from the purged record.
         with open(self.conf, "w") as f:
             f.write(f"""ClusterName=tgtest
 SlurmctldHost={self.host}
@@ -76,7 +80,7 @@ SchedulerType=sched/builtin
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-MinJobAge=3600
+MinJobAge=16
 InactiveLimit=0
 KillWait=5
 NodeName={self.host} CPUs={self.cpus} State=UNKNOWN
