@@ -5,7 +5,6 @@ the wire format (codec/packing.py) written out again here, so an error in either
 shows up as a mismatch.
 """
 import contextlib
-import threading
 
 import torch
 
@@ -46,31 +45,24 @@ def expected_average(grads, name, step, cfg: TernGradConfig, average=True, ranks
 
 
 def run_hier(topo: Topology, fn, timeout=120.0, world_groups=False):
-    """``fn(global_collectives, local, cross)`` on every rank of ``topo`` (threads); results by global rank.
-    ``world_groups``: local and cross are carried by the world's collectives (exchange/world_groups.py)
-    instead of subgroups of their own."""
-    from horovod_terngrad.exchange import ThreadWorld
-    from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives
+    """``fn(global_collectives, local, cross)`` on every rank of ``topo`` (threads, ``run_ranks``); (results,
+    errors) by global rank, an exception a rank raised kept in its place instead of raised.  ``world_groups``:
+    local and cross are carried by the world's collectives (exchange/world_groups.py) instead of subgroups of
+    their own."""
+    from horovod_terngrad.exchange.thread_collectives import hierarchical_collectives, run_ranks
     from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
-    world = ThreadWorld(topo.size)
     sub = None if world_groups else hierarchical_collectives(topo)
-    results, errors = [None] * topo.size, [None] * topo.size
 
     def body(c):
         try:
             groups = sub[c.rank] if sub else (WorldGroupCollectives(c, topo.local_ranks_of(c.rank)),
                                               WorldGroupCollectives(c, topo.cross_ranks_of(c.rank)))
-            results[c.rank] = fn(c, *groups)
-        except BaseException as e:  # noqa: BLE001 - collected below
-            errors[c.rank] = e
+            return fn(c, *groups), None
+        except BaseException as e:  # noqa: BLE001 - returned in the rank's place
+            return None, e
 
-    threads = [threading.Thread(target=body, args=(c,), daemon=True) for c in world.ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a thread-rank hung"
-    return results, errors
+    results, errors = zip(*run_ranks(topo.size, body, timeout=timeout))
+    return list(results), list(errors)
 
 
 def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: TernGradConfig, steps: dict, average=True,

@@ -18,8 +18,6 @@ def grad(shape, rank, tensor=0):
     return torch.randn(shape, generator=gen) * (rank + 1)
 
 
-
-
 def engine(cfg, c, local, cross, topo, steps=None):
     return HierarchicalExchange(Exchange(c, cfg, steps=steps), local, cross, topo)
 
