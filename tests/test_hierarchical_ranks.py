@@ -1,6 +1,7 @@
 """The node-aware exchange on real ranks: horovodrun --gloo and mpirun with 4 ranks as 2 nodes x 2 (node
 names per rank, contiguous and interleaved), on 2 emulated hosts x 2 ranks (network namespaces), and every
 fallback; averages checked bit for bit against tests/helpers.expected_hierarchical."""
+import json
 import os
 import shutil
 import subprocess
@@ -103,61 +104,114 @@ def test_a_killed_rank_ends_the_job_with_horovods_error(tmp_path, kind):
 FALLBACK = "node-aware exchange off"
 
 
-@pytest.mark.parametrize("hosts,env,reason,warned", [
-    ("h0,h0,h0,h0", {}, "one node", False),
-    ("h0,h1,h2,h3", {}, "every node has one rank", False),
-    ("h0,h0,h0,h0", {"HIER_TEST_SETTING": "true"}, "one node", True),
-    ("h0,h0,h0,h1", {}, "different rank counts", True),
-    ("h0,h0,h1,h1", {"HIER_TEST_SHARED": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "0"}, "cannot add process sets", True),
-], ids=["one-node", "one-rank-per-node", "one-node-true", "uneven", "shared-scaler-without-process-sets"])
-def test_fallbacks_run_flat_and_say_why_once_at_warning_where_it_matters(tmp_path, hosts, env, reason, warned):
+def launch_cases(tmp_path, cases: dict, scenarios: list, env=None):
+    """One launch (gloo, 4 ranks) running ``scenarios`` ("SCENARIO@CASE"), each case as a job of its own would
+    (tests/workers/hvd_hier.py): ``cases`` maps CASE to its node names and environment.  Returns the results
+    and, per case, the lines rank 0 wrote to stderr while it ran."""
+    env = dict(env or {}, HIER_TEST_CASES=json.dumps(cases))
+    res, p = launch(tmp_path, "gloo", "-", scenarios, env=env)
+    said, case = {}, None
+    for line in p.stderr.splitlines():
+        if not line.startswith("[0]<stderr>:"):
+            continue
+        text = line.split(":", 1)[1]
+        if text.startswith("=== ") and text.endswith(" ==="):
+            case = text[4:-4].partition("@")[2]
+            said[case] = []
+        elif case is not None:
+            said[case].append(text)
+    assert set(said) == {sc.partition("@")[2] for sc in scenarios}, p.stderr[-3000:]
+    return res, said
+
+
+# where the node-aware exchange cannot run, with process sets allowed: (nodes, environment, the reason rank 0
+# gives, whether it shows without any logging setup); "*-true" ask for it (hierarchical=True) and must raise
+FALLBACKS = {
+    "one-node": ("h0,h0,h0,h0", {}, "one node", False),
+    "one-rank-per-node": ("h0,h1,h2,h3", {}, "every node has one rank", False),
+    "one-node-true": ("h0,h0,h0,h0", {"HIER_TEST_SETTING": "true"}, "one node", True),
+    "uneven": ("h0,h0,h0,h1", {}, "different rank counts", True),
+    "uneven-true": ("h0,h0,h0,h1", {"HIER_TEST_SETTING": "true"}, None, None),
+}
+# without dynamic process sets (HOROVOD_DYNAMIC_PROCESS_SETS=0), the topology h0,h0,h1,h1's groups registered
+# at hvd.init(); h0,h1,h0,h1 has the same groups, h0,h1,h1,h0 (nodes {0, 3}, {1, 2}) has groups never registered
+NO_DYNAMIC_SETS = {
+    "registered": ("h0,h0,h1,h1", {"HOROVOD_TERNGRAD_NODE_GROUPS": "process_sets"}),
+    "no-dynamic-sets": ("h0,h1,h0,h1", {}),
+    "elastic": ("h0,h1,h0,h1", {"HOROVOD_ELASTIC": "1"}),
+    "process-sets-asked-but-off": ("h0,h1,h1,h0", {"HOROVOD_TERNGRAD_NODE_GROUPS": "process_sets"}),
+    "shared-scaler-without-process-sets": ("h0,h1,h1,h0", {"HIER_TEST_SHARED": "1"}),
+    "shared-scaler-without-process-sets-true": ("h0,h1,h1,h0", {"HIER_TEST_SHARED": "1", "HIER_TEST_SETTING": "true"}),
+}
+WORLD_GROUPS = ("no-dynamic-sets", "elastic", "process-sets-asked-but-off")
+
+
+@pytest.fixture(scope="module")
+def fallback_launch(tmp_path_factory):
+    cases = {k: {"hosts": h, "env": e} for k, (h, e, _, _) in FALLBACKS.items()}
+    return launch_cases(tmp_path_factory.mktemp("fallbacks"), cases, [f"fallback@{k}" for k in FALLBACKS])
+
+
+@pytest.fixture(scope="module")
+def no_dynamic_sets_launch(tmp_path_factory):
+    cases = {k: {"hosts": h, "env": e} for k, (h, e) in NO_DYNAMIC_SETS.items()}
+    scenarios = (["exact@registered"] + [f"{sc}@{k}" for k in WORLD_GROUPS for sc in ("exact", "fused")]
+                 + ["fallback@shared-scaler-without-process-sets", "fallback@shared-scaler-without-process-sets-true"])
+    return launch_cases(tmp_path_factory.mktemp("no-dynamic-sets"), cases, scenarios,
+                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "0", "HIER_TEST_STATIC_SETS": "0.1,2.3,0.2,1.3"})
+
+
+@pytest.mark.parametrize("case", ["one-node", "one-rank-per-node", "one-node-true", "uneven",
+                                  "shared-scaler-without-process-sets"])
+def test_fallbacks_run_flat_and_say_why_once_at_warning_where_it_matters(fallback_launch, no_dynamic_sets_launch,
+                                                                         case):
     """Without any logging setup (as a training script has none): where the job has several nodes of several
     ranks and the node-aware exchange still does not run, rank 0's WARNING shows, once; one node or one rank
-    per node stays quiet (unless hierarchical=True asked for it)."""
-    res, p = launch(tmp_path, "gloo", hosts, ["fallback"], env=env)
-    assert not any(r["hierarchical"] or r["error"] for r in res["fallback"])
-    outs = [r["outputs"] for r in res["fallback"]]
-    assert all(torch.equal(a[1], b[1]) for o in outs[1:] for a, b in zip(outs[0], o))
-    said = [line for line in (p.stdout + p.stderr).splitlines() if FALLBACK in line]
-    if warned:
-        assert len(said) == 1 and reason in said[0], said
+    per node stays quiet (unless hierarchical=True asked for it).  A shared scaler without process sets (none
+    can be added, and the topology's are not registered): flat, saying Horovod cannot add them."""
+    if case in FALLBACKS:
+        (res, said), (_, _, reason, warned) = fallback_launch, FALLBACKS[case]
     else:
-        assert said == []
+        (res, said), reason, warned = no_dynamic_sets_launch, "cannot add process sets", True
+    ranks = res[f"fallback@{case}"]
+    assert not any(r["hierarchical"] or r["error"] for r in ranks)
+    outs = [r["outputs"] for r in ranks]
+    assert all(torch.equal(a[1], b[1]) for o in outs[1:] for a, b in zip(outs[0], o))
+    lines = [line for line in said[case] if FALLBACK in line]
+    if warned:
+        assert len(lines) == 1 and reason in lines[0], lines
+    else:
+        assert lines == []
 
 
-@pytest.mark.parametrize("hosts,env", [
-    ("h0,h0,h0,h1", {}),
-    ("h0,h0,h1,h1", {"HIER_TEST_SHARED": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "0"}),
-], ids=["uneven", "shared-scaler-without-process-sets"])
-def test_hierarchical_true_where_a_multi_node_job_cannot_have_it_raises_on_every_rank(tmp_path, hosts, env):
-    res, _ = launch(tmp_path, "gloo", hosts, ["fallback"], env=dict(env, HIER_TEST_SETTING="true"))
-    errors = [r["error"] for r in res["fallback"]]
-    assert all(r["error_type"] == "TernGradError" for r in res["fallback"]), errors
+@pytest.mark.parametrize("case", ["uneven-true", "shared-scaler-without-process-sets-true"])
+def test_hierarchical_true_where_a_multi_node_job_cannot_have_it_raises_on_every_rank(fallback_launch,
+                                                                                    no_dynamic_sets_launch, case):
+    res, _ = fallback_launch if case in FALLBACKS else no_dynamic_sets_launch
+    ranks = res[f"fallback@{case}"]
+    errors = [r["error"] for r in ranks]
+    assert all(r["error_type"] == "TernGradError" for r in ranks), errors
     assert len(set(errors)) == 1 and "hierarchical=True" in errors[0] and "hierarchical='auto'" in errors[0]
 
 
-@pytest.mark.parametrize("env", [
-    {"HOROVOD_DYNAMIC_PROCESS_SETS": "0"},
-    {"HOROVOD_ELASTIC": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "0"},
-    {"HOROVOD_TERNGRAD_NODE_GROUPS": "process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS": "0"},
-], ids=["no-dynamic-sets", "elastic", "process-sets-asked-but-off"])
-def test_node_aware_without_process_sets_runs_over_world_collectives_bit_for_bit(tmp_path, env):
-    """No process set can be added (HOROVOD_DYNAMIC_PROCESS_SETS off at hvd.init(), Horovod elastic): the node
-    and cross groups run as world alltoalls, the same bits as the reference."""
-    res, p = launch(tmp_path, "gloo", "h0,h1,h0,h1", ["exact", "fused"], env=env)
+@pytest.mark.parametrize("case", WORLD_GROUPS)
+def test_node_aware_without_process_sets_runs_over_world_collectives_bit_for_bit(no_dynamic_sets_launch, case):
+    """No process set can be added (HOROVOD_DYNAMIC_PROCESS_SETS off at hvd.init(), Horovod elastic), or the
+    topology's are not among those registered: the node and cross groups run as world alltoalls, the same bits
+    as the reference; asked for process sets (HOROVOD_TERNGRAD_NODE_GROUPS=process_sets), rank 0 says so once."""
+    res, said = no_dynamic_sets_launch
     for sc in ("exact", "fused"):
-        assert all(r["hierarchical"] and r["world_groups"] for r in res[sc]), sc
-        check_against_reference(res[sc], fused=(sc == "fused"))
-    said = [line for line in (p.stdout + p.stderr).splitlines() if "world collectives instead" in line]
-    assert len(said) == (1 if "HOROVOD_TERNGRAD_NODE_GROUPS" in env else 0), said
+        ranks = res[f"{sc}@{case}"]
+        assert all(r["hierarchical"] and r["world_groups"] for r in ranks), sc
+        check_against_reference(ranks, fused=(sc == "fused"))
+    lines = [line for line in said[case] if "world collectives instead" in line]
+    assert len(lines) == (1 if "HOROVOD_TERNGRAD_NODE_GROUPS" in NO_DYNAMIC_SETS[case][1] else 0), lines
 
 
-def test_process_sets_registered_at_init_are_reused_without_dynamic_sets(tmp_path):
-    env = {"HOROVOD_DYNAMIC_PROCESS_SETS": "0", "HIER_TEST_STATIC_SETS": "0.1,2.3,0.2,1.3",
-           "HOROVOD_TERNGRAD_NODE_GROUPS": "process_sets"}
-    res, _ = launch(tmp_path, "gloo", "h0,h0,h1,h1", ["exact"], env=env)
-    assert all(r["hierarchical"] and not r["world_groups"] for r in res["exact"])
-    check_against_reference(res["exact"], fused=False)
+def test_process_sets_registered_at_init_are_reused_without_dynamic_sets(no_dynamic_sets_launch):
+    res, _ = no_dynamic_sets_launch
+    assert all(r["hierarchical"] and not r["world_groups"] for r in res["exact@registered"])
+    check_against_reference(res["exact@registered"], fused=False)
 
 
 # -- 2 emulated hosts x 2 ranks (network namespaces; real host names) ---------------------------------------

@@ -5,7 +5,14 @@
 HOSTS: "-" keeps the real host names (the emulated cluster gives each host its own); else a comma list of
 one node name per global rank (ranks on one machine emulating nodes: HOROVOD_TERNGRAD_HOST, set here
 after hvd.init() from the rank).  Each scenario saves OUTDIR/<scenario>.rank<R>.pt (hvd_scenarios.run_all).
+
+SCENARIO@CASE runs SCENARIO as a job of its own would, in this one launch (several jobs' worth of checks
+without a launch each): HIER_TEST_CASES (JSON) maps CASE to {"hosts": HOSTS, "env": {...}}; the case's
+node names and environment apply while it runs (everything TernGrad reads from the environment it reads
+when a compressor first meets a tensor), TernGrad's say-once memory starts empty, and every rank writes
+"=== SCENARIO@CASE ===" to stderr first, so that a test can tell which case said what.
 """
+import json
 import os
 import sys
 
@@ -18,6 +25,7 @@ from hvd_scenarios import Recording, mlp, run_all, train_steps  # noqa: E402
 from horovod_terngrad import NonFiniteGradientError, TernGradError  # noqa: E402
 from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
 from horovod_terngrad.exchange.world_groups import WorldGroupCollectives  # noqa: E402
+from horovod_terngrad.frontends import hierarchy  # noqa: E402
 
 
 def engine_info(comp) -> dict:
@@ -101,13 +109,13 @@ def scenario_resume():
     return {"whole": whole, "resumed": [p.detach().clone() for p in model2.parameters()], **engine_info(comp2)}
 
 
-def scenario_fallback():
+def scenario_fallback(tag=""):
     """HIER_TEST_SETTING: the ``hierarchical`` setting ("auto" unless "true"); HIER_TEST_SHARED=1: shared
     scaler (the node-aware exchange then needs process sets).  A TernGradError is the result too."""
     setting = True if os.environ.get("HIER_TEST_SETTING") == "true" else "auto"
     comp = Recording(hierarchical=setting, shared_scaler=True if os.environ.get("HIER_TEST_SHARED") else None)
     try:
-        train_steps(comp, steps=2, prefix="fb.")
+        train_steps(comp, steps=2, prefix=f"fb{tag}.")
     except TernGradError as e:
         # every rank decides alone, from the same facts, with no collective; wait here until every rank has, so
         # that no rank's shutdown (run_all's hvd.shutdown) stops Horovod under a rank still deciding (which then
@@ -140,14 +148,34 @@ def scenario_kill(outdir):
     return {"error_type": None}
 
 
+# each takes a tag for its tensor names (a case's own: no name of one case meets another's in Horovod)
 SCENARIOS = {
-    "exact": lambda: scenario_exact("exact.", fusion_numel=0),
-    "fused": lambda: scenario_exact("fused."),
-    "sharded": lambda: scenario_exact("sharded.", exchange="sharded", fusion_numel=0),
+    "exact": lambda tag: scenario_exact(f"exact{tag}.", fusion_numel=0),
+    "fused": lambda tag: scenario_exact(f"fused{tag}."),
+    "sharded": lambda tag: scenario_exact(f"sharded{tag}.", exchange="sharded", fusion_numel=0),
     # the scenarios above run the default, bf16 inside the node; this one fp32 inside
-    "fp32inside": lambda: scenario_exact("fp32inside.", intra_node_dtype="float32"),
-    "nan": scenario_nan, "join": scenario_join, "resume": scenario_resume, "fallback": scenario_fallback,
+    "fp32inside": lambda tag: scenario_exact(f"fp32inside{tag}.", intra_node_dtype="float32"),
+    "nan": lambda tag: scenario_nan(), "join": lambda tag: scenario_join(),
+    "resume": lambda tag: scenario_resume(), "fallback": scenario_fallback,
 }
+
+
+def run_case(name: str):
+    """SCENARIOS[name], or SCENARIO@CASE with the case's hosts and environment (module docstring)."""
+    base, _, case = name.partition("@")
+    if not case:
+        return SCENARIOS[base]("")
+    spec = json.loads(os.environ["HIER_TEST_CASES"])[case]
+    saved = dict(os.environ)
+    try:
+        os.environ.update(spec.get("env", {}))
+        os.environ["HOROVOD_TERNGRAD_HOST"] = spec["hosts"].split(",")[hvd.rank()]
+        hierarchy._said.clear()
+        print(f"=== {name} ===", file=sys.stderr, flush=True)
+        return SCENARIOS[base]("." + case)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main():
@@ -161,7 +189,7 @@ def main():
         os.environ["HOROVOD_TERNGRAD_HOST"] = hosts.split(",")[hvd.rank()]
     if names == ["kill"]:
         scenario_kill(outdir)
-    run_all(outdir, names, lambda name: SCENARIOS[name]())
+    run_all(outdir, names, run_case)
 
 
 if __name__ == "__main__":
