@@ -100,11 +100,18 @@ def test_odd_characters_are_passed_through_never_evaluated(tmp_path):
 # -- 8 ranks on localhost -------------------------------------------------------------------------
 @pytest.mark.parametrize("launcher_name", ["horovodrun", "mpirun"])
 def test_eight_ranks_exact_through_the_launcher(tmp_path, launcher_name):
+    """8 ranks through either launcher, bit for bit.  The preflight (a launch of its own) runs under
+    horovodrun here; under mpirun it runs in the sbatch tests below."""
     from test_horovod import check_exact, load_results
-    p = run([LAUNCH, "-np", "8", "--network", "ethernet", "--launcher", launcher_name, "--",
-             PY, os.path.join(HERE, "workers", "hvd_scenarios.py"), str(tmp_path), "exact"], timeout=600)
+    preflight = launcher_name == "horovodrun"
+    p = run([LAUNCH, "-np", "8", "--network", "ethernet", "--launcher", launcher_name]
+            + ([] if preflight else ["--no-preflight"])
+            + ["--", PY, os.path.join(HERE, "workers", "hvd_scenarios.py"), str(tmp_path), "exact"], timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert p.stdout.count("preflight: rank ") == 8 and "backend=cpu-fused" in p.stdout
+    if preflight:
+        assert p.stdout.count("preflight: rank ") == 8 and "backend=cpu-fused" in p.stdout
+    else:
+        assert "preflight: rank " not in p.stdout
     assert check_exact(load_results(tmp_path, "exact", 8)) > 0
 
 
@@ -120,6 +127,18 @@ def slurm():
     shutil.rmtree(c.root, ignore_errors=True)
 
 
+def job_output(slurm, folder, name: str, job: str) -> tuple[str, str]:
+    """An ended job's output file (in ``folder``) and its log folder (logs/NAME-JOB), asserting that the job's
+    script reported exit code 0 (slurm/common.sh writes it to job.log as its last line)."""
+    out = os.path.join(folder, f"{name}-{job}.out")
+    log = open(out).read() if os.path.exists(out) else ""
+    logdir = os.path.join(ROOT, "logs", f"{name}-{job}")
+    job_log = os.path.join(logdir, "job.log")
+    said = open(job_log).read() if os.path.exists(job_log) else ""
+    assert said.splitlines()[-1:] == ["exit code 0"], f"job {job}: {slurm.job_state(job)}\n{said[-1000:]}\n{log[-3000:]}\n{slurm.logs()}"
+    return log, logdir
+
+
 @pytest.mark.parametrize("script,launcher_name", [("terngrad-ethernet.sbatch", "srun"),
                                                   ("terngrad-infiniband.sbatch", "mpirun"),
                                                   ("terngrad-ethernet.sbatch", "mpirun")])
@@ -128,18 +147,12 @@ def test_sbatch_scripts_run_to_completion(slurm, tmp_path, script, launcher_name
     e.update(SLURM_CONF=slurm.conf, LAUNCHER=launcher_name, TERNGRAD_REPO=ROOT)
     if script.startswith("terngrad-infiniband"):
         e["IFACE"] = "lo"     # no IB here: the profile's settings still apply, bootstrap over loopback
-    cmd = ["sbatch", "--parsable", "--wait", "-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
-           os.path.join(ROOT, "slurm", script), PY, os.path.join(ROOT, "examples", "mnist_lenet.py"),
-           "--epochs", "1", "--max-steps", "15", "--test-limit", "200"]
-    p = run(cmd, timeout=400, env=e, cwd=tmp_path)
-    job = p.stdout.strip().split(";")[0]
-    state = slurm.job_state(job) if job else "none"
-    out = tmp_path / f"{script.rsplit('.', 1)[0]}-{job}.out"
-    log = out.read_text() if out.exists() else ""
-    assert p.returncode == 0, f"{state}\n{p.stderr}\n{log[-3000:]}\n{slurm.logs()}"
+    job = slurm.submit(["-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
+                        os.path.join(ROOT, "slurm", script), PY, os.path.join(ROOT, "examples", "mnist_lenet.py"),
+                        "--epochs", "1", "--max-steps", "15", "--test-limit", "200"], e, tmp_path, timeout=400)
+    log, logdir = job_output(slurm, tmp_path, script.rsplit(".", 1)[0], job)
     assert "preflight: rank 1" in log and "compression=terngrad" in log and "bits/element" in log
-    logdir = os.path.join(ROOT, "logs", f"{script.rsplit('.', 1)[0]}-{job}")
-    assert os.path.exists(os.path.join(logdir, "train.log")) and "exit code 0" in open(os.path.join(logdir, "job.log")).read()
+    assert os.path.exists(os.path.join(logdir, "train.log"))
     shutil.rmtree(logdir)
 
 
@@ -151,21 +164,15 @@ def test_ddp_sbatch_script_trains(slurm, tmp_path, launcher_name):
     e = dict(env(), **slurm.env)
     e.update(SLURM_CONF=slurm.conf, LAUNCHER=launcher_name, TERNGRAD_REPO=ROOT)
     result = tmp_path / "result.json"
-    cmd = ["sbatch", "--parsable", "--wait", "-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
-           os.path.join(ROOT, "slurm", "ddp-terngrad.sbatch"), PY, os.path.join(ROOT, "examples", "ddp_mnist.py"),
-           "--hook", "terngrad", "--max-steps", "40", "--test-limit", "200", "--log-every", "10", "--json", str(result)]
-    p = run(cmd, timeout=400, env=e, cwd=tmp_path)
-    job = p.stdout.strip().split(";")[0]
-    state = slurm.job_state(job) if job else "none"
-    out = tmp_path / f"ddp-terngrad-{job}.out"
-    log = out.read_text() if out.exists() else ""
-    assert p.returncode == 0, f"{state}\n{p.stderr}\n{log[-3000:]}\n{slurm.logs()}"
+    job = slurm.submit(["-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
+                        os.path.join(ROOT, "slurm", "ddp-terngrad.sbatch"), PY,
+                        os.path.join(ROOT, "examples", "ddp_mnist.py"), "--hook", "terngrad", "--max-steps", "40",
+                        "--test-limit", "200", "--log-every", "10", "--json", str(result)], e, tmp_path, timeout=400)
+    log, logdir = job_output(slurm, tmp_path, "ddp-terngrad", job)
     assert f"launcher {launcher_name}" in log and "hook=terngrad" in log and "step 40/40" in log
     res = json.loads(result.read_text())
     assert res["ranks"] == 2 and res["steps"] == 40 and res["params_identical"]
     assert res["loss_last"] < 0.7 * res["loss_first"] and res["terngrad"]["tensors"] == 3 * 40
-    logdir = os.path.join(ROOT, "logs", f"ddp-terngrad-{job}")
-    assert "exit code 0" in open(os.path.join(logdir, "job.log")).read()
     shutil.rmtree(logdir)
 
 
@@ -175,22 +182,16 @@ def test_fsdp_sbatch_script_trains(slurm, tmp_path):
     (2, 1): TernGrad between the two ranks; the job completes, ranks = nodes x tasks per node, replicas agree."""
     e = dict(env(), **slurm.env)
     e.update(SLURM_CONF=slurm.conf, TERNGRAD_REPO=ROOT, PYTHON=PY)
-    cmd = ["sbatch", "--parsable", "--wait", "-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
-           os.path.join(ROOT, "slurm", "fsdp-terngrad.sbatch"), "--replicas", "2", "--steps", "6", "--n-layer", "1",
-           "--n-embd", "32", "--seq-len", "32", "--batch-size", "2", "--log-every", "0"]
-    p = run(cmd, timeout=400, env=e, cwd=tmp_path)
-    job = p.stdout.strip().split(";")[0]
-    state = slurm.job_state(job) if job else "none"
-    out = tmp_path / f"fsdp-terngrad-{job}.out"
-    log = out.read_text() if out.exists() else ""
-    assert p.returncode == 0, f"{state}\n{p.stderr}\n{log[-3000:]}\n{slurm.logs()}"
+    job = slurm.submit(["-N", "1", "--ntasks-per-node=2", "-t", "10", "-p", "debug",
+                        os.path.join(ROOT, "slurm", "fsdp-terngrad.sbatch"), "--replicas", "2", "--steps", "6",
+                        "--n-layer", "1", "--n-embd", "32", "--seq-len", "32", "--batch-size", "2", "--log-every", "0"],
+                       e, tmp_path, timeout=400)
+    log, logdir = job_output(slurm, tmp_path, "fsdp-terngrad", job)
     assert "launcher torchrun" in log and "--nnodes 1 --nproc_per_node 2" in log
     res = json.loads(next(l for l in log.splitlines() if l.startswith("result: ")).split(": ", 1)[1])
     assert res["frontend"] == "fsdp" and res["compression"] == "terngrad" and res["steps"] == 6
     assert res["ranks"] == 1 * 2 and res["replicas"] == 2 and res["params_identical"]
     assert res["elements_ternarized"] > 0
-    logdir = os.path.join(ROOT, "logs", f"fsdp-terngrad-{job}")
-    assert "exit code 0" in open(os.path.join(logdir, "job.log")).read()
     shutil.rmtree(logdir)
 
 

@@ -53,7 +53,8 @@ class SlurmCluster:
         # MinJobAge=16: `sbatch --wait` sleeps 2 s, then multiplies its sleep by 4 while it is under MinJobAge/2
         # (capped at 32 s), so that a finished job cannot be purged before it looks again.  With 16 it polls
         # every 8 s (2, 10, 18, ... s); with a long MinJobAge (3600) at 2, 10, 42 s, which made every job of
-        # 11-40 s take 42 s.  Tests take a job's result from sbatch's exit code, not from the purged record.
+        # 11-40 s take 42 s.  Tests submit with submit() (polls every 0.5 s) and read a job's result from what
+        # the job wrote, not from the record Slurm purges.
         with open(self.conf, "w") as f:
             f.write(f"""ClusterName=tgtest
 SlurmctldHost={self.host}
@@ -103,6 +104,26 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
             if tok.startswith("JobState="):
                 return tok.split("=", 1)[1]
         return "UNKNOWN"
+
+    RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+    def submit(self, args: list, env: dict, cwd, timeout: float) -> str:
+        """``sbatch --parsable ARGS``, then wait until the job is no longer queued, running or completing; its
+        id.  Polled every 0.5 s with squeue (``sbatch --wait`` sleeps 8 s between looks here): the job's result
+        is for the caller to read from what the job wrote (its log's "exit code N"), never from the job record,
+        which Slurm purges MinJobAge after the end (squeue then answers nothing, or an invalid-id error: both
+        mean the job ended)."""
+        p = subprocess.run(["sbatch", "--parsable"] + list(args), env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=60)
+        if p.returncode != 0:
+            raise RuntimeError(f"sbatch failed ({p.returncode}): {p.stderr}")
+        job = p.stdout.strip().split(";")[0]
+
+        def ended() -> bool:
+            q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True)
+            return q.returncode != 0 or q.stdout.strip() not in self.RUNNING
+        _wait(ended, timeout, f"job {job} to end\n{self.logs()}")
+        return job
 
     def logs(self) -> str:
         out = []
