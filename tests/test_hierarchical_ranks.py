@@ -51,22 +51,45 @@ def check_against_reference(ranks, fused: bool):
     assert checked >= 3 * len(ranks) * len(ranks[0]["names"])
 
 
-@pytest.mark.parametrize("kind,hosts", [("gloo", "h0,h0,h1,h1"), ("gloo", "h0,h1,h0,h1"), ("mpirun", "h0,h1,h1,h0")],
-                         ids=["gloo-contiguous", "gloo-interleaved", "mpirun-crossed"])
-def test_bit_exact_on_real_ranks(tmp_path, kind, hosts):
-    # "exact", "fused", "sharded": the default's bf16 inside the node; "fp32inside": fp32 there (one launch)
-    scenarios = ["exact", "fused", "sharded"] + (["fp32inside"] if hosts == "h0,h0,h1,h1" else [])
-    res, _ = launch(tmp_path, kind, hosts, scenarios)
+def check_bit_exact(res: dict, hosts: str, scenarios: list):
     want_nodes = [list(n) for n in Topology.from_hosts(hosts.split(",")).nodes]
     for sc in scenarios:
         assert all(r["hierarchical"] and r["nodes"] == want_nodes for r in res[sc]), sc
-        check_against_reference(res[sc], fused=(sc in ("fused", "fp32inside")))
+        check_against_reference(res[sc], fused=(sc.partition("@")[0] in ("fused", "fp32inside")))
         assert all(r["stats"]["intra_node_bytes_sent"] > 0 for r in res[sc])
-    assert len(res["fused"][0]["groups"]) == 1
+    assert len(res[next(sc for sc in scenarios if sc.startswith("fused"))][0]["groups"]) == 1
 
 
-def test_nan_join_and_resume_on_real_ranks(tmp_path):
-    res, _ = launch(tmp_path, "gloo", "h0,h0,h1,h1", ["nan", "join", "resume"])
+# horovodrun --gloo, 2 nodes x 2 given by node name per rank, contiguous and interleaved: one launch
+GLOO_2X2 = {"contiguous": "h0,h0,h1,h1", "interleaved": "h0,h1,h0,h1"}
+# "exact", "fused", "sharded": the default's bf16 inside the node; "fp32inside": fp32 there
+BIT_EXACT = {"contiguous": ["exact", "fused", "sharded", "fp32inside"], "interleaved": ["exact", "fused", "sharded"]}
+
+
+@pytest.fixture(scope="module")
+def gloo_2x2_launch(tmp_path_factory):
+    cases = {k: {"hosts": h} for k, h in GLOO_2X2.items()}
+    # the sharded exchange's (which adds process sets, after which Horovod's every cycle coordinates each set:
+    # every later collective slower) last
+    scenarios = ([f"{sc}@{k}" for k, scs in BIT_EXACT.items() for sc in scs if sc != "sharded"]
+                 + ["nan@contiguous", "join@contiguous", "resume@contiguous"]
+                 + [f"sharded@{k}" for k in BIT_EXACT])
+    return launch_cases(tmp_path_factory.mktemp("gloo-2x2"), cases, scenarios)[0]
+
+
+@pytest.mark.parametrize("case", list(GLOO_2X2), ids=[f"gloo-{k}" for k in GLOO_2X2])
+def test_bit_exact_on_real_ranks(gloo_2x2_launch, case):
+    check_bit_exact(gloo_2x2_launch, GLOO_2X2[case], [f"{sc}@{case}" for sc in BIT_EXACT[case]])
+
+
+def test_bit_exact_on_real_ranks_mpirun_crossed(tmp_path):
+    scenarios = ["exact", "fused", "sharded"]
+    res, _ = launch(tmp_path, "mpirun", "h0,h1,h1,h0", scenarios)
+    check_bit_exact(res, "h0,h1,h1,h0", scenarios)
+
+
+def test_nan_join_and_resume_on_real_ranks(gloo_2x2_launch):
+    res = {k.partition("@")[0]: v for k, v in gloo_2x2_launch.items() if k.endswith("@contiguous")}
     # NaN on rank 3 (node 1) only: every rank raises, nobody hangs
     assert [r["raised"] for r in res["nan"]] == ["NonFiniteGradientError"] * 4, [r.get("message") for r in res["nan"]]
     # rank 2 joined after 2 steps: the others' last 2 steps went by the flat join transport; all agree
