@@ -69,7 +69,9 @@ class TernGradConfig:
                    exchange/requantized.py) or "auto" (measures the link once,
                    exchange/link.py: if ternarizing does not pay on it, e.g. a fast link with a CPU
                    codec, gradients travel at full precision and it says so; else per group whichever
-                   exchange the cost model of exchange/cost.py predicts to be faster on that link).
+                   of the two exchanges "default" runs, the allgather and the re-ternarized one with
+                   128-element buckets (both give the optimizer's noise estimate), the cost model of
+                   exchange/cost.py predicts to be faster on that link, instead of by N alone).
     fusion_numel:  tensor fusion in the Horovod frontend: the optimizer's compressed parameters, in
                    reverse registration order (about the order backward produces them), are cut into
                    groups of consecutive tensors of at most this many elements in total; a group shares
@@ -155,8 +157,8 @@ class TernGradConfig:
         """The bucket size a group exchanged by ``exchange`` (the transport a group runs: "allgather",
         "reternarized", ...) ternarizes with: ``bucket_size`` where set (> 0); else one scaler per tensor (per
         shard in the two-stage exchanges), except the re-ternarized exchange that ``exchange="default"`` picks
-        above 4 ranks, which takes one per DEFAULT_RETERNARIZED_BUCKET (128) elements in both stages (measured
-        accurate; one per shard is not: codec/sizes.py)."""
+        above 4 ranks (or "auto" where it is cheaper), which takes one per DEFAULT_RETERNARIZED_BUCKET (128)
+        elements in both stages (measured accurate; one per shard is not: codec/sizes.py)."""
         return exchange_bucket_size(self.exchange, exchange, self.bucket_size)
 
     def compresses(self, name: str, numel: int) -> bool:

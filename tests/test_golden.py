@@ -37,7 +37,9 @@ CASES = {
     "reternarized-zero-nonfinite": dict(exchange="reternarized", shared_scaler=False, on_nonfinite="zero"),
     # added with the requantized exchange (issue 39), when "auto" came to weigh it instead of the sharded one: the
     # "auto" pins were rewritten then (at 3 and 4 ranks it now picks the requantized exchange for the large
-    # tensors); every other pin above is unchanged
+    # tensors); every other pin above is unchanged.  Rewritten again when "auto" came to weigh the two exchanges
+    # "default" runs (the allgather, and the re-ternarized one in 128-element buckets) instead of the allgather
+    # and the requantized one: only the auto/3 and auto/4 pins changed
     "requantized": dict(exchange="requantized"),
     "requantized-base3-buckets": dict(exchange="requantized", packing="base3", bucket_size=50),
 }

@@ -205,6 +205,34 @@ def test_world_groups_give_the_subgroups_bits(topo, cfg, fused):
     assert any(".x." in n or n.endswith(".x") for _, n in by_name), sorted(by_name)
 
 
+def test_auto_over_world_groups_runs_what_default_runs_among_the_nodes():
+    """Over world collectives every cross group must post the same collectives, so exchange="auto" cannot decide
+    per cross group: it runs what "default" runs among the M nodes, bit for bit (5 nodes: the re-ternarized
+    exchange in 128-element buckets), not the allgather it kept to before
+    (2·(M-1) bits per element received across nodes, where "auto" is meant to be no slower than "default")."""
+    topo = Topology.contiguous(10, 2)
+    names = [f"layer{i}" for i in range(len(SHAPES))]
+    got = {}
+    for setting in ("default", "auto"):
+        cfg = TernGradConfig(hierarchical=True, exchange=setting)
+
+        def body(c, local, cross):
+            ex = engine(cfg, c, local, cross, topo)
+            outs = two_steps(ex, c.rank, names, fused=True)[0]
+            return outs, ex.cross_engine.stats.bytes_received
+
+        res, errs = run_hier(topo, body, world_groups=True)
+        assert errs == [None] * topo.size, errs
+        got[setting] = res
+    for r in range(topo.size):
+        (auto, auto_bytes), (default, default_bytes) = got["auto"][r], got["default"][r]
+        assert auto_bytes == default_bytes > 0
+        for step in range(2):
+            assert all(torch.equal(a, d) for a, d in zip(auto[step], default[step])), (r, step)
+    from horovod_terngrad.exchange import cost
+    assert cost.default_exchange(5) == "reternarized"
+
+
 def test_world_group_collectives_allgather_alltoall_and_allreduce():
     topo = Topology.from_hosts(["a", "b", "b", "a", "c", "c"])     # nodes (0, 3), (1, 2), (4, 5)
 

@@ -49,10 +49,10 @@ def packed_size(numel: int, fmt: str) -> int:
 def exchange_bucket_size(setting: str, exchange: str, bucket_size: int) -> int:
     """``TernGradConfig.bucket_for`` on plain values (the cost model's hot paths call it without building a
     config): the configured ``bucket_size`` where > 0; else DEFAULT_RETERNARIZED_BUCKET for the re-ternarized
-    exchange that the ``setting`` "default" picks; else 0."""
+    exchange that the ``setting`` "default" or "auto" picks (the one measured accurate); else 0."""
     if bucket_size > 0:
         return int(bucket_size)
-    return DEFAULT_RETERNARIZED_BUCKET if setting == "default" and exchange == "reternarized" else 0
+    return DEFAULT_RETERNARIZED_BUCKET if setting in ("default", "auto") and exchange == "reternarized" else 0
 
 
 def payload_size(numel: int, fmt: str, bucket_size: int = 0) -> int:

@@ -67,9 +67,15 @@ TERNGRAD_REQUANTIZED = "terngrad_requantized"
 TERNGRAD_BEST = "terngrad"        #: per buffer, the cheapest of the TernGrad exchanges "auto" picks from
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
-# what exchange="auto" picks from per group: both give horovod_terngrad.optim its noise estimate (the sharded
-# exchange gives none, and needs the shared scaler's handshake)
-AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
+# what exchange="auto" picks from per group: the two exchanges "default" runs (the allgather; above 4 ranks the
+# re-ternarized one with 128-element buckets, codec.sizes.exchange_bucket_size), both measured accurate and both
+# giving horovod_terngrad.optim its noise estimate, but per group by modelled time instead of by N alone.  Not the
+# sharded exchange (no noise estimate, and the shared scaler's handshake); not the requantized one, which moves
+# the same collectives with more bits (2 + 4.25 against 2 + 2.25 per element), so it is never the faster.
+AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_RETERNARIZED)
+# the transport (TernGradConfig.exchange's name) of each TernGrad method of the cost model
+EXCHANGE_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
+               TERNGRAD_REQUANTIZED: "requantized"}
 # exchange="default" (TernGradConfig's default): the allgather exchange up to this many ranks in the exchange, the
 # re-ternarized one with 128-element buckets (codec.sizes.DEFAULT_RETERNARIZED_BUCKET) above.  Received bits per
 # element: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4), bucketed re-ternarized (N-1)/N·2·2.25 plus 20-byte shard
@@ -549,7 +555,7 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
     ``shared_scaler`` is the allgather's scaler setting (``TernGradConfig.scaler_shared_for("allgather")``)."""
     if method == TERNGRAD_BEST:
         return choose_exchange(sizes, workers, network, packing, candidates=auto_candidates(workers),
-                               bucket_size=bucket_size, shared_scaler=shared_scaler).cost
+                               bucket_size=bucket_size, shared_scaler=shared_scaler, setting="auto").cost
     if method not in _COST_FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)}, "
                          f"got {method!r}")
@@ -558,16 +564,21 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
 
 def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
                     candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0,
-                    shared_scaler: bool = True) -> ExchangeChoice:
+                    shared_scaler: bool = True, setting: str | None = None) -> ExchangeChoice:
     """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
 
     ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
     chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
     pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
     candidate (allgather first: fewer messages).  ``shared_scaler``: the allgather's scaler setting (the
-    sharded exchange always has a handshake).  Cost: O(k) for k tensors.
+    sharded exchange always has a handshake).  ``setting``: the exchange setting choosing ("auto"): each
+    candidate is priced with the buckets that setting gives its transport (codec.sizes.exchange_bucket_size),
+    else every one with ``bucket_size``.  Cost: O(k) for k tensors.
     """
-    costs = {m: exchange_cost(m, sizes, workers, network, packing, bucket_size, shared_scaler) for m in candidates}
+    def buckets(m: str) -> int:
+        return bucket_size if setting is None else wire.exchange_bucket_size(setting, EXCHANGE_OF.get(m, m),
+                                                                             bucket_size)
+    costs = {m: exchange_cost(m, sizes, workers, network, packing, buckets(m), shared_scaler) for m in candidates}
     best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
     return ExchangeChoice(best, costs[best], costs)
 
@@ -591,6 +602,7 @@ def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, 
     N = int(workers)
     if exchange in (None, "auto"):
         exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
+        bucket_size = wire.exchange_bucket_size("auto", exchange, bucket_size)      # as the engine's bucket_for
     elif exchange == "default":
         exchange, bucket_size = default_exchange(N), default_bucket_size(N, bucket_size)
     if exchange == "sharded":
@@ -739,16 +751,18 @@ def _env_number(name: str, default: str, kind, least, positive: bool = False):
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
                  network: Network | None = None, shared_scaler: bool = False) -> str:
-    """``exchange="auto"``: 'allgather' or 'requantized' (:data:`AUTO_EXCHANGES`: both give horovod_terngrad.optim
-    its noise estimate), whichever this model predicts to be faster for a group of tensors of these sizes.
+    """``exchange="auto"``: 'allgather' or 'reternarized' (:data:`AUTO_EXCHANGES`: both give horovod_terngrad.optim
+    its noise estimate; the re-ternarized one with the default's 128-element buckets unless ``bucket_size`` is
+    set), whichever this model predicts to be faster for a group of tensors of these sizes.
     With two ranks or fewer sharding cannot receive less and costs one more collective, so it is never chosen.
     ``shared_scaler``: whether an allgather group would share its scaler
     (``TernGradConfig.scaler_shared_for("allgather")``; False, "auto"'s default, charges it no handshake)."""
     if n_ranks <= 2:
         return "allgather"
     choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
-                             candidates=AUTO_EXCHANGES, bucket_size=bucket_size, shared_scaler=shared_scaler)
-    return "requantized" if choice.method == TERNGRAD_REQUANTIZED else "allgather"
+                             candidates=AUTO_EXCHANGES, bucket_size=bucket_size, shared_scaler=shared_scaler,
+                             setting="auto")
+    return EXCHANGE_OF[choice.method]
 
 
 def auto_candidates(workers: int) -> tuple:

@@ -132,8 +132,7 @@ class HierarchicalExchange:
         """Whether ``config``'s cross-node exchange can run over world collectives: per-rank scalers with the
         allgather, re-ternarized or requantized transport, whose collectives (one allgather; one alltoall and one
         allgather) every cross group posts whatever its data ("default" picks one of them by the number of nodes,
-        the same in every cross group; ``exchange="auto"``, which would decide per cross group, keeps to the
-        allgather)."""
+        the same in every cross group; so does ``exchange="auto"``, which would decide per cross group)."""
         return (config.exchange in ("allgather", "auto", "default", "reternarized", "requantized")
                 and not config.scaler_shared_for("allgather"))
 
@@ -438,8 +437,9 @@ class HierarchicalExchange:
             at += p.numel
         mode = None
         if self.spans_world:       # every cross group must post the same collectives: no per-group decision
-            mode = {"default": cost.default_exchange(self.M), "requantized": "requantized",
-                    "reternarized": "reternarized"}.get(self.config.exchange, "allgather")
+            # ("auto", which would decide per cross group on its own pieces, runs what "default" runs among M)
+            mode = {"default": cost.default_exchange(self.M), "auto": cost.default_exchange(self.M),
+                    "requantized": "requantized", "reternarized": "reternarized"}.get(self.config.exchange, "allgather")
         elif self.config.exchange == "auto":
             net = self._links or cost.configured_network()
             shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link

@@ -31,7 +31,7 @@ of its last member hands it over:
   previous one is advanced, waiting: its handshake, encoding, its payload collective (allgather, or the
   sharded alltoall), and for the sharded exchange the alltoall, the owners' sums and their allgather.
 * **two-stage per-rank exchanges** (``exchange="reternarized"``, ``"requantized"``; ``"default"``'s
-  re-ternarized and ``"auto"``'s requantized groups): as per-rank scalers above, but the payload collective is the alltoall of each
+  and ``"auto"``'s re-ternarized groups): as per-rank scalers above, but the payload collective is the alltoall of each
   shard to its owner (``terngrad.rt.<group>``); at the engine's next progress the owner decodes its shard's N
   payloads and sends its payload by allgather (``terngrad.rg.<group>``: both exchanges use the re-ternarized
   exchange's names): re-ternarized, the average ternarized again (c bytes, as the alltoall's); requantized, the
