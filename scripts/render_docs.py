@@ -231,8 +231,9 @@ def block_choosing(mod: dict, m: dict) -> str:
     lines = [
         "Modelled speedup of a step over fp32 allreduce (AlexNet / GoogLeNet, the paper's models and batch sizes; "
         "weak scaling; `horovod_terngrad.modelling`). \"auto\" is TernGrad with `exchange=\"auto\"` and "
-        "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, requantized or "
-        "node-aware exchange); \"default\" is `TernGradConfig()`: `exchange=\"default\"` (the allgather among up to 4 "
+        "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, the re-ternarized "
+        "(128-element buckets) or the node-aware exchange: the default's own exchanges, weighed per group by the cost "
+        "model instead of chosen by N alone: its column is within 0.5% of the default's or above it); \"default\" is `TernGradConfig()`: `exchange=\"default\"` (the allgather among up to 4 "
         "ranks or nodes, the re-ternarized exchange in 128-element buckets among more) and `hierarchical=\"auto\"`, every path of which gives "
         "`horovod_terngrad.optim.AdamW` its noise estimate (docs/scale.md). fp16 allreduce for comparison. A speedup "
         "below 1.00x means TernGrad is slower than fp32 there: leave it off.",
