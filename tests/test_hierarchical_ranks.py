@@ -31,6 +31,26 @@ def launch(tmp_path, kind, hosts, scenarios, np_=4, env=None):
     return {sc: load_results(tmp_path, sc, np_) for sc in scenarios}, p
 
 
+def launch_cases(tmp_path, cases: dict, scenarios: list, env=None):
+    """One launch (gloo, 4 ranks) running ``scenarios`` ("SCENARIO@CASE"), each case as a job of its own would
+    (tests/workers/hvd_hier.py): ``cases`` maps CASE to its node names and environment.  Returns the results
+    and, per case, the lines rank 0 wrote to stderr while it ran."""
+    env = dict(env or {}, HIER_TEST_CASES=json.dumps(cases))
+    res, p = launch(tmp_path, "gloo", "-", scenarios, env=env)
+    said, case = {}, None
+    for line in p.stderr.splitlines():
+        if not line.startswith("[0]<stderr>:"):
+            continue
+        text = line.split(":", 1)[1]
+        if text.startswith("=== ") and text.endswith(" ==="):
+            case = text[4:-4].partition("@")[2]
+            said[case] = []
+        elif case is not None:
+            said[case].append(text)
+    assert set(said) == {sc.partition("@")[2] for sc in scenarios}, p.stderr[-3000:]
+    return res, said
+
+
 def check_against_reference(ranks, fused: bool):
     cfg = ranks[0]["config"]
     topo = Topology(tuple(tuple(n) for n in ranks[0]["nodes"]))
@@ -69,8 +89,8 @@ BIT_EXACT = {"contiguous": ["exact", "fused", "sharded", "fp32inside"], "interle
 @pytest.fixture(scope="module")
 def gloo_2x2_launch(tmp_path_factory):
     cases = {k: {"hosts": h} for k, h in GLOO_2X2.items()}
-    # the sharded exchange's (which adds process sets, after which Horovod's every cycle coordinates each set:
-    # every later collective slower) last
+    # the sharded exchange's last: it adds process sets, and unfused collectives after that ran several times
+    # slower here (Horovod coordinating each set every cycle, we think; not measured in isolation)
     scenarios = ([f"{sc}@{k}" for k, scs in BIT_EXACT.items() for sc in scs if sc != "sharded"]
                  + ["nan@contiguous", "join@contiguous", "resume@contiguous"]
                  + [f"sharded@{k}" for k in BIT_EXACT])
@@ -125,26 +145,6 @@ def test_a_killed_rank_ends_the_job_with_horovods_error(tmp_path, kind):
 
 
 FALLBACK = "node-aware exchange off"
-
-
-def launch_cases(tmp_path, cases: dict, scenarios: list, env=None):
-    """One launch (gloo, 4 ranks) running ``scenarios`` ("SCENARIO@CASE"), each case as a job of its own would
-    (tests/workers/hvd_hier.py): ``cases`` maps CASE to its node names and environment.  Returns the results
-    and, per case, the lines rank 0 wrote to stderr while it ran."""
-    env = dict(env or {}, HIER_TEST_CASES=json.dumps(cases))
-    res, p = launch(tmp_path, "gloo", "-", scenarios, env=env)
-    said, case = {}, None
-    for line in p.stderr.splitlines():
-        if not line.startswith("[0]<stderr>:"):
-            continue
-        text = line.split(":", 1)[1]
-        if text.startswith("=== ") and text.endswith(" ==="):
-            case = text[4:-4].partition("@")[2]
-            said[case] = []
-        elif case is not None:
-            said[case].append(text)
-    assert set(said) == {sc.partition("@")[2] for sc in scenarios}, p.stderr[-3000:]
-    return res, said
 
 
 # where the node-aware exchange cannot run, with process sets allowed: (nodes, environment, the reason rank 0

@@ -128,7 +128,7 @@ from ..codec import sizes as wire
 from ..config import TernGradConfig
 from ..exchange import fusion, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
-    _COLLECTIVE_TIME, AUTO_EXCHANGES, DEFAULT_ALLGATHER_MAX_RANKS, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS,
+    _COLLECTIVE_TIME, AUTO_EXCHANGES, DEFAULT_ALLGATHER_MAX_RANKS, EXCHANGE_OF, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS,
     TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL,
     TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
@@ -263,11 +263,9 @@ ALL_METHODS = (FP32, FP16, TERNGRAD_DEFAULT, TERNGRAD_ALLGATHER, TERNGRAD_SHARDE
                TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)
 
 # the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
-_SETTING = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_BEST: None,
-            TERNGRAD_RETERNARIZED: "reternarized", TERNGRAD_REQUANTIZED: "requantized", TERNGRAD_DEFAULT: "default"}
+_SETTING = {**EXCHANGE_OF, TERNGRAD_BEST: None, TERNGRAD_DEFAULT: "default"}
 # the model's method for an exchange the engine runs (exchange.cost.exchange_for / default_exchange's answers)
-_METHOD_OF = {"allgather": TERNGRAD_ALLGATHER, "sharded": TERNGRAD_SHARDED, "reternarized": TERNGRAD_RETERNARIZED,
-              "requantized": TERNGRAD_REQUANTIZED}
+_METHOD_OF = {exchange: method for method, exchange in EXCHANGE_OF.items()}
 
 
 def method_buckets(method: str, exchange: str, config: TernGradConfig) -> int:
