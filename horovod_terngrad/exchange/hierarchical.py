@@ -64,12 +64,13 @@ class HierarchicalGroup:
 
     __slots__ = ("name", "members", "plan", "average", "a2a", "pieces", "node_mean", "ag", "gathered",
                  "error", "unfinished", "cross_started", "local_mismatch", "device", "outbox", "sent", "noisy",
-                 "statuses")
+                 "statuses", "wires")
 
     def __init__(self, name, members, plan, average):
         self.name, self.members, self.plan, self.average = name, members, plan, average
         self.a2a = self.ag = self.gathered = self.error = self.node_mean = self.outbox = self.sent = None
         self.statuses = None            # every local rank's status words, read on the host once per group
+        self.wires: dict = {}           # intra_node_dtype="bfloat16": the bf16 send buffers, to reuse next step
         self.pieces: list = []          # this rank's cross tickets, in plan order
         self.unfinished = len(members)
         self.cross_started = False
@@ -107,6 +108,7 @@ class HierarchicalExchange:
         self._cross_queue: list = []      # groups in their cross-node exchange
         self._previous = None
         self._outboxes: dict = {}         # group name -> its last step's allgather buffer, to reuse
+        self._wires: dict = {}            # (group name, stage) -> its last step's bf16 send buffer, to reuse
         self._presence = None             # this step's: whether every rank takes part
         # Horovod: a rank that returns from its step's last intra-node allgather and shuts Horovod down
         # (hvd.shutdown(), or at exit) aborts the other nodes' intra-node ops still in flight.  With
@@ -256,7 +258,7 @@ class HierarchicalExchange:
         width = self.config.intra_node_width
         self.stats.intra_node_bytes_sent += width * (buf.numel() - own)
         if width == 2:       # intra_node_dtype="bfloat16": rounded to nearest, sent as its bytes
-            buf = _to_wire(buf)
+            buf = self._to_wire(grp, "a2a", buf)
             splits, own = [2 * s for s in splits], 2 * own
         name = f"terngrad.h.a2a.{group}"
         if getattr(self.local, "takes_sizes", False):   # every local rank sends this rank its shard: same size
@@ -301,7 +303,10 @@ class HierarchicalExchange:
                     # its allgather is complete: the buffer serves this group again next step (a fresh
                     # buffer of tens of MB costs its page faults every step, on the cores that compute)
                     self._outboxes[grp.name] = grp.sent
+                    # (so do the bf16 send buffers: both collectives that read them are complete)
+                    self._wires.update(((grp.name, stage), wire) for stage, wire in grp.wires.items())
                 grp.members, grp.gathered, grp.node_mean, grp.pieces, grp.sent = [], None, None, [], None
+                grp.wires = {}
                 grp.statuses = None
                 self._live -= 1
                 if self._live == 0 and self.end_of_step_sync:
@@ -338,7 +343,7 @@ class HierarchicalExchange:
         self.cross_engine.reset()
         self._a2a_queue, self._cross_queue = [], []
         self._previous = self._presence = None
-        self._outboxes = {}
+        self._outboxes, self._wires = {}, {}
 
     # -- stages -----------------------------------------------------------------------------------
     def _step_done(self, grp: HierarchicalGroup) -> None:
@@ -379,6 +384,20 @@ class HierarchicalExchange:
                 waiting.append(grp)
         self._a2a_queue = waiting
 
+    def _to_wire(self, grp: HierarchicalGroup, stage: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` rounded to bf16 as bytes (module function ``_to_wire``).  On the CPU, written into the buffer
+        this group's ``stage`` sent last step where it fits: a fresh one costs its page faults every step (tens of
+        MB for an embedding), on the cores that compute; the group holds it until both its collectives are
+        complete.  On a GPU the caching allocator makes a fresh one cheap, and keeping it would hold half the
+        gradients' bytes through the forward pass."""
+        if values.device.type != "cpu":
+            return _to_wire(values)
+        spare = self._wires.pop((grp.name, stage), None)
+        if spare is None or spare.numel() != values.numel() or spare.device != values.device:
+            spare = torch.empty(values.numel(), dtype=torch.bfloat16, device=values.device)
+        grp.wires[stage] = spare
+        return _to_wire(values, into=spare)
+
     def _spare_outbox(self, name: str, numel: int, device) -> torch.Tensor:
         spare = self._outboxes.pop(name, None)
         if spare is not None and spare.numel() == numel and spare.device == device:
@@ -400,7 +419,7 @@ class HierarchicalExchange:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.config.intra_node_width == 2:
-            received = _from_wire(received)
+            received = _wire_values(received)
         self.stats.intra_node_bytes_received += self.config.intra_node_width * (received.numel() - shard)
         # Adam's noise estimate (horovod_terngrad.optim) comes from the cross exchange of the node means, the
         # only ternary rounding on this path; the intra-node allgather carries it beside the shard.  Every rank
@@ -421,11 +440,10 @@ class HierarchicalExchange:
             grp.outbox = self._spare_outbox(grp.name, shard + extra + len(pieces), received.device)
             node = grp.outbox[:shard]
             parts = received.view(self.G, shard)
-            if self.G > 1:
-                torch.add(parts[0], parts[1], out=node)
-            else:
-                node.copy_(parts[0])
-            for r in range(2, self.G):   # in local-rank order: the same bits on every node and in the reference
+            # (bf16 parts are widened as they are read: each addition is in fp32, as in the reference, without
+            # an fp32 copy of everything received; torch.add(bf16, bf16, out=fp32) would add in bf16)
+            node.copy_(parts[0])
+            for r in range(1, self.G):   # in local-rank order: the same bits on every node and in the reference
                 node += parts[r]
             if grp.average:
                 node /= self.G
@@ -510,7 +528,7 @@ class HierarchicalExchange:
         width = self.config.intra_node_width
         self.stats.intra_node_bytes_sent += width * data.numel()
         if width == 2:       # the averaged shard, its noise estimate and the status words (small integers: exact)
-            data, sizes = _to_wire(data), [2 * s for s in sizes]
+            data, sizes = self._to_wire(grp, "ag", data), [2 * s for s in sizes]
         if getattr(self.local, "takes_sizes", False):
             grp.ag = self.local.allgather_async(data, name, sizes=sizes)
         else:
@@ -549,7 +567,8 @@ class HierarchicalExchange:
             finally:
                 self.stats.gather_wait_s += time.perf_counter() - t0
             if self.config.intra_node_width == 2:
-                grp.gathered = _from_wire(grp.gathered)
+                # kept as bf16: each value is widened once, as it is written into its member's result
+                grp.gathered = _wire_values(grp.gathered)
             self.stats.intra_node_bytes_received += grp.gathered.numel() * self.config.intra_node_width
         if grp.error is not None and isinstance(grp.error, CollectiveError):
             raise grp.error.detailed(f"TernGrad: exchange of gradient '{tk.name}' failed")
@@ -600,11 +619,21 @@ class HierarchicalExchange:
         return out
 
 
-def _to_wire(values: torch.Tensor) -> torch.Tensor:
+def _to_wire(values: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 values as the bytes of their bf16 rounding (to nearest even), for the intra-node collectives
     (``intra_node_dtype="bfloat16"``): bytes, because Horovod and gloo move uint8 everywhere and reduce nothing
-    here."""
-    return values.to(torch.bfloat16).view(torch.uint8)
+    here.  ``into``: a bf16 buffer of as many elements to round into (the same rounding as ``.to``)."""
+    if into is None:
+        return values.to(torch.bfloat16).view(torch.uint8)
+    return into.copy_(values).view(torch.uint8)
+
+
+def _wire_values(raw: torch.Tensor) -> torch.Tensor:
+    """``_to_wire``'s bytes as bf16 values, no copy (an odd byte count, ranks that disagree: ``_from_wire``'s NaN
+    values, which the callers' size checks then report).  Read into fp32 tensors, they widen exactly."""
+    if raw.numel() % 2:
+        return _from_wire(raw)
+    return raw.view(torch.bfloat16)
 
 
 def _from_wire(raw: torch.Tensor) -> torch.Tensor:
