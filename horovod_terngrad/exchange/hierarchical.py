@@ -575,7 +575,11 @@ class HierarchicalExchange:
         # walk the G blocks: [shard values | their noise estimate, if carried | one status per piece], local-rank
         # order
         out = tk.g32 if tk.in_place else torch.empty_like(tk.g32)
-        noise = torch.empty_like(tk.g32) if grp.noisy and tk.want_noise else None
+        noise = None
+        if grp.noisy and tk.want_noise:     # on the CPU the flat engine's reused buffer (Exchange.noise_buffer says why)
+            noise = self.flat.noise_buffer(tk)
+            if noise is None:
+                noise = torch.empty_like(tk.g32)
         if grp.statuses is None:
             grp.statuses = self._read_statuses(grp)
         bad, at, noise_missing, k = set(), 0, False, 0
