@@ -128,7 +128,11 @@ def run_on_cluster(hosts: int, rate: str, prefix: str, subnet: str, cmd: list, t
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **run_kw)
         print(p.stdout[-3000:], flush=True)
         if p.returncode != 0:
-            raise SystemExit(f"{what} failed:\n{p.stderr[-3000:]}")
+            # the tail is usually the launcher's summary: the first rank's own error is further up
+            import tempfile
+            with tempfile.NamedTemporaryFile("w", prefix="cluster-run-", suffix=".log", delete=False) as f:
+                f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
+            raise SystemExit(f"{what} failed (its whole output: {f.name}):\n{p.stderr[-3000:]}")
     return probed
 
 

@@ -583,3 +583,17 @@ def test_intra_node_dtype_is_checked_halves_the_bytes_inside_a_node_and_the_cost
         sent[dtype] = res
     assert all(b * 2 == f for fs, bs in zip(sent["float32"], sent["bfloat16"]) for f, b in zip(fs, bs))
     assert all(f > 0 for fs in sent["float32"] for f in fs)
+
+
+def test_the_bf16_wire_benchmark_gives_the_same_bits_both_ways():
+    """scripts/bench_bf16_wire.py (the figures docs/scale.md quotes for the node-aware exchange's CPU work) checks
+    that the way it was done and the way it is done give the same bits, and prints a row per step."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_bf16_wire.py"), "--numel", "10001"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [line for line in p.stdout.splitlines() if line.startswith("| ") and not line.startswith("| step")]
+    assert len(rows) == 4 and all(float(c) >= 0 for r in rows for c in r.strip("| ").split(" | ")[1:]), p.stdout
