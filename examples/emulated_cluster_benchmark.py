@@ -81,6 +81,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from horovod_terngrad.exchange.cost import HOROVOD_FUSION_BYTES
@@ -129,7 +130,6 @@ def run_on_cluster(hosts: int, rate: str, prefix: str, subnet: str, cmd: list, t
         print(p.stdout[-3000:], flush=True)
         if p.returncode != 0:
             # the tail is usually the launcher's summary: the first rank's own error is further up
-            import tempfile
             with tempfile.NamedTemporaryFile("w", prefix="cluster-run-", suffix=".log", delete=False) as f:
                 f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
             raise SystemExit(f"{what} failed (its whole output: {f.name}):\n{p.stderr[-3000:]}")

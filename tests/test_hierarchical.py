@@ -1,5 +1,8 @@
 """Layer 3: the node-aware exchange (exchange/hierarchical.py, exchange/topology.py) on thread-ranks with
 subgroups, against an independent recomputation of the hierarchical average."""
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -588,9 +591,6 @@ def test_intra_node_dtype_is_checked_halves_the_bytes_inside_a_node_and_the_cost
 def test_the_bf16_wire_benchmark_gives_the_same_bits_both_ways():
     """scripts/bench_bf16_wire.py (the figures docs/scale.md quotes for the node-aware exchange's CPU work) checks
     that the way it was done and the way it is done give the same bits, and prints a row per step."""
-    import os
-    import subprocess
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_bf16_wire.py"), "--numel", "10001"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))

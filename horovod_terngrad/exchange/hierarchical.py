@@ -392,17 +392,9 @@ class HierarchicalExchange:
         gradients' bytes through the forward pass."""
         if values.device.type != "cpu":
             return _to_wire(values)
-        spare = self._wires.pop((grp.name, stage), None)
-        if spare is None or spare.numel() != values.numel() or spare.device != values.device:
-            spare = torch.empty(values.numel(), dtype=torch.bfloat16, device=values.device)
-        grp.wires[stage] = spare
+        spare = grp.wires[stage] = _spare(self._wires, (grp.name, stage), values.numel(), torch.bfloat16,
+                                          values.device)
         return _to_wire(values, into=spare)
-
-    def _spare_outbox(self, name: str, numel: int, device) -> torch.Tensor:
-        spare = self._outboxes.pop(name, None)
-        if spare is not None and spare.numel() == numel and spare.device == device:
-            return spare
-        return torch.empty(numel, dtype=torch.float32, device=device)
 
     def _start_cross(self, grp: HierarchicalGroup) -> None:
         """Node sum of this rank's shard (local-rank order), then its pieces' exchange across nodes."""
@@ -437,7 +429,8 @@ class HierarchicalExchange:
         else:
             # the node sum goes straight into the buffer the intra-node allgather sends (the shard, then one
             # status word per piece): no copy of the shard later
-            grp.outbox = self._spare_outbox(grp.name, shard + extra + len(pieces), received.device)
+            grp.outbox = _spare(self._outboxes, grp.name, shard + extra + len(pieces), torch.float32,
+                                received.device)
             node = grp.outbox[:shard]
             parts = received.view(self.G, shard)
             # (bf16 parts are widened as they are read: each addition is in fp32, as in the reference, without
@@ -633,19 +626,19 @@ def _to_wire(values: torch.Tensor, into: torch.Tensor | None = None) -> torch.Te
 
 
 def _wire_values(raw: torch.Tensor) -> torch.Tensor:
-    """``_to_wire``'s bytes as bf16 values, no copy (an odd byte count, ranks that disagree: ``_from_wire``'s NaN
-    values, which the callers' size checks then report).  Read into fp32 tensors, they widen exactly."""
+    """``_to_wire``'s bytes as bf16 values, no copy; read into fp32 tensors, they widen exactly.  An odd byte count
+    (ranks that disagree): NaN values, which the callers' size checks then report."""
     if raw.numel() % 2:
-        return _from_wire(raw)
+        return torch.full((raw.numel() // 2 + 1,), float("nan"), dtype=torch.float32, device=raw.device)
     return raw.view(torch.bfloat16)
 
 
-def _from_wire(raw: torch.Tensor) -> torch.Tensor:
-    """``_to_wire``'s bytes back as fp32 values (an odd byte count, ranks that disagree: NaN values, which the
-    callers' size checks then report)."""
-    if raw.numel() % 2:
-        return torch.full((raw.numel() // 2 + 1,), float("nan"), dtype=torch.float32, device=raw.device)
-    return raw.view(torch.bfloat16).to(torch.float32)
+def _spare(pool: dict, key, numel: int, dtype, device) -> torch.Tensor:
+    """The buffer ``pool`` kept under ``key`` from the last step, taken out of it, where it fits; else a fresh one."""
+    spare = pool.pop(key, None)
+    if spare is not None and spare.numel() == numel and spare.dtype == dtype and spare.device == device:
+        return spare
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 # -- topology from what every rank reports ------------------------------------------------------------
