@@ -432,14 +432,7 @@ class HierarchicalExchange:
             grp.outbox = _spare(self._outboxes, grp.name, shard + extra + len(pieces), torch.float32,
                                 received.device)
             node = grp.outbox[:shard]
-            parts = received.view(self.G, shard)
-            # (bf16 parts are widened as they are read: each addition is in fp32, as in the reference, without
-            # an fp32 copy of everything received; torch.add(bf16, bf16, out=fp32) would add in bf16)
-            node.copy_(parts[0])
-            for r in range(1, self.G):   # in local-rank order: the same bits on every node and in the reference
-                node += parts[r]
-            if grp.average:
-                node /= self.G
+            _node_sum(received.view(self.G, shard), node, grp.average)
         grp.node_mean = node
         items, at = [], 0
         for p in pieces:
@@ -631,6 +624,18 @@ def _wire_values(raw: torch.Tensor) -> torch.Tensor:
     if raw.numel() % 2:
         return torch.full((raw.numel() // 2 + 1,), float("nan"), dtype=torch.float32, device=raw.device)
     return raw.view(torch.bfloat16)
+
+
+def _node_sum(parts: torch.Tensor, out: torch.Tensor, average: bool) -> None:
+    """The G local ranks' shards ``parts`` ([G, shard], fp32 or the wire's bf16) added into ``out`` (fp32) in
+    local-rank order, the same bits on every node and in the reference; / G when averaging.  bf16 parts are widened
+    as they are read, so each addition is in fp32 without an fp32 copy of everything received
+    (torch.add(bf16, bf16, out=fp32) would add in bf16)."""
+    out.copy_(parts[0])
+    for r in range(1, parts.shape[0]):
+        out += parts[r]
+    if average:
+        out /= parts.shape[0]
 
 
 def _spare(pool: dict, key, numel: int, dtype, device) -> torch.Tensor:
