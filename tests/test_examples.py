@@ -545,6 +545,41 @@ def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
     assert "reternarized@b128" in sls.table(rows)
 
 
+def test_whole_run_study_records_curves_resumes_and_finds_each_methods_best_lr(tmp_path):
+    """study_lm_scale over whole runs: ``--steps 0`` is ``--epochs`` of the corpus at the global batch; each run
+    records its held-out curve (the last point at the last step); ``/torch`` runs an exchange with torch's AdamW;
+    two processes at once (``--jobs 2``) write the same rows as one; a second call runs nothing already in
+    runs.jsonl; the best-lr table marks a best lr at the edge of the sweep as not bracketed; ``--plot`` writes a
+    PNG; ``--write-corpus`` writes the bytes the study trains on."""
+    import study_lm_scale as sls
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("The quick brown fox jumps over the lazy dog. " * 3000).encode())
+    out = tmp_path / "runs"
+    common = ["--model", "gpt2", "--corpus", str(corpus), "--width", "32", "--layers", "1", "--seq-len", "32",
+              "--batch", "8", "--epochs", "0.02", "--evals", "2", "--eval-windows", "16", "--workers", "2",
+              "--seeds", "0", "--out", str(out)]
+    rows = sls.main(common + ["--lr", "1e-3,4e-3", "--exchanges", "none,allgather,allgather/torch", "--jobs", "2"])
+    train, _, _ = sls.load_corpus(str(corpus))
+    steps = round(0.02 * len(train) / (8 * 32))
+    assert len(rows) == 6 and {r["steps"] for r in rows} == {max(10, steps)}
+    assert {(r["method"], r["optimizer"]) for r in rows} == {("none", "terngrad"), ("allgather", "terngrad"),
+                                                             ("allgather", "torch")}
+    for r in rows:
+        assert len(r["curve"]) == 2 and r["curve"][-1][0] == r["steps"] and np.isfinite(r["held_out"])
+    assert sls.main(common + ["--lr", "1e-3,4e-3", "--exchanges", "none,allgather,allgather/torch"]) == []
+    assert len(open(out / "runs.jsonl").read().splitlines()) == 6
+    text = sls.best_lr_table(rows)
+    assert "allgather + torch AdamW" in text and "no (edge)" in text and "yes" not in text.split("\n", 2)[2]
+    png = tmp_path / "curves.png"
+    sls.main(["--table", str(out), "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = tmp_path / "copy.txt"
+    sls.main(["--corpus", str(corpus), "--max-mb", "0.1", "--write-corpus", str(written)])
+    assert written.read_bytes() == corpus.read_bytes()[:100_000]
+    with pytest.raises(SystemExit, match="held-out split"):
+        sls.load_corpus(str(corpus), max_mb=0.05)
+
+
 def test_adam_study_table_refuses_to_compare_runs_of_another_global_batch(tmp_path):
     """adam_study_table: gaps against the baseline only for runs of its global batch and sequence length; a run
     with half the batch (the Horovod 2 x 2 mix-up of issue 39) gets 'not comparable' instead of a gap, and runs
