@@ -268,23 +268,28 @@ def table(rows: list) -> str:
 
 
 def best_lr_table(rows: list) -> str:
-    """Per (method, optimizer, topology, N): the lr with the lowest mean over seeds, whether the sweep brackets it
-    (a lower and a higher lr ran), and its mean and worst seed against fp32 at fp32's own best lr."""
+    """Per (method, optimizer, topology, N): the lr with the lowest mean over the seeds every lr ran, whether the
+    sweep brackets it (a lower and a higher lr ran), and its mean and worst seed (over all its seeds) against fp32
+    at fp32's own best lr."""
     cells: dict = {}
     for r in rows:
         cells.setdefault((label(r), r["G"], r["N"] if r["method"] != "none" else 0), {}).setdefault(
-            r["lr"], []).append(r["held_out"])
+            r["lr"], {})[r["seed"]] = r["held_out"]
     fp32 = [v for (m, _, _), v in cells.items() if m == "fp32"]
-    ref = min((statistics.mean(x) for v in fp32 for x in v.values()), default=float("nan"))
+    ref = min((statistics.mean(x.values()) for v in fp32 for x in v.values()), default=float("nan"))
     lines = ["| method | topology | N | lrs run | best lr | bracketed | seeds | mean at best | worst at best | "
              "mean vs fp32's best | worst vs fp32's best |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (m, G, N), by_lr in sorted(cells.items(), key=lambda kv: (kv[0][0] != "fp32", kv[0][0], kv[0][1], kv[0][2])):
         if len(by_lr) < 2:
             continue
-        lr = min(by_lr, key=lambda k: statistics.mean(by_lr[k]))
+        # the lrs are compared on the seeds every one of them ran (paired: the same batches and initial weights)
+        common = set.intersection(*(set(v) for v in by_lr.values()))
+        if not common:
+            continue
+        lr = min(by_lr, key=lambda k: statistics.mean(by_lr[k][sd] for sd in common))
         lrs = sorted(by_lr)
         bracketed = lrs[0] < lr < lrs[-1]
-        vals = by_lr[lr]
+        vals = list(by_lr[lr].values())
         mean = statistics.mean(vals)
         topo = "flat" if G <= 1 else f"nodes of {G}"
         lines.append(f"| {m} | {topo} | {N or 'any'} | {', '.join(f'{x:g}' for x in lrs)} | {lr:g} | "
@@ -294,15 +299,17 @@ def best_lr_table(rows: list) -> str:
 
 
 def plot(rows: list, path: str, title: str = "") -> None:
-    """Held-out loss along the run (mean over seeds at each evaluation), fp32 against every other method at the
-    recipe's lr, one panel per N: a method that leads early and trails late shows as crossing curves."""
+    """Held-out loss along the run (mean over seeds at each evaluation), one panel per (N, topology): fp32 AdamW at
+    its best lr (solid black) and at the recipe's (dashed), and every method run with horovod_terngrad.optim.AdamW
+    at its own best lr among those run there; a method that leads early and trails late shows as crossing curves."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fp32 = [r for r in rows if r["method"] == "none" and r.get("curve")]
-    others = [r for r in rows if r["method"] != "none" and r.get("curve")]
+    done = [r for r in rows if r.get("curve") and math.isfinite(r["held_out"])]
+    fp32 = [r for r in done if r["method"] == "none"]
+    others = [r for r in done if r["method"] != "none" and r.get("optimizer", "terngrad") == "terngrad"]
     Ns = sorted({(r["N"], r["G"]) for r in others})
-    fig, axes = plt.subplots(1, max(1, len(Ns)), figsize=(4.2 * max(1, len(Ns)), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(Ns)), figsize=(4.6 * max(1, len(Ns)), 3.8), squeeze=False)
 
     def mean_curve(rs):
         pts: dict = {}
@@ -312,24 +319,34 @@ def plot(rows: list, path: str, title: str = "") -> None:
         xs = sorted(pts)
         return xs, [statistics.mean(pts[s]) for s in xs]
 
-    lr = statistics.mode([r["lr"] for r in rows]) if rows else None
+    def best_lr(rs):
+        by: dict = {}
+        for r in rs:
+            by.setdefault(r["lr"], []).append(r["held_out"])
+        return min(by, key=lambda lr: statistics.mean(by[lr])) if by else None
+
+    recipe = 2e-3 if any(r["lr"] == 2e-3 for r in fp32) else (fp32[0]["lr"] if fp32 else None)
+    fp32_best = best_lr(fp32)
     for ax, (N, G) in zip(axes[0], Ns):
-        xs, ys = mean_curve([r for r in fp32 if r["lr"] == lr])
-        if xs:
-            ax.plot(xs, ys, color="black", label="fp32 AdamW")
-        for m in sorted({label(r) for r in others}):
-            xs, ys = mean_curve([r for r in others if label(r) == m and r["N"] == N and r["G"] == G and r["lr"] == lr])
-            if xs:
-                ax.plot(xs, ys, label=m)
-        ax.set_title(f"N = {N}" + ("" if G <= 1 else f", nodes of {G}") + f", lr {lr:g}")
+        for lr, style in ((fp32_best, "-"), (recipe, "--")):
+            xs, ys = mean_curve([r for r in fp32 if r["lr"] == lr])
+            if xs and not (style == "--" and lr == fp32_best):
+                ax.plot(xs, ys, style, color="black", label=f"fp32 AdamW, lr {lr:g}")
+        for m in sorted({r["method"] for r in others if r["N"] == N and r["G"] == G}):
+            mine = [r for r in others if r["method"] == m and r["N"] == N and r["G"] == G]
+            lr = best_lr(mine)
+            xs, ys = mean_curve([r for r in mine if r["lr"] == lr])
+            ax.plot(xs, ys, label=f"{m}, lr {lr:g}")
+        ax.set_title(f"N = {N}" + ("" if G <= 1 else f", nodes of {G}"))
         ax.set_xlabel("step")
         ax.set_ylabel("held-out loss (mean of seeds)")
+        ax.set_ylim(top=min(ax.get_ylim()[1], 2.6))
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .codec.sizes import FORMATS, exchange_bucket_size
+from .codec.sizes import FORMATS
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
@@ -19,9 +19,8 @@ class TernGradConfig:
 
     clip_factor:   c of Eq. 21; gradients are clipped to ±c·σ before ternarizing. 0 disables.
     packing:       "2bit" (4 elements per byte) or "base3" (5 per byte, 1.6 bits per element).
-    bucket_size:   0 = one scaler per tensor (layer-wise ternarizing; the two-stage exchanges: per shard),
-                   except where exchange="default" runs the re-ternarized exchange (above 4 ranks), which
-                   takes one per 128 elements (``bucket_for``); k > 0 = one per k elements everywhere.
+    bucket_size:   0 = one scaler per tensor (layer-wise ternarizing; the two-stage exchanges: per shard);
+                   k > 0 = one per k elements.
     min_numel:     tensors with fewer elements travel uncompressed (Horovod's own allreduce, which fuses
                    them).  Default 4096: below it the codec's fixed cost per tensor (statistics, header,
                    scaler, decode: ~0.1-0.2 ms on a CPU core, docs/realshapes.md) exceeds the time its
@@ -53,25 +52,26 @@ class TernGradConfig:
                    costs one synchronization per tensor sent at full precision); "zero" = the tensor's
                    averaged gradient is zero on every rank this step (counted in the stats, warned once;
                    it hides overflows from a GradScaler, whose scale then never comes down).
-    exchange:      "default": "allgather" among up to 4 ranks, "reternarized" with one scaler per 128
-                   elements among more (per exchange: the node-aware exchange decides on its cross group's
-                   size), a pure function of N, so no collective decides it; both give
-                   horovod_terngrad.optim its noise estimate, and the bits received per element stay
-                   about 4.5 at any N (5.5 on GPT-2's tensors at N = 512; exchange/cost.default_exchange).
+    exchange:      "default": "allgather" among up to 4 ranks, "requantized" among more (per exchange: the
+                   node-aware exchange decides on its cross group's size), a pure function of N, so no
+                   collective decides it; both give horovod_terngrad.optim its noise estimate, both end
+                   whole training runs within the accuracy of fp32 (docs/scale.md), and the bits received
+                   per element stay under 7.7 at any N (exchange/cost.default_exchange).
                    "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
                    nearly constant in N; needs shared_scaler), "reternarized" (alltoall of each shard's
                    payload to its owner, which averages it and ternarizes the average again; allgather
-                   of the owners' 2-bit payloads: about 2 + 2 bits per element at any N, no handshake;
+                   of the owners' 2-bit payloads: about 2 + 2 bits per element at any N, no handshake,
+                   but its second ternary rounding costs accuracy over whole runs with AdamW;
                    exchange/reternarized.py), "requantized" (the same first stage; the owners' exact
                    averages travel back in 4-bit groups of 128, with Adam's noise estimate as one bit per
                    element where the optimizer asks: about 2 + 4.25 (+ 1.25) bits at any N;
                    exchange/requantized.py) or "auto" (measures the link once,
                    exchange/link.py: if ternarizing does not pay on it, e.g. a fast link with a CPU
                    codec, gradients travel at full precision and it says so; else per group whichever
-                   of the two exchanges "default" runs, the allgather and the re-ternarized one with
-                   128-element buckets (both give the optimizer's noise estimate), the cost model of
-                   exchange/cost.py predicts to be faster on that link, instead of by N alone).
+                   of the two exchanges "default" runs, the allgather and the requantized one (both give
+                   the optimizer's noise estimate), the cost model of exchange/cost.py predicts to be
+                   faster on that link, instead of by N alone).
     fusion_numel:  tensor fusion in the Horovod frontend: the optimizer's compressed parameters, in
                    reverse registration order (about the order backward produces them), are cut into
                    groups of consecutive tensors of at most this many elements in total; a group shares
@@ -152,14 +152,6 @@ class TernGradConfig:
         """Whether a group sent by ``transport`` ("allgather" or "sharded") uses the shared scaler: the
         setting, else only the sharded transport (its owners add ternary values)."""
         return transport == "sharded" if self.shared_scaler is None else bool(self.shared_scaler)
-
-    def bucket_for(self, exchange: str) -> int:
-        """The bucket size a group exchanged by ``exchange`` (the transport a group runs: "allgather",
-        "reternarized", ...) ternarizes with: ``bucket_size`` where set (> 0); else one scaler per tensor (per
-        shard in the two-stage exchanges), except the re-ternarized exchange that ``exchange="default"`` picks
-        above 4 ranks (or "auto" where it is cheaper), which takes one per DEFAULT_RETERNARIZED_BUCKET (128)
-        elements in both stages (measured accurate; one per shard is not: codec/sizes.py)."""
-        return exchange_bucket_size(self.exchange, exchange, self.bucket_size)
 
     def compresses(self, name: str, numel: int) -> bool:
         """Whether a tensor of this name and size is ternarized (else it travels uncompressed)."""

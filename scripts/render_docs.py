@@ -172,6 +172,10 @@ def _pct(v: float) -> str:
     return f"{v:+.1f}%"
 
 
+def _pct2(v: float) -> str:
+    return f"{v:+.2f}%"
+
+
 def block_headline(m: dict, be: dict, mod: dict) -> str:
     first, at16, last = be["first"], be["at16"], be["last"]
     eth, ib = mod["dp"][("ethernet", 4, 128, "alexnet")], mod["dp"][("infiniband", 4, 128, "alexnet")]
@@ -231,10 +235,10 @@ def block_choosing(mod: dict, m: dict) -> str:
     lines = [
         "Modelled speedup of a step over fp32 allreduce (AlexNet / GoogLeNet, the paper's models and batch sizes; "
         "weak scaling; `horovod_terngrad.modelling`). \"auto\" is TernGrad with `exchange=\"auto\"` and "
-        "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, the re-ternarized "
-        "(128-element buckets) or the node-aware exchange: the default's own exchanges, weighed per group by the cost "
-        "model instead of chosen by N alone: its column is within 0.5% of the default's or above it); \"default\" is `TernGradConfig()`: `exchange=\"default\"` (the allgather among up to 4 "
-        "ranks or nodes, the re-ternarized exchange in 128-element buckets among more) and `hierarchical=\"auto\"`, every path of which gives "
+        "`hierarchical=\"auto\"` (what it picks: fp32 for small tensors, and per group the allgather, the requantized "
+        "or the node-aware exchange: the default's own exchanges, weighed per group by the cost "
+        "model instead of chosen by N alone); \"default\" is `TernGradConfig()`: `exchange=\"default\"` (the allgather among up to 4 "
+        "ranks or nodes, the requantized exchange among more) and `hierarchical=\"auto\"`, every path of which gives "
         "`horovod_terngrad.optim.AdamW` its noise estimate (docs/scale.md). fp16 allreduce for comparison. A speedup "
         "below 1.00x means TernGrad is slower than fp32 there: leave it off.",
         "",
@@ -279,13 +283,79 @@ def block_choosing(mod: dict, m: dict) -> str:
         "Measured behind the optimizer column (docs/adam.md; held-out loss at equal steps against fp32 AdamW): "
         f"`horovod_terngrad.optim.AdamW` with the allgather exchange {_pct(m['adam_ddp'])} (DDP, 2 ranks), "
         f"{_pct(m['adam_hsdp'])} (HSDP 2x2), {_pct(m['adam_ddp4'])} (DDP, 4 ranks; seeds spread widely there); "
-        f"torch's AdamW with TernGrad {_pct(m['adam_plain'])}: what you get where no estimate comes (sharded, "
-        f"node-aware); with the re-ternarized exchange {_pct(m['adam_ddp4_ret'])} at 4 ranks (not recommended "
-        "with Adam). Measured behind the speed columns, on CPUs with emulated links: DDP step time vs PowerSGD "
+        f"torch's AdamW with TernGrad {_pct(m['adam_plain'])}: what you get where no estimate comes (the "
+        f"sharded exchange); with the re-ternarized exchange {_pct(m['adam_ddp4_ret'])} at 4 ranks (not recommended "
+        "with Adam; accuracy over whole runs at 8-64 ranks: docs/scale.md). Measured behind the speed columns, on CPUs with emulated links: DDP step time vs PowerSGD "
         f"rank 4 {_x(m['ddp_resnet50_vs_psgd4'])} (ResNet-50) and {_x(m['ddp_gpt2_r3_vs_psgd4'])} (GPT-2, not met); "
         f"HSDP + TernGrad {_x(m['hsdp_step_vs_bf16'])} / {_x(m['hsdp_step_vs_bf16_r2'])} of bf16 HSDP's step "
         "(2 hosts x 2 ranks).",
     ]
+    return "\n".join(lines)
+
+
+WHOLE_RUN_WORKLOADS = {("llama", "perlpod"): "Llama 2 x 64 on Perl's documentation, 3 epochs",
+                       ("gpt2", "copyright"): "GPT-2 2 x 64 on Debian's copyright files, 1 epoch"}
+
+
+def whole_runs() -> list:
+    """Every simulator run of the whole-run study (docs/study/whole_run/*/runs.jsonl, examples/study_lm_scale.py)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(DOCS, "study", "whole_run", "*", "runs.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def runs_the_default(r: dict) -> bool:
+    """Whether a study row ran what ``TernGradConfig()`` runs at its N and topology: the exchange
+    ``cost.exchange_among("default", ·)`` picks among the N ranks (flat) or the N / G nodes (node-aware, bf16 inside
+    the node), with horovod_terngrad.optim.AdamW."""
+    from horovod_terngrad.exchange import cost
+    among = r["N"] // r["G"] if r["G"] > 1 else r["N"]
+    return r["optimizer"] == "terngrad" and r["method"] == cost.exchange_among("default", among)
+
+
+def block_whole_run(rows: list) -> str:
+    """Per workload, topology and N: the exchange the defaults run, and its held-out loss at the end of whole runs
+    against fp32 AdamW's (both at the recipe's lr 2e-3, and each at its best lr where a sweep ran)."""
+    from horovod_terngrad.exchange import cost
+    lines = ["| workload | topology | N | exchange the defaults run | seeds | vs fp32 AdamW, both at the recipe's lr "
+             "(2e-3): mean (worst seed) | the same against fp32 at its best lr | each at its own best lr |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def mean_by_lr(rs):
+        by: dict = {}
+        for r in rs:
+            by.setdefault(r["lr"], []).append(r["held_out"])
+        return {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
+
+    for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
+        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
+        fp32 = [r for r in mine if r["method"] == "none"]
+        if not fp32:
+            continue
+        fp32_lr = mean_by_lr(fp32)
+        cells: dict = {}
+        for r in mine:
+            if r["method"] != "none" and runs_the_default(r):
+                cells.setdefault((r["G"], r["N"]), []).append(r)
+        for (G, N), rs in sorted(cells.items()):
+            at = [r["held_out"] for r in rs if r["lr"] == 2e-3]
+            if len(at) < 2 or 2e-3 not in fp32_lr:
+                continue
+            ref = fp32_lr[2e-3]
+            among = N // G if G > 1 else N
+            ex = cost.exchange_among("default", among)
+            topo = "flat" if G <= 1 else f"nodes of {G} (bf16 inside)"
+            what = ex if G <= 1 else f"node-aware, {ex} across {among} nodes"
+            best = mean_by_lr(rs)
+            sweep = (f"{_pct2(100 * (min(best.values()) / min(fp32_lr.values()) - 1))} (lr {min(best, key=best.get):g} "
+                     f"vs {min(fp32_lr, key=fp32_lr.get):g})") if len(best) >= 2 and len(fp32_lr) >= 2 else "-"
+            best_fp32 = min(fp32_lr.values())
+            against_best = (f"{_pct2(100 * (statistics.mean(at) / best_fp32 - 1))} "
+                            f"({_pct2(100 * (max(at) / best_fp32 - 1))})") if len(fp32_lr) >= 2 else "- (no fp32 sweep)"
+            lines.append(f"| {name} | {topo} | {N} | {what} | {len(at)} | {_pct2(100 * (statistics.mean(at) / ref - 1))} "
+                         f"({_pct2(100 * (max(at) / ref - 1))}) | {against_best} | {sweep} |")
     return "\n".join(lines)
 
 
@@ -338,8 +408,7 @@ def block_fsdp_scale(be: dict) -> str:
             f"`exchange=\"sharded\"` (bit for bit in `tests/test_fsdp.py` too) keeps its traffic flat and beats bf16 "
             f"at every size ({_x(at16[2])} at 16 nodes, {_x(last[2])} at {last[0]} nodes). Use it from about 8 "
             f"nodes on with SGD. With `horovod_terngrad.optim.AdamW` keep the default exchange, which takes the "
-            f"re-ternarized exchange in 128-element buckets (noise estimate included, flat in the replica count) above 4 "
-            f"replicas.")
+            f"requantized exchange (noise estimate included, flat in the replica count) above 4 replicas.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -618,6 +687,8 @@ def blocks() -> dict:
         ("README.md", "headline"): head.replace("DOCS/", "docs/"),
         ("docs/index.md", "headline"): head.replace("DOCS/", ""),
         ("docs/choosing.md", "choosing"): block_choosing(mod, m),
+        ("docs/choosing.md", "whole-run"): block_whole_run(whole_runs()),
+        ("docs/scale.md", "whole-run"): block_whole_run(whole_runs()),
         ("docs/ddp.md", "ddp-status"): block_ddp_status(m),
         ("docs/quickstart.md", "adam"): block_adam(m),
         ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be),

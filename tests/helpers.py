@@ -73,10 +73,9 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
     ``noise`` (the re-ternarized and requantized cross exchanges), also the cross stage's noise estimate of each
     member, put together from its pieces as the average is: (averages, noises)."""
     G = topo.ranks_per_node
-    if cfg.exchange == "default":     # what exchange="default" runs among the M nodes, with its buckets
+    if cfg.exchange == "default":     # what exchange="default" runs among the M nodes
         from horovod_terngrad.exchange.cost import exchange_among
-        across = exchange_among(cfg.exchange, topo.size // G)
-        cfg = cfg.replace(exchange=across, bucket_size=cfg.bucket_for(across))
+        cfg = cfg.replace(exchange=exchange_among(cfg.exchange, topo.size // G))
     numels = [t.numel() for t in per_rank[0]]
     plan = shard_plan(numels, G)
     # intra_node_dtype="bfloat16": every rank's contribution, and the averaged shards, go through bf16's rounding
@@ -152,7 +151,7 @@ def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     requantized one."""
     from horovod_terngrad.exchange.cost import exchange_among
     exchange = exchange_among(cfg.exchange, len(grads))
-    cfg = cfg.replace(exchange=exchange, bucket_size=cfg.bucket_for(exchange))   # "default": its buckets too
+    cfg = cfg.replace(exchange=exchange)
     if exchange in ("reternarized", "requantized"):
         return expected_reternarized(grads, name, step, cfg, ranks=ranks,
                                      second="requant" if exchange == "requantized" else "ternary")

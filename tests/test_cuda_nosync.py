@@ -247,9 +247,9 @@ SWEEP = {
     "allgather, DDP engine (layout known)": (lambda: _flat(4, TernGradConfig(min_numel=0), False, True), {}),
     "allgather, header walk (DDP with on_nonfinite='raise')": (
         lambda: _flat(4, TernGradConfig(min_numel=0), False, False), {WALK: 4}),
-    "default above 4 (re-ternarized b128), DDP engine": (lambda: _flat(6, TernGradConfig(min_numel=0), False, False),
+    "default above 4 (requantized), DDP engine": (lambda: _flat(6, TernGradConfig(min_numel=0), False, False),
                                                           {}),
-    "default above 4 (re-ternarized b128), Horovod engine": (lambda: _flat(6, TernGradConfig(min_numel=0), True,
+    "default above 4 (requantized), Horovod engine": (lambda: _flat(6, TernGradConfig(min_numel=0), True,
                                                                            False), {}),
     "requantized": (lambda: _flat(3, TernGradConfig(min_numel=0, exchange="requantized"), False, False), {}),
     "node-aware 3 nodes x 2, re-ternarized across": (

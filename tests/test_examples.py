@@ -580,6 +580,23 @@ def test_whole_run_study_records_curves_resumes_and_finds_each_methods_best_lr(t
         sls.load_corpus(str(corpus), max_mb=0.05)
 
 
+def test_adam_floor_study_finds_the_reternarized_estimate_pins_v_at_the_floor(tmp_path):
+    """study_adam_floor: with the re-ternarized exchange the optimizer's noise estimate is the received value's own
+    square, so its corrected second moment sits at the floor for (nearly) every element, where the allgather
+    exchange's estimate leaves most elements above it; each result is written as a JSON line."""
+    import study_adam_floor as saf
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("The quick brown fox jumps over the lazy dog. " * 3000).encode())
+    out = tmp_path / "floor.jsonl"
+    got = saf.main(["--model", "gpt2", "--corpus", str(corpus), "--width", "32", "--layers", "1", "--seq-len", "32",
+                    "--batch", "16", "--workers", "8", "--steps", "4", "--exchanges", "allgather,reternarized@b128",
+                    "--out", str(out)])
+    by = {r["method"]: r for r in got}
+    assert by["reternarized@b128"]["share_at_floor"] > 2 * by["allgather"]["share_at_floor"], by
+    assert by["reternarized@b128"]["median_v_minus_n_over_v"] <= 0.0 < by["allgather"]["median_v_minus_n_over_v"]
+    assert len(out.read_text().splitlines()) == 2
+
+
 def test_adam_study_table_refuses_to_compare_runs_of_another_global_batch(tmp_path):
     """adam_study_table: gaps against the baseline only for runs of its global batch and sequence length; a run
     with half the batch (the Horovod 2 x 2 mix-up of issue 39) gets 'not comparable' instead of a gap, and runs

@@ -17,7 +17,6 @@ from helpers import expected_exchange
 from test_ddp import load, run_launch
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
-from horovod_terngrad.exchange import cost
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fsdp_scenarios.py")
 EXACT = ["exact", "exact_sharded", "exact_reternarized", "exact_requantized", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]
@@ -84,9 +83,8 @@ def check_exact(ranks, skipped_units=()):
             members, total = layout(ranks[0]["units"][unit], S, s)
             unit_cfg = cfg
             if ranks[group[0]]["layout"][unit] == "buckets":      # the whole flat shard, one scaler per 65536
-                members = [(f"{unit}.shard" if unit else "shard", 0, total)]   # (128 where the default re-ternarizes)
-                across = cost.exchange_among(cfg.exchange, len(group))
-                unit_cfg = cfg.replace(bucket_size=cfg.bucket_for(across) or 65536)
+                members = [(f"{unit}.shard" if unit else "shard", 0, total)]
+                unit_cfg = cfg.replace(bucket_size=cfg.bucket_size or 65536)
             inputs = [c[k][1] for c in calls]
             outputs = [c[k][2] for c in calls]
             assert all(i.numel() == total for i in inputs), (unit, total, [i.numel() for i in inputs])

@@ -37,9 +37,8 @@ CASES = {
     "reternarized-zero-nonfinite": dict(exchange="reternarized", shared_scaler=False, on_nonfinite="zero"),
     # added with the requantized exchange (issue 39), when "auto" came to weigh it instead of the sharded one: the
     # "auto" pins were rewritten then (at 3 and 4 ranks it now picks the requantized exchange for the large
-    # tensors); every other pin above is unchanged.  Rewritten again when "auto" came to weigh the two exchanges
-    # "default" runs (the allgather, and the re-ternarized one in 128-element buckets) instead of the allgather
-    # and the requantized one: only the auto/3 and auto/4 pins changed
+    # tensors); every other pin above is unchanged.  "auto" weighs the two exchanges "default" runs, the
+    # allgather and the requantized one: the auto/3 and auto/4 pins are those written then
     "requantized": dict(exchange="requantized"),
     "requantized-base3-buckets": dict(exchange="requantized", packing="base3", bucket_size=50),
 }
@@ -176,11 +175,11 @@ def test_cuda_tensors_reproduce_the_pins(case, n_ranks):
 @cuda
 @pytest.mark.parametrize("n_ranks", (6, 8))
 def test_cuda_default_above_4_ranks_matches_the_cpu(n_ranks):
-    """The default above 4 ranks (re-ternarized, 128-element buckets, per-rank scalers) has no pin: the CPU run is
-    the reference, on the same gradients."""
+    """The default above 4 ranks (the requantized exchange, per-rank scalers) has no pin: the CPU run is the
+    reference, on the same gradients."""
     torch.set_num_threads(1)
     cpu = _run("default", n_ranks, "fused", settings={})
-    assert {e[1].split(".")[1] for e in cpu["logs"][0]} == {"rt", "rg"}     # the re-ternarized exchange ran
+    assert {e[1].split(".")[1] for e in cpu["logs"][0]} == {"rt", "rg"}     # a two-stage exchange ran
     gpu = _run("default", n_ranks, "fused", device="cuda", settings={})
     assert gpu["outs"] == cpu["outs"], "CUDA decoded other averages than the CPU"
     assert gpu["logs"] == cpu["logs"], "CUDA sent other bytes than the CPU"

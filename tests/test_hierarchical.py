@@ -233,7 +233,7 @@ def test_auto_over_world_groups_runs_what_default_runs_among_the_nodes():
         for step in range(2):
             assert all(torch.equal(a, d) for a, d in zip(auto[step], default[step])), (r, step)
     from horovod_terngrad.exchange import cost
-    assert cost.default_exchange(5) == "reternarized"
+    assert cost.default_exchange(5) == "requantized"
 
 
 def test_world_group_collectives_allgather_alltoall_and_allreduce():
@@ -536,7 +536,16 @@ def test_the_frontends_say_once_on_rank_0_what_travels_inside_a_node(caplog):
                 hierarchy._said_on(flat, topo, f"test transport {dtype}")
         said = [r.getMessage() for r in caplog.records if "node-aware exchange" in r.getMessage()]
         assert said == [f"TernGrad: node-aware exchange (hierarchical='auto') on {topo.describe()}, {dtype} inside "
-                        f"a node, test transport {dtype}"], said
+                        f"a node, test transport {dtype}; across nodes the allgather exchange among 2 ranks "
+                        f"(exchange='default')"], said
+    # the flat path names the exchange the defaults pick among its ranks too: the requantized one above 4
+    hierarchy._said.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
+        flat = SimpleNamespace(coll=SimpleNamespace(rank=0, size=8), config=TernGradConfig())
+        hierarchy._flat(flat, "all 8 ranks are on one node", quiet=True)
+    said = [r.getMessage() for r in caplog.records if "node-aware exchange off" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("(flat), the requantized exchange among 8 ranks (exchange='default')")
 
 
 def test_the_simulator_with_nodes_and_the_defaults_does_not_measure_links(monkeypatch):

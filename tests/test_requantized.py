@@ -210,10 +210,10 @@ def test_ranks_that_disagree_get_a_clear_error_not_a_hang():
 
 
 @pytest.mark.parametrize("N", [2, 3, 4, 5, 8])
-def test_the_default_exchange_is_the_allgather_up_to_4_ranks_and_bucketed_reternarized_above(N):
+def test_the_default_exchange_is_the_allgather_up_to_4_ranks_and_requantized_above(N):
     """TernGradConfig()'s exchange="default": every rank gets the allgather reference at N <= 4 and the
-    re-ternarized reference with 128-element buckets above (cost.default_exchange, TernGradConfig.bucket_for),
-    noise estimate included; a pure function of N, no collective."""
+    requantized reference above (cost.default_exchange), noise estimate included and identical on every rank; a
+    pure function of N, no collective."""
     cfg = TernGradConfig()
     assert cfg.exchange == "default"
     shape = (64, 100)
@@ -229,10 +229,6 @@ def test_the_default_exchange_is_the_allgather_up_to_4_ranks_and_bucketed_retern
     if N <= 4:
         want, _ = expected_average(grads, "w", 0, cfg.replace(exchange="allgather"))
     else:
-        assert cfg.bucket_for("reternarized") == 128 and cfg.bucket_for("allgather") == 0
-        want = expected_reternarized(grads, "w", 0, cfg.replace(exchange="reternarized", bucket_size=128))
+        want = expected_reternarized(grads, "w", 0, cfg.replace(exchange="requantized"), second="requant")
     for out, nu in res:
         assert torch.equal(out, want) and nu is not None and torch.equal(nu, res[0][1])
-    if N > 4:     # an explicit bucket_size applies as given; an explicit exchange="reternarized" keeps one per shard
-        assert TernGradConfig(bucket_size=64).bucket_for("reternarized") == 64
-        assert TernGradConfig(exchange="reternarized").bucket_for("reternarized") == 0

@@ -149,8 +149,8 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
     (issued, count), *_ = run_ranks(N, body)
     assert issued == list(t.issued)
     kinds = [b.exchange for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.exchange != "fp32"]
-    if cfg.exchange == "default":       # TernGradConfig()'s: the allgather up to 4 ranks, re-ternarized above
-        assert set(kinds) == {"terngrad_allgather" if N <= 4 else "terngrad_reternarized"}
+    if cfg.exchange == "default":       # TernGradConfig()'s: the allgather up to 4 ranks, requantized above
+        assert set(kinds) == {"terngrad_allgather" if N <= 4 else "terngrad_requantized"}
     per_group = {"terngrad_allgather": 1 if not cfg.shares_scaler else 2, "terngrad_sharded": 3,
                  "terngrad_reternarized": 2, "terngrad_requantized": 2}
     # re-ternarized, requantized: alltoall + allgather, per-rank scalers

@@ -16,12 +16,6 @@ BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
 HEADER_BYTES = 20                          #: payload header (magic, version, format, flags, k, n, shape)
 SCALER_BYTES = 4                           #: one fp32 scaler
 SHARD_ALIGN = 20                           #: lcm of 4 and 5: shards start on a byte in both packings
-#: elements per scaler bucket of the re-ternarized exchange when ``exchange="default"`` picks it (above 4 ranks)
-#: and bucket_size is left at 0: one scaler per 128 elements in both stages.  Why: with one scaler per shard the
-#: owner's second rounding adds s'·|a| - a² per element with s' the max over the whole shard, which put the LM
-#: 3.8% above fp32 AdamW (seed 0: +9.7%, DDP 4 ranks); with 128-element buckets 2.4% below it, spread 0.004
-#: (docs/scale.md), for 0.25 + 0.25 bits of scalers.
-DEFAULT_RETERNARIZED_BUCKET = 128
 SLOT_BYTES = 8                             #: one fp64 handshake slot
 SINGLE_HANDSHAKE_FIXED = 8                 #: a lone tensor: bad rank, -bad, n, -n, shape, -shape, dtype, -dtype
 FUSED_HANDSHAKE_FIXED = 4                  #: a fused group: layout code, -code, members, -members
@@ -44,15 +38,6 @@ def num_buckets(numel: int, bucket_size: int) -> int:
 def packed_size(numel: int, fmt: str) -> int:
     """ceil(n / codes per byte): bytes of n packed ternary codes."""
     return -(-int(numel) // CODES_PER_BYTE[check_format(fmt)])
-
-
-def exchange_bucket_size(setting: str, exchange: str, bucket_size: int) -> int:
-    """``TernGradConfig.bucket_for`` on plain values (the cost model's hot paths call it without building a
-    config): the configured ``bucket_size`` where > 0; else DEFAULT_RETERNARIZED_BUCKET for the re-ternarized
-    exchange that the ``setting`` "default" or "auto" picks (the one measured accurate); else 0."""
-    if bucket_size > 0:
-        return int(bucket_size)
-    return DEFAULT_RETERNARIZED_BUCKET if setting in ("default", "auto") and exchange == "reternarized" else 0
 
 
 def payload_size(numel: int, fmt: str, bucket_size: int = 0) -> int:
@@ -119,7 +104,7 @@ def shard_sum_bytes(numel: int, n_ranks: int) -> list[int]:
 
 
 __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SHARD_ALIGN",
-           "SLOT_BYTES", "DEFAULT_RETERNARIZED_BUCKET", "exchange_bucket_size", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
+           "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
            "reternarized_chunk_bytes", "REQUANT_GROUP", "REQUANT_HEADER_BYTES", "requant_groups",

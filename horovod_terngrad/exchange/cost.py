@@ -68,41 +68,36 @@ TERNGRAD_BEST = "terngrad"        #: per buffer, the cheapest of the TernGrad ex
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
 # what exchange="auto" picks from per group: the two exchanges "default" runs (the allgather; above 4 ranks the
-# re-ternarized one with 128-element buckets, codec.sizes.exchange_bucket_size), both measured accurate and both
-# giving horovod_terngrad.optim its noise estimate, but per group by modelled time instead of by N alone.  Not the
-# sharded exchange (no noise estimate, and the shared scaler's handshake); not the requantized one, which moves
-# the same collectives with more bits (2 + 4.25 against 2 + 2.25 per element), so it is never the faster.
-AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_RETERNARIZED)
+# requantized one), both measured accurate over whole runs and both giving horovod_terngrad.optim its noise
+# estimate, but per group by modelled time instead of by N alone.  Not the sharded exchange (no noise estimate,
+# and the shared scaler's handshake); not the re-ternarized one, whose second ternary rounding costs accuracy over
+# whole runs (docs/scale.md).
+AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
 # the transport (TernGradConfig.exchange's name) of each TernGrad method of the cost model
 EXCHANGE_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
                TERNGRAD_REQUANTIZED: "requantized"}
 # exchange="default" (TernGradConfig's default): the allgather exchange up to this many ranks in the exchange, the
-# re-ternarized one with 128-element buckets (codec.sizes.DEFAULT_RETERNARIZED_BUCKET) above.  Received bits per
-# element: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4), bucketed re-ternarized (N-1)/N·2·2.25 plus 20-byte shard
-# headers (3.38 at N = 4 on GPT-2, 3.95 at 8, 4.54 at 64, 5.49 at 512): up to N = 4 the allgather has one
+# requantized one above.  Received bits per element on GPT-2's tensors: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4),
+# requantized (N-1)/N·(2 + 4.25 + 1.25) plus shard headers with the noise channel horovod_terngrad.optim asks for
+# (5.63 at N = 4, 6.57 at 8, 7.41 at 64, 7.68 at 512; 6.41 at 512 without it): up to N = 4 the allgather has one
 # collective instead of two and no second rounding; from N = 5 on the two-stage exchange receives less.  Chosen
-# over the requantized exchange (4-bit second stage and a noise channel: 7.4-7.7 bits at N >= 64) because the
-# project's model needs at most about 4.8 bits across nodes for 1.3B HSDP at 512 GPUs on Ethernet to reach 4x
-# bf16, and both are within the accuracy goal where measured (docs/scale.md: LM simulator N = 8-64, DDP 4 ranks).
+# over the re-ternarized exchange in 128-element buckets (2 + 2.25 bits: 4.54 at 64, 5.49 at 512) for accuracy
+# over whole runs: its second ternary rounding's variance, s'·|a| - a² per element, is up to 49x the requantized
+# one's, and its noise estimate s'²·|t'| is the received gradient's own square, which pins Adam's corrected
+# second moment at its floor (docs/scale.md, "Whole runs").
 DEFAULT_ALLGATHER_MAX_RANKS = 4
 
 
 def default_exchange(n_ranks: int) -> str:
     """The exchange ``exchange="default"`` runs among ``n_ranks`` ranks (the cross group's M for the node-aware
     exchange): a pure function of N, so every rank decides alike without a collective."""
-    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "reternarized"
+    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "requantized"
 
 
 def exchange_among(exchange: str, n_ranks: int) -> str:
     """The exchange the setting ``exchange`` runs among ``n_ranks`` ranks: "default" is ``default_exchange(N)``,
     any other setting itself."""
     return default_exchange(n_ranks) if exchange == "default" else exchange
-
-
-def default_bucket_size(n_ranks: int, bucket_size: int = 0) -> int:
-    """The bucket size ``exchange="default"`` ternarizes with among ``n_ranks`` ranks, for a configured
-    ``bucket_size``: ``TernGradConfig.bucket_for``'s rule (codec.sizes.exchange_bucket_size) for default_exchange(N)."""
-    return wire.exchange_bucket_size("default", default_exchange(n_ranks), bucket_size)
 
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
@@ -555,7 +550,7 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
     ``shared_scaler`` is the allgather's scaler setting (``TernGradConfig.scaler_shared_for("allgather")``)."""
     if method == TERNGRAD_BEST:
         return choose_exchange(sizes, workers, network, packing, candidates=auto_candidates(workers),
-                               bucket_size=bucket_size, shared_scaler=shared_scaler, setting="auto").cost
+                               bucket_size=bucket_size, shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)}, "
                          f"got {method!r}")
@@ -564,21 +559,16 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
 
 def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
                     candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0,
-                    shared_scaler: bool = True, setting: str | None = None) -> ExchangeChoice:
+                    shared_scaler: bool = True) -> ExchangeChoice:
     """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
 
     ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
     chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
     pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
     candidate (allgather first: fewer messages).  ``shared_scaler``: the allgather's scaler setting (the
-    sharded exchange always has a handshake).  ``setting``: the exchange setting choosing ("auto"): each
-    candidate is priced with the buckets that setting gives its transport (codec.sizes.exchange_bucket_size),
-    else every one with ``bucket_size``.  Cost: O(k) for k tensors.
+    sharded exchange always has a handshake).  Cost: O(k) for k tensors.
     """
-    def buckets(m: str) -> int:
-        return bucket_size if setting is None else wire.exchange_bucket_size(setting, EXCHANGE_OF.get(m, m),
-                                                                             bucket_size)
-    costs = {m: exchange_cost(m, sizes, workers, network, packing, buckets(m), shared_scaler) for m in candidates}
+    costs = {m: exchange_cost(m, sizes, workers, network, packing, bucket_size, shared_scaler) for m in candidates}
     best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
     return ExchangeChoice(best, costs[best], costs)
 
@@ -597,14 +587,13 @@ def cross_network(network: Network, ranks_per_node: int) -> Network:
 def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, bucket_size: int,
                         shared_scaler: bool, exchange: str | None) -> ExchangeCost:
     """The flat exchange of one group on all ranks: ``exchange`` "allgather", "sharded", "reternarized",
-    "requantized", "default" (``default_exchange(N)`` with its buckets) or None/"auto" (the cheaper, as
+    "requantized", "default" (``default_exchange(N)``) or None/"auto" (the cheaper, as
     :func:`exchange_for` picks it)."""
     N = int(workers)
     if exchange in (None, "auto"):
         exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
-        bucket_size = wire.exchange_bucket_size("auto", exchange, bucket_size)      # as the engine's bucket_for
     elif exchange == "default":
-        exchange, bucket_size = default_exchange(N), default_bucket_size(N, bucket_size)
+        exchange = default_exchange(N)
     if exchange == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
     if exchange == "reternarized":
@@ -751,17 +740,15 @@ def _env_number(name: str, default: str, kind, least, positive: bool = False):
 
 def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
                  network: Network | None = None, shared_scaler: bool = False) -> str:
-    """``exchange="auto"``: 'allgather' or 'reternarized' (:data:`AUTO_EXCHANGES`: both give horovod_terngrad.optim
-    its noise estimate; the re-ternarized one with the default's 128-element buckets unless ``bucket_size`` is
-    set), whichever this model predicts to be faster for a group of tensors of these sizes.
+    """``exchange="auto"``: 'allgather' or 'requantized' (:data:`AUTO_EXCHANGES`: both give horovod_terngrad.optim
+    its noise estimate), whichever this model predicts to be faster for a group of tensors of these sizes.
     With two ranks or fewer sharding cannot receive less and costs one more collective, so it is never chosen.
     ``shared_scaler``: whether an allgather group would share its scaler
     (``TernGradConfig.scaler_shared_for("allgather")``; False, "auto"'s default, charges it no handshake)."""
     if n_ranks <= 2:
         return "allgather"
     choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
-                             candidates=AUTO_EXCHANGES, bucket_size=bucket_size, shared_scaler=shared_scaler,
-                             setting="auto")
+                             candidates=AUTO_EXCHANGES, bucket_size=bucket_size, shared_scaler=shared_scaler)
     return EXCHANGE_OF[choice.method]
 
 

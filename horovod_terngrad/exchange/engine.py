@@ -133,7 +133,7 @@ class Group:
 
     def __init__(self, name: str, members: list, mode: str, bucket_size: int = 0):
         self.name, self.members, self.mode = name, members, mode
-        self.bucket_size = bucket_size   # the configured buckets of its exchange (TernGradConfig.bucket_for(mode))
+        self.bucket_size = bucket_size   # the configured buckets of its exchange (TernGradConfig.bucket_size)
         self.presence = self.hs = self.a2a = self.ag = None
         self.a2a_own = 0                 # sharded: bytes of the alltoall addressed to this rank itself
         self.sent: list = []             # members whose payloads travel, in payload order
@@ -248,7 +248,7 @@ class Exchange:
         device = items[0][0].device if items else None
         backend = backends.for_device(device) if items else None
         mode = mode or (self._mode([t.numel() for t, _ in items]) if items else cfg.exchange)
-        buckets = cfg.bucket_for(mode)
+        buckets = cfg.bucket_size
         for tensor, name in items:
             check_gradient(tensor, name)
             step = self.steps.get(name, 0)

@@ -32,8 +32,7 @@ the R ranks that hold the same shard on the other nodes (``mesh["replicate"]``),
 * parameters the policy keeps at full precision (``min_numel`` of the shard, ``exclude``) are averaged by one
   allreduce-sum of their fp32 values per unit, then / R;
 * where the offsets cannot be had (a future FSDP whose internals differ), the whole flat shard, padding
-  included, is one tensor with one scaler per ``bucket_size`` elements (if ``bucket_size`` is 0: 128 where the
-  default runs the re-ternarized exchange, above 4 replicas, else 65536), named
+  included, is one tensor with one scaler per ``bucket_size`` elements (65536 if ``bucket_size`` is 0), named
   ``<unit>.shard``; ``state.layout`` says per unit which ("params" or "buckets"), and rank 0 logs it once.
 
 Cost per rank and step, for a unit whose shard holds n compressed elements in m parameters (b = 2 bits, 1.6
@@ -74,7 +73,7 @@ import torch.distributed as dist
 
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from ..exchange import Exchange, cost, precision, settle_full_precision
+from ..exchange import Exchange, precision, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
@@ -165,10 +164,8 @@ class TernGradFSDPState:
         # streams keyed by the global rank: the R·S ranks of the job each draw their own
         self.engine = Exchange(coll, self.config, self.state.stats, self.state.inspection, {}, joins=False,
                                stream_rank=me)
-        # the flat shard's buckets: the user's, else those the exchange among R replicas takes (exchange="default"
-        # above 4 replicas: 128), else FALLBACK_BUCKET
-        across = cost.exchange_among(self.config.exchange, replicas)
-        bucketed = self.config.replace(bucket_size=self.config.bucket_for(across) or FALLBACK_BUCKET)
+        # the flat shard's buckets: the user's, else FALLBACK_BUCKET
+        bucketed = self.config.replace(bucket_size=self.config.bucket_size or FALLBACK_BUCKET)
         self._bucket_engine = Exchange(coll, bucketed, self.state.stats, self.state.inspection, {}, joins=False,
                                        stream_rank=me)
         # replicas agree on settings and layout (register's check), so payloads are decoded without reading

@@ -29,7 +29,7 @@ import logging
 import os
 
 from ..errors import TernGradError
-from ..exchange import Exchange
+from ..exchange import Exchange, cost
 from ..exchange.hierarchical import HierarchicalExchange, discover
 from ..exchange.world_groups import WorldGroupCollectives
 
@@ -38,6 +38,15 @@ _said: set = set()
 
 NODE_GROUPS_ENV = "HOROVOD_TERNGRAD_NODE_GROUPS"
 NODE_GROUPS = ("world", "process_sets")
+
+
+def _exchange_words(config, n_ranks: int) -> str:
+    """Which exchange the setting runs among ``n_ranks`` ranks, for the one-time log line: the run's first lines
+    say what the defaults chose."""
+    if config.exchange == "auto":
+        return "exchange='auto': per group the allgather or the requantized exchange, by the cost model"
+    return f"the {cost.exchange_among(config.exchange, n_ranks)} exchange among {n_ranks} ranks " \
+           f"(exchange={config.exchange!r})"
 
 
 def _flat(flat: Exchange, reason: str, quiet: bool = False) -> Exchange:
@@ -52,7 +61,8 @@ def _flat(flat: Exchange, reason: str, quiet: bool = False) -> Exchange:
         if flat.coll.rank == 0:
             log.log(logging.INFO if quiet and flat.config.hierarchical is not True else logging.WARNING,
                     "TernGrad: node-aware exchange off (hierarchical=%r): %s; every rank exchanges with every "
-                    "other (flat)", flat.config.hierarchical, reason)
+                    "other (flat), %s", flat.config.hierarchical, reason,
+                    _exchange_words(flat.config, flat.coll.size))
     return flat
 
 
@@ -61,8 +71,9 @@ def _said_on(flat, topo, how: str) -> None:
     if key not in _said:
         _said.add(key)
         if flat.coll.rank == 0:
-            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s inside a node, %s",
-                     flat.config.hierarchical, topo.describe(), flat.config.intra_node_dtype, how)
+            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s inside a node, %s; across nodes %s",
+                     flat.config.hierarchical, topo.describe(), flat.config.intra_node_dtype, how,
+                     _exchange_words(flat.config, topo.num_nodes))
 
 
 def node_groups_setting() -> str:

@@ -75,9 +75,8 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
   1-bit noise channel (P bytes, ``exchange.cost.requantized_bytes``): T = (N-1)·alpha + (N-1)·c·beta +
   (N-1)·alpha + (N-1)·(c or P)·beta, per-rank scalers (no handshake).  ~4 and ~7.5 bits per element at any N.
 * the default, ``TernGradConfig()`` (:data:`TERNGRAD_DEFAULT`): ``exchange="default"`` =
-  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the re-ternarized exchange with
-  128-element buckets above (``default_bucket_size``; node-aware: of the cross group's M ranks), with
-  ``hierarchical="auto"``.
+  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the requantized exchange above
+  (node-aware: of the cross group's M ranks), with ``hierarchical="auto"``.
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
 crosses each node boundary once per direction, so ring formulas hold as written with the inter-node link
@@ -242,7 +241,7 @@ class PlannedBuffer:
     members: tuple
     sizes: tuple
     cross: str | None = None
-    bucket_size: int = 0      #: a flat buffer's configured buckets (``TernGradConfig.bucket_for``: the default's 128)
+    bucket_size: int = 0      #: a flat buffer's configured buckets (``TernGradConfig.bucket_size``)
 
 
 #: 4-byte allreduces of all ranks that the node-aware engine adds to a step under the Horovod frontend
@@ -252,7 +251,7 @@ class PlannedBuffer:
 HOROVOD_STEP_ALLREDUCES = 2
 
 #: ``TernGradConfig()``'s exchange (``exchange="default"``, ``hierarchical="auto"``): per group the allgather
-#: exchange among up to 4 ranks, the re-ternarized one in 128-element buckets among more (``default_exchange`` of
+#: exchange among up to 4 ranks, the requantized one among more (``default_exchange`` of
 #: the ranks in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
 TERNGRAD_DEFAULT = "terngrad_default"
 #: every TernGrad method of the model (``TERNGRAD_BEST`` is ``exchange="auto"``)
@@ -266,13 +265,6 @@ ALL_METHODS = (FP32, FP16, TERNGRAD_DEFAULT, TERNGRAD_ALLGATHER, TERNGRAD_SHARDE
 _SETTING = {**EXCHANGE_OF, TERNGRAD_BEST: None, TERNGRAD_DEFAULT: "default"}
 # the model's method for an exchange the engine runs (exchange.cost.exchange_for / default_exchange's answers)
 _METHOD_OF = {exchange: method for method, exchange in EXCHANGE_OF.items()}
-
-
-def method_buckets(method: str, exchange: str, config: TernGradConfig) -> int:
-    """The buckets a group of the model's ``method`` ternarizes with when it runs ``exchange`` (a method of
-    :data:`_SETTING`, e.g. ``TERNGRAD_RETERNARIZED``), as the engine decides (``TernGradConfig.bucket_for`` of the
-    method's exchange setting): ``config.bucket_size``, except the default's re-ternarized exchange (128)."""
-    return wire.exchange_bucket_size(_SETTING.get(method) or "auto", _SETTING.get(exchange) or exchange, config.bucket_size)
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -332,7 +324,7 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         else:
             exchange = method
         out.append(PlannedBuffer(exchange, members, tuple(numels),
-                                 bucket_size=method_buckets(method, exchange, cfg)))
+                                 bucket_size=cfg.bucket_size))
     # tensors the policy keeps at full precision: Horovod's own fp32 allreduce, fused by its threshold
     plain = [index[n] for n in cut.uncompressed]
     out += [PlannedBuffer(FP32, tuple(b), tuple(sizes[i] for i in b))
@@ -420,7 +412,7 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
     n (the owner decodes N chunks of n/N) + n/N (it ternarizes its shard again) + n decode = 3n + n/N;
     requantized: n encode + n (the owner decodes N chunks of n/N) + n (its noise estimate from the same N chunks)
     + n/N (its 4-bit encode) + n decode = 4n + n/N; "default": the allgather's among up to 4 ranks, the
-    re-ternarized one's above (``default_exchange(N)``).  N = 1: 0.
+    requantized one's above (``default_exchange(N)``).  N = 1: 0.
     Node-aware (G = ``ranks_per_node``, M = N/G nodes): n (the node sum of G slices of n/G) plus the
     ``cross`` exchange's work on n/G elements among M ranks ("allgather", "sharded", "reternarized",
     "requantized", "default": ``default_exchange(M)``).
@@ -887,7 +879,7 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 #                 the frontend passes to its engine) charge ``terngrad_sharded_cost``, ``..._reternarized_cost``,
 #                 ``..._requantized_cost`` instead; the default, ``TernGradConfig()``'s ``exchange="default"``
 #                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_exchange(R)``: the allgather among R <= 4
-#                 replicas, the re-ternarized exchange in 128-element buckets among more.
+#                 replicas, the requantized exchange among more.
 # * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
 #   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
 #   sharded 3·n_c, bf16 2·S (cast out and back), fp32 0, over the given rate.
@@ -907,7 +899,7 @@ HSDP_TERNGRAD_SHARDED = "hsdp_terngrad_sharded"  #: TernGradConfig(exchange="sha
 HSDP_TERNGRAD_RETERNARIZED = "hsdp_terngrad_reternarized"  #: TernGradConfig(exchange="reternarized") across nodes
 HSDP_TERNGRAD_REQUANTIZED = "hsdp_terngrad_requantized"    #: TernGradConfig(exchange="requantized") across nodes
 #: the frontend's default, TernGradConfig(): exchange="default" among the R replicas, ``default_exchange(R)``
-#: (the allgather up to 4 nodes, the re-ternarized exchange in 128-element buckets above)
+#: (the allgather up to 4 nodes, the requantized exchange above)
 HSDP_TERNGRAD_DEFAULT = "hsdp_terngrad_default"
 HSDP_TERNGRAD_METHODS = (HSDP_TERNGRAD_DEFAULT, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED,
                          HSDP_TERNGRAD_REQUANTIZED)
@@ -1126,17 +1118,11 @@ def _hsdp_replicas(network: Network, workers: int) -> tuple[int, int, int]:
     return G, N, N // G
 
 
-def _hsdp_buckets(method: str, replicas: int, cfg: TernGradConfig) -> int:
-    """The buckets an HSDP TernGrad method ternarizes with among R = ``replicas`` (:func:`method_buckets` of its
-    flat method: the default's re-ternarized exchange takes 128)."""
-    return method_buckets(_HSDP_FLAT[method], hsdp_exchange(method, replicas), cfg)
-
-
 def _hsdp_payload(method: str, units: Sequence[HSDPUnitShard], cfg: TernGradConfig, replicas: int) -> int:
     """Bytes this rank puts in its TernGrad payloads per step (0 for fp32/bf16)."""
     if method not in HSDP_TERNGRAD_METHODS:
         return 0
-    k = _hsdp_buckets(method, replicas, cfg)
+    k = cfg.bucket_size
     return sum(wire.payload_size(x, cfg.packing, k) for u in units for g in u.groups for x in g)
 
 
@@ -1160,7 +1146,7 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
             continue
         if method not in HSDP_TERNGRAD_METHODS:
             raise ValueError(f"method must be one of {HSDP_METHODS}, got {method!r}")
-        flat, k = hsdp_exchange(method, R), _hsdp_buckets(method, R, cfg)
+        flat, k = hsdp_exchange(method, R), cfg.bucket_size
         for g in u.groups:
             if flat == TERNGRAD_ALLGATHER:
                 total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, k,

@@ -31,7 +31,7 @@ of its last member hands it over:
   previous one is advanced, waiting: its handshake, encoding, its payload collective (allgather, or the
   sharded alltoall), and for the sharded exchange the alltoall, the owners' sums and their allgather.
 * **two-stage per-rank exchanges** (``exchange="reternarized"``, ``"requantized"``; ``"default"``'s
-  and ``"auto"``'s re-ternarized groups): as per-rank scalers above, but the payload collective is the alltoall of each
+  and ``"auto"``'s requantized groups): as per-rank scalers above, but the payload collective is the alltoall of each
   shard to its owner (``terngrad.rt.<group>``); at the engine's next progress the owner decodes its shard's N
   payloads and sends its payload by allgather (``terngrad.rg.<group>``: both exchanges use the re-ternarized
   exchange's names): re-ternarized, the average ternarized again (c bytes, as the alltoall's); requantized, the
@@ -279,10 +279,10 @@ def _two_stage_bytes(mode: str, sizes: Sequence[int], ranks: int, cfg: pm.TernGr
     channel down (``requantized_bytes``: P differs from c); (0, 0) for the allgather."""
     if mode == "sharded":
         return pm.sharded_bytes(sizes, ranks, cfg.packing)
-    if mode == "reternarized":      # cfg.bucket_for: the default's re-ternarized exchange takes 128-element buckets
-        return (cost.reternarized_bytes(sizes, ranks, cfg.packing, cfg.bucket_for(mode)),) * 2
+    if mode == "reternarized":
+        return (cost.reternarized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size),) * 2
     if mode == "requantized":
-        return cost.requantized_bytes(sizes, ranks, cfg.packing, cfg.bucket_for(mode))
+        return cost.requantized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size)
     return (0, 0)
 
 
@@ -431,8 +431,8 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
                                      network=cost.cross_network(decide_on, G),
                                      shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
         return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
-                "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_for(mode)) for n in pieces),
-                "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_for(mode)) for n in pieces]),
+                "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
+                "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
                 "sharded": _two_stage_bytes(mode, pieces, M, cfg)}
 
     def schedule(j: int | None) -> Timeline:

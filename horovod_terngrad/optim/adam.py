@@ -18,11 +18,13 @@ Two ways to keep the noise out of v, both measured (docs/adam.md); the first is 
   v - n is smaller than fp32's v by up to the minibatch's own share; the floor (``v_floor``, default 0.1: at
   most sqrt(10) ≈ 3.2x longer steps than plain v) keeps elements whose estimate is all noise finite.  A norm clip
   or a GradScaler's unscale between the exchange and the step scales nu by the same factor squared (recovered
-  from the two norms).  The re-ternarized and requantized exchanges give it too (requantized: the owner's estimate
-  of its shard, one stochastic unbiased bit per element), and so does the node-aware exchange (its cross-node
-  stage's, carried by the intra-node allgather).  Where no estimate comes (the sharded exchange, a rank in
-  ``hvd.join()``),
-  v takes the ternary gradient as plain AdamW would, said once.
+  from the two norms).  Late in training, where the minibatch's noise dominates the squared gradient, that share
+  is most of v: the steps are then longer than fp32 AdamW's (docs/scale.md, "Whole runs").  The requantized
+  exchange (the default above 4 ranks) gives the estimate too (the owner's, of both its stages, one stochastic
+  unbiased bit per element), and so does the node-aware exchange (its cross-node stage's, carried by the
+  intra-node allgather).  The re-ternarized exchange gives s'^2·|t'|, the received value's own square: v - n is
+  then zero and every step sits at the floor.  Where no estimate comes (the sharded exchange, a rank in
+  ``hvd.join()``), v takes the ternary gradient as plain AdamW would, said once.
 * ``refresh=RefreshSchedule(...)``: **v from full-precision refreshes only** (0/1 Adam's idea, arXiv
   2202.06009).  The exchange sends the gradient at full precision on the schedule's steps; there both moments
   are updated, elsewhere only m, and v's bias correction counts its refreshes (``state["v_steps"]``).  The

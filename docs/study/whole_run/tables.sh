@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Renders the whole-run study's tables and curves from the runs' JSON (examples/study_lm_scale.py --table):
+#   bash docs/study/whole_run/tables.sh
+# writes docs/study/whole_run/table-<workload>.md and curves-<workload>.png for each workload directory, and
+# real.md from the real-process runs (docs/study/whole_run/run_real.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=${PYTHON:-.venv/bin/python}
+D=docs/study/whole_run
+for w in llama-perlpod gpt2-copyright; do
+  [ -f "$D/$w/runs.jsonl" ] || continue
+  $PY examples/study_lm_scale.py --table "$D/$w" --write "$D/table-$w.md" --plot "$D/curves-$w.png" > /dev/null
+done
+$PY - <<'PYEOF'
+import glob, json, os, re, statistics
+D = "docs/study/whole_run"
+runs = {}
+for path in sorted(glob.glob(os.path.join(D, "real", "*.json"))):
+    m = re.match(r"(.+)\.s(\d+)\.json$", os.path.basename(path))
+    if m:
+        runs.setdefault(m.group(1), {})[int(m.group(2))] = json.load(open(path))
+if runs:
+    base = statistics.mean(r["held_out_loss"] for r in runs["ddp8-fp32"].values()) if "ddp8-fp32" in runs else None
+    lines = ["| run | frontend | ranks | seeds | held-out per seed | mean | spread | vs fp32 (DDP 8 ranks) mean | worst seed "
+             "| bits per element sent (ternarized / all) | identical parameters |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for tag in sorted(runs, key=lambda t: (not t.endswith("fp32"), t)):
+        rs = [runs[tag][s] for s in sorted(runs[tag])]
+        vals = [r["held_out_loss"] for r in rs]
+        mean = statistics.mean(vals)
+        gap = f"{100 * (mean / base - 1):+.2f}%" if base else "-"
+        worst = f"{100 * (max(vals) / base - 1):+.2f}%" if base else "-"
+        bits = f"{statistics.mean(r['bits_per_element_ternarized'] for r in rs):.2f} / " \
+               f"{statistics.mean(r['bits_per_element_overall'] for r in rs):.2f}"
+        same = "yes" if all(r["params_identical"] for r in rs) else "NO"
+        lines.append(f"| {tag} | {rs[0]['frontend']} | {rs[0]['ranks']} | {len(rs)} | "
+                     f"{' / '.join(f'{v:.4f}' for v in vals)} | {mean:.4f} | {max(vals) - min(vals):.4f} | {gap} | "
+                     f"{worst} | {bits} | {same} |")
+    open(os.path.join(D, "real.md"), "w").write("\n".join(lines) + "\n")
+floor = os.path.join(D, "adam_floor.jsonl")
+if os.path.exists(floor):
+    rows = [json.loads(line) for line in open(floor) if line.strip()]
+    lines = ["| exchange | N | steps | lr | share of elements at the floor | median (v - n) / v | median step vs fp32 "
+             "AdamW's: optim.AdamW | the same with torch's AdamW (no estimate) | held-out |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['N']} | {r['steps']} | {r['lr']:g} | {100 * r['share_at_floor']:.0f}% | "
+                     f"{r['median_v_minus_n_over_v']:.2f} | {r['median_step_vs_fp32_adamw']:.2f}x | "
+                     f"{r['median_step_vs_fp32_adamw_torch_adamw']:.2f}x | {r['held_out']:.4f} |")
+    open(os.path.join(D, "adam_floor.md"), "w").write("\n".join(lines) + "\n")
+PYEOF
+echo "wrote $D/table-*.md, curves-*.png, real.md"
