@@ -284,15 +284,15 @@ def test_auto_exchange_picks_by_cost():
     from horovod_terngrad.exchange.cost import Network, exchange_for
     net = Network.from_gbps("1GbE", 1.0, 50.0)       # what exchange="auto" assumes by default
     assert exchange_for([10_000_000], 2, "2bit", network=net) == "allgather"
-    # bandwidth-bound at 64 ranks: the re-ternarized exchange ("default"'s above 4 ranks), priced with its 128-element
-    # buckets (2 + 2.25 bits per element against the allgather's 126)
-    assert exchange_for([10_000_000], 64, "2bit", network=net) == "reternarized"
+    # bandwidth-bound at 64 ranks: the requantized exchange ("default"'s above 4 ranks: 2 + 4.25 + 1.25 bits per
+    # element against the allgather's 126)
+    assert exchange_for([10_000_000], 64, "2bit", network=net) == "requantized"
     assert exchange_for([100], 64, "2bit", network=net) == "allgather"       # latency-bound: one collective wins
-    assert exchange_for([100_000], 4, "2bit", network=net) == "reternarized"   # where "default" still gathers
-    from horovod_terngrad.exchange.cost import TERNGRAD_RETERNARIZED, choose_exchange
-    priced = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_RETERNARIZED,), setting="auto")
-    plain = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_RETERNARIZED,))
-    assert priced.cost.bits_per_element > plain.cost.bits_per_element      # 128-element buckets' scalers counted
+    assert exchange_for([100_000], 4, "2bit", network=net) == "allgather"    # at 4 ranks the allgather's 6 bits win
+    from horovod_terngrad.exchange.cost import TERNGRAD_REQUANTIZED, choose_exchange
+    bucketed = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,), bucket_size=128)
+    plain = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,))
+    assert bucketed.cost.bits_per_element > plain.cost.bits_per_element    # the configured buckets' scalers counted
     with pytest.raises(ValueError, match="needs shared_scaler"):
         TernGradConfig(exchange="sharded", shared_scaler=False)
 
