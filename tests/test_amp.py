@@ -46,7 +46,7 @@ def launch_ddp(folder, np_, hosts, scenarios):
 @pytest.fixture(scope="module")
 def hvd2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("amp_hvd2")
-    res = launch_hvd(folder, 2, "-", ["fp16_none", "fp16_terngrad", "fp16_terngrad_min0", "fp16_terngrad_rt",
+    res = launch_hvd(folder, 2, "-", ["fp16_none", "fp16_terngrad", "fp16_terngrad_min0", "fp16_terngrad_rq",
                                       "resume_save"])
     assert (folder / "resume.ckpt").exists()
     res.update(launch_hvd(folder, 2, "-", ["resume_load"] + PLAIN))     # a fresh process resumes
@@ -61,7 +61,7 @@ def hvd4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ddp2(tmp_path_factory):
     return launch_ddp(tmp_path_factory.mktemp("amp_ddp2"), 2, "-",
-                      ["fp16_none", "fp16_terngrad", "fp16_terngrad_min0", "fp16_terngrad_rt"] + PLAIN)
+                      ["fp16_none", "fp16_terngrad", "fp16_terngrad_min0", "fp16_terngrad_rq"] + PLAIN)
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +129,11 @@ CASES = {
     "horovod-2": ("hvd2", "fp16_terngrad", False, None, False),
     "horovod-2-min_numel0": ("hvd2", "fp16_terngrad_min0", False, None, True),
     "horovod-2x2-nodes": ("hvd4", "fp16_terngrad_hier", True, [[0, 1], [2, 3]], False),
-    "horovod-2-reternarized": ("hvd2", "fp16_terngrad_rt", False, None, False),
+    "horovod-2-requantized": ("hvd2", "fp16_terngrad_rq", False, None, False),
     "ddp-2": ("ddp2", "fp16_terngrad", False, None, False),
     "ddp-2-min_numel0": ("ddp2", "fp16_terngrad_min0", False, None, True),
     "ddp-2x2-nodes": ("ddp4", "fp16_terngrad_hier", True, [[0, 2], [1, 3]], False),
-    "ddp-2-reternarized": ("ddp2", "fp16_terngrad_rt", False, None, False),
+    "ddp-2-requantized": ("ddp2", "fp16_terngrad_rq", False, None, False),
 }
 
 

@@ -73,11 +73,10 @@ def test_elastic_shrink_when_a_worker_dies(tmp_path, compression):
     assert sizes == sorted(sizes, reverse=True)
 
 
-@pytest.mark.parametrize("kind,exchange", [("gloo", ""), ("mpi", ""), ("gloo", "reternarized")])
+@pytest.mark.parametrize("kind,exchange", [("gloo", ""), ("mpi", ""), ("gloo", "requantized")])
 def test_peer_loss_ends_the_job_with_an_error_not_a_hang(tmp_path, kind, exchange):
-    """Also on the re-ternarized exchange (the default's beyond 4 ranks or nodes; the requantized exchange posts
-    the same two collectives): its alltoall and allgather stages end the survivors as the allgather exchange
-    does."""
+    """Also on the requantized exchange (the default beyond 4 ranks or nodes): its alltoall and allgather
+    stages end the survivors as the allgather exchange does."""
     cmd = launcher(kind, 2) + [sys.executable, USAGE_WORKER, str(tmp_path), "terngrad", "peer_loss"]
     try:
         p = subprocess.run(cmd, env=dict(rank_env(), HVD_USAGE_EXCHANGE=exchange), capture_output=True, text=True,

@@ -26,8 +26,8 @@ def _steps(c, state, config, steps):
 
 @pytest.mark.parametrize("N,exchange", [(2, "default"), (2, "requantized"), (5, "default")])
 def test_a_resumed_state_continues_the_same_random_streams(N, exchange):
-    """Also on the two-stage exchanges (the requantized one; the default's beyond 4 ranks, re-ternarized in
-    128-element buckets): their owners' second rounding draws from streams keyed by the same step counters."""
+    """Also on the requantized exchange (the default beyond 4 ranks): its owners' second rounding draws from
+    streams keyed by the same step counters."""
     cfg = TernGradConfig(seed=3, exchange=exchange)
 
     def body(c):

@@ -28,7 +28,7 @@ from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa:
 
 STATIC_SCALE = 128.0
 SETTINGS = {"none": None, "terngrad": {}, "terngrad_min0": {"min_numel": 0},
-            "terngrad_hier": {"hierarchical": True}, "terngrad_rt": {"exchange": "reternarized", "bucket_size": 128}}
+            "terngrad_hier": {"hierarchical": True}, "terngrad_rq": {"exchange": "requantized"}}
 
 
 def wrap(model, kind):

@@ -32,12 +32,12 @@ STATIC_SCALE = 128.0   # the .half() model's fixed loss scale
 def compression(kind):
     """'none': Horovod's Compression.none; 'terngrad': TernGrad at its defaults (a fresh compressor, so that
     scenarios do not share state); 'terngrad_min0': every tensor ternarized; 'terngrad_hier': the node-aware
-    exchange forced on; 'terngrad_rt': the re-ternarized exchange in 128-element buckets (the default beyond 4 ranks) named."""
+    exchange forced on; 'terngrad_rq': the requantized exchange (the default beyond 4 ranks) named."""
     return {"none": lambda: hvd.Compression.none,
             "terngrad": lambda: TernGrad.configure(),
             "terngrad_min0": lambda: TernGrad.configure(min_numel=0),
             "terngrad_hier": lambda: TernGrad.configure(hierarchical=True),
-            "terngrad_rt": lambda: TernGrad.configure(exchange="reternarized", bucket_size=128)}[kind]()
+            "terngrad_rq": lambda: TernGrad.configure(exchange="requantized")}[kind]()
 
 
 def build(prefix, comp, checkpoint=None):
