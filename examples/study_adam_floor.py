@@ -18,6 +18,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import study_lm_scale as sls
+from horovod_terngrad.modelling.simulate import Simulator
+from horovod_terngrad.optim import adam
 
 
 def main(argv=None):
@@ -43,11 +45,9 @@ def main(argv=None):
     out = []
     for method in args.exchanges.split(","):
         captured = {}
-        from horovod_terngrad.optim import adam
 
         def seen(opt, args, kwargs):     # the run's optimizer, after each of its steps (a global step hook)
             captured["opt"] = opt
-        from horovod_terngrad.modelling.simulate import Simulator
         average = Simulator.average
         v32: dict = {}
 

@@ -44,7 +44,8 @@ def _exchange_words(config, n_ranks: int) -> str:
     """Which exchange the setting runs among ``n_ranks`` ranks, for the one-time log line: the run's first lines
     say what the defaults chose."""
     if config.exchange == "auto":
-        return "exchange='auto': per group the allgather or the requantized exchange, by the cost model"
+        among = " or the ".join(cost.EXCHANGE_OF[m] for m in cost.auto_candidates(n_ranks))
+        return f"exchange='auto': per group the {among} exchange, by the cost model"
     return f"the {cost.exchange_among(config.exchange, n_ranks)} exchange among {n_ranks} ranks " \
            f"(exchange={config.exchange!r})"
 
