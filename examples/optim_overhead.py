@@ -81,14 +81,14 @@ def measure(name, spec, batch, steps, rounds):
 
     def tg_step():
         for p, nz in zip(tg_params, noises):       # what every frontend hands over with a ternary average
-            precision._records[p] = precision.TERNARY
-            precision.attach_noise(p, nz, p.grad)
+            tg_opt.precision_ledger.set_record(p, precision.TERNARY)
+            tg_opt.precision_ledger.put_noise(p, nz, p.grad)
         tg_opt.step()
 
     def rf_step(kind):
         def run():
             for p in rf_params:
-                precision._records[p] = kind
+                rf_opt.precision_ledger.set_record(p, kind)
             rf_opt.step()
         return run
 

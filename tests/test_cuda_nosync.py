@@ -142,12 +142,14 @@ def test_terngrad_adamw_steps_without_a_sync(refresh):
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (5000, 300)]
     opt = AdamW(params, lr=1e-3, weight_decay=0.1, refresh=RefreshSchedule(warmup=1, interval=1000, max_interval=1000) if refresh else None)
 
+    ledger = opt.precision_ledger
+
     def exchange():                          # what a frontend does: decide, record, hand over average (+ noise)
-        precision.decide(*params)
-        for p in params:
+        verdicts = [precision.route([p], True) for p in params]
+        for p, verdict in zip(params, verdicts):
             p.grad = torch.randn_like(p)
-            if not refresh and precision.record_of(p) == precision.TERNARY:
-                precision.attach_noise(p, p.grad.abs() * 0.1, p.grad)
+            if verdict.noise:
+                ledger.put_noise(p, p.grad.abs() * 0.1, p.grad)
 
     for _ in range(2):                       # step 0 (a refresh where scheduled), then a ternary one: warm-up
         exchange()

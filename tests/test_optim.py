@@ -121,14 +121,14 @@ def test_a_ternary_step_updates_the_first_moment_only():
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
     opt = AdamW([w], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5, refresh=RefreshSchedule(warmup=1))
     w.grad = torch.tensor([0.5, 0.5, -1.0])
-    precision._records[w] = precision.REFRESH
+    opt.precision_ledger.set_record(w, precision.REFRESH)
     opt.step()                                       # torch's update (no ternary gradient yet)
     m, v = opt.state[w]["exp_avg"].clone(), opt.state[w]["exp_avg_sq"].clone()
     assert int(opt.state[w]["v_steps"]) == int(opt.state[w]["step"]) == 1     # v updated with m so far
     w0 = w.detach().clone()
     g = torch.tensor([0.25, 0.0, -0.25])
     w.grad = g.clone()
-    precision._records[w] = precision.TERNARY
+    opt.precision_ledger.set_record(w, precision.TERNARY)
     opt.step()
     st = opt.state[w]
     assert int(st["step"]) == 2 and int(st["v_steps"]) == 1
@@ -137,7 +137,6 @@ def test_a_ternary_step_updates_the_first_moment_only():
     assert torch.allclose(st["exp_avg"], m2)
     expect = w0 * (1 - 0.1 * 0.5) - 0.1 * (m2 / (1 - 0.9 ** 2)) / ((v / (1 - 0.99)).sqrt() + 1e-8)
     assert torch.allclose(w.detach(), expect, rtol=1e-6, atol=0)
-    precision.withdraw(w)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "foreach"])
@@ -152,15 +151,15 @@ def test_the_default_mode_divides_by_v_less_the_noise_floored_recomputed_by_hand
     b1, b2, lr, wd, floor, eps = 0.9, 0.99, 0.1, 0.3, 0.1, 1e-8
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
     opt = cls([w], lr=lr, betas=(b1, b2), weight_decay=wd, amsgrad=amsgrad, v_floor=floor)
-    precision.request(w, None, opt, noise=True)
+    assert opt.precision_ledger.wants_noise(w)                  # the default mode asks for the estimate
     ref = w.detach().clone()
     m, v, n, vmax = (torch.zeros(4) for _ in range(4))
     for t, (avg, nu) in enumerate([([0.5, -1.0, 0.25, 0.0], [0.1, 0.3, 0.05, 0.2]),
                                    ([0.4, 0.2, -0.5, 1.0], [0.2, 0.1, 0.4, 0.0]),
                                    ([-0.3, 0.6, 0.1, 0.0], [0.1, 0.5, 0.02, 9.0])], start=1):
         avg, nu = torch.tensor(avg), torch.tensor(nu)
-        precision._records[w] = precision.TERNARY
-        precision.attach_noise(w, nu.clone(), avg)
+        opt.precision_ledger.set_record(w, precision.TERNARY)
+        opt.precision_ledger.put_noise(w, nu.clone(), avg)
         w.grad = avg * 0.5                                       # clipped after the exchange
         opt.step()
         g = avg * 0.5
@@ -181,7 +180,6 @@ def test_the_default_mode_divides_by_v_less_the_noise_floored_recomputed_by_hand
         assert torch.allclose(opt.state[w]["exp_avg_sq"], v, rtol=1e-6, atol=0), t
         assert torch.allclose(w.detach(), ref, rtol=1e-6, atol=1e-7), (t, w.detach(), ref)
     assert float(n[3]) > float((1 - floor) * v[3])               # the floor was what bound element 3
-    precision.withdraw(w)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(amsgrad=True), dict(maximize=True, v_floor=0.01),
@@ -203,15 +201,13 @@ def test_the_fused_cpu_pass_is_the_foreach_update(kw, monkeypatch):
         opt = AdamW(ws, lr=3e-3, betas=(0.9, 0.95), **kw)
         for k in range(20):
             for j, w in enumerate(ws):
-                precision.request(w, None, opt, noise=True)
-                precision._records[w] = precision.TERNARY
+                assert opt.precision_ledger.wants_noise(w)                  # the default mode asks for the estimate
+                opt.precision_ledger.set_record(w, precision.TERNARY)
                 if k % 5 != 4:                           # every fifth step comes without an estimate
-                    precision.attach_noise(w, noises[k][j].clone(), grads[k][j])
+                    opt.precision_ledger.put_noise(w, noises[k][j].clone(), grads[k][j])
                 w.grad = grads[k][j] * (0.7 if k % 3 == 0 else 1.0)     # a clip after the exchange
             opt.step()
         out[fused] = ([w.detach().clone() for w in ws], [opt.state[w]["exp_avg_noise"].clone() for w in ws])
-        for w in ws:
-            precision.withdraw(w)
     for a, b in zip(out[True][0] + out[True][1], out[False][0] + out[False][1]):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
     assert not torch.equal(out[True][0][0], torch.ones(256, 128) * 0.5)
@@ -221,10 +217,9 @@ def test_fused_or_capturable_with_a_ternary_gradient_is_refused_with_a_reason():
     w = torch.nn.Parameter(torch.ones(4))
     opt = AdamW([w], fused=True)
     w.grad = torch.ones(4)
-    precision._records[w] = precision.TERNARY
+    opt.precision_ledger.set_record(w, precision.TERNARY)
     with pytest.raises(ValueError, match="fused=True is not supported.*shape \\(4,\\)"):
         opt.step()
-    precision.withdraw(w)
 
 
 def test_a_bad_refresh_argument_is_a_clear_error():
@@ -236,16 +231,89 @@ def test_the_ledger_decides_from_the_optimizers_own_step():
     w = torch.nn.Parameter(torch.ones(3))
     sched = RefreshSchedule(warmup=1, interval=2, per_phase=1, max_interval=2)   # refreshes at steps 0, 2, 4, ...
     opt = AdamW([w], refresh=sched)
-    assert precision.schedule_of(w) == sched
+    assert opt.precision_ledger.schedule_of(w) == sched
     seen = []
     for _ in range(6):
-        seen.append(precision.decide(w))
+        verdict = precision.route([w], True)
+        seen.append((verdict.ternary, opt.precision_ledger.record_of(w)))
         w.grad = torch.ones(3)
         opt.step()
-    assert seen == [True, False, True, False, True, False]
-    assert precision.decide(None) is False                 # a direct allreduce: no parameter, never refreshed
+    R, T = (False, precision.REFRESH), (True, precision.TERNARY)
+    assert seen == [R, T, R, T, R, T]
+    assert not precision.route([w], False).ternary and opt.precision_ledger.record_of(w) == precision.FULL
+    assert precision.route([None], True).ternary            # a direct allreduce: no parameter, never refreshed
     other = torch.nn.Parameter(torch.ones(3))
-    assert precision.decide(other) is False and precision.record_of(other) is None   # no request: untouched
+    assert precision.route([other], True).ternary and precision.ledger_of(other) is None   # unclaimed: untouched
+
+
+def test_each_optimizer_owns_its_ledger_and_the_last_to_claim_a_parameter_wins():
+    """The ledger is the optimizer's, found from the parameter (ledger_of); a second optimizer over the same
+    parameter takes it over, and the first one's ledger lets go; a copy or pickle of a parameter is nobody's;
+    a parameter whose optimizer is gone is exchanged as if never claimed."""
+    import gc
+    import pickle
+    w = torch.nn.Parameter(torch.ones(3))
+    first = AdamW([w])
+    assert precision.ledger_of(w) is first.precision_ledger and first.precision_ledger.wants_noise(w)
+    second = AdamW([w], refresh=RefreshSchedule())
+    assert precision.ledger_of(w) is second.precision_ledger
+    assert not first.precision_ledger.holds(w) and first.precision_ledger.record_of(w) is None
+    assert not precision.route([w], True).ternary                 # the second one's schedule: step 0 is a refresh
+    assert second.precision_ledger.record_of(w) == precision.REFRESH
+    assert precision.ledger_of(copy.deepcopy(w)) is None
+    assert precision.ledger_of(pickle.loads(pickle.dumps(w))) is None
+    with pytest.raises(ValueError, match="record must be one of"):
+        second.precision_ledger.set_record(w, "half")
+    with pytest.raises(KeyError, match="not claimed"):
+        first.precision_ledger.set_record(w, precision.TERNARY)
+    del second
+    gc.collect()
+    assert precision.ledger_of(w) is None and precision.route([w], True).ternary
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "reternarized"])
+def test_exchanges_before_one_step_keep_each_parameters_own_estimate(exchange):
+    """Two parameters whose gradients travel under one name (two models' "weight" through one engine) and a
+    second, accumulating exchange of one of them, all before one optimizer step: each parameter's estimate is
+    its own last exchange's, in the CPU buffer its ledger entry reuses, handed to the step once.  (An estimate
+    held in a buffer of the engine keyed by tensor name is overwritten by the next exchange of that name.)"""
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import Exchange, run_ranks
+    cfg = TernGradConfig(exchange=exchange)
+    n = 3000
+
+    def grad(rank, k):
+        return torch.randn(n, generator=torch.Generator().manual_seed(100 * k + rank))
+
+    def exchange_of(ex, param, g):
+        tk = ex.start(g, "weight", route=precision.route([param], True))
+        out = ex.finish(tk)
+        assert tk.want_noise and tk.noise is not None
+        made = tk.noise.clone()                 # what this exchange estimated, as it was delivered
+        precision.deliver(tk, out)
+        return made
+
+    def body(c):
+        ex = Exchange(c, cfg)
+        a, b = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))
+        opt = AdamW([a, b])
+        ledger = opt.precision_ledger
+        first_a = exchange_of(ex, a, grad(c.rank, 0))
+        buffer = ledger.noise_of(a)[0].data_ptr()
+        want_b = exchange_of(ex, b, grad(c.rank, 1))
+        kept_a = torch.equal(ledger.noise_of(a)[0], first_a) and not torch.equal(first_a, want_b)
+        want_a = exchange_of(ex, a, grad(c.rank, 2))          # accumulation: a's last exchange is the one kept
+        got_a, got_b = ledger.noise_of(a)[0].clone(), ledger.noise_of(b)[0].clone()
+        reused = ledger.noise_of(a)[0].data_ptr() == buffer
+        a.grad, b.grad = torch.ones(n), torch.ones(n)
+        ledger.set_record(a, precision.TERNARY)
+        ledger.set_record(b, precision.TERNARY)
+        opt.step()
+        taken = ledger.noise_of(a) is None and ledger.noise_of(b) is None
+        return kept_a, torch.equal(got_a, want_a), torch.equal(got_b, want_b), reused, taken
+
+    for r, res in enumerate(run_ranks(2, body)):
+        assert res == (True, True, True, True, True), (r, res)
 
 
 # -- real ranks -------------------------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def receive(ex, tk) -> torch.Tensor | None:
     out = backends.for_device(buf.device).decode(buf, headers, offsets, len(headers) if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)
     if tk.want_noise:
-        tk.noise = noise_estimate(buf, headers, offsets, len(headers) if tk.average else 1, out=ex.noise_buffer(tk))
+        tk.noise = noise_estimate(buf, headers, offsets, len(headers) if tk.average else 1, out=tk.noise_out)
     ex.stats.codec_s += time.perf_counter() - t0
     return out
 
@@ -156,7 +156,7 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor | None:
     if bad is not None:
         out.masked_fill_(bad, 0.0 if cfg.on_nonfinite == "zero" else float("nan"))
     if tk.want_noise:
-        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1, out=ex.noise_buffer(tk))
+        tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1, out=tk.noise_out)
         if bad is not None:
             tk.noise.masked_fill_(bad, 0.0)
     ex.stats.codec_s += time.perf_counter() - t0

@@ -92,7 +92,7 @@ class Ticket:
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
                  "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished",
-                 "want_noise", "noise", "step", "bucket")
+                 "want_noise", "noise", "noise_out", "route", "step", "bucket")
 
     def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place, step=0, bucket=0):
         self.engine, self.group = engine, None
@@ -112,6 +112,19 @@ class Ticket:
         self.finished = False      # finish() has returned its average or raised
         self.want_noise = False    # the caller asks for the ternary noise estimate (allgather.noise_estimate)
         self.noise = None          # ... and gets it here, when the transport has every rank's payload
+        self.noise_out = None      # where the transport writes it (fp32, the tensor's size); None: a fresh tensor
+        self.route = None          # precision.Route: what the optimizer's ledger decided and wants (precision.py)
+
+
+def follow_routes(tickets: list, routes: list | None) -> None:
+    """Arm each ticket with its ``precision.Route`` (None: none), before anything can move it on."""
+    if routes is None:
+        return
+    if len(routes) != len(tickets):
+        raise TernGradError(f"TernGrad: {len(routes)} precision routes for {len(tickets)} tensors")
+    for tk, route in zip(tickets, routes):
+        if route is not None:
+            route.arm(tk)
 
 
 class Presence:
@@ -195,21 +208,6 @@ class Exchange:
         # instead of its flags being read on the host once per member (the re-ternarized and requantized
         # transports; the allgather's walk reads headers on the host anyway)
         self.nonfinite_on_device = False
-        self._noise_out: dict[str, torch.Tensor] = {}
-
-    def noise_buffer(self, tk: Ticket) -> torch.Tensor | None:
-        """A reused fp32 buffer for a CPU tensor's noise estimate (None elsewhere: a fresh tensor).  Why: a
-        fresh buffer of every ternarized tensor's size each step is page-faulted in anew (about 108 MB per step
-        on a 27M-parameter model: a third of the estimate's time on a CPU).  Reuse is safe on the CPU, where
-        decode and optimizer run one after the other: the optimizer consumes an estimate in the step after its
-        exchange, and a later exchange of the tensor replaces the estimate anyway.  Costs one fp32 copy of the
-        ternarized parameters, kept between steps."""
-        if tk.g32.device.type != "cpu":
-            return None
-        buf = self._noise_out.get(tk.name)
-        if buf is None or buf.numel() != tk.g32.numel():
-            buf = self._noise_out[tk.name] = torch.empty(tk.g32.numel(), dtype=torch.float32)
-        return buf
 
     def compression_pays(self, device: torch.device) -> bool:
         """Whether tensors the policy would ternarize should be (frontends ask before starting one).
@@ -228,20 +226,22 @@ class Exchange:
         return self.link is None or self.link.compresses
 
     # -- public -------------------------------------------------------------------------------
-    def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False) -> Ticket:
+    def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False,
+              route=None) -> Ticket:
         """Begin averaging ``tensor``.  With ``in_place`` the result may be written into ``tensor``
         itself (the Horovod frontend allows it: the gradient is replaced by the result anyway), which
-        saves allocating and page-faulting a new buffer per step."""
-        return self.start_group([(tensor, name)], name, average, in_place)[0]
+        saves allocating and page-faulting a new buffer per step.  ``route``: what ``precision.route``
+        decided for it (the ticket then asks for the noise estimate the optimizer's ledger wants)."""
+        return self.start_group([(tensor, name)], name, average, in_place, routes=[route])[0]
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
-                    mode: str | None = None) -> list:
+                    mode: str | None = None, routes: list | None = None) -> list:
         """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one exchange
         named after ``group`` (tensor fusion; every rank must form the same groups, in the same member
         order).  Results are bit-identical to starting each tensor alone.  The exchange is the config's;
         with ``exchange="auto"`` the cost model picks one for the whole group (``mode``: a caller that
-        decided already, the hierarchical exchange).  Returns one ticket per item, each finished with
-        ``finish``."""
+        decided already, the hierarchical exchange).  ``routes``: one ``precision.Route`` (or None) per item.
+        Returns one ticket per item, each finished with ``finish``."""
         cfg = self.config
         t0 = time.perf_counter()
         tickets = []
@@ -267,6 +267,7 @@ class Exchange:
                         step, bucket)
             tk.prep = prep
             tickets.append(tk)
+        follow_routes(tickets, routes)
         grp = Group(group, tickets, mode, buckets)
         for tk in tickets:
             tk.group = grp

@@ -43,7 +43,7 @@ from ..codec.packing import device_constant
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
 from . import allgather, cost, link, topology
 from .collectives import CollectiveError, Collectives
-from .engine import Exchange, Ticket, check_gradient
+from .engine import Exchange, Ticket, check_gradient, follow_routes
 
 log = logging.getLogger("horovod_terngrad")
 
@@ -146,8 +146,8 @@ class HierarchicalExchange:
     def compression_pays(self, device: torch.device) -> bool:
         return self.flat.compression_pays(device)
 
-    def start(self, tensor, name, average=True, in_place=False):
-        return self.start_group([(tensor, name)], name, average, in_place)[0]
+    def start(self, tensor, name, average=True, in_place=False, route=None):
+        return self.start_group([(tensor, name)], name, average, in_place, routes=[route])[0]
 
     def allreduce(self, tensor, name, average=True):
         return self.finish(self.start(tensor, name, average))
@@ -217,14 +217,15 @@ class HierarchicalExchange:
                                   step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync),
                                   intra_width=self.config.intra_node_width)
 
-    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False) -> list:
+    def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
+                    routes: list | None = None) -> list:
         if not items:
             return []
         for tensor, name in items:
             check_gradient(tensor, name)
         numels = [t.numel() for t, _ in items]
         if not self.uses_hierarchy(numels, items[0][0].device) or not self._all_present(items[0][0].device, group):
-            tickets = self.flat.start_group(items, group, average, in_place)
+            tickets = self.flat.start_group(items, group, average, in_place, routes=routes)
             for tk in tickets:      # finished through this engine, so that it sees the step end
                 tk.engine = self
             return tickets
@@ -239,6 +240,7 @@ class HierarchicalExchange:
                                     in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32)
             tk.index = len(tickets)
             tickets.append(tk)
+        follow_routes(tickets, routes)
         plan = topology.shard_plan(numels, self.G)
         # Every rank counts the steps of every piece, also those other local ranks own (the cross engine
         # counts this rank's own when it starts them): a piece's stream then depends on how often the piece
@@ -453,8 +455,12 @@ class HierarchicalExchange:
         tag = "x" if self.spans_world else f"x{j}"
         grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.{tag}", grp.average, in_place=True,
                                                    mode=mode) if items else []
+        at = shard
         for ptk, p in zip(grp.pieces, pieces):
             ptk.want_noise = grp.members[p.member].want_noise
+            if grp.noisy and ptk.want_noise:     # the estimate straight into its place in the allgather's buffer
+                ptk.noise_out = grp.outbox[at:at + p.numel]
+            at += p.numel
         grp.cross_started = True
 
     def _finish_cross(self, grp: HierarchicalGroup) -> None:
@@ -478,7 +484,7 @@ class HierarchicalExchange:
                     if out.data_ptr() != ptk.g32.data_ptr():
                         ptk.g32.copy_(out.reshape(-1))
                     if grp.noisy:
-                        if ptk.noise is not None:
+                        if ptk.noise is not None and ptk.noise.data_ptr() != grp.outbox[at:].data_ptr():
                             grp.outbox[at:at + ptk.g32.numel()] = ptk.noise.reshape(-1)
                         elif ptk.want_noise:
                             status[i] += STATUS_NO_NOISE
@@ -562,8 +568,8 @@ class HierarchicalExchange:
         # order
         out = tk.g32 if tk.in_place else torch.empty_like(tk.g32)
         noise = None
-        if grp.noisy and tk.want_noise:     # on the CPU the flat engine's reused buffer (Exchange.noise_buffer says why)
-            noise = self.flat.noise_buffer(tk)
+        if grp.noisy and tk.want_noise:     # on the CPU the ledger's buffer of the parameter (precision.Route.arm)
+            noise = tk.noise_out
             if noise is None:
                 noise = torch.empty_like(tk.g32)
         if grp.statuses is None:

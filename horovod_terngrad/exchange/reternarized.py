@@ -264,8 +264,8 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
         bad = None
     out = tk.g32 if tk.in_place else torch.empty(n, dtype=torch.float32, device=gathered.device)
     noise = None
-    if tk.want_noise:      # on the CPU the engine's reused buffer (engine.noise_buffer: no fresh pages per step)
-        noise = ex.noise_buffer(tk)
+    if tk.want_noise:      # on the CPU the ledger's buffer of the parameter (precision.Route.arm: no fresh pages)
+        noise = tk.noise_out
         if noise is None:
             noise = torch.empty(n, dtype=torch.float32, device=gathered.device)
     for (lo, hi), off in zip(bounds, offsets):

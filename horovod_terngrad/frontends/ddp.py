@@ -105,7 +105,7 @@ class _Job:
     """One bucket of one iteration: what the hook saw, then the exchange's tickets."""
 
     __slots__ = ("index", "last", "buffer", "params", "grads", "future", "result", "tickets", "plain",
-                 "plain_handle", "error", "noisy")
+                 "plain_handle", "error")
 
     def __init__(self, bucket):
         self.index = bucket.index()
@@ -118,11 +118,10 @@ class _Job:
         # future's error as it is; a value set with set_exception would reach DDP as a value ("Unable to cast
         # ... to Tensor") and lose the exception's class.
         self.result = self.future.then(_value)
-        self.tickets: list = []          # (name, gradient view, ticket)
+        self.tickets: list = []          # (name, gradient view, ticket); the ticket carries its precision route
         self.plain: list = []            # (name, gradient view) averaged uncompressed
         self.plain_handle = None
         self.error = None
-        self.noisy: dict = {}            # name -> parameter whose optimizer wants the ternary noise estimate
 
 
 def _value(fut):
@@ -430,17 +429,15 @@ class TernGradState:
                        "sparse=False))" if buffer.is_sparse else
                        f"has dtype {buffer.dtype}; ternary compression needs a floating-point gradient")
                 raise TypeError(f"TernGrad: gradient '{name}' {why}")
-            members = []
+            members, routes = [], {}
             for p, g in zip(job.params, job.grads):
                 name = self._name(p, job.index)
-                ternarize = self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device)
-                if ternarize and not precision.decide(p):     # horovod_terngrad.optim's refreshes (precision.py)
+                compressible = self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device)
+                # decided and recorded for p's optimizer of horovod_terngrad.optim, if any (exchange/precision.py)
+                routes[name] = precision.route([p], compressible)
+                if routes[name].ternary:
                     members.append((name, g))
-                    if precision.wants_noise(p):
-                        job.noisy[name] = p
                 else:
-                    if not ternarize:
-                        precision.record_full(p)
                     job.plain.append((name, g))
             if job.plain:
                 flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in job.plain])
@@ -450,9 +447,7 @@ class TernGradState:
             plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in members], cfg)
             for gi, names in enumerate(plan.groups):
                 tickets = eng.start_group([(grads[n], n) for n in names], f"ddp{job.index}.{gi}.{names[0]}",
-                                          average=True, in_place=True)
-                for n, tk in zip(names, tickets):
-                    tk.want_noise = n in job.noisy
+                                          average=True, in_place=True, routes=[routes[n] for n in names])
                 job.tickets += [(n, grads[n], tk) for n, tk in zip(names, tickets)]
         except Exception as e:  # noqa: BLE001 - reported through the bucket's future
             job.error = e
@@ -470,8 +465,7 @@ class TernGradState:
                     g.copy_(out.view(g.shape))
                     if tracing:
                         copy_s += _clock() - t0
-                if tk.noise is not None:
-                    precision.attach_noise(job.noisy[name], tk.noise.view(g.shape), out)
+                precision.deliver(tk, out)   # the noise estimate to p's optimizer, where it asked
             except Exception as e:  # noqa: BLE001 - the first error goes to the future
                 job.error = job.error or e
         if job.plain_handle is not None:

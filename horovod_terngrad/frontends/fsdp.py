@@ -213,19 +213,18 @@ class TernGradFSDPState:
                                tuple(getattr(fp, "sharded_param", None) for fp in param_group.fsdp_params))]
         else:
             eng = self.engine
-        compressed, plain, noisy = [], [], {}
+        compressed, plain, routes = [], [], {}
         for m in members:
             if m.numel == 0:
                 continue              # an empty shard (uneven first dimension): the same on every replica
             seg = flat[m.offset:m.offset + m.numel]
-            ternarize = self.enabled and cfg.compresses(m.name, m.numel) and eng.compression_pays(out.device)
-            if ternarize and not precision.decide(*m.params):     # horovod_terngrad.optim's refreshes (precision.py)
+            compressible = self.enabled and cfg.compresses(m.name, m.numel) and eng.compression_pays(out.device)
+            # decided and recorded for the optimizer of horovod_terngrad.optim that claimed the sharded
+            # parameters (the DTensors FSDP holds and the optimizer steps), if any (exchange/precision.py)
+            routes[m.name] = precision.route(m.params, compressible)
+            if routes[m.name].ternary:
                 compressed.append((m.name, seg))
-                if len(m.params) == 1 and precision.wants_noise(m.params[0]):
-                    noisy[m.name] = m.params[0]
             else:
-                if not ternarize:
-                    precision.record_full(*m.params)
                 plain.append((m.name, seg))
         plain_handle = None
         coll = eng.coll
@@ -241,9 +240,7 @@ class TernGradFSDPState:
             plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in compressed], cfg)
             for gi, names in enumerate(plan.groups):
                 started = eng.start_group([(segs[n], n) for n in names], f"fsdp.{unit}.{gi}", average=True,
-                                          in_place=True)
-                for n, tk in zip(names, started):
-                    tk.want_noise = n in noisy
+                                          in_place=True, routes=[routes[n] for n in names])
                 tickets += [(segs[n], tk) for n, tk in zip(names, started)]
         except Exception as e:  # noqa: BLE001 - raised after every started exchange is finished
             error = e
@@ -252,10 +249,7 @@ class TernGradFSDPState:
                 avg = tk.engine.finish(tk)
                 if avg.data_ptr() != seg.data_ptr() or avg.dtype != seg.dtype:
                     seg.copy_(avg.reshape(-1))
-                if tk.noise is not None:       # the shard's elements: the optimizer holds it as a DTensor
-                    param = noisy[tk.name]
-                    local = param.to_local() if hasattr(param, "to_local") else param
-                    precision.attach_noise(param, tk.noise.view(local.shape), avg)
+                precision.deliver(tk, avg)     # the shard's estimate, to the DTensor parameter's optimizer
             except Exception as e:  # noqa: BLE001
                 error = error or e
         if plain_handle is not None:

@@ -21,18 +21,19 @@ from __future__ import annotations
 import torch
 
 from ..config import TernGradConfig
-from ..exchange import fusion, precision
+from ..exchange import fusion
 
 
 class FusedBatch:
     """One step's worth of a fused group: the tensors that arrived, then the tickets."""
 
-    __slots__ = ("fusion", "group", "arrived", "tickets", "engine", "average")
+    __slots__ = ("fusion", "group", "arrived", "routes", "tickets", "engine", "average")
 
     def __init__(self, fusion_state: "OptimizerFusion", group: int):
         self.fusion = fusion_state
         self.group = group
         self.arrived: dict[str, torch.Tensor] = {}
+        self.routes: dict = {}           # name -> its precision.Route (exchange/precision.py), from compress
         self.tickets: dict | None = None
         self.engine = None
         self.average = True
@@ -47,11 +48,9 @@ class FusedBatch:
         order = [n for n in self.members if n in self.arrived]
         name = f"terngrad.fused{self.group}.{self.members[0]}" + (".partial" if partial else "")
         tickets = self.engine.start_group([(self.arrived[n], n) for n in order], name, average=self.average,
-                                          in_place=True)
+                                          in_place=True, routes=[self.routes.get(n) for n in order])
         self.tickets = dict(zip(order, tickets))
-        for n, tk in self.tickets.items():      # horovod_terngrad.optim's noise estimate (exchange/precision.py)
-            tk.want_noise = precision.wants_noise(self.fusion.params.get(n))
-        self.arrived = {}
+        self.arrived, self.routes = {}, {}
         self.fusion.batches[self.group] = FusedBatch(self.fusion, self.group)
 
 

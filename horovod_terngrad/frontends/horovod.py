@@ -90,7 +90,6 @@ class TernGradCompressor:
         self._warned_nonfinite: set = set()     # tensors sent at full precision, zeroed and warned about
         self._threads_checked = False
         self._parameters = weakref.WeakKeyDictionary()    # DistributedOptimizer -> {name: parameter}
-        self._noisy: dict = {}         # id(ticket) -> parameter whose optimizer wants the ternary noise estimate
 
     def configure(self, **settings) -> "TernGradCompressor":
         """A new compressor with some settings changed, e.g. ``TernGrad.configure(packing='base3')``."""
@@ -165,15 +164,12 @@ class TernGradCompressor:
                 # (gradient_predivide_factor: Horovod's pre- and postscale multiply to 1 for Average)
                 average = naming.averages(naming.optimizer_op(optimizer, name), name)
                 process_set = getattr(optimizer, "process_set", None)
-            compressed = (self.enabled and self.config.compresses(name, tensor.numel())
-                          and self.engine(process_set).compression_pays(tensor.device))
-            param = self._parameter(optimizer, name)
-            if compressed:
-                # an optimizer of horovod_terngrad.optim may ask for a full-precision refresh (precision.py)
-                compressed = not precision.decide(param)
-            else:
-                precision.record_full(param)
-            if not compressed:
+            compressible = (self.enabled and self.config.compresses(name, tensor.numel())
+                            and self.engine(process_set).compression_pays(tensor.device))
+            # decided and recorded for the parameter's optimizer of horovod_terngrad.optim, if any: a scheduled
+            # full-precision refresh, the noise estimate it wants (exchange/precision.py)
+            verdict = precision.route([self._parameter(optimizer, name)], compressible)
+            if not verdict.ternary:
                 st.uncompressed_elements += tensor.numel()
                 # on_nonfinite covers these tensors too (decompress checks the reduced result); with
                 # HOROVOD_TERNGRAD=0 every tensor travels exactly as with Compression.none, unchecked
@@ -185,16 +181,15 @@ class TernGradCompressor:
             batch = self._fused_batch(optimizer, name, tensor)
             if batch is not None:
                 batch.arrived[name] = tensor
+                batch.routes[name] = verdict
                 batch.engine, batch.average = self.engine(process_set), average
                 if len(batch.arrived) == len(batch.members):
                     batch.start()
                 return empty, FusedMember(batch, name)
             # Only the optimizer replaces the gradient with the result, so only then may the result be
             # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
-            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None)
-            if precision.wants_noise(param):
-                ticket.want_noise = True
-                self._noisy[id(ticket)] = param
+            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None,
+                                                    route=verdict)
         return empty, (ticket if scale == 1.0 else Scaled(ticket, scale))
 
     def _check_world(self) -> None:
@@ -274,11 +269,9 @@ class TernGradCompressor:
         scale = 1.0
         if isinstance(ctx, Scaled):
             scale, ctx = ctx.scale, ctx.ticket
-        param = None
         with self._lock:
             if isinstance(ctx, FusedMember):
                 batch = ctx.batch
-                param = batch.fusion.params.get(ctx.name)
                 if batch.tickets is None:      # members never arrived this step: start every such group
                     missing = batch.fusion.start_incomplete()
                     if missing and not self._warned_partial:
@@ -291,8 +284,6 @@ class TernGradCompressor:
             raise TernGradError(f"TernGrad.decompress got a ctx of type {type(ctx).__name__}; it must be "
                                 "the ctx returned by the same compressor's compress()")
         with self._lock:
-            param = self._noisy.pop(id(ctx), param)
             out = ctx.engine.finish(ctx)
-        if ctx.noise is not None and param is not None:
-            precision.attach_noise(param, ctx.noise.view(out.shape), out)
+        precision.deliver(ctx, out)        # the noise estimate to the parameter's optimizer, where it asked
         return out if scale == 1.0 else out * scale

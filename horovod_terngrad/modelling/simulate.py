@@ -106,17 +106,16 @@ class Simulator:
             return torch.stack([grads[r][i] for r in range(self.n)]).mean(dim=0)
         if self.compression == "none":
             return [mean(i) for i in range(len(self.names))]
-        # The policy (min_numel, exclude) keeps some tensors in fp32, as the Horovod frontend does.
-        ternary = [i for i, name in enumerate(self.names) if self.config.compresses(name, grads[0][i].numel())]
-        # what horovod_terngrad.optim reads (exchange/precision.py), recorded as the frontends record it: a
-        # refresh step of its schedule travels in fp32, and so does every tensor the policy keeps
-        ternary = [i for i in ternary if not precision.decide(self.params[i])]
-        for i in set(range(len(self.names))) - set(ternary):
-            precision.record_full(self.params[i])
+        # The policy (min_numel, exclude) keeps some tensors in fp32, as the Horovod frontend does; what
+        # horovod_terngrad.optim reads is decided and recorded as the frontends do it (exchange/precision.py):
+        # a refresh step of its schedule travels in fp32 too
+        routes = [precision.route([p], self.config.compresses(name, grads[0][i].numel()))
+                  for i, (name, p) in enumerate(zip(self.names, self.params))]
+        ternary = [i for i, r in enumerate(routes) if r.ternary]
         out = [None if i in ternary else mean(i) for i in range(len(self.names))]
         for i, avg in zip(ternary, self._exchange([[grads[r][i] for i in ternary] for r in range(self.n)],
                                                   [self.names[i] for i in ternary],
-                                                  [self.params[i] for i in ternary])):
+                                                  [routes[i] for i in ternary])):
             out[i] = avg
         return out
 
@@ -124,20 +123,17 @@ class Simulator:
         """One tensor's exchange: ``per_rank[r]`` is rank r's gradient; returns rank 0's result."""
         return self._exchange([[t] for t in per_rank], [name])[0]
 
-    def _exchange(self, per_rank: list, names: list, params: list | None = None) -> list:
-        """Every rank's tensors through its engine; rank 0's results.  ``params``: the parameter of each tensor;
-        where its optimizer asked for the ternary noise estimate (horovod_terngrad.optim), every rank's ticket
-        asks for it, as the frontends do, and rank 0's estimate is handed to the optimizer with the average."""
+    def _exchange(self, per_rank: list, names: list, routes: list | None = None) -> list:
+        """Every rank's tensors through its engine; rank 0's results.  ``routes``: each tensor's
+        ``precision.route``; where its optimizer asked for the ternary noise estimate (horovod_terngrad.optim),
+        every rank's ticket asks for it, as the frontends' do, and rank 0's estimate is handed to the optimizer
+        with the average (only rank 0 decodes)."""
         if len(per_rank) != self.n:
             raise RankMismatchError(f"TernGrad: {len(per_rank)} simulated ranks' gradients for {self.n} workers")
-        noisy = [p is not None and precision.wants_noise(p) for p in (params or [None] * len(names))]
+        routes = routes or [None] * len(names)
         tickets = []
         for eng, tensors in zip(self.engines, per_rank):
-            mine = []
-            for t, name, want in zip(tensors, names, noisy):
-                mine.append(eng.start(t, name))
-                mine[-1].want_noise = want       # (before any progress moves the ticket on, as the frontends do)
-            tickets.append(mine)
+            tickets.append([eng.start(t, name, route=r) for t, name, r in zip(tensors, names, routes)])
         moved = True
         while moved:            # each stage completes once every rank has posted it
             before = [eng.pending() for eng in self.engines]
@@ -146,9 +142,8 @@ class Simulator:
             moved = [eng.pending() for eng in self.engines] != before
         try:
             outs = [self.engines[0].finish(t) for t in tickets[0]]
-            for tk, out, want, p in zip(tickets[0], outs, noisy, params or [None] * len(outs)):
-                if want and tk.noise is not None:
-                    precision.attach_noise(p, tk.noise.view(out.shape), out)
+            for tk, out in zip(tickets[0], outs):
+                precision.deliver(tk, out)
             return outs
         finally:
             for eng in self.engines[1:]:   # their results are rank 0's; end their step as a finish would

@@ -235,10 +235,12 @@ def optimizer_step_ms(shapes, device, steps: int = 10) -> dict:
     tg_opt, torch_opt = AdamW(tg_params, **hp), torch.optim.AdamW(torch_params, foreach=True, **hp)
     noises = [p.grad.abs() * 1e-3 for p in tg_params]
 
+    ledger = tg_opt.precision_ledger
+
     def tg_step():
-        precision.decide(*tg_params)                      # records TERNARY: no refresh schedule
-        for p, noise in zip(tg_params, noises):
-            precision.attach_noise(p, noise, p.grad)
+        for p, noise in zip(tg_params, noises):           # what an exchange records and hands over (precision.py)
+            ledger.set_record(p, precision.TERNARY)
+            ledger.put_noise(p, noise, p.grad)
         tg_opt.step()
 
     times = {"tg": [], "torch": []}

@@ -33,6 +33,11 @@ Two ways to keep the noise out of v, both measured (docs/adam.md); the first is 
   does not move and the refresh is taken next time; resume and elastic restore the count).  It costs 32 bits
   per element on each refresh.
 
+The contract with the exchanges (exchange/precision.py): each optimizer owns a ``PrecisionLedger``
+(``precision_ledger``) and claims its parameters in it (the last optimizer to claim a parameter is the one
+the exchanges serve); the exchanges find it from the parameter, decide and record per exchange, and hand the
+noise estimate over into it; ``step`` reads its own ledger only.
+
 Parameters whose gradient did not come through a ternary exchange, and never did (no TernGrad, tensors under
 ``min_numel`` or in ``exclude``, ``HOROVOD_TERNGRAD=0``), take torch's own update, bit for bit: the functional
 ``adam`` torch's ``step`` calls, with the group's flags.
@@ -99,10 +104,19 @@ class _RefreshedAdam:
         super().add_param_group(param_group)
         self._request(self.param_groups[-1])
 
+    @property
+    def precision_ledger(self) -> precision.PrecisionLedger:
+        """This optimizer's side of the contract with the exchanges (exchange/precision.py)."""
+        ledger = self.__dict__.get("_precision_ledger")
+        if ledger is None:       # made at the first param group (torch's __init__ adds them before ours returns)
+            ledger = self._precision_ledger = precision.PrecisionLedger(self)
+        return ledger
+
     def _request(self, group) -> None:
         schedule = None if group.get("refresh") is None else RefreshSchedule(**group["refresh"])
+        ledger = self.precision_ledger
         for p in group["params"]:
-            precision.request(p, schedule, self, noise=schedule is None)
+            ledger.claim(p, schedule, noise=schedule is None)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -124,7 +138,8 @@ class _RefreshedAdam:
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             plain, tern = [], []
             on_host = not (group["fused"] or group["capturable"])     # else TernGrad's path is refused anyway
-            records = [precision.record_of(p) for p in params]        # read once per step (weak-keyed map)
+            ledger = self.precision_ledger
+            records = [ledger.record_of(p) for p in params]           # read once per step (weak-keyed map)
             for i, p in enumerate(params):
                 st = self.state[p]
                 # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
@@ -153,7 +168,7 @@ class _RefreshedAdam:
                     else:
                         st[V_STEPS] = st["step"].clone()
                         st[TERNARY_STEPS] = torch.zeros_like(st["step"])
-                    if NOISE not in st and precision.wants_noise(p):
+                    if NOISE not in st and ledger.wants_noise(p):
                         st[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if tern:
                 amsgrad = group["amsgrad"]
@@ -175,6 +190,7 @@ class _RefreshedAdam:
         corrected = group.get("refresh") is None
         by_kind: dict = {}
         noise_of = {}
+        ledger = self.precision_ledger
         ternary_counts = []       # host step counts, advanced by one foreach call (not one op per tensor)
         for i, p in enumerate(params):
             state = self.state[p]
@@ -189,7 +205,7 @@ class _RefreshedAdam:
                 refresh = True            # v is updated every step; n carries the noise to take out
                 if NOISE not in state:
                     state[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                noise_of[i] = precision.take_noise(p) if record == precision.TERNARY else None
+                noise_of[i] = ledger.take_noise(p) if record == precision.TERNARY else None
                 if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
                     _RefreshedAdam._warned_no_noise = True
                     log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "

@@ -73,7 +73,8 @@ def snapshot(opt, named):
     out = {}
     for n, p in named:
         st = opt.state.get(p, {})
-        out[n] = (precision.record_of(p), int(st["step"]) if "step" in st else 0,
+        ledger = precision.ledger_of(p)
+        out[n] = (ledger and ledger.record_of(p), int(st["step"]) if "step" in st else 0,
                   int(st["v_steps"]) if "v_steps" in st else None)
     return out
 
@@ -194,9 +195,10 @@ def ddp_corrected(dist, rank):
         checks = {}
         for n, p in named:
             if n in small:
-                checks[n] = p not in precision._noise
+                checks[n] = opt.precision_ledger.noise_of(p) is None
                 continue
-            noise, at = precision._noise[p]
+            noise, at = opt.precision_ledger.noise_of(p)
+            noise = noise.view(p.shape)
             avg, _ = expected_average(per_rank[n], n, step, cfg)
             checks[n] = (torch.equal(p.grad, avg) and torch.equal(noise, expected_noise(per_rank[n], n, step, cfg))
                          and torch.equal(at, torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()))
