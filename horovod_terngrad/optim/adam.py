@@ -102,7 +102,7 @@ class _RefreshedAdam:
         if not 0 <= param_group["v_floor"] <= 1:
             raise ValueError(f"v_floor must be in [0, 1], got {param_group['v_floor']!r}")
         super().add_param_group(param_group)
-        self._request(self.param_groups[-1])
+        self._claim(self.param_groups[-1])
 
     @property
     def precision_ledger(self) -> precision.PrecisionLedger:
@@ -112,7 +112,7 @@ class _RefreshedAdam:
             ledger = self._precision_ledger = precision.PrecisionLedger(self)
         return ledger
 
-    def _request(self, group) -> None:
+    def _claim(self, group) -> None:
         schedule = None if group.get("refresh") is None else RefreshSchedule(**group["refresh"])
         ledger = self.precision_ledger
         for p in group["params"]:
@@ -123,7 +123,7 @@ class _RefreshedAdam:
         for group in self.param_groups:           # the loaded groups' settings
             group.setdefault("refresh", None)
             group.setdefault("v_floor", self._v_floor)
-            self._request(group)
+            self._claim(group)
 
     @torch.no_grad()
     def step(self, closure=None):
