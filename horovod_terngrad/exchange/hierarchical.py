@@ -484,8 +484,9 @@ class HierarchicalExchange:
                     if out.data_ptr() != ptk.g32.data_ptr():
                         ptk.g32.copy_(out.reshape(-1))
                     if grp.noisy:
-                        if ptk.noise is not None and ptk.noise.data_ptr() != grp.outbox[at:].data_ptr():
-                            grp.outbox[at:at + ptk.g32.numel()] = ptk.noise.reshape(-1)
+                        if ptk.noise is not None:
+                            if ptk.noise.data_ptr() != grp.outbox[at:].data_ptr():      # (else written there)
+                                grp.outbox[at:at + ptk.g32.numel()] = ptk.noise.reshape(-1)
                         elif ptk.want_noise:
                             status[i] += STATUS_NO_NOISE
                     finished.append(i)
