@@ -207,3 +207,11 @@ def test_only_the_policy_tests_the_setting_names():
             continue
         hits += [(rel, t) for t in setting_tests(f.read_text(encoding="utf-8")) if (rel, t) not in NOT_SETTINGS]
     assert not hits, hits
+
+
+def test_the_cost_model_takes_transports_not_settings():
+    for setting in ("default", "auto"):
+        with pytest.raises(ValueError, match=f"got '{setting}'"):
+            cost.hierarchy_for([100_000], 2, 2, network=cost.configured_network(2), transport=setting)
+        with pytest.raises(ValueError, match=f"got '{setting}'"):
+            cost.hierarchical_cost([100_000], 2, 2, cost.configured_network(2), cross=setting)

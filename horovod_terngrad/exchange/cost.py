@@ -79,6 +79,7 @@ NOISE_TRANSPORTS = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
 #: the transport (the name ``TernGradConfig.exchange`` gives it) of each TernGrad method of the cost model
 TRANSPORT_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
                 TERNGRAD_REQUANTIZED: "requantized"}
+_METHOD_OF_TRANSPORT = {transport: method for method, transport in TRANSPORT_OF.items()}
 
 
 def exchange_among(setting: str, n_ranks: int) -> str:
@@ -579,6 +580,8 @@ def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, 
     N = int(workers)
     if transport is None:
         transport = cheapest_transport(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
+    if transport not in _METHOD_OF_TRANSPORT:      # a setting's name ("default", ...) is policy.py's to resolve
+        raise ValueError(f"transport must be one of {tuple(_METHOD_OF_TRANSPORT)} or None, got {transport!r}")
     if transport == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
     if transport == "reternarized":

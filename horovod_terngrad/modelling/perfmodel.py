@@ -386,8 +386,8 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
                           step_allreduces=HOROVOD_STEP_ALLREDUCES):     # decided as the Horovod engine does
         if b.exchange == TERNGRAD_HIERARCHICAL:
             M, G = node_shape(workers, network)
-            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross,
-                                     cfg.intra_node_width)
+            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared,
+                                     policy.transport_among(b.cross, M), cfg.intra_node_width)
         else:
             cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost
