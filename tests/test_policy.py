@@ -215,3 +215,14 @@ def test_the_cost_model_takes_transports_not_settings():
             cost.hierarchy_for([100_000], 2, 2, network=cost.configured_network(2), transport=setting)
         with pytest.raises(ValueError, match=f"got '{setting}'"):
             cost.hierarchical_cost([100_000], 2, 2, cost.configured_network(2), cross=setting)
+
+
+def test_a_step_of_groups_is_planned_as_each_group_without_overhead():
+    groups = list(SIZES.values())
+    for setting in SETTINGS:
+        for s in SHAPES:
+            M, G = shape(s)
+            net = cost.configured_network(G)
+            each = [policy.hierarchy_for(setting, g, M, G, network=net) for g in groups]
+            assert policy.hierarchy_plan(setting, groups, M, G, network=net) == each, (setting, s)
+            assert each == [c == "T" for c in NODE_AWARE[(0, "*")][s]]

@@ -84,11 +84,6 @@ def transport_among(setting: str | None, n_ranks: int) -> str | None:
     return setting_among(setting, n_ranks)
 
 
-def is_auto(setting: str | None) -> bool:
-    """Whether ``setting`` decides per group by the cost model (None stands for it in the performance model)."""
-    return setting is None or setting == AUTO
-
-
 def measures_link(config) -> bool:
     """Whether the flat engine measures its link before its first ternarized tensor (exchange/link.py): "auto"
     prices the measured link, and leaves the tensors at full precision where ternarizing does not pay there."""
@@ -117,7 +112,8 @@ def flat_plan(config, numels: Sequence[int], n_ranks: int, link=None) -> Plan:
         network = link.network(cost.configured_network().latency_s) if link else None
         transport = auto_transport(numels, n_ranks, config.packing, config.bucket_size, network=network,
                                    shared_scaler=config.scaler_shared_for("allgather"))
-        reason = (f"exchange='auto': the cheapest of {list(auto_candidates(n_ranks))} among {n_ranks} ranks on the "
+        among = " or the ".join(cost.TRANSPORT_OF[m] for m in auto_candidates(n_ranks))
+        reason = (f"exchange='auto': the cheaper of the {among} transport among {n_ranks} ranks on the "
                   f"{'measured' if link else 'configured'} network")
     elif setting == DEFAULT:
         transport = default_transport(n_ranks)
