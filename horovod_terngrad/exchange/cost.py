@@ -549,11 +549,11 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
 def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
                     candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0,
                     shared_scaler: bool = True) -> ExchangeChoice:
-    """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
+    """Pick the cheapest of ``candidates`` (methods, by modelled time) for one tensor or fused buffer.
 
     ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
-    chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
-    pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
+    weighs the allgather and sharded transports (:data:`TERNGRAD_EXCHANGES`; the engine's candidates are the
+    policy's, :func:`cheapest_transport`); pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
     candidate (allgather first: fewer messages).  ``shared_scaler``: the allgather's scaler setting (the
     sharded exchange always has a handshake).  Cost: O(k) for k tensors.
     """
