@@ -33,7 +33,8 @@ def main():
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Exchange, HorovodCollectives
     from horovod_terngrad.exchange.fusion import TensorSpec, cut
-    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange, discover
+    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange.topology import discover
     from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
     from horovod_terngrad.operations import models
 

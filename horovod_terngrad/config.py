@@ -56,7 +56,7 @@ class TernGradConfig:
                    node-aware exchange decides on its cross group's size), a pure function of N, so no
                    collective decides it; both give horovod_terngrad.optim its noise estimate, both end
                    whole training runs within the accuracy of fp32 (docs/scale.md), and the bits received
-                   per element stay under 7.7 at any N (exchange/cost.default_exchange).
+                   per element stay under 7.7 at any N (exchange/policy.default_transport).
                    "allgather" (every rank receives every payload: one collective, traffic grows
                    with N), "sharded" (alltoall to shard owners + allgather of their sums: traffic
                    nearly constant in N; needs shared_scaler), "reternarized" (alltoall of each shard's
@@ -71,7 +71,8 @@ class TernGradConfig:
                    codec, gradients travel at full precision and it says so; else per group whichever
                    of the two exchanges "default" runs, the allgather and the requantized one (both give
                    the optimizer's noise estimate), the cost model of exchange/cost.py predicts to be
-                   faster on that link, instead of by N alone).
+                   faster on that link, instead of by N alone).  exchange/policy.py decides from this
+                   setting, per group.
     fusion_numel:  tensor fusion in the Horovod frontend: the optimizer's compressed parameters, in
                    reverse registration order (about the order backward produces them), are cut into
                    groups of consecutive tensors of at most this many elements in total; a group shares
@@ -81,8 +82,8 @@ class TernGradConfig:
     hierarchical:  node-aware exchange (exchange/hierarchical.py): full-precision reduce-scatter inside a
                    node, TernGrad across nodes on each local rank's shard, allgather inside the node.
                    "auto" (default): where the topology allows it (>= 2 nodes with the same number >= 2
-                   of ranks each; not under Horovod elastic) and the cost model (exchange/cost.py) finds
-                   it cheaper than the flat exchange for the group; True: wherever the topology allows
+                   of ranks each; not under Horovod elastic) and the policy (exchange/policy.py, pricing
+                   with exchange/cost.py) finds it cheaper than the flat exchange for the group; True: wherever the topology allows
                    it; False: never.  Where it cannot apply, the flat exchange runs and rank 0 logs why,
                    once.
     intra_node_dtype: what the node-aware exchange's two stages inside a node carry: "bfloat16" (default:

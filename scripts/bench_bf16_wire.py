@@ -12,15 +12,15 @@ thread, for G = 2 ranks per node.  Prints milliseconds (best of 5) and checks th
   them as they are written into it;
 * the noise estimate's buffer: a fresh tensor of the member's size each step, against the reused one.
 
-The "now" column calls the exchange's own functions (``_to_wire``, ``_wire_values``, ``_node_sum``); the "before"
-column is the code they replaced.
+The "now" column calls the exchange's own functions (exchange/node_wire.py: ``to_wire``, ``wire_values``,
+``node_sum``); the "before" column is the code they replaced.
 """
 import argparse
 import time
 
 import torch
 
-from horovod_terngrad.exchange.hierarchical import _node_sum, _to_wire, _wire_values
+from horovod_terngrad.exchange.node_wire import node_sum, to_wire, wire_values
 
 
 def best_ms(f, repeats=5):
@@ -41,8 +41,8 @@ def main():
     shard = n // G
     n = shard * G
     g = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    raw = _to_wire(g)                     # what arrives: G shards of bf16, back to back, as bytes
-    wire = _wire_values(raw)
+    raw = to_wire(g)                     # what arrives: G shards of bf16, back to back, as bytes
+    wire = wire_values(raw)
     kept_wire = torch.empty(n, dtype=torch.bfloat16)
     node = torch.empty(shard)
     out = torch.empty(n)
@@ -54,7 +54,7 @@ def main():
         node.div_(G)
 
     def sum_now():
-        _node_sum(wire.view(G, shard), node, True)
+        node_sum(wire.view(G, shard), node, True)
 
     def result_before():
         values = wire.to(torch.float32)
@@ -73,9 +73,9 @@ def main():
     a = out.clone()
     result_now()
     assert torch.equal(a, out), "results differ"
-    assert torch.equal(raw, _to_wire(g, into=kept_wire)), "roundings differ"
+    assert torch.equal(raw, to_wire(g, into=kept_wire)), "roundings differ"
     rows = [("rounding to the wire", lambda: g.to(torch.bfloat16).view(torch.uint8),
-             lambda: _to_wire(g, into=kept_wire)),
+             lambda: to_wire(g, into=kept_wire)),
             ("node sum of the received shards", sum_before, sum_now),
             ("members' results from the gathered averages", result_before, result_now),
             ("noise estimate buffer, filled", lambda: torch.empty_like(g).copy_(g), lambda: kept_noise.copy_(g))]

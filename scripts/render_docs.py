@@ -308,17 +308,17 @@ def whole_runs() -> list:
 
 def runs_the_default(r: dict) -> bool:
     """Whether a study row ran what ``TernGradConfig()`` runs at its N and topology: the exchange
-    ``cost.exchange_among("default", ·)`` picks among the N ranks (flat) or the N / G nodes (node-aware, bf16 inside
+    ``policy.default_transport(·)`` picks among the N ranks (flat) or the N / G nodes (node-aware, bf16 inside
     the node), with horovod_terngrad.optim.AdamW."""
-    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.exchange import policy
     among = r["N"] // r["G"] if r["G"] > 1 else r["N"]
-    return r["optimizer"] == "terngrad" and r["method"] == cost.exchange_among("default", among)
+    return r["optimizer"] == "terngrad" and r["method"] == policy.default_transport(among)
 
 
 def block_whole_run(rows: list) -> str:
     """Per workload, topology and N: the exchange the defaults run, and its held-out loss at the end of whole runs
     against fp32 AdamW's (both at the recipe's lr 2e-3, and each at its best lr where a sweep ran)."""
-    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.exchange import policy
     lines = ["| workload | topology | N | exchange the defaults run | seeds | vs fp32 AdamW, both at the recipe's lr "
              "(2e-3): mean (worst seed) | the same against fp32 at its best lr | each at its own best lr |",
              "|---|---|---|---|---|---|---|---|"]
@@ -345,7 +345,7 @@ def block_whole_run(rows: list) -> str:
                 continue
             ref = fp32_lr[2e-3]
             among = N // G if G > 1 else N
-            ex = cost.exchange_among("default", among)
+            ex = policy.default_transport(among)
             topo = "flat" if G <= 1 else f"nodes of {G} (bf16 inside)"
             what = ex if G <= 1 else f"node-aware, {ex} across {among} nodes"
             best = mean_by_lr(rs)

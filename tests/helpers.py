@@ -74,8 +74,8 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
     member, put together from its pieces as the average is: (averages, noises)."""
     G = topo.ranks_per_node
     if cfg.exchange == "default":     # what exchange="default" runs among the M nodes
-        from horovod_terngrad.exchange.cost import exchange_among
-        cfg = cfg.replace(exchange=exchange_among(cfg.exchange, topo.size // G))
+        from horovod_terngrad.exchange.policy import setting_among
+        cfg = cfg.replace(exchange=setting_among(cfg.exchange, topo.size // G))
     numels = [t.numel() for t in per_rank[0]]
     plan = shard_plan(numels, G)
     # intra_node_dtype="bfloat16": every rank's contribution, and the averaged shards, go through bf16's rounding
@@ -147,10 +147,10 @@ def link_codec_cost(codec_s_per_element: float):
 
 def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     """The average every rank must get from the exchange ``cfg`` names among len(grads) ranks ("default": the one
-    exchange/cost.default_exchange picks for that many): the allgather reference, or the re-ternarized or
+    exchange/policy.default_transport picks for that many): the allgather reference, or the re-ternarized or
     requantized one."""
-    from horovod_terngrad.exchange.cost import exchange_among
-    exchange = exchange_among(cfg.exchange, len(grads))
+    from horovod_terngrad.exchange.policy import setting_among
+    exchange = setting_among(cfg.exchange, len(grads))
     cfg = cfg.replace(exchange=exchange)
     if exchange in ("reternarized", "requantized"):
         return expected_reternarized(grads, name, step, cfg, ranks=ranks,

@@ -281,14 +281,15 @@ def test_sharded_exchange_at_64_ranks_receives_at_most_10_bits_per_element(fmt, 
 
 
 def test_auto_exchange_picks_by_cost():
-    from horovod_terngrad.exchange.cost import Network, exchange_for
+    from horovod_terngrad.exchange.cost import Network
+    from horovod_terngrad.exchange.policy import auto_transport
     net = Network.from_gbps("1GbE", 1.0, 50.0)       # what exchange="auto" assumes by default
-    assert exchange_for([10_000_000], 2, "2bit", network=net) == "allgather"
+    assert auto_transport([10_000_000], 2, "2bit", network=net) == "allgather"
     # bandwidth-bound at 64 ranks: the requantized exchange ("default"'s above 4 ranks: 2 + 4.25 + 1.25 bits per
     # element against the allgather's 126)
-    assert exchange_for([10_000_000], 64, "2bit", network=net) == "requantized"
-    assert exchange_for([100], 64, "2bit", network=net) == "allgather"       # latency-bound: one collective wins
-    assert exchange_for([100_000], 4, "2bit", network=net) == "allgather"    # at 4 ranks the allgather's 6 bits win
+    assert auto_transport([10_000_000], 64, "2bit", network=net) == "requantized"
+    assert auto_transport([100], 64, "2bit", network=net) == "allgather"       # latency-bound: one collective wins
+    assert auto_transport([100_000], 4, "2bit", network=net) == "allgather"    # at 4 ranks the allgather's 6 bits win
     from horovod_terngrad.exchange.cost import TERNGRAD_REQUANTIZED, choose_exchange
     bucketed = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,), bucket_size=128)
     plain = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,))

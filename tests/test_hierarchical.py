@@ -232,8 +232,8 @@ def test_auto_over_world_groups_runs_what_default_runs_among_the_nodes():
         assert auto_bytes == default_bytes > 0
         for step in range(2):
             assert all(torch.equal(a, d) for a, d in zip(auto[step], default[step])), (r, step)
-    from horovod_terngrad.exchange import cost
-    assert cost.default_exchange(5) == "requantized"
+    from horovod_terngrad.exchange import policy
+    assert policy.default_transport(5) == "requantized"
 
 
 def test_world_group_collectives_allgather_alltoall_and_allreduce():
@@ -272,8 +272,8 @@ def test_steps_leave_nothing_queued_and_reuse_the_intra_node_buffer():
             tickets = [ex.start(grad((400,), c.rank, i + 10 * step), f"w{i}") for i in range(3)]
             for t in reversed(tickets):       # Horovod's order: the last started is often finished first
                 ex.finish(t)
-            seen.append(({k: v.data_ptr() for k, v in ex._outboxes.items()},
-                         {k: v.data_ptr() for k, v in ex._wires.items()}))
+            seen.append(({k: v.data_ptr() for k, v in ex._buffers.outboxes.items()},
+                         {k: v.data_ptr() for k, v in ex._buffers.wires.items()}))
             assert ex._cross_queue == [] and ex._a2a_queue == [] and ex.pending() == (0, 0)
         return seen
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.codec import sizes
+from horovod_terngrad.exchange import policy
 from horovod_terngrad.modelling import cli, perfmodel as pm
 
 # A flat network with round numbers: alpha = 1 ms, beta = 1 us/byte (1 MB/s), one rank per NIC.
@@ -318,7 +319,7 @@ def test_user_model_api_and_profile_compute():
     res = pm.compare_exchanges(model, 0.01, 16, net, batch_per_worker=8)
     assert set(res) == set(pm.ALL_METHODS) >= set(pm.METHODS) | {"terngrad_default", "terngrad_requantized"}
     assert res["fp32"].speedup_vs_fp32 == 1.0
-    # exchange="auto" picks per group from the allgather and requantized exchanges (exchange.cost.AUTO_EXCHANGES)
+    # exchange="auto" picks per group from the allgather and requantized exchanges (exchange.policy.AUTO_TRANSPORTS)
     assert res["terngrad"].step_s <= min(res["terngrad_allgather"].step_s, res["terngrad_requantized"].step_s) + 1e-12
     # every tensor here is under min_numel (4096): each TernGrad method sends them all at fp32, alike
     assert res["terngrad_default"].step_s == res["terngrad_reternarized"].step_s == res["terngrad_requantized"].step_s
@@ -509,7 +510,7 @@ def test_exchange_plan_is_the_fusion_cut_with_the_config_policy():
     net = pm.ETHERNET_1G
     cfg = cfg.replace(hierarchical=False)                # the flat exchange (node-aware: tests below)
     plan = pm.exchange_plan("terngrad", numels, 64, net, config=cfg, names=names)
-    engine = [cost.exchange_for(g, 64, cfg.packing, cfg.bucket_size, network=net, shared_scaler=False)
+    engine = [policy.auto_transport(g, 64, cfg.packing, cfg.bucket_size, network=net, shared_scaler=False)
               for g in cut.group_sizes()]
     assert [m for m, _ in plan[:-1]] == ["terngrad_" + e for e in engine]
     assert {"terngrad_allgather", "terngrad_requantized"} <= {m for m, _ in plan}
@@ -590,8 +591,8 @@ def test_per_rank_scalers_pay_no_handshake_per_group_but_one_presence_check_per_
     # auto: 20,000 elements at N = 8 on 1 Gbit/s Ethernet go by the requantized exchange only if a handshake is
     # charged to the allgather (80,000 did with the sharded exchange among auto's candidates)
     net = pm.Network.from_gbps("ethernet", 1.0, 50.0)
-    assert pm.exchange_for([20_000], 8, "2bit", network=net, shared_scaler=True) == "requantized"
-    assert pm.exchange_for([20_000], 8, "2bit", network=net, shared_scaler=False) == "allgather"
+    assert pm.auto_transport([20_000], 8, "2bit", network=net, shared_scaler=True) == "requantized"
+    assert pm.auto_transport([20_000], 8, "2bit", network=net, shared_scaler=False) == "allgather"
     auto = TernGradConfig(exchange="auto", fusion_numel=0, min_numel=0)
     assert pm.exchange_plan("terngrad", [20_000], 8, net, config=auto) == [("terngrad_allgather", [20_000])]
 
@@ -631,10 +632,10 @@ def test_hierarchical_cost_by_hand():
     s = cost.hierarchical_cost(ns, 3, 2, net, cross="sharded")
     worst = max(cost.terngrad_sharded_cost(p, 3, link).time_s for p in ([800], [200, 600]))
     assert s.time_s == pytest.approx(local + worst, rel=1e-12)
-    # auto: each rank picks for its pieces as exchange_for does on the cross link
+    # auto: each rank picks for its pieces as cost.cheapest_transport does on the cross link
     a = cost.hierarchical_cost(ns, 3, 2, net)
     assert a.time_s == pytest.approx(local + max(
-        cost.exchange_cost("terngrad_" + cost.exchange_for(p, 3, "2bit", network=link), p, 3, link,
+        cost.exchange_cost("terngrad_" + cost.cheapest_transport(p, 3, "2bit", network=link), p, 3, link,
                            shared_scaler=False).time_s for p in ([800], [200, 600])), rel=1e-12)
 
 
@@ -647,7 +648,7 @@ def test_hierarchical_cost_degenerates_to_the_flat_exchange(cross):
     for M, G in ((8, 1), (1, 4)):
         net = nodes_of(G)
         h = cost.hierarchical_cost(ns, M, G, net, cross=cross)
-        ex = cross or cost.exchange_for(ns, M * G, "2bit", network=net)
+        ex = cross or cost.cheapest_transport(ns, M * G, "2bit", network=net)
         flat = cost.exchange_cost("terngrad_" + ex, ns, M * G, net, shared_scaler=False)
         assert (h.time_s, h.bytes_received, h.messages) == (flat.time_s, flat.bytes_received, flat.messages)
     assert cost.hierarchical_cost(ns, 1, 4, nodes_of(4), cross="allgather").time_s == pytest.approx(
@@ -669,7 +670,7 @@ def test_hierarchy_for_weighs_the_flat_exchange_and_the_step_overhead():
     assert not cost.hierarchy_for(big, 16, 4, network=slow)
     # a given exchange is compared with the same exchange: at 2 x 4 on Ethernet the node-aware allgather
     # beats the flat allgather
-    assert cost.hierarchy_for(big, 2, 4, network=eth, exchange="allgather")
+    assert cost.hierarchy_for(big, 2, 4, network=eth, transport="allgather")
     # the step's extra allreduces (Horovod: presence check, end-of-step sync) must be saved by the group;
     # charged as rings (2·63·5 us each) they cost more than a small group saves
     small = [5000]
@@ -735,7 +736,7 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
         for h in ("auto", True, False):
             plan = pm.plan_buffers(method, m.sizes, 64, eth, names=names, hierarchical=h, config=cfg)
             tg = [b for b in plan if b.exchange != "fp32"]
-            want = [h is True or (h == "auto" and cost.hierarchy_for(g, 16, 4, network=eth, exchange=ex,
+            want = [h is True or (h == "auto" and cost.hierarchy_for(g, 16, 4, network=eth, transport=ex,
                                                                       shared_scaler=False,
                                                                       intra_width=cfg.intra_node_width))
                     for g in groups]
@@ -1072,7 +1073,7 @@ def test_default_method_is_allgather_up_to_4_ranks_and_requantized_above():
     d = pm.predict_step(sizes_, 0.05, 8, one, "terngrad_default", names=names)
     w = pm.predict_step(sizes_, 0.05, 8, one, "terngrad_reternarized", names=names)
     assert d.step_s != w.step_s and d.bits_per_element > w.bits_per_element
-    # node-aware: the exchange across nodes is default_exchange(M)
+    # node-aware: the exchange across nodes is policy.default_transport(M)
     ib = pm.INFINIBAND_100G
     for M in (2, 4, 5, 128):
         plan = pm.plan_buffers("terngrad_default", sizes_, 4 * M, ib, names=names, hierarchical=True)
@@ -1080,9 +1081,8 @@ def test_default_method_is_allgather_up_to_4_ranks_and_requantized_above():
         assert hier and all(b.cross == "default" for b in hier)
         across = "allgather" if M <= 4 else "requantized"
         for b in hier:
-            assert (cost.hierarchical_cost(list(b.sizes), M, 4, ib, cross="default").time_s
-                    == cost.hierarchical_cost(list(b.sizes), M, 4, ib, cross=across).time_s)
-    # HSDP: default_exchange(R)
+            assert policy.transport_among(b.cross, M) == across
+    # HSDP: policy.default_transport(R)
     for N in (8, 16, 20, 512):
         R = N // 4
         want = pm.HSDP_TERNGRAD if R <= 4 else pm.HSDP_TERNGRAD_REQUANTIZED

@@ -212,7 +212,7 @@ def test_ranks_that_disagree_get_a_clear_error_not_a_hang():
 @pytest.mark.parametrize("N", [2, 3, 4, 5, 8])
 def test_the_default_exchange_is_the_allgather_up_to_4_ranks_and_requantized_above(N):
     """TernGradConfig()'s exchange="default": every rank gets the allgather reference at N <= 4 and the
-    requantized reference above (cost.default_exchange), noise estimate included and identical on every rank; a
+    requantized reference above (policy.default_transport), noise estimate included and identical on every rank; a
     pure function of N, no collective."""
     cfg = TernGradConfig()
     assert cfg.exchange == "default"

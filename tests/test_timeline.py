@@ -416,12 +416,12 @@ def test_node_aware_communication_is_the_cost_models_at_most(cfg, shape):
     G-th of the node's link) plus the two 4-byte world allreduces (none for the DDP hook); several groups
     at most the additive model's sum, less where one group's intra-node stages overlap another's cross
     exchange; with compute, at most compute + that sum."""
-    from horovod_terngrad.exchange import cost, topology
+    from horovod_terngrad.exchange import cost, policy, topology
     M, G = shape
     N, net, method = M * G, nodes(ranks_per_node=G), method_of(cfg)
     n = 1_000_003                               # shards of unequal size: the slowest local rank sets the time
     one = cost.hierarchical_cost([n], M, G, net, cfg.packing, cfg.bucket_size, cfg.scaler_shared_for("allgather"),
-                                 None if cfg.exchange == "auto" else cfg.exchange, cfg.intra_node_width)
+                                 policy.transport_among(cfg.exchange, M), cfg.intra_node_width)
     presence = cost.presence_cost(N, net).time_s
     t = timeline_step([n], 0.0, N, net, method, config=cfg)
     assert t.step_s == pytest.approx(one.time_s + 2 * presence, rel=1e-12)
@@ -438,7 +438,7 @@ def test_node_aware_communication_is_the_cost_models_at_most(cfg, shape):
     additive = pm.model_exchange_cost(method, sizes, N, net, config=cfg, fusion_numel=0)[0].time_s
     assert additive == pytest.approx(sum(cost.hierarchical_cost([x], M, G, net, cfg.packing, 0,
                                                                 cfg.scaler_shared_for("allgather"),
-                                                                None if cfg.exchange == "auto" else cfg.exchange,
+                                                                policy.transport_among(cfg.exchange, M),
                                                                 cfg.intra_node_width).time_s
                                          for x in sizes) + 2 * presence)
     many = timeline_step(sizes, 0.0, N, net, method, config=cfg)

@@ -5,9 +5,16 @@
   ``world_groups`` runs a group's collectives as world alltoalls (the node-aware exchange without process sets).
 * ``engine``: ``Exchange``, tickets and queues: the one place a gradient's path is driven.
 * ``handshake``: the shared-scaler handshake vector, built and read in one place.
-* ``allgather`` and ``sharded``: the two transports; ``joined``: the one used while a rank is in hvd.join().
+* the transports, one module each: ``allgather``, ``sharded``, ``reternarized`` and ``requantized`` (one of them
+  per group), and ``joined`` (the one used while a rank is in hvd.join()); ``precision``: what an exchange did with each
+  parameter's gradient, for the optimizers.
+* ``policy``: for a group, the transport, whether it goes node-aware and across nodes by which transport, from the
+  user's ``exchange=`` and ``hierarchical=`` settings (the one module that knows their names).
+* ``cost``: the runtime cost model (pure pricing of the transports), which the policy and the performance model
+  price with; ``link``: the measured link.
+* ``hierarchical``: the node-aware (three-stage) exchange; ``node_wire``: its bf16 intra-node wire and reused
+  buffers; ``topology``: which ranks share a node, and each group's shard plan.
 * ``fusion``: the fusion cut (a pure function, shared with the performance model).
-* ``cost``: the runtime cost model (``exchange="auto"``), shared with the performance model.
 * ``stats``: counters and per-tensor inspection.
 """
 from .collectives import CollectiveError, Collectives

@@ -1,6 +1,11 @@
-"""The runtime cost model: how long an exchange takes on an alpha-beta network, and which exchange a
-group should use (``exchange="auto"``).  No torch, no plotting: the engine imports it on the training path,
-and the performance model (modelling/perfmodel.py) and the timeline build on it.
+"""The runtime cost model: how long each transport takes on an alpha-beta network, and which of a given list
+of candidate transports is the cheapest for a group.  Pure pricing: which transports a user's ``exchange=`` or
+``hierarchical=`` setting weighs is decided in policy.py, which prices its candidates here.  No torch, no
+plotting: the engine imports it on the training path, and the performance model (modelling/perfmodel.py) and
+the timeline build on it.
+
+Transports (the wire algorithms, one module each): allgather, sharded, reternarized, requantized, and joined
+(the allreduce-sum while a rank is in ``hvd.join()``, not priced here).
 
 A message of m bytes over one link costs alpha + m·beta (alpha: latency per message, beta = 1/bandwidth).
 For N ranks and one buffer ("bytes" is what crosses each rank's link in each direction):
@@ -38,10 +43,10 @@ Node-aware exchange (exchange/hierarchical.py) of a group on M nodes of G ranks 
 sizes from ``topology.shard_plan`` / ``topology.intra_node_bytes``, the transport's own): an fp32 alltoall
 inside the node (c = the largest shard, to each local peer), the TernGrad exchange of each local rank's
 pieces among M ranks on a G-th of the node's link (:func:`cross_network`; the slowest local rank sets the
-time), an fp32 allgather inside the node (P = shard + a status word per piece).  ``hierarchical="auto"``
-takes it where :func:`hierarchy_for` finds it cheaper than the flat exchange on all M·G ranks.
+time), an fp32 allgather inside the node (P = shard + a status word per piece).  :func:`hierarchy_for` says
+whether it is cheaper than the flat exchange on all M·G ranks (policy.py asks it).
 
-Network for ``exchange="auto"`` and ``hierarchical="auto"`` at run time: HOROVOD_TERNGRAD_GBPS (default 1)
+Network the policy prices with at run time (:func:`configured_network`): HOROVOD_TERNGRAD_GBPS (default 1)
 and HOROVOD_TERNGRAD_ALPHA_US (default 50), which the launcher's profiles set, and inside a node
 HOROVOD_TERNGRAD_INTRA_GBPS (default 100), HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 5) and
 HOROVOD_TERNGRAD_INTRA_LINKS (default 1; 3 for four NVLink-connected GPUs).  Cost of this module:
@@ -64,40 +69,24 @@ TERNGRAD_ALLGATHER = "terngrad_allgather"
 TERNGRAD_SHARDED = "terngrad_sharded"
 TERNGRAD_RETERNARIZED = "terngrad_reternarized"
 TERNGRAD_REQUANTIZED = "terngrad_requantized"
-TERNGRAD_BEST = "terngrad"        #: per buffer, the cheapest of the TernGrad exchanges "auto" picks from
+TERNGRAD_BEST = "terngrad"        #: per buffer, the cheapest of :data:`NOISE_TRANSPORTS` (:func:`cheapest_transport`)
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
-# what exchange="auto" picks from per group: the two exchanges "default" runs (the allgather; above 4 ranks the
-# requantized one), both measured accurate over whole runs and both giving horovod_terngrad.optim its noise
-# estimate, but per group by modelled time instead of by N alone.  Not the sharded exchange (no noise estimate,
-# and the shared scaler's handshake); not the re-ternarized one, whose second ternary rounding costs accuracy over
-# whole runs (docs/scale.md).
-AUTO_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
-# the transport (TernGradConfig.exchange's name) of each TernGrad method of the cost model
-EXCHANGE_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
-               TERNGRAD_REQUANTIZED: "requantized"}
-# exchange="default" (TernGradConfig's default): the allgather exchange up to this many ranks in the exchange, the
-# requantized one above.  Received bits per element on GPT-2's tensors: allgather 2·(N-1) (2, 4, 6 at N = 2, 3, 4),
-# requantized (N-1)/N·(2 + 4.25 + 1.25) plus shard headers with the noise channel horovod_terngrad.optim asks for
-# (5.63 at N = 4, 6.57 at 8, 7.41 at 64, 7.68 at 512; 6.41 at 512 without it): up to N = 4 the allgather has one
-# collective instead of two and no second rounding; from N = 5 on the two-stage exchange receives less.  Chosen
-# over the re-ternarized exchange in 128-element buckets (2 + 2.25 bits: 4.54 at 64, 5.49 at 512) for accuracy
-# over whole runs: its second ternary rounding's variance, s'·|a| - a² per element, is up to 49x the requantized
-# one's, and its noise estimate s'²·|t'| is the received gradient's own square, which pins Adam's corrected
-# second moment at its floor (docs/scale.md, "Whole runs").
-DEFAULT_ALLGATHER_MAX_RANKS = 4
+#: the transports that hand horovod_terngrad.optim its noise estimate after a single ternary rounding: the
+#: allgather and the requantized one (not the sharded transport, which gives no estimate; not the re-ternarized
+#: one, which rounds to ternary twice).  :func:`cheapest_transport` weighs them unless given other candidates.
+NOISE_TRANSPORTS = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
+#: the transport (the name ``TernGradConfig.exchange`` gives it) of each TernGrad method of the cost model
+TRANSPORT_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
+                TERNGRAD_REQUANTIZED: "requantized"}
+_METHOD_OF_TRANSPORT = {transport: method for method, transport in TRANSPORT_OF.items()}
 
 
-def default_exchange(n_ranks: int) -> str:
-    """The exchange ``exchange="default"`` runs among ``n_ranks`` ranks (the cross group's M for the node-aware
-    exchange): a pure function of N, so every rank decides alike without a collective."""
-    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "requantized"
-
-
-def exchange_among(exchange: str, n_ranks: int) -> str:
-    """The exchange the setting ``exchange`` runs among ``n_ranks`` ranks: "default" is ``default_exchange(N)``,
-    any other setting itself."""
-    return default_exchange(n_ranks) if exchange == "default" else exchange
+def exchange_among(setting: str, n_ranks: int) -> str:
+    """policy.setting_among (the transport a setting names among ``n_ranks`` ranks), for the one caller in
+    hierarchical.py's link measurement that reads it here."""
+    from .policy import setting_among
+    return setting_among(setting, n_ranks)
 
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
@@ -549,7 +538,7 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
     """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad).
     ``shared_scaler`` is the allgather's scaler setting (``TernGradConfig.scaler_shared_for("allgather")``)."""
     if method == TERNGRAD_BEST:
-        return choose_exchange(sizes, workers, network, packing, candidates=auto_candidates(workers),
+        return choose_exchange(sizes, workers, network, packing, candidates=cheapest_candidates(workers),
                                bucket_size=bucket_size, shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)}, "
@@ -560,11 +549,11 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
 def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
                     candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0,
                     shared_scaler: bool = True) -> ExchangeChoice:
-    """Pick the cheapest exchange (by modelled time) for one tensor or fused buffer.
+    """Pick the cheapest of ``candidates`` (methods, by modelled time) for one tensor or fused buffer.
 
     ``sizes``: n (one tensor) or the element counts of the tensors fused in the buffer.  By default it
-    chooses between the TernGrad allgather and sharded exchanges (what the library decides per buffer);
-    pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
+    weighs the allgather and sharded transports (:data:`TERNGRAD_EXCHANGES`; the engine's candidates are the
+    policy's, :func:`cheapest_transport`); pass ``candidates=METHODS[:4]`` to let fp32/fp16 allreduce compete too.  Ties go to the earlier
     candidate (allgather first: fewer messages).  ``shared_scaler``: the allgather's scaler setting (the
     sharded exchange always has a handshake).  Cost: O(k) for k tensors.
     """
@@ -585,20 +574,19 @@ def cross_network(network: Network, ranks_per_node: int) -> Network:
 
 
 def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, bucket_size: int,
-                        shared_scaler: bool, exchange: str | None) -> ExchangeCost:
-    """The flat exchange of one group on all ranks: ``exchange`` "allgather", "sharded", "reternarized",
-    "requantized", "default" (``default_exchange(N)``) or None/"auto" (the cheaper, as
-    :func:`exchange_for` picks it)."""
+                        shared_scaler: bool, transport: str | None) -> ExchangeCost:
+    """The flat exchange of one group on all ranks by ``transport``: "allgather", "sharded", "reternarized",
+    "requantized", or None (the cheapest of :data:`NOISE_TRANSPORTS`, as :func:`cheapest_transport` picks it)."""
     N = int(workers)
-    if exchange in (None, "auto"):
-        exchange = exchange_for(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
-    elif exchange == "default":
-        exchange = default_exchange(N)
-    if exchange == "sharded":
+    if transport is None:
+        transport = cheapest_transport(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
+    if transport not in _METHOD_OF_TRANSPORT:      # a setting's name ("default", ...) is policy.py's to resolve
+        raise ValueError(f"transport must be one of {tuple(_METHOD_OF_TRANSPORT)} or None, got {transport!r}")
+    if transport == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
-    if exchange == "reternarized":
+    if transport == "reternarized":
         return terngrad_reternarized_cost(ns, N, network, packing, bucket_size)
-    if exchange == "requantized":
+    if transport == "requantized":
         return terngrad_requantized_cost(ns, N, network, packing, bucket_size)
     return terngrad_allgather_cost(ns, N, network, packing, bucket_size, shared_scaler)
 
@@ -619,9 +607,10 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
       connected node) ceil((G-1)/L)·alpha + (G-1)/L·c·beta and the same with P;
     * T_cross: the TernGrad exchange of local rank j's pieces (each its own tensor: payload_size per
       piece) among the M ranks of its cross group, on :func:`cross_network` (the inter-node link at a G-th
-      of its bandwidth: all G local ranks cross the node's link at once); ``cross`` "allgather" (scaler
-      per ``shared_scaler``), "sharded", or None/"auto" (each rank picks for its own pieces, as
-      :func:`exchange_for` on M ranks: what the transport does).  The slowest local rank sets the time.
+      of its bandwidth: all G local ranks cross the node's link at once); ``cross`` the transport
+      ("allgather", scaler per ``shared_scaler``; "sharded", "reternarized", "requantized") or None (each
+      rank takes the cheapest for its own pieces, as :func:`cheapest_transport` on M ranks).  The slowest
+      local rank sets the time.
 
     Bytes received: the slowest local rank's cross exchange (what it takes of the node's link; the node's
     link carries G times that); the fp32 bytes inside the node are ``topology.intra_node_bytes``'s.
@@ -654,14 +643,19 @@ def hierarchical_cost(sizes: int | Sequence[int], nodes: int, ranks_per_node: in
                         2 * _stages(G, intra) + worst.messages, n)
 
 
+_SAME = object()     # hierarchy_for / hierarchy_plan: the cross transport is the flat one
+
+
 def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packing: str = "2bit",
                   bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
-                  exchange: str | None = None, step_allreduces: int = 0, intra_width: int = 4) -> bool:
-    """``hierarchical="auto"``: whether the node-aware exchange (:func:`hierarchical_cost`) is cheaper
+                  transport: str | None = None, step_allreduces: int = 0, intra_width: int = 4,
+                  cross_transport=_SAME) -> bool:
+    """Whether the node-aware exchange (:func:`hierarchical_cost`) is cheaper
     than the flat TernGrad exchange on all N = M·G ranks (G of them per node sharing its link: the
     collectives' formulas on the inter-node link, the alltoall's G·(N-G) bytes per link) for a group of these sizes.
-    ``exchange``: the config's exchange, used both flat and across nodes ("allgather", "sharded"; None or
-    "auto": the cheaper of the two on each side).  ``network``: the inter-node link with its
+    ``transport``: the flat exchange's transport ("allgather", "sharded", "reternarized", "requantized"; None:
+    the cheapest, :func:`cheapest_transport`); ``cross_transport`` the one across nodes (default: the same).
+    ``network``: the inter-node link with its
     ``intra_node`` link (default: :func:`configured_network`).  ``step_allreduces``: the 4-byte allreduces
     of all ranks the node-aware engine adds to a step that uses it (Horovod frontend: 2, its presence
     check and end-of-step sync; DDP: 0); the group must save their time (:func:`presence_cost` each) on
@@ -670,18 +664,20 @@ def hierarchy_for(numels: Sequence[int], nodes: int, ranks_per_node: int, packin
     M, G = int(nodes), int(ranks_per_node)
     if M < 2 or G < 2:
         return False
+    cross = transport if cross_transport is _SAME else cross_transport
     net = replace(network or configured_network(G), ranks_per_node=G)
     ns = _sizes(numels)
-    flat = _flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, exchange)
+    flat = _flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, transport)
     overhead = int(step_allreduces) * presence_cost(M * G, net).time_s
-    return hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange,
+    return hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, cross,
                              intra_width).time_s + overhead < flat.time_s
 
 
 def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: int, packing: str = "2bit",
                    bucket_size: int = 0, network: Network | None = None, shared_scaler: bool = False,
-                   exchange: str | None = None, step_allreduces: int = 0, intra_width: int = 4) -> list[bool]:
-    """``hierarchical="auto"`` for a whole step of groups (element counts of each group's members) known in
+                   transport: str | None = None, step_allreduces: int = 0, intra_width: int = 4,
+                   cross_transport=_SAME) -> list[bool]:
+    """:func:`hierarchy_for` for a whole step of groups (element counts of each group's members) known in
     advance: the groups the node-aware exchange makes faster than the flat one go node-aware, if together
     they save more than the ``step_allreduces`` 4-byte allreduces it adds to the step (see
     :func:`hierarchy_for`); else none does.  The step is then never slower than flat in this model.
@@ -689,12 +685,13 @@ def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: 
     M, G = int(nodes), int(ranks_per_node)
     if M < 2 or G < 2:
         return [False] * len(groups)
+    cross = transport if cross_transport is _SAME else cross_transport
     net = replace(network or configured_network(G), ranks_per_node=G)
     saved, out = 0.0, []
     for g in groups:
         ns = _sizes(g)
-        d = (_flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, exchange).time_s
-             - hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, exchange, intra_width).time_s)
+        d = (_flat_terngrad_cost(ns, M * G, net, packing, bucket_size, shared_scaler, transport).time_s
+             - hierarchical_cost(ns, M, G, net, packing, bucket_size, shared_scaler, cross, intra_width).time_s)
         out.append(d > 0)
         saved += max(d, 0.0)
     if saved <= int(step_allreduces) * presence_cost(M * G, net).time_s:
@@ -711,7 +708,7 @@ def _network(gbps: float, alpha_us: float, ranks_per_node: int = 1, intra_gbps: 
 
 
 def configured_network(ranks_per_node: int = 1) -> Network:
-    """The network ``exchange="auto"`` and ``hierarchical="auto"`` assume: HOROVOD_TERNGRAD_GBPS /
+    """The network the policy prices with where no link was measured: HOROVOD_TERNGRAD_GBPS /
     HOROVOD_TERNGRAD_ALPHA_US between nodes (default 1 Gbit/s, 50 us), and inside a node
     HOROVOD_TERNGRAD_INTRA_GBPS / HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 100 Gbit/s, a PCIe-class
     switch or shared memory, and 5 us) per link, and HOROVOD_TERNGRAD_INTRA_LINKS links from each GPU to
@@ -738,20 +735,23 @@ def _env_number(name: str, default: str, kind, least, positive: bool = False):
     return value
 
 
-def exchange_for(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
-                 network: Network | None = None, shared_scaler: bool = False) -> str:
-    """``exchange="auto"``: 'allgather' or 'requantized' (:data:`AUTO_EXCHANGES`: both give horovod_terngrad.optim
-    its noise estimate), whichever this model predicts to be faster for a group of tensors of these sizes.
-    With two ranks or fewer sharding cannot receive less and costs one more collective, so it is never chosen.
-    ``shared_scaler``: whether an allgather group would share its scaler
-    (``TernGradConfig.scaler_shared_for("allgather")``; False, "auto"'s default, charges it no handshake)."""
+def cheapest_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
+                       network: Network | None = None, shared_scaler: bool = False,
+                       candidates: Sequence[str] = NOISE_TRANSPORTS) -> str:
+    """The transport ('allgather', 'requantized', ...: :data:`TRANSPORT_OF`'s names) of ``candidates`` (methods,
+    default :data:`NOISE_TRANSPORTS`) this model predicts to be fastest for a group of tensors of these sizes on
+    ``network`` (default :func:`configured_network`).  With two ranks or fewer sharding cannot receive less and
+    costs one more collective: the allgather (:func:`cheapest_candidates`).  ``shared_scaler``: whether an
+    allgather group would share its scaler (``TernGradConfig.scaler_shared_for("allgather")``; False charges it
+    no handshake)."""
     if n_ranks <= 2:
         return "allgather"
     choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
-                             candidates=AUTO_EXCHANGES, bucket_size=bucket_size, shared_scaler=shared_scaler)
-    return EXCHANGE_OF[choice.method]
+                             candidates=tuple(candidates), bucket_size=bucket_size, shared_scaler=shared_scaler)
+    return TRANSPORT_OF[choice.method]
 
 
-def auto_candidates(workers: int) -> tuple:
-    """The exchanges "auto" weighs among ``workers`` ranks: the allgather alone at two ranks or fewer."""
-    return (TERNGRAD_ALLGATHER,) if int(workers) <= 2 else AUTO_EXCHANGES
+def cheapest_candidates(workers: int, candidates: Sequence[str] = NOISE_TRANSPORTS) -> tuple:
+    """The methods :func:`cheapest_transport` weighs among ``workers`` ranks: the allgather alone at two ranks or
+    fewer, else ``candidates``."""
+    return (TERNGRAD_ALLGATHER,) if int(workers) <= 2 else tuple(candidates)

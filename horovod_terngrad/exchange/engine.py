@@ -7,8 +7,10 @@ One gradient's path, for a group of one tensor or several fused ones (shared sca
    vector (handshake.py) goes out as one asynchronous allreduce-max.  Groups whose handshakes are back
    are advanced right away (step 2).
 2. When a handshake is back (``progress``): every member is ternarized with the agreed scalers and
-   packed; the payloads travel by the group's transport: ``allgather.py`` (every rank gets every
-   payload) or ``sharded.py`` (alltoall to shard owners, owners' sums by allgather).
+   packed; the payloads travel by the group's transport, which policy.py plans per group: ``allgather.py``
+   (every rank gets every payload), ``sharded.py`` (alltoall to shard owners, owners' sums by allgather),
+   ``reternarized.py`` and ``requantized.py`` (alltoall to shard owners, who encode their shard's sum again,
+   then an allgather of those), or ``joined.py`` (while a rank is in ``hvd.join()``).
 3. ``finish`` (from the optimizer's synchronize): first every outstanding handshake, then every
    outstanding alltoall, is advanced (so no group waits behind another), then this member's result is
    waited for and decoded.
@@ -42,7 +44,7 @@ import torch
 from .. import backends, codec
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, handshake, joined, link, requantized, reternarized, sharded
+from . import allgather, handshake, joined, link, policy, requantized, reternarized, sharded
 from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
@@ -214,7 +216,7 @@ class Exchange:
         True unless ``exchange="auto"`` measured a link on which the full-precision allreduce is faster
         (exchange/link.py; the first call measures, with collectives every rank issues at the same point:
         its first tensor to ternarize).  Until every rank has taken part in the measurement, True."""
-        if self.config.exchange != "auto":
+        if not policy.measures_link(self.config):
             return True
         if self.link is None:
             try:
@@ -238,10 +240,10 @@ class Exchange:
                     mode: str | None = None, routes: list | None = None) -> list:
         """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one exchange
         named after ``group`` (tensor fusion; every rank must form the same groups, in the same member
-        order).  Results are bit-identical to starting each tensor alone.  The exchange is the config's;
-        with ``exchange="auto"`` the cost model picks one for the whole group (``mode``: a caller that
-        decided already, the hierarchical exchange).  ``routes``: one ``precision.Route`` (or None) per item.
-        Returns one ticket per item, each finished with ``finish``."""
+        order).  Results are bit-identical to starting each tensor alone.  The transport is the one
+        policy.py plans for the whole group (``mode``: a caller that decided already, the hierarchical
+        exchange).  ``routes``: one ``precision.Route`` (or None) per item.  Returns one ticket per item, each
+        finished with ``finish``."""
         cfg = self.config
         t0 = time.perf_counter()
         tickets = []
@@ -451,13 +453,8 @@ class Exchange:
 
     # -- internals ----------------------------------------------------------------------------
     def _mode(self, numels: list) -> str:
-        if self.config.exchange == "auto":
-            network = self.link.network(cost.configured_network().latency_s) if self.link else None
-            return cost.exchange_for(numels, self.coll.size, self.config.packing, self.config.bucket_size,
-                                     network=network, shared_scaler=self.config.scaler_shared_for("allgather"))
-        if self.config.exchange == "default":
-            return cost.default_exchange(self.coll.size)
-        return self.config.exchange
+        """The group's transport, as the policy plans it among this engine's ranks (on the measured link)."""
+        return policy.flat_plan(self.config, numels, self.coll.size, self.link).transport
 
     def _advance(self, queue: list, handle, step, block: bool, keep: "Group | None" = None) -> list:
         """Run ``step`` on the groups but ``keep`` whose collective ``handle(group)`` completed (all, if

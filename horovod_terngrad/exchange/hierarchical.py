@@ -11,8 +11,8 @@ n_1..n_k is averaged in three stages, every local rank using the network at once
 2. **TernGrad across nodes** on that shard, among local rank j of every node (the cross group), by the
    ordinary engine (engine.py) on the cross group's collectives: each piece of a member inside the shard
    is a tensor of its own (``topology.piece_name``: its own layer-wise scaler, its own random stream and
-   step counter, keyed by the global rank), with the configured exchange (allgather or sharded, per-rank
-   or shared scaler; ``"auto"`` decides on the cross group's size and a G-th of the node's link).
+   step counter, keyed by the global rank), by the transport policy.py plans across nodes
+   (``policy.cross_transport``: on the cross group's size, and for "auto" on a G-th of the node's link).
 3. **Intra-node allgather** of every local rank's averaged shard in fp32 (``terngrad.h.ag.<group>``),
    followed by one status word per piece (ok, NaN/Inf, ranks disagree), so every local rank learns what
    its peers' cross exchanges found: every rank of the job propagates (NaN), raises or zeroes the same
@@ -25,6 +25,9 @@ grows by up to G (exactly G for ranks of a node with equal gradients and equal s
 ranks' gradients differ (|mean| < mean |g|) and because each piece's scaler is the max over the piece only
 (examples/study_node_variance.py measures it: docs/study/node_variance).  Bytes crossing a node's link per step: G·(M-1)·P(n/G) for the allgather
 exchange, against G·(N-1)·P(n/N·...) flat, i.e. about (M-1)/(N-1) of the flat exchange's.
+
+Which groups go node-aware is policy.py's (``policy.node_plan``); the bf16 intra-node wire and the buffers
+reused between steps are node_wire.py's; which ranks share a node, topology.py's.
 
 Joins (Horovod's ``hvd.join()``): the first group of a step asks the whole world, as the per-rank
 engine does, whether every rank takes part (4-byte allreduce-sum); in a step where one does not, the
@@ -41,9 +44,10 @@ import torch
 
 from ..codec.packing import device_constant
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, link, topology
+from . import allgather, cost, link, policy, topology
 from .collectives import CollectiveError, Collectives
 from .engine import Exchange, Ticket, check_gradient, follow_routes
+from .node_wire import BufferPool, node_sum, wire_values
 
 log = logging.getLogger("horovod_terngrad")
 
@@ -107,8 +111,7 @@ class HierarchicalExchange:
         self._a2a_queue: list = []        # groups whose intra-node alltoall is out
         self._cross_queue: list = []      # groups in their cross-node exchange
         self._previous = None
-        self._outboxes: dict = {}         # group name -> its last step's allgather buffer, to reuse
-        self._wires: dict = {}            # (group name, stage) -> its last step's bf16 send buffer, to reuse
+        self._buffers = BufferPool()      # each group's last step's send buffers, to reuse
         self._presence = None             # this step's: whether every rank takes part
         # Horovod: a rank that returns from its step's last intra-node allgather and shuts Horovod down
         # (hvd.shutdown(), or at exit) aborts the other nodes' intra-node ops still in flight.  With
@@ -121,22 +124,13 @@ class HierarchicalExchange:
         # payload another sends), its groups are named without the local rank, and a group with fewer
         # elements than G (some local rank would own no piece, and post nothing) goes flat.
         self.spans_world = bool(getattr(local, "spans_world", False) or getattr(cross, "spans_world", False))
-        if self.spans_world and not self.world_groups_fit(self.config):
+        if self.spans_world and not policy.world_groups_fit(self.config):
             raise TernGradError("TernGrad: the node-aware exchange over world collectives needs per-rank scalers "
                                 "and the allgather exchange across nodes (shared_scaler=True or "
                                 "exchange='sharded' need process sets)")
         self._live = 0                    # hierarchical groups of this step not finished by every member
         self._step_open = False           # a group started since the last finish
         self._links = None                # the measured network (links across and inside nodes), once agreed
-
-    @staticmethod
-    def world_groups_fit(config) -> bool:
-        """Whether ``config``'s cross-node exchange can run over world collectives: per-rank scalers with the
-        allgather, re-ternarized or requantized transport, whose collectives (one allgather; one alltoall and one
-        allgather) every cross group posts whatever its data ("default" picks one of them by the number of nodes,
-        the same in every cross group; so does ``exchange="auto"``, which would decide per cross group)."""
-        return (config.exchange in ("allgather", "auto", "default", "reternarized", "requantized")
-                and not config.scaler_shared_for("allgather"))
 
     # -- what the frontends call ------------------------------------------------------------------
     @property
@@ -198,24 +192,14 @@ class HierarchicalExchange:
                      8 * net.intra_node.bandwidth_Bps / 1e9, self.G, self.M, self.G, across, self.config.exchange)
         return net
 
-    def uses_hierarchy(self, numels: list, device=None) -> bool:
-        """Whether a group of these sizes goes through the node-aware plan (``hierarchical``: True, or
-        "auto" and the cost model finds it cheaper than the flat exchange, on ``network``'s links)."""
-        if self.spans_world and sum(numels) < self.G:
-            return False
-        if self.config.hierarchical is True:
-            return True
-        # the same exchange flat and across nodes, as configured ("auto": the cheaper on each side), and the
-        # 4-byte world allreduces this engine adds to a step (presence check, end-of-step sync) charged to it
-        exchange = self.config.exchange
-        return cost.hierarchy_for(numels, self.M, self.G, self.config.packing, self.config.bucket_size,
-                                  network=self.network(device) if device is not None else
-                                  cost.configured_network(self.G),
-                                  shared_scaler=self.config.scaler_shared_for(
-                                      "sharded" if exchange == "sharded" else "allgather"),
-                                  exchange=None if exchange == "auto" else exchange,
-                                  step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync),
-                                  intra_width=self.config.intra_node_width)
+    def plan(self, numels: list, device=None) -> policy.Plan:
+        """The policy's plan for a group of these sizes (``policy.node_plan``), priced on ``network(device)``'s
+        links (the configured ones without a device), with the 4-byte world allreduces this engine adds to a step
+        (presence check, end-of-step sync) charged to it."""
+        return policy.node_plan(self.config, numels, self.M, self.G,
+                                lambda: self.network(device) if device is not None else cost.configured_network(self.G),
+                                spans_world=self.spans_world,
+                                step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync))
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
                     routes: list | None = None) -> list:
@@ -224,7 +208,7 @@ class HierarchicalExchange:
         for tensor, name in items:
             check_gradient(tensor, name)
         numels = [t.numel() for t, _ in items]
-        if not self.uses_hierarchy(numels, items[0][0].device) or not self._all_present(items[0][0].device, group):
+        if not self.plan(numels, items[0][0].device).hierarchical or not self._all_present(items[0][0].device, group):
             tickets = self.flat.start_group(items, group, average, in_place, routes=routes)
             for tk in tickets:      # finished through this engine, so that it sees the step end
                 tk.engine = self
@@ -260,7 +244,7 @@ class HierarchicalExchange:
         width = self.config.intra_node_width
         self.stats.intra_node_bytes_sent += width * (buf.numel() - own)
         if width == 2:       # intra_node_dtype="bfloat16": rounded to nearest, sent as its bytes
-            buf = self._to_wire(grp, "a2a", buf)
+            buf = self._buffers.wire(grp.wires, grp.name, "a2a", buf)
             splits, own = [2 * s for s in splits], 2 * own
         name = f"terngrad.h.a2a.{group}"
         if getattr(self.local, "takes_sizes", False):   # every local rank sends this rank its shard: same size
@@ -304,9 +288,8 @@ class HierarchicalExchange:
                 if grp.gathered is not None and grp.sent is not None:
                     # its allgather is complete: the buffer serves this group again next step (a fresh
                     # buffer of tens of MB costs its page faults every step, on the cores that compute)
-                    self._outboxes[grp.name] = grp.sent
                     # (so do the bf16 send buffers: both collectives that read them are complete)
-                    self._wires.update(((grp.name, stage), wire) for stage, wire in grp.wires.items())
+                    self._buffers.keep(grp.name, grp.sent, grp.wires)
                 grp.members, grp.gathered, grp.node_mean, grp.pieces, grp.sent = [], None, None, [], None
                 grp.wires = {}
                 grp.statuses = None
@@ -345,7 +328,7 @@ class HierarchicalExchange:
         self.cross_engine.reset()
         self._a2a_queue, self._cross_queue = [], []
         self._previous = self._presence = None
-        self._outboxes, self._wires = {}, {}
+        self._buffers.clear()
 
     # -- stages -----------------------------------------------------------------------------------
     def _step_done(self, grp: HierarchicalGroup) -> None:
@@ -386,18 +369,6 @@ class HierarchicalExchange:
                 waiting.append(grp)
         self._a2a_queue = waiting
 
-    def _to_wire(self, grp: HierarchicalGroup, stage: str, values: torch.Tensor) -> torch.Tensor:
-        """``values`` rounded to bf16 as bytes (module function ``_to_wire``).  On the CPU, written into the buffer
-        this group's ``stage`` sent last step where it fits: a fresh one costs its page faults every step (tens of
-        MB for an embedding), on the cores that compute; the group holds it until both its collectives are
-        complete.  On a GPU the caching allocator makes a fresh one cheap, and keeping it would hold half the
-        gradients' bytes through the forward pass."""
-        if values.device.type != "cpu":
-            return _to_wire(values)
-        spare = grp.wires[stage] = _spare(self._wires, (grp.name, stage), values.numel(), torch.bfloat16,
-                                          values.device)
-        return _to_wire(values, into=spare)
-
     def _start_cross(self, grp: HierarchicalGroup) -> None:
         """Node sum of this rank's shard (local-rank order), then its pieces' exchange across nodes."""
         j = self.local.rank
@@ -413,7 +384,7 @@ class HierarchicalExchange:
             self.stats.gather_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.config.intra_node_width == 2:
-            received = _wire_values(received)
+            received = wire_values(received)
         self.stats.intra_node_bytes_received += self.config.intra_node_width * (received.numel() - shard)
         # Adam's noise estimate (horovod_terngrad.optim) comes from the cross exchange of the node means, the
         # only ternary rounding on this path; the intra-node allgather carries it beside the shard.  Every rank
@@ -431,26 +402,17 @@ class HierarchicalExchange:
         else:
             # the node sum goes straight into the buffer the intra-node allgather sends (the shard, then one
             # status word per piece): no copy of the shard later
-            grp.outbox = _spare(self._outboxes, grp.name, shard + extra + len(pieces), torch.float32,
-                                received.device)
+            grp.outbox = self._buffers.outbox(grp.name, shard + extra + len(pieces), received.device)
             node = grp.outbox[:shard]
-            _node_sum(received.view(self.G, shard), node, grp.average)
+            node_sum(received.view(self.G, shard), node, grp.average)
         grp.node_mean = node
         items, at = [], 0
         for p in pieces:
             member = grp.members[p.member]
             items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.g32.numel())))
             at += p.numel
-        mode = None
-        if self.spans_world:       # every cross group must post the same collectives: no per-group decision
-            # ("auto", which would decide per cross group on its own pieces, runs what "default" runs among M)
-            mode = {"default": cost.default_exchange(self.M), "auto": cost.default_exchange(self.M),
-                    "requantized": "requantized", "reternarized": "reternarized"}.get(self.config.exchange, "allgather")
-        elif self.config.exchange == "auto":
-            net = self._links or cost.configured_network()
-            shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / self.G)     # G ranks share the node's link
-            mode = cost.exchange_for([p.numel for p in pieces], self.M, self.config.packing, self.config.bucket_size,
-                                     network=shared, shared_scaler=self.config.scaler_shared_for("allgather"))
+        mode = policy.cross_transport(self.config, [p.numel for p in pieces], self.M, self.G, self._links,
+                                      self.spans_world)
         self.stats.codec_s += time.perf_counter() - t0
         tag = "x" if self.spans_world else f"x{j}"
         grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.{tag}", grp.average, in_place=True,
@@ -521,7 +483,7 @@ class HierarchicalExchange:
         width = self.config.intra_node_width
         self.stats.intra_node_bytes_sent += width * data.numel()
         if width == 2:       # the averaged shard, its noise estimate and the status words (small integers: exact)
-            data, sizes = self._to_wire(grp, "ag", data), [2 * s for s in sizes]
+            data, sizes = self._buffers.wire(grp.wires, grp.name, "ag", data), [2 * s for s in sizes]
         if getattr(self.local, "takes_sizes", False):
             grp.ag = self.local.allgather_async(data, name, sizes=sizes)
         else:
@@ -561,7 +523,7 @@ class HierarchicalExchange:
                 self.stats.gather_wait_s += time.perf_counter() - t0
             if self.config.intra_node_width == 2:
                 # kept as bf16: each value is widened once, as it is written into its member's result
-                grp.gathered = _wire_values(grp.gathered)
+                grp.gathered = wire_values(grp.gathered)
             self.stats.intra_node_bytes_received += grp.gathered.numel() * self.config.intra_node_width
         if grp.error is not None and isinstance(grp.error, CollectiveError):
             raise grp.error.detailed(f"TernGrad: exchange of gradient '{tk.name}' failed")
@@ -614,74 +576,3 @@ class HierarchicalExchange:
             noise = None
         tk.noise = None if noise_missing else noise
         return out
-
-
-def _to_wire(values: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 values as the bytes of their bf16 rounding (to nearest even), for the intra-node collectives
-    (``intra_node_dtype="bfloat16"``): bytes, because Horovod and gloo move uint8 everywhere and reduce nothing
-    here.  ``into``: a bf16 buffer of as many elements to round into (the same rounding as ``.to``)."""
-    if into is None:
-        return values.to(torch.bfloat16).view(torch.uint8)
-    return into.copy_(values).view(torch.uint8)
-
-
-def _wire_values(raw: torch.Tensor) -> torch.Tensor:
-    """``_to_wire``'s bytes as bf16 values, no copy; read into fp32 tensors, they widen exactly.  An odd byte count
-    (ranks that disagree): NaN values, which the callers' size checks then report."""
-    if raw.numel() % 2:
-        return torch.full((raw.numel() // 2 + 1,), float("nan"), dtype=torch.float32, device=raw.device)
-    return raw.view(torch.bfloat16)
-
-
-def _node_sum(parts: torch.Tensor, out: torch.Tensor, average: bool) -> None:
-    """The G local ranks' shards ``parts`` ([G, shard], fp32 or the wire's bf16) added into ``out`` (fp32) in
-    local-rank order, the same bits on every node and in the reference; / G when averaging.  bf16 parts are widened
-    as they are read, so each addition is in fp32 without an fp32 copy of everything received
-    (torch.add(bf16, bf16, out=fp32) would add in bf16)."""
-    out.copy_(parts[0])
-    for r in range(1, parts.shape[0]):
-        out += parts[r]
-    if average:
-        out /= parts.shape[0]
-
-
-def _spare(pool: dict, key, numel: int, dtype, device) -> torch.Tensor:
-    """The buffer ``pool`` kept under ``key`` from the last step, taken out of it, where it fits; else a fresh one."""
-    spare = pool.pop(key, None)
-    if spare is not None and spare.numel() == numel and spare.dtype == dtype and spare.device == device:
-        return spare
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
-# -- topology from what every rank reports ------------------------------------------------------------
-HOST_SLOTS = 64        # int32 words of a host identity in the topology allgather
-
-
-def host_identity() -> str:
-    """This rank's node: ``HOROVOD_TERNGRAD_HOST`` if set (where host names lie, or to emulate nodes), else
-    the host name (the emulated cluster gives each network namespace its own, launch/netns-cluster.sh)."""
-    import os
-    import socket
-    return os.environ.get("HOROVOD_TERNGRAD_HOST") or socket.gethostname()
-
-
-def encode_identity(identity: str) -> torch.Tensor:
-    """A fixed-size int32 vector: the UTF-8 bytes (the tail of a long name replaced by its CRC-32)."""
-    import zlib
-    raw = identity.encode()
-    if len(raw) > HOST_SLOTS - 1:
-        raw = raw[:HOST_SLOTS - 5] + zlib.crc32(raw).to_bytes(4, "little")
-    return torch.tensor(list(raw) + [0] * (HOST_SLOTS - len(raw)), dtype=torch.int32)
-
-
-def discover(coll: Collectives, identity: str | None = None, name: str = "terngrad.topology") -> topology.Topology:
-    """Every rank's node, by one allgather of host identities on ``coll`` (every rank gets the same list,
-    so every rank derives the same topology)."""
-    mine = encode_identity(host_identity() if identity is None else identity)
-    try:
-        every = coll.synchronize(coll.allgather_async(mine, name))
-    except CollectiveError as e:
-        raise e.detailed("TernGrad: learning which ranks share a node failed")
-    hosts = [bytes(int(v) for v in row if int(v)).decode(errors="replace")
-             for row in every.view(coll.size, HOST_SLOTS).tolist()]
-    return topology.Topology.from_hosts(hosts)

@@ -1,10 +1,12 @@
 """Which ranks share a node, learned from what every rank reports, and the hierarchical exchange's plan.
 
-No torch here: the runtime cost model (cost.py), the performance model, the timeline and the simulator
-read the same plan the hierarchical transport (hierarchical.py) runs.
+No torch at import (only :func:`discover` and :func:`encode_identity` use it): the runtime cost model (cost.py),
+the performance model, the timeline and the simulator read the same plan the hierarchical transport
+(hierarchical.py) runs.
 
-Topology.  Every rank reports a host identity (its host name, or ``HOROVOD_TERNGRAD_HOST`` where names
-lie); one allgather gives every rank the same list, so every rank derives the same ``Topology``:
+Topology.  Every rank reports a host identity (:func:`host_identity`: its host name, or
+``HOROVOD_TERNGRAD_HOST`` where names lie); one allgather (:func:`discover`) gives every rank the same list, so
+every rank derives the same ``Topology``:
 
 * nodes, in the order of their lowest global rank; a node's ranks in global rank order (its local ranks
   0..G-1), so placement need not be contiguous (``mpirun --map-by node`` interleaves ranks);
@@ -22,9 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
-
-HIERARCHICAL_SETTINGS = ("auto", True, False)
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -164,3 +163,40 @@ class Topology:
         shape = f"{self.num_nodes} nodes x {G} ranks" if G else f"{self.num_nodes} nodes"
         contiguous = all(list(n) == list(range(n[0], n[0] + len(n))) for n in self.nodes)
         return f"{shape}{'' if contiguous else ' (interleaved placement)'}: {list(map(list, self.nodes))}"
+
+
+# -- topology from what every rank reports ------------------------------------------------------------
+HOST_SLOTS = 64        # int32 words of a host identity in the topology allgather
+
+
+def host_identity() -> str:
+    """This rank's node: ``HOROVOD_TERNGRAD_HOST`` if set (where host names lie, or to emulate nodes), else
+    the host name (the emulated cluster gives each network namespace its own, launch/netns-cluster.sh)."""
+    import os
+    import socket
+    return os.environ.get("HOROVOD_TERNGRAD_HOST") or socket.gethostname()
+
+
+def encode_identity(identity: str):
+    """A fixed-size int32 tensor: the UTF-8 bytes (the tail of a long name replaced by its CRC-32)."""
+    import zlib
+
+    import torch
+    raw = identity.encode()
+    if len(raw) > HOST_SLOTS - 1:
+        raw = raw[:HOST_SLOTS - 5] + zlib.crc32(raw).to_bytes(4, "little")
+    return torch.tensor(list(raw) + [0] * (HOST_SLOTS - len(raw)), dtype=torch.int32)
+
+
+def discover(coll, identity: str | None = None, name: str = "terngrad.topology") -> Topology:
+    """Every rank's node, by one allgather of host identities on ``coll`` (a ``Collectives``; every rank gets the
+    same list, so every rank derives the same topology)."""
+    from .collectives import CollectiveError
+    mine = encode_identity(host_identity() if identity is None else identity)
+    try:
+        every = coll.synchronize(coll.allgather_async(mine, name))
+    except CollectiveError as e:
+        raise e.detailed("TernGrad: learning which ranks share a node failed")
+    hosts = [bytes(int(v) for v in row if int(v)).decode(errors="replace")
+             for row in every.view(coll.size, HOST_SLOTS).tolist()]
+    return Topology.from_hosts(hosts)

@@ -1,7 +1,7 @@
 """Turning a flat engine into the node-aware one (exchange/hierarchical.py) where the job allows it.
 
 Both frontends call this once per world, at their first tensor to ternarize (every rank at the same
-point): one allgather of host identities (``exchange.hierarchical.discover``) gives every rank the same
+point): one allgather of host identities (``exchange.topology.discover``) gives every rank the same
 topology; then the intra-node and inter-node groups are made, every rank making all of them in the same
 order:
 
@@ -29,8 +29,9 @@ import logging
 import os
 
 from ..errors import TernGradError
-from ..exchange import Exchange, cost
-from ..exchange.hierarchical import HierarchicalExchange, discover
+from ..exchange import Exchange, policy
+from ..exchange.hierarchical import HierarchicalExchange
+from ..exchange.topology import discover
 from ..exchange.world_groups import WorldGroupCollectives
 
 log = logging.getLogger("horovod_terngrad")
@@ -38,16 +39,6 @@ _said: set = set()
 
 NODE_GROUPS_ENV = "HOROVOD_TERNGRAD_NODE_GROUPS"
 NODE_GROUPS = ("world", "process_sets")
-
-
-def _exchange_words(config, n_ranks: int) -> str:
-    """Which exchange the setting runs among ``n_ranks`` ranks, for the one-time log line: the run's first lines
-    say what the defaults chose."""
-    if config.exchange == "auto":
-        among = " or the ".join(cost.EXCHANGE_OF[m] for m in cost.auto_candidates(n_ranks))
-        return f"exchange='auto': per group the {among} exchange, by the cost model"
-    return f"the {cost.exchange_among(config.exchange, n_ranks)} exchange among {n_ranks} ranks " \
-           f"(exchange={config.exchange!r})"
 
 
 def _flat(flat: Exchange, reason: str, quiet: bool = False) -> Exchange:
@@ -63,7 +54,7 @@ def _flat(flat: Exchange, reason: str, quiet: bool = False) -> Exchange:
             log.log(logging.INFO if quiet and flat.config.hierarchical is not True else logging.WARNING,
                     "TernGrad: node-aware exchange off (hierarchical=%r): %s; every rank exchanges with every "
                     "other (flat), %s", flat.config.hierarchical, reason,
-                    _exchange_words(flat.config, flat.coll.size))
+                    policy.describe(flat.config, flat.coll.size))
     return flat
 
 
@@ -74,7 +65,7 @@ def _said_on(flat, topo, how: str) -> None:
         if flat.coll.rank == 0:
             log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s inside a node, %s; across nodes %s",
                      flat.config.hierarchical, topo.describe(), flat.config.intra_node_dtype, how,
-                     _exchange_words(flat.config, topo.num_nodes))
+                     policy.describe(flat.config, topo.num_nodes))
 
 
 def node_groups_setting() -> str:
@@ -128,7 +119,7 @@ def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
     from ..exchange import HorovodCollectives
     me = flat.coll.rank
     use = node_groups_setting()
-    if use == "world" and not HierarchicalExchange.world_groups_fit(flat.config):
+    if use == "world" and not policy.world_groups_fit(flat.config):
         use = "process_sets"      # a shared scaler or the sharded exchange across nodes
     elastic = os.environ.get("HOROVOD_ELASTIC", "0") not in ("", "0")
     if use == "process_sets":
@@ -137,7 +128,7 @@ def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
                                "this configuration (shared_scaler=True or exchange='sharded') needs them")
         sets = _horovod_process_sets(topo)
         if isinstance(sets, str):
-            if HierarchicalExchange.world_groups_fit(flat.config):
+            if policy.world_groups_fit(flat.config):
                 use = "world"
                 if "process_sets.fallback" not in _said:
                     _said.add("process_sets.fallback")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..config import TernGradConfig
+from ..exchange import policy
 from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP16, FP32, Cluster, GPT_MODELS,
                         HOROVOD_FUSION_BYTES, HSDP_WORKERS, MODELS, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_DEFAULT,
                         TERNGRAD_FUSION_NUMEL, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, Network,
@@ -175,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.compute_ms is not None and len(model_keys) > 1:
         p.error("--compute-ms needs a single --model")
 
-    hierarchical = {"auto": "auto", "true": True, "false": False}[a.hierarchical]
+    hierarchical = {"true": True, "false": False}.get(a.hierarchical, policy.HIERARCHY_AUTO)
     kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
                   overlap=a.overlap, hierarchical=hierarchical,
                   codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None,

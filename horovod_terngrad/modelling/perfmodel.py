@@ -75,7 +75,7 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
   1-bit noise channel (P bytes, ``exchange.cost.requantized_bytes``): T = (N-1)·alpha + (N-1)·c·beta +
   (N-1)·alpha + (N-1)·(c or P)·beta, per-rank scalers (no handshake).  ~4 and ~7.5 bits per element at any N.
 * the default, ``TernGradConfig()`` (:data:`TERNGRAD_DEFAULT`): ``exchange="default"`` =
-  ``exchange.cost.default_exchange(N)``, the allgather among N <= 4 ranks and the requantized exchange above
+  ``exchange.policy.default_transport(N)``, the allgather among N <= 4 ranks and the requantized exchange above
   (node-aware: of the cross group's M ranks), with ``hierarchical="auto"``.
 
 Topology: ranks on a node share one NIC (``Network.ranks_per_node`` = G, placed contiguously).  A ring
@@ -90,8 +90,8 @@ Buffers (:func:`exchange_plan`): fp32/fp16 tensors are fused by Horovod up to ``
 wire.  TernGrad tensors are cut by ``exchange.fusion.cut`` with a ``TernGradConfig`` (fusion_numel, and
 exclude / min_numel: the tensors the policy keeps at full precision travel as fp32 allreduce buffers);
 each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) the one
-``exchange.cost.exchange_for`` picks for it (allgather or requantized), for "terngrad_default" the one
-``exchange.cost.default_exchange`` gives, exactly as the engine decides.
+``exchange.policy.auto_transport`` picks for it (allgather or requantized), for "terngrad_default" the one
+``exchange.policy.default_transport`` gives, exactly as the engine decides.
 
 Crossovers these formulas give (one large tensor, 2-bit, shared scaler: fp32 by ring, the 72-byte
 handshake by tree from N = 4 on): allgather is cheaper than the fp32 allreduce iff
@@ -125,19 +125,21 @@ from typing import Iterable, Sequence
 
 from ..codec import sizes as wire
 from ..config import TernGradConfig
-from ..exchange import fusion, topology
+from ..exchange import fusion, policy, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
-    _COLLECTIVE_TIME, AUTO_EXCHANGES, DEFAULT_ALLGATHER_MAX_RANKS, EXCHANGE_OF, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS,
+    _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, NOISE_TRANSPORTS, TRANSPORT_OF,
     TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL,
     TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
     choose_exchange,
-    configured_network, cross_network, default_exchange, exchange_cost, exchange_for,
+    cheapest_transport, configured_network, cross_network, exchange_cost,
     fp16_allreduce_cost,
-    fp32_allreduce_cost, hierarchical_cost, hierarchy_for, ring_allgather_time, ring_allreduce_time, presence_cost,
+    fp32_allreduce_cost, hierarchical_cost, ring_allgather_time, ring_allreduce_time, presence_cost,
     requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
     terngrad_sharded_cost, tree_allreduce_time)
+from ..exchange.policy import (  # noqa: F401 (the engine's policy, re-exported as perfmodel.X)
+    AUTO_TRANSPORTS, DEFAULT_ALLGATHER_MAX_RANKS, auto_transport, default_transport)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -246,12 +248,12 @@ class PlannedBuffer:
 
 #: 4-byte allreduces of all ranks that the node-aware engine adds to a step under the Horovod frontend
 #: (its presence check and end-of-step sync), charged once per step that has a node-aware group.  (The
-#: engine decides per group with them, ``hierarchy_for(step_allreduces=...)``, as ``timeline_step`` plans;
-#: ``plan_buffers`` weighs them when given ``step_allreduces``; ``exchange.cost.hierarchy_plan`` per step.)
+#: engine decides per group with them, ``policy.hierarchy_for(step_allreduces=...)``, as ``timeline_step`` plans;
+#: ``plan_buffers`` weighs them when given ``step_allreduces``; ``exchange.policy.hierarchy_plan`` per step.)
 HOROVOD_STEP_ALLREDUCES = 2
 
 #: ``TernGradConfig()``'s exchange (``exchange="default"``, ``hierarchical="auto"``): per group the allgather
-#: exchange among up to 4 ranks, the requantized one among more (``default_exchange`` of
+#: exchange among up to 4 ranks, the requantized one among more (``default_transport`` of
 #: the ranks in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
 TERNGRAD_DEFAULT = "terngrad_default"
 #: every TernGrad method of the model (``TERNGRAD_BEST`` is ``exchange="auto"``)
@@ -262,9 +264,9 @@ ALL_METHODS = (FP32, FP16, TERNGRAD_DEFAULT, TERNGRAD_ALLGATHER, TERNGRAD_SHARDE
                TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)
 
 # the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
-_SETTING = {**EXCHANGE_OF, TERNGRAD_BEST: None, TERNGRAD_DEFAULT: "default"}
-# the model's method for an exchange the engine runs (exchange.cost.exchange_for / default_exchange's answers)
-_METHOD_OF = {exchange: method for method, exchange in EXCHANGE_OF.items()}
+_SETTING = {**TRANSPORT_OF, TERNGRAD_BEST: None, TERNGRAD_DEFAULT: policy.DEFAULT}
+# the model's method for a transport the engine runs (exchange.policy.auto_transport / default_transport's answers)
+_METHOD_OF = {transport: method for method, transport in TRANSPORT_OF.items()}
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -284,7 +286,7 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     """:func:`exchange_plan` with the tensors of each buffer (see there).
 
     ``step_allreduces``: the 4-byte world allreduces the node-aware engine adds to a step, which
-    ``hierarchical="auto"`` weighs per group as the engine does (``exchange.cost.hierarchy_for``; the
+    ``hierarchical="auto"`` weighs per group as the engine does (``exchange.policy.hierarchy_for``; the
     Horovod frontend's engine: :data:`HOROVOD_STEP_ALLREDUCES`, the DDP hook's: 0; default 0).
     ``ranks_per_node``: the job's nodes (default ``network.ranks_per_node``), where ``network`` is only
     what the engine decides with (``timeline_step``'s ``auto_network``)."""
@@ -310,17 +312,17 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     for group in cut.groups:
         members = tuple(index[n] for n in group)
         numels = [sizes[i] for i in members]
-        if shape is not None and (cfg.hierarchical is True or hierarchy_for(
-                numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
-                exchange=_SETTING[method], step_allreduces=step_allreduces,
+        if shape is not None and (cfg.hierarchical is True or policy.hierarchy_for(
+                _SETTING[method], numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
+                step_allreduces=step_allreduces,
                 intra_width=cfg.intra_node_width)):   # node-aware, as the engine decides
             out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), _SETTING[method]))
             continue
         if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
-            exchange = _METHOD_OF[exchange_for(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
-                                               shared_scaler=shared)]
+            exchange = _METHOD_OF[auto_transport(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
+                                                 shared_scaler=shared)]
         elif method == TERNGRAD_DEFAULT:  # exchange="default": a pure function of the ranks in the exchange
-            exchange = _METHOD_OF[default_exchange(int(workers))]
+            exchange = _METHOD_OF[default_transport(int(workers))]
         else:
             exchange = method
         out.append(PlannedBuffer(exchange, members, tuple(numels),
@@ -344,13 +346,13 @@ def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, networ
     ``config`` (:func:`terngrad_config`: fusion_numel, default :data:`TERNGRAD_FUSION_NUMEL`, 0 = none; a
     larger tensor travels alone; the policy's ``exclude`` patterns, matched against ``names``, and
     ``min_numel``); each group uses the method's exchange, or for "terngrad" (= exchange="auto") the one
-    ``exchange.cost.exchange_for`` picks for it, as the engine does.  Tensors the policy keeps at full
+    ``exchange.policy.auto_transport`` picks for it, as the engine does.  Tensors the policy keeps at full
     precision come last, as fp32 allreduce buffers fused up to ``fusion_bytes``.  ``config.exchange`` is
     not read: ``method`` says which exchange.
 
     Node-aware exchange (``hierarchical``, default ``config.hierarchical``, whose default is "auto"): on
     ``network``'s nodes of ``ranks_per_node`` ranks (contiguous placement, :func:`node_shape`), a group goes
-    node-aware ("terngrad_hierarchical") where ``exchange.cost.hierarchy_for`` finds it cheaper than the
+    node-aware ("terngrad_hierarchical") where ``exchange.policy.hierarchy_for`` finds it cheaper than the
     flat exchange ("auto", as the engine decides), or always (True, where the topology allows it); its
     exchange across nodes is the method's (the cheaper per local rank for "terngrad").
     """
@@ -384,8 +386,8 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
                           step_allreduces=HOROVOD_STEP_ALLREDUCES):     # decided as the Horovod engine does
         if b.exchange == TERNGRAD_HIERARCHICAL:
             M, G = node_shape(workers, network)
-            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared, b.cross,
-                                     cfg.intra_node_width)
+            cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared,
+                                     policy.transport_among(b.cross, M), cfg.intra_node_width)
         else:
             cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost
@@ -412,23 +414,23 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
     n (the owner decodes N chunks of n/N) + n/N (it ternarizes its shard again) + n decode = 3n + n/N;
     requantized: n encode + n (the owner decodes N chunks of n/N) + n (its noise estimate from the same N chunks)
     + n/N (its 4-bit encode) + n decode = 4n + n/N; "default": the allgather's among up to 4 ranks, the
-    requantized one's above (``default_exchange(N)``).  N = 1: 0.
+    requantized one's above (``default_transport(N)``).  N = 1: 0.
     Node-aware (G = ``ranks_per_node``, M = N/G nodes): n (the node sum of G slices of n/G) plus the
     ``cross`` exchange's work on n/G elements among M ranks ("allgather", "sharded", "reternarized",
-    "requantized", "default": ``default_exchange(M)``).
+    "requantized", "default": ``default_transport(M)``).
     """
     if method == TERNGRAD_HIERARCHICAL:
         G = max(1, int(ranks_per_node))
         M = max(1, int(workers) // G)
         shard = numel / G
-        inner = {"default": TERNGRAD_DEFAULT}.get(cross, _METHOD_OF.get(cross, TERNGRAD_ALLGATHER))
+        inner = _METHOD_OF.get(policy.transport_among(cross, M), TERNGRAD_ALLGATHER)
         return float(numel) + codec_work_elements(inner, shard, M)
     if workers <= 1 or method == FP32:
         return 0.0
     if method == FP16:
         return 2.0 * numel
     if method == TERNGRAD_DEFAULT:
-        method = _METHOD_OF[default_exchange(workers)]
+        method = _METHOD_OF[default_transport(workers)]
     if method == TERNGRAD_ALLGATHER:
         return float(numel) * (1 + workers)
     if method == TERNGRAD_SHARDED:
@@ -506,8 +508,8 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
             if b.exchange == TERNGRAD_HIERARCHICAL and cross is None:    # what the largest shard's rank picks
                 M, G = node_shape(workers, network)
                 pieces = [p.numel for p in topology.shard_plan(b.sizes, G)[0]]
-                cross = exchange_for(pieces, M, cfg.packing, cfg.bucket_size, network=cross_network(network, G),
-                                     shared_scaler=cfg.scaler_shared_for("allgather"))
+                cross = auto_transport(pieces, M, cfg.packing, cfg.bucket_size, network=cross_network(network, G),
+                                       shared_scaler=cfg.scaler_shared_for("allgather"))
             work += codec_work_elements(b.exchange, sum(b.sizes), workers, network.ranks_per_node, cross)
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
@@ -878,7 +880,7 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 #                 local rank sets each unit's time.  ``exchange="sharded"``, "reternarized", "requantized" (settings
 #                 the frontend passes to its engine) charge ``terngrad_sharded_cost``, ``..._reternarized_cost``,
 #                 ``..._requantized_cost`` instead; the default, ``TernGradConfig()``'s ``exchange="default"``
-#                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_exchange(R)``: the allgather among R <= 4
+#                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_transport(R)``: the allgather among R <= 4
 #                 replicas, the requantized exchange among more.
 # * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
 #   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
@@ -898,7 +900,7 @@ HSDP_TERNGRAD = "hsdp_terngrad"                  #: TernGradConfig(exchange="all
 HSDP_TERNGRAD_SHARDED = "hsdp_terngrad_sharded"  #: TernGradConfig(exchange="sharded") across nodes (what-if)
 HSDP_TERNGRAD_RETERNARIZED = "hsdp_terngrad_reternarized"  #: TernGradConfig(exchange="reternarized") across nodes
 HSDP_TERNGRAD_REQUANTIZED = "hsdp_terngrad_requantized"    #: TernGradConfig(exchange="requantized") across nodes
-#: the frontend's default, TernGradConfig(): exchange="default" among the R replicas, ``default_exchange(R)``
+#: the frontend's default, TernGradConfig(): exchange="default" among the R replicas, ``default_transport(R)``
 #: (the allgather up to 4 nodes, the requantized exchange above)
 HSDP_TERNGRAD_DEFAULT = "hsdp_terngrad_default"
 HSDP_TERNGRAD_METHODS = (HSDP_TERNGRAD_DEFAULT, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED,
@@ -912,9 +914,9 @@ _HSDP_FLAT = {HSDP_TERNGRAD: TERNGRAD_ALLGATHER, HSDP_TERNGRAD_SHARDED: TERNGRAD
 
 def hsdp_exchange(method: str, replicas: int) -> str:
     """The flat method (``TERNGRAD_ALLGATHER``, ...) that an HSDP TernGrad method runs among R = ``replicas``
-    ranks across nodes: the default's is ``default_exchange(R)``'s."""
+    ranks across nodes: the default's is ``default_transport(R)``'s."""
     flat = _HSDP_FLAT[method]
-    return _METHOD_OF[default_exchange(int(replicas))] if flat == TERNGRAD_DEFAULT else flat
+    return _METHOD_OF[default_transport(int(replicas))] if flat == TERNGRAD_DEFAULT else flat
 HSDP_WORKERS = (8, 16, 32, 64, 128, 256, 512)
 
 
@@ -1299,7 +1301,7 @@ def predict_hsdp(model: GPTConfig, cluster: Cluster, workers: Iterable[int] = HS
 def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, HSDPStep]],
                       markdown: bool = False) -> str:
     """GPUs x step time of fp32 and bf16 HSDP, of ``default`` (TernGrad as ``TernGradConfig()`` runs it across
-    nodes: ``default_exchange(R)``) with its ratio to the limit and its speedup over bf16 HSDP, of TernGrad with
+    nodes: ``default_transport(R)``) with its ratio to the limit and its speedup over bf16 HSDP, of TernGrad with
     each exchange named (TG: allgather, TG-sh: sharded, TG-rt: re-ternarized, TG-rq: requantized), the limit
     (compute, intra-node, the 2-bit payload once at the cross link's rate; the same for every TernGrad exchange)
     and the re-ternarized exchange against it, speedups over bf16 HSDP, and the cross-node MB one rank receives

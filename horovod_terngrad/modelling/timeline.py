@@ -61,7 +61,7 @@ behind inter-node ones, nor the other way round):
   (``terngrad.ag.<group>.x<j>``; no presence check of its own), a shared scaler sends its handshake
   (``terngrad.hs.<group>.x<j>``) and advances the cross groups before its previous one as the flat engine
   does (sharded: ``terngrad.a2a.<group>.x<j>``, the owners' sums, ``terngrad.sg.<group>.x<j>``).  The
-  exchange is the config's, or for ``"auto"`` ``exchange.cost.exchange_for`` on that G-th of the link;
+  exchange is the config's, or for ``"auto"`` ``exchange.policy.auto_transport`` on that G-th of the link;
 * **synchronize**, at a node-aware group's first member: every node-aware group still waiting for its
   alltoall goes across, every cross group is advanced; then this group and every earlier one not finished
   yet: each waits for its cross exchange, decodes its pieces (M payloads, or the gathered sums) and sends
@@ -74,7 +74,7 @@ Sizes are ``exchange.topology``'s (``shard_plan``, ``intra_node_bytes``: the lar
 collective's slowest member) and ``codec/sizes.py``'s for the pieces; times the formulas of
 ``exchange.cost.hierarchical_cost`` (which the schedule equals for one group without compute and codec, the
 two 4-byte allreduces aside).  Which groups go node-aware is ``perfmodel.plan_buffers``'s decision
-(``exchange.cost.hierarchy_for`` per group, as the engine decides, weighing the two 4-byte allreduces of
+(``exchange.policy.hierarchy_for`` per group, as the engine decides, weighing the two 4-byte allreduces of
 the Horovod frontend; none for the DDP hook, ``joins=False``).  Simplification: each local rank is
 scheduled on its own, with its node's peers assumed as fast as itself where they meet (the intra-node
 collectives); the slowest one's step is the prediction.
@@ -103,7 +103,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from ..codec import sizes as wire
-from ..exchange import cost, topology
+from ..exchange import cost, policy, topology
 from . import perfmodel as pm
 
 
@@ -256,9 +256,9 @@ class Timeline:
 
 
 # the engine's ``exchange`` setting behind each TernGrad method of the performance model
-TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: "auto",
+TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: policy.AUTO,
                     pm.TERNGRAD_RETERNARIZED: "reternarized", pm.TERNGRAD_REQUANTIZED: "requantized",
-                    pm.TERNGRAD_DEFAULT: "default"}
+                    pm.TERNGRAD_DEFAULT: policy.DEFAULT}
 # the two-stage exchanges' collective names (exchange/sharded.py, exchange/reternarized.py): (alltoall, allgather);
 # the requantized exchange is sent by reternarized.send and gathered by reternarized.after_alltoall (its own
 # owner stage), so its collectives carry the re-ternarized exchange's names
@@ -420,16 +420,14 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
 
     def cross_of(g: int, j: int) -> dict:
         """Local rank j's cross exchange of node-aware group g: its pieces among the M ranks of its cross
-        group, with the exchange the transport gives them (the config's, or for "auto" exchange_for on a
+        group, with the exchange the transport gives them (the config's, or for "auto" policy.auto_transport on a
         G-th of the node's link, as hierarchical._start_cross decides)."""
         pieces = [p.numel for p in split[g][j]]
-        mode = groups[g].cross
-        if mode == "default":                    # the cross engine's exchange="default": default_exchange(M)
-            mode = cost.default_exchange(M)
-        if mode is None:
-            mode = cost.exchange_for(pieces, M, cfg.packing, cfg.bucket_size,
-                                     network=cost.cross_network(decide_on, G),
-                                     shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
+        mode = policy.transport_among(groups[g].cross, M)     # the cross engine's setting among M ranks
+        if mode is None:                                       # "auto": per local rank, for its pieces
+            mode = policy.auto_transport(pieces, M, cfg.packing, cfg.bucket_size,
+                                         network=cost.cross_network(decide_on, G),
+                                         shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
         return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
                 "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
                 "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
