@@ -386,6 +386,40 @@ def block_adam(m: dict) -> str:
     ])
 
 
+def paper_vs_model() -> dict:
+    """The model's figures for the paper's two headline cases (perfmodel.md's table): per case, {method: prediction}
+    with the node-aware default and, flat (``hierarchical=False``), "auto" and the allgather exchange."""
+    from horovod_terngrad.modelling import perfmodel as pm
+    out = {}
+    for mk, ck, N in (("alexnet", "ethernet", 8), ("vgga", "infiniband", 512)):
+        model, cl = pm.MODELS[mk], pm.CLUSTERS[ck]
+        c, b = model.compute_s[cl.gpu], model.batch_per_gpu
+        row = pm.compare_exchanges(model, c, N, cl.network, (pm.FP32, pm.TERNGRAD_DEFAULT, pm.TERNGRAD_BEST),
+                                   batch_per_worker=b)
+        flat = pm.compare_exchanges(model, c, N, cl.network, (pm.FP32, pm.TERNGRAD_BEST, pm.TERNGRAD_ALLGATHER),
+                                    batch_per_worker=b, hierarchical=False)
+        out[(mk, N)] = {"default": row[pm.TERNGRAD_DEFAULT], "auto": row[pm.TERNGRAD_BEST], "fp32": row[pm.FP32],
+                        "flat_auto": flat[pm.TERNGRAD_BEST], "flat_allgather": flat[pm.TERNGRAD_ALLGATHER]}
+    return out
+
+
+def block_paper_vs_model(pv: dict) -> str:
+    a, v = pv[("alexnet", 8)], pv[("vgga", 512)]
+    eff = lambda p: f"{p.scaling_efficiency:.3f} of linear"  # noqa: E731
+    return "\n".join([
+        "| paper (Fig. 5, §5) | this model, the defaults | `exchange=\"auto\"` | flat exchange (`--hierarchical false`): "
+        "auto / allgather |",
+        "|---|---|---|---|",
+        f"| AlexNet, 8 GPUs (2 nodes x 4), 1 Gbit/s Ethernet: 3.04x | {_x(a['default'].speedup_vs_fp32)} "
+        f"({a['default'].images_per_s:,.0f} img/s) | {_x(a['auto'].speedup_vs_fp32)} "
+        f"| {_x(a['flat_auto'].speedup_vs_fp32)} / {_x(a['flat_allgather'].speedup_vs_fp32)} |",
+        f"| VGG-A, 512 GPUs (128 x 4), InfiniBand: about 2x | {_x(v['default'].speedup_vs_fp32)} "
+        f"({v['default'].images_per_s:,.0f} img/s, {eff(v['default'])}; fp32 {eff(v['fp32'])}) "
+        f"| {_x(v['auto'].speedup_vs_fp32)} ({eff(v['auto'])}) "
+        f"| {_x(v['flat_auto'].speedup_vs_fp32)} / {_x(v['flat_allgather'].speedup_vs_fp32)} |",
+    ])
+
+
 def block_ddp_status(m: dict) -> str:
     return "\n".join([
         "| goal | status |",
@@ -699,6 +733,7 @@ def blocks() -> dict:
         ("docs/quickstart.md", "adam"): block_adam(m),
         ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be),
         ("docs/troubleshooting.md", "inventory"): block_inventory(),
+        ("docs/perfmodel.md", "paper-vs-model"): block_paper_vs_model(paper_vs_model()),
     }
 
 
