@@ -1,5 +1,5 @@
 """Time to quality on DDP in the calibrated regime: the training wall time each method takes until its held-out
-loss reaches the final held-out loss of plain fp32 DDP with torch's AdamW (issue 39, item 6).  Bits are a means;
+loss reaches the final held-out loss of plain fp32 DDP with torch's AdamW.  Bits are a means;
 users pay for hours.  Needs root and iproute2 (launch/netns-cluster.sh).
 
     .venv/bin/python examples/time_to_quality.py --ratio 8 --steps 1000 --out docs/time_to_quality

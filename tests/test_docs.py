@@ -1,6 +1,7 @@
 """The docs: README's commands at its top, the pages scripts/render_docs.py generates equal to what is committed
-(one source for every figure), the quickstart's scripts valid against the package, and the MkDocs site building in
-strict mode (a broken link, a missing page or snippet fails)."""
+(one source for every figure), no page speaking of the project's history, the quickstart's scripts valid against
+the package, and the MkDocs site building in strict mode (a broken link, a missing page or snippet, a docstring the
+API pages cannot render fails)."""
 from __future__ import annotations
 
 import ast
@@ -79,6 +80,71 @@ def test_reference_lists_every_setting_and_environment_variable():
         assert f"| `{name}` |" in ref, name
     for flag in ("--network", "--no-terngrad", "--dry-run", "--scheduled", "--fusion-numel", "--workers"):
         assert f"`{flag}`" in ref, flag
+
+
+# Words that narrate the project's history instead of saying what holds: a work stop by number ("stop 45", "this
+# stop's runs"), a run by its letter ("run g", "runs i-m"), an issue by number ("issue 39", "(issue #24)"), a
+# session.  History belongs in CHANGELOG.md, which is not checked.  Ordinary English passes: "run a preflight" (the
+# letter a is never a label here), "the stop button", "issue order", "runs every step", "run e.g. ...".
+HISTORY_WORDS = re.compile("|".join([
+    r"\bstops? #?\d+",                                    # stop 45, stops 45-48
+    r"\b(?:this|last|previous|an earlier) stop\b",        # this stop('s), an earlier stop
+    r"\bruns? [b-z]\b(?![.'’-]\w)",                       # run g, runs k  (not "run e.g.")
+    r"\bruns? [a-z]-[a-z]\b",                             # runs a-h, runs i-m
+    r"\b[Ii]ssues? #?\d+",                                # issue 39, Issue #34, issues #6
+    r"\([Ii]ssues?\b(?!\()",                              # (issue ...), not a call issue()
+    r"\b(?:this|last|previous|other) sessions?\b",        # the last session's run
+]))
+#: (path relative to the repository, text of the line) pairs allowed to match; none are needed today
+HISTORY_ALLOWED: set = set()
+
+
+def _history_scanned_files() -> list[str]:
+    """docs/ (pages, rendered tables, the study scripts), README.md, mkdocs.yml, scripts/, examples/, tests/ and
+    the package's docstrings and comments; CHANGELOG.md is where history goes."""
+    pats = ["docs/**/*.md", "docs/**/*.sh", "docs/**/*.py", "README.md", "mkdocs.yml", "scripts/*",
+            "examples/**/*.py", "tests/**/*.py", "horovod_terngrad/**/*.py", "launch/*", "slurm/*"]
+    files = {os.path.relpath(f, ROOT) for pat in pats for f in glob.glob(os.path.join(ROOT, pat), recursive=True)
+             if os.path.isfile(f)}
+    files.discard(os.path.join("tests", "test_docs.py"))     # names the patterns themselves
+    return sorted(files)
+
+
+def test_no_page_script_or_test_speaks_of_stops_runs_by_letter_or_issue_numbers():
+    found = []
+    for rel in _history_scanned_files():
+        with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                m = HISTORY_WORDS.search(line)
+                if m and (rel, line.strip()) not in HISTORY_ALLOWED:
+                    found.append(f"{rel}:{i}: '{m.group(0)}' in: {line.strip()[:160]}")
+    assert not found, ("history words (say what holds now; history goes to CHANGELOG.md):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("text", ["see stop 45", "the default since stop 45", "in this stop's runs",
+                                  "the figures come from run g", "runs i-m", "runs a-h used those",
+                                  "Issue #34.", "(issue 39)", "issue #15's goals", "in the last session's run"])
+def test_the_history_words_pattern_catches_each_kind(text):
+    assert HISTORY_WORDS.search(text), text
+
+
+@pytest.mark.parametrize("text", ["runs a preflight on every rank", "run a benchmark", "the stop button",
+                                  "in issue order", "return _Pending(issue(), out)", "runs every step",
+                                  "run e.g. the codec benchmark", "training stops", "the whole test session",
+                                  "tags a-h in docs/cluster/default/"])
+def test_the_history_words_pattern_lets_ordinary_english_pass(text):
+    assert not HISTORY_WORDS.search(text), text
+
+
+def test_history_free_test_names():
+    """Test functions are named for what they check, never for the issue or run that added them."""
+    bad = []
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            for name in re.findall(r"^\s*def (test_\w+)", f.read(), re.M):
+                if re.search(r"(?:^|_)(?:issue|stop)_?\d+|(?:^|_)runs?_[b-z](?:_|$)", name):
+                    bad.append(f"{os.path.relpath(path, ROOT)}::{name}")
+    assert not bad, bad
 
 
 SNIPPETS = sorted(glob.glob(os.path.join(ROOT, "docs", "snippets", "*.py")))
