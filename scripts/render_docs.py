@@ -484,16 +484,21 @@ def block_ddp_status(m: dict) -> str:
     ])
 
 
-def block_fsdp_scale(be: dict) -> str:
+def block_fsdp_scale(be: dict, mod: dict) -> str:
+    """fsdp.md's scale text: the allgather's break-even (hsdp_break_even) beside the default's plan and the sharded
+    exchange's (modelled(), the source of choosing.md's HSDP table)."""
     first, at16, last = be["first"], be["at16"], be["last"]
-    return (f"With the per-rank-scaler allgather (the default up to 4 replicas), every rank receives R-1 payloads, so TernGrad's cross-node "
-            f"bytes grow with the node count: on the Ethernet cluster it beats HSDP bf16 up to "
-            f"{be['last_win_nodes']} nodes ({_x(first[1])} at {first[0]} nodes), falls just below it at 16 "
-            f"nodes ({_x(at16[1])}: about the same bytes as bf16's ring) and loses beyond ({_x(last[1])} at {last[0]} nodes); "
-            f"`exchange=\"sharded\"` (bit for bit in `tests/test_fsdp.py` too) keeps its traffic flat and beats bf16 "
-            f"at every size ({_x(at16[2])} at 16 nodes, {_x(last[2])} at {last[0]} nodes). Use it from about 8 "
-            f"nodes on with SGD. With `horovod_terngrad.optim.AdamW` keep the default exchange, which takes the "
-            f"requantized exchange (noise estimate included, flat in the replica count) above 4 replicas.")
+    d16, dl = mod["hsdp"][("ethernet", 4, 16)], mod["hsdp"][("ethernet", 4, last[0])]
+    return (f"With `exchange=\"allgather\"` every rank receives R-1 payloads, so TernGrad's cross-node bytes grow with "
+            f"the node count: on the Ethernet cluster it beats HSDP bf16 up to {be['last_win_nodes']} nodes "
+            f"({_x(first[1])} at {first[0]} nodes), falls just below it at 16 nodes ({_x(at16[1])}: about the same "
+            f"bytes as bf16's ring) and loses beyond ({_x(last[1])} at {last[0]} nodes). The default runs the "
+            f"allgather among up to 4 replicas only and the requantized exchange among more, whose traffic stays "
+            f"flat in the replica count: {_x(d16['default'])} at 16 nodes and {_x(dl['default'])} at {last[0]} "
+            f"nodes, with the optimizer's noise estimate. `exchange=\"sharded\"` (bit for bit in "
+            f"`tests/test_fsdp.py` too) is flat as well ({_x(d16['sharded'])} at 16 nodes, {_x(dl['sharded'])} at "
+            f"{last[0]} nodes) but gives no noise estimate. Keep the defaults; the settings per cluster: "
+            f"[choosing settings](choosing.md).")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -776,7 +781,7 @@ def blocks() -> dict:
         ("docs/scale.md", "whole-run"): block_whole_run(whole_runs()),
         ("docs/ddp.md", "ddp-status"): block_ddp_status(m),
         ("docs/quickstart.md", "adam"): block_adam(m),
-        ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be),
+        ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be, mod),
         ("docs/troubleshooting.md", "inventory"): block_inventory(),
         ("docs/perfmodel.md", "paper-vs-model"): block_paper_vs_model(paper_vs_model()),
         ("docs/adam.md", "adam-tables"): block_adam_tables(),

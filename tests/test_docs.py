@@ -50,9 +50,10 @@ def test_readme_links_resolve():
 
 
 def test_generated_pages_equal_the_render_scripts_output():
-    """docs/reference.md and every rendered block (README's and the home page's headline figures, the choosing
-    table, ddp.md's status, fsdp.md's scale text, the troubleshooting inventory) as scripts/render_docs.py writes
-    them from the code, the benchmarks' JSON and the performance model."""
+    """docs/reference.md, docs/adam/scale-table.md and every rendered block (README's and the home page's headline,
+    the choosing tables, the whole-run table, ddp.md's status, adam.md's tables, the quickstart's Adam figures,
+    fsdp.md's scale text, perfmodel.md's comparison with the paper, the troubleshooting inventory) as
+    scripts/render_docs.py writes them from the code, the benchmarks' JSON and the performance model."""
     stale = []
     for rel, text in render_docs.rendered_pages().items():
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
@@ -61,6 +62,19 @@ def test_generated_pages_equal_the_render_scripts_output():
             diff = "".join(difflib.unified_diff(old.splitlines(True), text.splitlines(True), rel, "rendered", n=1))
             stale.append(diff[:3000])
     assert not stale, "run .venv/bin/python scripts/render_docs.py\n" + "\n".join(stale)
+
+
+def test_every_rendered_marker_has_its_block():
+    """A ``BEGIN rendered:NAME`` marker in any page is one of render_docs.blocks(): none is left unrendered."""
+    known = set(render_docs.blocks())
+    orphans = []
+    for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True) + [os.path.join(ROOT, "README.md")]:
+        rel = os.path.relpath(path, ROOT)
+        with open(path, encoding="utf-8") as f:
+            for name in re.findall(r"<!-- BEGIN rendered:([\w-]+)", f.read()):
+                if (rel, name) not in known:
+                    orphans.append(f"{rel}: {name}")
+    assert not orphans, orphans
 
 
 def test_headline_figures_are_the_same_in_readme_and_on_the_home_page():
@@ -145,6 +159,43 @@ def test_history_free_test_names():
                 if re.search(r"(?:^|_)(?:issue|stop)_?\d+|(?:^|_)runs?_[b-z](?:_|$)", name):
                     bad.append(f"{os.path.relpath(path, ROOT)}::{name}")
     assert not bad, bad
+
+
+def _pages() -> dict:
+    out = {}
+    for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True) + [os.path.join(ROOT, "README.md")]:
+        with open(path, encoding="utf-8") as f:
+            out[os.path.relpath(path, ROOT)] = " ".join(f.read().split())     # sentences across line breaks
+    return out
+
+
+def test_pages_state_the_default_exchanges_rule_as_the_code_has_it():
+    """Where a page says how far the default runs the allgather ("up to 4 ranks") or from where the requantized
+    exchange ("above 4 ranks"), the number is exchange.cost.DEFAULT_ALLGATHER_MAX_RANKS."""
+    from horovod_terngrad.exchange import cost
+    unit = r"(?:ranks|nodes|replicas|ranks or nodes)"
+    pats = [re.compile(r"allgather[^.;]{0,40}?\b(?:up to|among up to|to) (\d+) " + unit),
+            re.compile(r"requantized[^.;]{0,40}?\b(?:above|more than|beyond|among more than) (\d+) " + unit),
+            re.compile(r"(?:above|more than|beyond) (\d+) " + unit + r"[^.;]{0,30}?\brequantized")]
+    wrong = []
+    for rel, text in _pages().items():
+        for pat in pats:
+            for m in pat.finditer(text):
+                if int(m.group(1)) != cost.DEFAULT_ALLGATHER_MAX_RANKS:
+                    wrong.append(f"{rel}: ...{m.group(0)}...")
+    assert not wrong, wrong
+
+
+def test_no_page_says_the_node_aware_exchange_gives_no_noise_estimate():
+    """The node-aware exchange hands horovod_terngrad.optim its cross stage's noise estimate (exchange/hierarchical.py,
+    want_noise): no page may say otherwise, or advise hierarchical=False to get one."""
+    with open(os.path.join(ROOT, "horovod_terngrad", "exchange", "hierarchical.py"), encoding="utf-8") as f:
+        assert "want_noise" in f.read()
+    bad = re.compile(r"(?:node-aware|hierarchical)[^.]{0,80}?(?:no noise estimate|without (?:a|its|the) "
+                     r"(?:noise )?estimate|gives? (?:it )?none)|hierarchical=False[^.]{0,60}?(?:AdamW|noise estimate)",
+                     re.I)
+    found = [f"{rel}: {m.group(0)}" for rel, text in _pages().items() for m in bad.finditer(text)]
+    assert not found, found
 
 
 SNIPPETS = sorted(glob.glob(os.path.join(ROOT, "docs", "snippets", "*.py")))
