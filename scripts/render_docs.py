@@ -465,6 +465,20 @@ def block_adam_tables() -> str:
     return "\n".join(out).rstrip()
 
 
+def block_fsdp_lm() -> str:
+    """fsdp.md's accuracy table, from docs/fsdp/lm/*.json (examples/transformers_lm.py --frontend fsdp)."""
+    lines = ["| seed, steps | TernGrad held-out loss | native HSDP fp32 | TernGrad vs fp32 | replicas identical |",
+             "|---|---|---|---|---|"]
+    for steps, suffix in ((300, ""), (600, "-600")):
+        for seed in (0, 1):
+            tg = _load(f"docs/fsdp/lm/terngrad-seed{seed}{suffix}.json")
+            fp = _load(f"docs/fsdp/lm/none-seed{seed}{suffix}.json")
+            same = "both" if tg["params_identical"] and fp["params_identical"] else "no"
+            lines.append(f"| {seed}, {steps} | {tg['held_out_loss']:.4f} | {fp['held_out_loss']:.4f} | "
+                         f"{_pct(100 * (tg['held_out_loss'] / fp['held_out_loss'] - 1))} | {same} |")
+    return "\n".join(lines)
+
+
 def block_ddp_status(m: dict) -> str:
     return "\n".join([
         "| goal | status |",
@@ -785,6 +799,7 @@ def blocks() -> dict:
         ("docs/troubleshooting.md", "inventory"): block_inventory(),
         ("docs/perfmodel.md", "paper-vs-model"): block_paper_vs_model(paper_vs_model()),
         ("docs/adam.md", "adam-tables"): block_adam_tables(),
+        ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm(),
     }
 
 
