@@ -479,6 +479,29 @@ def block_fsdp_lm() -> str:
     return "\n".join(lines)
 
 
+def block_bf16_intra() -> str:
+    """scale.md's "bf16 inside the node" model table: the default with ``intra_node_dtype`` fp32 against bf16 (the
+    default), additive model; fraction of linear scaling at 512 GPUs on InfiniBand, and AlexNet's speedup over
+    fp32 at 8 GPUs on Ethernet."""
+    from horovod_terngrad.config import TernGradConfig
+    from horovod_terngrad.modelling import perfmodel as pm
+
+    def row(mk, key, G, N, dtype):
+        model, cl = pm.MODELS[mk], _cluster(key, G)
+        r = pm.compare_exchanges(model, model.compute_s[cl.gpu], N, cl.network, (pm.FP32, pm.TERNGRAD_DEFAULT),
+                                 batch_per_worker=model.batch_per_gpu, config=TernGradConfig(intra_node_dtype=dtype))
+        return r[pm.TERNGRAD_DEFAULT]
+    lines = ["| the default, additive model | fp32 inside (`intra_node_dtype=\"float32\"`) | bf16 inside (default) |",
+             "|---|---|---|"]
+    for mk, name in (("vgga", "VGG-A"), ("alexnet", "AlexNet")):
+        for G in (4, 8):
+            f, b = (row(mk, "infiniband", G, 512, d).scaling_efficiency for d in ("float32", "bfloat16"))
+            lines.append(f"| {name}, 512 GPUs, InfiniBand, nodes of {G}: fraction of linear | {f:.3f} | **{b:.3f}** |")
+    f, b = (row("alexnet", "ethernet", 4, 8, d).speedup_vs_fp32 for d in ("float32", "bfloat16"))
+    lines.append(f"| AlexNet, 8 GPUs (2 nodes x 4), 1 Gbit/s Ethernet: speedup over fp32 | {_x(f)} | **{_x(b)}** |")
+    return "\n".join(lines)
+
+
 def block_ddp_status(m: dict) -> str:
     return "\n".join([
         "| goal | status |",
@@ -800,6 +823,7 @@ def blocks() -> dict:
         ("docs/perfmodel.md", "paper-vs-model"): block_paper_vs_model(paper_vs_model()),
         ("docs/adam.md", "adam-tables"): block_adam_tables(),
         ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm(),
+        ("docs/scale.md", "bf16-intra"): block_bf16_intra(),
     }
 
 
