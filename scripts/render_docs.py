@@ -502,6 +502,48 @@ def block_bf16_intra() -> str:
     return "\n".join(lines)
 
 
+def block_goals_512() -> str:
+    """perfmodel.md's goals at 512 GPUs for the default: additive / scheduled model, nodes of 4 (of 8 in brackets)."""
+    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import timeline as tl
+    fig: dict = {}
+    for G in (4, 8):
+        for mk in ("vgga", "alexnet"):
+            model, cl = pm.MODELS[mk], _cluster("infiniband", G)
+            c = model.compute_s[cl.gpu]
+            add = pm.compare_exchanges(model, c, 512, cl.network, (pm.FP32, pm.TERNGRAD_DEFAULT),
+                                       batch_per_worker=model.batch_per_gpu)[pm.TERNGRAD_DEFAULT].scaling_efficiency
+            sch = c / tl.scheduled_scaling(model, cl, [512], methods=(pm.TERNGRAD_DEFAULT,))[0][pm.TERNGRAD_DEFAULT].step_s
+            fig[(mk, G)] = (add, sch)
+        for key in ("ethernet", "infiniband"):
+            cl = _cluster(key, G)
+            meth = (pm.HSDP_BF16, pm.HSDP_TERNGRAD_DEFAULT)
+            a = pm.predict_hsdp(pm.GPT3_1P3B, cl, [512], methods=meth)[0][pm.HSDP_TERNGRAD_DEFAULT]
+            b = pm.scheduled_hsdp(pm.GPT3_1P3B, cl, [512], methods=meth)[0][pm.HSDP_TERNGRAD_DEFAULT]
+            fig[("hsdp", key, G)] = (a.speedup_vs_bf16, b.speedup_vs_bf16, a.step_s / a.limit_s, b.step_s / b.limit_s)
+
+    def met(pairs):   # pairs: (additive ok, scheduled ok) for nodes of 4 and of 8
+        if all(x for p in pairs for x in p):
+            return "yes"
+        if not any(x for p in pairs for x in p):
+            return "**no**"
+        return "; ".join(f"nodes of {G}: " + ("yes" if all(p) else "scheduled only" if p[1] else
+                                               "additive only" if p[0] else "no") for G, p in zip((4, 8), pairs))
+
+    he = [fig[("hsdp", "ethernet", G)] for G in (4, 8)]
+    hi = [fig[("hsdp", "infiniband", G)] for G in (4, 8)]
+    lines = ["| goal | the default (additive / scheduled; nodes of 8 in brackets) | met? |", "|---|---|---|",
+             f"| HSDP GPT-3 1.3B, Ethernet: ≥ 4x bf16 HSDP | {_x(he[0][0])} / {_x(he[0][1])} "
+             f"({_x(he[1][0])} / {_x(he[1][1])}) | {met([(h[0] >= 4, h[1] >= 4) for h in he])} |",
+             f"| HSDP GPT-3 1.3B, InfiniBand: within 1.05x of its limit | {_x(hi[0][2])} / {_x(hi[0][3])} "
+             f"({_x(hi[1][2])} / {_x(hi[1][3])}) | {met([(h[2] <= 1.05, h[3] <= 1.05) for h in hi])} |"]
+    for mk, name in (("vgga", "VGG-A"), ("alexnet", "AlexNet")):
+        f4, f8 = fig[(mk, 4)], fig[(mk, 8)]
+        lines.append(f"| Horovod {name}, InfiniBand: ≥ 0.90 of linear | {f4[0]:.3f} / {f4[1]:.3f} "
+                     f"({f8[0]:.3f} / {f8[1]:.3f}) | {met([(f[0] >= 0.9, f[1] >= 0.9) for f in (f4, f8)])} |")
+    return "\n".join(lines)
+
+
 def block_ddp_status(m: dict) -> str:
     return "\n".join([
         "| goal | status |",
@@ -824,6 +866,7 @@ def blocks() -> dict:
         ("docs/adam.md", "adam-tables"): block_adam_tables(),
         ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm(),
         ("docs/scale.md", "bf16-intra"): block_bf16_intra(),
+        ("docs/perfmodel.md", "goals-512"): block_goals_512(),
     }
 
 
