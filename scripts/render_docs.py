@@ -17,6 +17,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import glob
 import inspect
 import json
@@ -849,7 +850,9 @@ BEGIN = "<!-- BEGIN rendered:{name} (scripts/render_docs.py; do not edit by hand
 END = "<!-- END rendered:{name} -->"
 
 
+@functools.lru_cache(maxsize=None)
 def blocks() -> dict:
+    """(page, block name) -> the block's text; computed once per process."""
     m, be, mod = measured(), hsdp_break_even(), modelled()
     head = block_headline(m, mod)
     return {
