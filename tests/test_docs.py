@@ -82,6 +82,20 @@ def test_headline_figures_are_the_same_in_readme_and_on_the_home_page():
     assert blocks[("README.md", "headline")].replace("docs/", "") == blocks[("docs/index.md", "headline")]
 
 
+def test_the_usage_pages_settings_table_has_every_setting_with_its_default():
+    """docs/usage.md's hand-written settings table: one row per TernGradConfig field, its default the code's."""
+    import dataclasses
+
+    from horovod_terngrad.config import TernGradConfig
+    with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+        rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", f.read(), re.M))
+    for fld in dataclasses.fields(TernGradConfig):
+        assert fld.name in rows, f"docs/usage.md has no row for {fld.name}"
+        default = fld.default if fld.default is not dataclasses.MISSING else fld.default_factory()
+        shown = rows[fld.name].strip().strip("`").replace('"', "'")
+        assert shown == (repr(default) if isinstance(default, str) else str(default)), (fld.name, shown, default)
+
+
 def test_reference_lists_every_setting_and_environment_variable():
     import dataclasses
 
