@@ -873,10 +873,25 @@ def blocks() -> dict:
     }
 
 
+def _modelling_output(argv: list) -> str:
+    """What ``python -m horovod_terngrad.modelling ARGV`` prints."""
+    import contextlib
+    import io
+
+    from horovod_terngrad.modelling import cli
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(argv)
+    return out.getvalue()
+
+
 def rendered_pages() -> dict:
     """rel path -> the page's text as this script renders it."""
     pages = {"docs/reference.md": reference_md(),
-             "docs/adam/scale-table.md": _adam_table("ddp4-fp32", ADAM_SCALE_TAGS) + "\n\n"}
+             "docs/adam/scale-table.md": _adam_table("ddp4-fp32", ADAM_SCALE_TAGS) + "\n\n",
+             # the model's tables perfmodel.md includes (scripts/perfmodel_tables.sh writes the rest of docs/perfmodel/)
+             "docs/perfmodel/fig5-tables.txt": _modelling_output([]),
+             "docs/perfmodel/reternarized-hsdp.md": _modelling_output(["hsdp", "--markdown"])}
     for (rel, name), body in blocks().items():
         text = pages.get(rel)
         if text is None:
