@@ -444,7 +444,7 @@ ADAM_TABLES = (
 #: docs/adam/scale-table.md (docs/scale.md includes it): the Adam study at 4 and 8 ranks and on emulated nodes
 ADAM_SCALE_TAGS = ("ddp4-fp32,ddp4-tgc-allgather,ddp4-tg-adamw-defaults,ddp4-tgc-reternarized,ddp2x2-tg-adamw-defaults,"
                    "ddp2x2-tg-adamw-bf16,ddp2x2-adamw-defaults,ddp4-tgc-requantized,ddp4-tgc-reternarized-b128,"
-                   "hvd2x2-tg-adamw-defaults,hvd2x2-tg-adamw-bf16,hvd2x2-b8-tg-adamw-defaults,ddp8-fp32,"
+                   "hvd2x2-tg-adamw-defaults,hvd2x2-tg-adamw-bf16,ddp8-fp32,"
                    "ddp8-tg-adamw-defaults")
 
 

@@ -11,7 +11,7 @@
 # fp16hook / powersgd4 = DDP's fp16_compress_hook / PowerSGD rank 4; ddp4-* / ddp8-*: 4 / 8 flat DDP ranks;
 # ddp2x2-* / hvd2x2-*: DDP / Horovod on 2 emulated nodes x 2 (*-defaults: fp32 inside the node, *-bf16: bf16,
 # the default; ddp2x2-adamw-defaults: torch's AdamW there, the control without the correction; hvd2x2-b8: 8
-# sequences per rank, half the baseline's global batch: not comparable); *-reternarized-b128: the re-ternarized
+# sequences per rank, half the baseline's global batch: not comparable, so not in the table); *-reternarized-b128: the re-ternarized
 # exchange with one scaler per 128 elements; ddp8-tg-adamw-defaults ran the re-ternarized exchange in 128-element
 # buckets at 8 sequences per rank, beside fp32 on the same 8 ranks.
 cd "$(dirname "$0")/../.."
