@@ -862,7 +862,7 @@ def test_hsdp_unit_shards_cut_as_the_frontend():
 
 
 def _ring(cluster):
-    """The cluster's network with every allreduce a ring (the bytes formulas of the brief)."""
+    """The cluster's network with every allreduce a ring (the plain ring bytes formulas)."""
     return pm.CLUSTERS[cluster].network.with_allreduce("ring")
 
 
