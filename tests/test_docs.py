@@ -122,6 +122,7 @@ HISTORY_WORDS = re.compile("|".join([
     r"\b[Ii]ssues? #?\d+",                                # issue 39, Issue #34, issues #6
     r"\([Ii]ssues?\b(?!\()",                              # (issue ...), not a call issue()
     r"\b(?:this|last|previous|other) sessions?\b",        # the last session's run
+    r"\bthe issue's\b|\bthe brief(?:'s)?\b",                # the issue's goals, the brief's limit
 ]))
 #: (path relative to the repository, text of the line) pairs allowed to match; none are needed today
 HISTORY_ALLOWED: set = set()
@@ -151,7 +152,8 @@ def test_no_page_script_or_test_speaks_of_stops_runs_by_letter_or_issue_numbers(
 
 @pytest.mark.parametrize("text", ["see stop 45", "the default since stop 45", "in this stop's runs",
                                   "the figures come from run g", "runs i-m", "runs a-h used those",
-                                  "Issue #34.", "(issue 39)", "issue #15's goals", "in the last session's run"])
+                                  "Issue #34.", "(issue 39)", "issue #15's goals", "in the last session's run",
+                                  "against the issue's goals", "the brief's limit"])
 def test_the_history_words_pattern_catches_each_kind(text):
     assert HISTORY_WORDS.search(text), text
 
