@@ -53,7 +53,7 @@ Beside every step time its limit, measured in the same run:
 
 ``local`` rather than one rank alone: the emulated hosts share this machine's cores, so every rank computes
 slower than one rank alone does (both are shown).  Ratios vs hsdp-bf16 (step time, host-link bytes) and the
-issue's goals (TernGrad's host-link bytes <= 0.15x and step time <= 0.6x HSDP bf16's, replicas identical) are
+goals (TernGrad's host-link bytes <= 0.15x and step time <= 0.6x HSDP bf16's, replicas identical) are
 printed under the table.  Results: ``<out>/gpt2-L<layers>-E<embd>-n<H>x<G>-regime<RATIO>[-every-rank][-<tag>].json``
 and the
 table appended to ``<out>/table.md`` with the command line.
@@ -414,7 +414,7 @@ def limit_ms(res: dict, row: dict) -> tuple[float, float, float, float] | None:
 
 
 def summary(res: dict) -> dict:
-    """Ratios vs hsdp-bf16 and the issue's goals, from one cell."""
+    """Ratios vs hsdp-bf16 and the goals, from one cell."""
     by = {r["config"]: r for r in res["rows"]}
     bf16, tg = by.get("hsdp-bf16"), by.get("hsdp-terngrad")
     out = {"ratios_vs_bf16": {}}

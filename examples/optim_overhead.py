@@ -4,7 +4,7 @@ compute alone (forward + backward of its batch): the step of the calibrated-regi
     OMP_NUM_THREADS=1 python examples/optim_overhead.py --json docs/adam/optim_overhead.json
 
 Models (transformers GPT2LMHeadModel built from a config): the HSDP benchmark's GPT-2 4 x 256 (byte vocabulary,
-context 64, examples/fsdp_benchmark.py) and issue 35's DDP benchmark's GPT-2 6 x 512 (vocabulary 16384).  For
+context 64, examples/fsdp_benchmark.py) and the DDP benchmark's GPT-2 6 x 512 (vocabulary 16384).  For
 each, in ``--rounds`` interleaved rounds (so a slow spell of the machine lands on all of them), the median over
 ``--steps`` steps of:
 

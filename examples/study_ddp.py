@@ -1,4 +1,4 @@
-"""Accuracy of the DDP communication hooks at equal steps and equal wall-clock (issue #16): TernGrad-DDP against
+"""Accuracy of the DDP communication hooks at equal steps and equal wall-clock: TernGrad-DDP against
 DDP fp32 (no hook), PyTorch's fp16_compress_hook and PowerSGD ranks 1 and 4, with real DDP over gloo.
 
     python examples/study_ddp.py --study lenet --steps 1500 --seeds 1,2 --out docs/ddp

@@ -1,5 +1,5 @@
 """Time to quality on DDP in the calibrated regime: the training wall time each method takes until its held-out
-loss reaches the final held-out loss of plain fp32 DDP with torch's AdamW (issue 39, item 6).  Bits are a means;
+loss reaches the final held-out loss of plain fp32 DDP with torch's AdamW.  Bits are a means;
 users pay for hours.  Needs root and iproute2 (launch/netns-cluster.sh).
 
     .venv/bin/python examples/time_to_quality.py --ratio 8 --steps 1000 --out docs/time_to_quality
@@ -30,7 +30,7 @@ fp32's final held-out loss; a method "reaches" it at the first evaluation whose 
 (no interpolation between evaluations; fp32 reaches it at its last evaluation at the latest), and its time to
 quality is that evaluation's ``train_s``.  "never": no evaluation of the run got there.  The speed-up of a row
 is the time to quality of the fastest other method that reaches the target divided by the row's own.  The goal
-of the issue: TernGrad reaches the target first, at least 1.5x sooner than the best of the others.
+of the benchmark: TernGrad reaches the target first, at least 1.5x sooner than the best of the others.
 
 Results: ``<out>/<method>.json`` (transformers_lm.py's result with its ``curve``, plus the method and the regime)
 and ``<out>/<method>.log``; a method whose JSON exists is skipped unless ``--force`` (which also measures the

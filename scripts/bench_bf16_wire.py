@@ -1,6 +1,6 @@
-"""The node-aware exchange's CPU work with bf16 inside the node (exchange/hierarchical.py), the way it was done
-until stop 48 beside the way it is done now, on one tensor of GPT-2's embedding size (25.7M elements) at one
-thread, for G = 2 ranks per node.  Prints milliseconds (best of 5) and checks that both give the same bits.
+"""The node-aware exchange's CPU work with bf16 inside the node (exchange/hierarchical.py), a straightforward way
+(an fp32 copy of everything received, fresh buffers every step) beside the way the exchange does it, on one tensor
+of GPT-2's embedding size (25.7M elements) at one thread, for G = 2 ranks per node.  Prints milliseconds (best of 5) and checks that both give the same bits.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_bf16_wire.py [--numel N]
 

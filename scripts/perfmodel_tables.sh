@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 M="$PY -m horovod_terngrad.modelling"
 D=docs/perfmodel
-$M --png $D/fig5.png > $D/fig5-tables.txt
+$M --png $D/fig5.png > /dev/null
+$M > $D/fig5-tables.txt          # and reternarized-hsdp.md below: scripts/render_docs.py checks both
 { $M --model vgga; $M --model alexnet; } > $D/reternarized-horovod.txt
 { $M --gpus-per-node 8 --model vgga; $M --gpus-per-node 8 --model alexnet; } > $D/default-8gpu-horovod.txt
 { echo '`python -m horovod_terngrad.modelling --model vgga --scheduled` and `--model alexnet --scheduled` (both clusters, 1-512 GPUs; fraction of linear scaling in brackets = compute alone / step; `default`: what `TernGradConfig()` picks, `auto`: `exchange="auto"`)'

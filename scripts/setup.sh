@@ -75,7 +75,8 @@ if ((WITH_TEST)); then
   # the DDP hook's recipes (tests/test_ecosystem.py); torch pinned in the same call so pip keeps the CPU build
   eco=(lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0)
   have "${eco[@]}" || { log "pip install ${eco[*]}"; pip_q "${eco[@]}" torch==2.13.0; }
-  docs=(mkdocs==1.6.1 mkdocs-material==9.8.2); have "${docs[@]}" || { log "pip install ${docs[*]}"; pip_q "${docs[@]}"; }
+  docs=(mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11)
+  have "${docs[@]}" || { log "pip install ${docs[*]}"; pip_q "${docs[@]}"; }
 fi
 
 # 4. Horovod 0.28.1 with PyTorch + Gloo + MPI. Its sdist forces C++14, which torch >= 2.1 headers

@@ -1,4 +1,4 @@
-"""Mixed precision on real ranks with TernGrad at its defaults (issue #29): fp16 autocast with torch.amp.GradScaler in
+"""Mixed precision on real ranks with TernGrad at its defaults: fp16 autocast with torch.amp.GradScaler in
 each frontend's recipe, bf16 autocast, and fp16 / bf16 models.
 
 Launches (one per world; each runs several scenarios, tests/workers/amp_hvd.py and amp_ddp.py):

@@ -1,6 +1,7 @@
 """The docs: README's commands at its top, the pages scripts/render_docs.py generates equal to what is committed
-(one source for every figure), the quickstart's scripts valid against the package, and the MkDocs site building in
-strict mode (a broken link, a missing page or snippet fails)."""
+(one source for every figure), no page speaking of the project's history, the quickstart's scripts valid against
+the package, and the MkDocs site building in strict mode (a broken link, a missing page or snippet, a docstring the
+API pages cannot render fails)."""
 from __future__ import annotations
 
 import ast
@@ -49,9 +50,10 @@ def test_readme_links_resolve():
 
 
 def test_generated_pages_equal_the_render_scripts_output():
-    """docs/reference.md and every rendered block (README's and the home page's headline figures, the choosing
-    table, ddp.md's status, fsdp.md's scale text, the troubleshooting inventory) as scripts/render_docs.py writes
-    them from the code, the benchmarks' JSON and the performance model."""
+    """docs/reference.md, docs/adam/scale-table.md and every rendered block (README's and the home page's headline,
+    the choosing tables, the whole-run table, ddp.md's status, adam.md's tables, the quickstart's Adam figures,
+    fsdp.md's scale text, perfmodel.md's comparison with the paper, the troubleshooting inventory) as
+    scripts/render_docs.py writes them from the code, the benchmarks' JSON and the performance model."""
     stale = []
     for rel, text in render_docs.rendered_pages().items():
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
@@ -62,9 +64,36 @@ def test_generated_pages_equal_the_render_scripts_output():
     assert not stale, "run .venv/bin/python scripts/render_docs.py\n" + "\n".join(stale)
 
 
+def test_every_rendered_marker_has_its_block():
+    """A ``BEGIN rendered:NAME`` marker in any page is one of render_docs.blocks(): none is left unrendered."""
+    known = set(render_docs.blocks())
+    orphans = []
+    for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True) + [os.path.join(ROOT, "README.md")]:
+        rel = os.path.relpath(path, ROOT)
+        with open(path, encoding="utf-8") as f:
+            for name in re.findall(r"<!-- BEGIN rendered:([\w-]+)", f.read()):
+                if (rel, name) not in known:
+                    orphans.append(f"{rel}: {name}")
+    assert not orphans, orphans
+
+
 def test_headline_figures_are_the_same_in_readme_and_on_the_home_page():
     blocks = render_docs.blocks()
     assert blocks[("README.md", "headline")].replace("docs/", "") == blocks[("docs/index.md", "headline")]
+
+
+def test_the_usage_pages_settings_table_has_every_setting_with_its_default():
+    """docs/usage.md's hand-written settings table: one row per TernGradConfig field, its default the code's."""
+    import dataclasses
+
+    from horovod_terngrad.config import TernGradConfig
+    with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+        rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", f.read(), re.M))
+    for fld in dataclasses.fields(TernGradConfig):
+        assert fld.name in rows, f"docs/usage.md has no row for {fld.name}"
+        default = fld.default if fld.default is not dataclasses.MISSING else fld.default_factory()
+        shown = rows[fld.name].strip().strip("`").replace('"', "'")
+        assert shown == (repr(default) if isinstance(default, str) else str(default)), (fld.name, shown, default)
 
 
 def test_reference_lists_every_setting_and_environment_variable():
@@ -79,6 +108,110 @@ def test_reference_lists_every_setting_and_environment_variable():
         assert f"| `{name}` |" in ref, name
     for flag in ("--network", "--no-terngrad", "--dry-run", "--scheduled", "--fusion-numel", "--workers"):
         assert f"`{flag}`" in ref, flag
+
+
+# Words that narrate the project's history instead of saying what holds: a work stop by number ("stop 45", "this
+# stop's runs"), a run by its letter ("run g", "runs i-m"), an issue by number ("issue 39", "(issue #24)"), a
+# session.  History belongs in CHANGELOG.md, which is not checked.  Ordinary English passes: "run a preflight" (the
+# letter a is never a label here), "the stop button", "issue order", "runs every step", "run e.g. ...".
+HISTORY_WORDS = re.compile("|".join([
+    r"\bstops? #?\d+",                                    # stop 45, stops 45-48
+    r"\b(?:this|last|previous|an earlier) stop\b",        # this stop('s), an earlier stop
+    r"\bruns? [b-z]\b(?![.'’-]\w)",                       # run g, runs k  (not "run e.g.")
+    r"\bruns? [a-z]-[a-z]\b",                             # runs a-h, runs i-m
+    r"\b[Ii]ssues? #?\d+",                                # issue 39, Issue #34, issues #6
+    r"\([Ii]ssues?\b(?!\()",                              # (issue ...), not a call issue()
+    r"\b(?:this|last|previous|other) sessions?\b",        # the last session's run
+    r"\bthe issue's\b|\bthe brief(?:'s)?\b",                # the issue's goals, the brief's limit
+]))
+#: (path relative to the repository, text of the line) pairs allowed to match; none are needed today
+HISTORY_ALLOWED: set = set()
+
+
+def _history_scanned_files() -> list[str]:
+    """docs/ (pages, rendered tables, the study scripts), README.md, mkdocs.yml, scripts/, examples/, tests/ and
+    the package's docstrings and comments; CHANGELOG.md is where history goes."""
+    pats = ["docs/**/*.md", "docs/**/*.sh", "docs/**/*.py", "README.md", "mkdocs.yml", "scripts/*",
+            "examples/**/*.py", "tests/**/*.py", "horovod_terngrad/**/*.py", "launch/*", "slurm/*"]
+    files = {os.path.relpath(f, ROOT) for pat in pats for f in glob.glob(os.path.join(ROOT, pat), recursive=True)
+             if os.path.isfile(f)}
+    files.discard(os.path.join("tests", "test_docs.py"))     # names the patterns themselves
+    return sorted(files)
+
+
+def test_no_page_script_or_test_speaks_of_stops_runs_by_letter_or_issue_numbers():
+    found = []
+    for rel in _history_scanned_files():
+        with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                m = HISTORY_WORDS.search(line)
+                if m and (rel, line.strip()) not in HISTORY_ALLOWED:
+                    found.append(f"{rel}:{i}: '{m.group(0)}' in: {line.strip()[:160]}")
+    assert not found, ("history words (say what holds now; history goes to CHANGELOG.md):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("text", ["see stop 45", "the default since stop 45", "in this stop's runs",
+                                  "the figures come from run g", "runs i-m", "runs a-h used those",
+                                  "Issue #34.", "(issue 39)", "issue #15's goals", "in the last session's run",
+                                  "against the issue's goals", "the brief's limit"])
+def test_the_history_words_pattern_catches_each_kind(text):
+    assert HISTORY_WORDS.search(text), text
+
+
+@pytest.mark.parametrize("text", ["runs a preflight on every rank", "run a benchmark", "the stop button",
+                                  "in issue order", "return _Pending(issue(), out)", "runs every step",
+                                  "run e.g. the codec benchmark", "training stops", "the whole test session",
+                                  "tags a-h in docs/cluster/default/"])
+def test_the_history_words_pattern_lets_ordinary_english_pass(text):
+    assert not HISTORY_WORDS.search(text), text
+
+
+def test_history_free_test_names():
+    """Test functions are named for what they check, never for the issue or run that added them."""
+    bad = []
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            for name in re.findall(r"^\s*def (test_\w+)", f.read(), re.M):
+                if re.search(r"(?:^|_)(?:issue|stop)_?\d+|(?:^|_)runs?_[b-z](?:_|$)", name):
+                    bad.append(f"{os.path.relpath(path, ROOT)}::{name}")
+    assert not bad, bad
+
+
+def _pages() -> dict:
+    out = {}
+    for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True) + [os.path.join(ROOT, "README.md")]:
+        with open(path, encoding="utf-8") as f:
+            out[os.path.relpath(path, ROOT)] = " ".join(f.read().split())     # sentences across line breaks
+    return out
+
+
+def test_pages_state_the_default_exchanges_rule_as_the_code_has_it():
+    """Where a page says how far the default runs the allgather ("up to 4 ranks") or from where the requantized
+    exchange ("above 4 ranks"), the number is exchange.policy.DEFAULT_ALLGATHER_MAX_RANKS."""
+    from horovod_terngrad.exchange import policy
+    unit = r"(?:ranks|nodes|replicas|ranks or nodes)"
+    pats = [re.compile(r"allgather[^.;]{0,40}?\b(?:up to|among up to|to) (\d+) " + unit),
+            re.compile(r"requantized[^.;]{0,40}?\b(?:above|more than|beyond|among more than) (\d+) " + unit),
+            re.compile(r"(?:above|more than|beyond) (\d+) " + unit + r"[^.;]{0,30}?\brequantized")]
+    wrong = []
+    for rel, text in _pages().items():
+        for pat in pats:
+            for m in pat.finditer(text):
+                if int(m.group(1)) != policy.DEFAULT_ALLGATHER_MAX_RANKS:
+                    wrong.append(f"{rel}: ...{m.group(0)}...")
+    assert not wrong, wrong
+
+
+def test_no_page_says_the_node_aware_exchange_gives_no_noise_estimate():
+    """The node-aware exchange hands horovod_terngrad.optim its cross stage's noise estimate (exchange/hierarchical.py,
+    want_noise): no page may say otherwise, or advise hierarchical=False to get one."""
+    with open(os.path.join(ROOT, "horovod_terngrad", "exchange", "hierarchical.py"), encoding="utf-8") as f:
+        assert "want_noise" in f.read()
+    bad = re.compile(r"(?:node-aware|hierarchical)[^.]{0,80}?(?:no noise estimate|without (?:a|its|the) "
+                     r"(?:noise )?estimate|gives? (?:it )?none)|hierarchical=False[^.]{0,60}?(?:AdamW|noise estimate)",
+                     re.I)
+    found = [f"{rel}: {m.group(0)}" for rel, text in _pages().items() for m in bad.finditer(text)]
+    assert not found, found
 
 
 SNIPPETS = sorted(glob.glob(os.path.join(ROOT, "docs", "snippets", "*.py")))

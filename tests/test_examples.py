@@ -599,7 +599,7 @@ def test_adam_floor_study_finds_the_reternarized_estimate_pins_v_at_the_floor(tm
 
 def test_adam_study_table_refuses_to_compare_runs_of_another_global_batch(tmp_path):
     """adam_study_table: gaps against the baseline only for runs of its global batch and sequence length; a run
-    with half the batch (the Horovod 2 x 2 mix-up of issue 39) gets 'not comparable' instead of a gap, and runs
+    with half the batch (a Horovod 2 x 2 run at 8 sequences per rank) gets 'not comparable' instead of a gap, and runs
     that record neither (written before the fields existed) are compared as before."""
     import adam_study_table as ast
 
@@ -801,7 +801,7 @@ def test_ddp_benchmark_profile_breaks_a_terngrad_step_down(tmp_path):
     assert alone["params"] == 300 * 64 and alone["compute_ms"] > 0
 
 
-def test_models_gpt2_is_issue_35s_transformers_workload():
+def test_models_gpt2_is_the_ddp_benchmarks_transformers_workload():
     pytest.importorskip("transformers")
     from horovod_terngrad.operations import models
     model, x = models.make("gpt2", 2)

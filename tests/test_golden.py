@@ -1,7 +1,7 @@
 """Golden pins: the bytes every rank hands to each collective, and every decoded average, for a fixed set
 of tensors, settings, exchanges, fusion and rank counts, over two steps (stream keys advance).
 
-The pinned digests were written by the code before the layered redesign (issue 13) and must not change:
+The pinned digests must not change:
 a refactor of how payloads travel may move code, never a bit.  Regenerate only for an intended change
 of the wire format or the arithmetic: ``TERNGRAD_GOLDEN_WRITE=1 pytest tests/test_golden.py``.
 """
@@ -30,15 +30,13 @@ CASES = {
     "sharded-base3-buckets": dict(exchange="sharded", packing="base3", bucket_size=50),
     "zero-nonfinite": dict(on_nonfinite="zero"),
     "auto": dict(exchange="auto"),
-    # added with the re-ternarized exchange (issue 35); the pins above were not rewritten
+    # the re-ternarized exchange
     "reternarized": dict(exchange="reternarized", shared_scaler=False),
     "reternarized-base3-buckets": dict(exchange="reternarized", shared_scaler=False, packing="base3", bucket_size=50),
     "reternarized-shared": dict(exchange="reternarized"),
     "reternarized-zero-nonfinite": dict(exchange="reternarized", shared_scaler=False, on_nonfinite="zero"),
-    # added with the requantized exchange (issue 39), when "auto" came to weigh it instead of the sharded one: the
-    # "auto" pins were rewritten then (at 3 and 4 ranks it now picks the requantized exchange for the large
-    # tensors); every other pin above is unchanged.  "auto" weighs the two exchanges "default" runs, the
-    # allgather and the requantized one: the auto/3 and auto/4 pins are those written then
+    # the requantized exchange.  "auto" weighs the two exchanges "default" runs, the allgather and the requantized
+    # one: at 3 and 4 ranks it picks the requantized exchange for the large tensors
     "requantized": dict(exchange="requantized"),
     "requantized-base3-buckets": dict(exchange="requantized", packing="base3", bucket_size=50),
 }

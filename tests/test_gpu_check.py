@@ -23,7 +23,7 @@ def test_the_script_parses():
 
 def test_gpt2_shapes_are_gpt2lmheadmodels():
     shapes = gpu_check.gpt2_shapes()
-    assert len(shapes) == 76 and sum(math.prod(s) for _, s in shapes) == 27_336_704   # issue 35's workload
+    assert len(shapes) == 76 and sum(math.prod(s) for _, s in shapes) == 27_336_704   # the DDP benchmark's GPT-2
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
                                    bos_token_id=0, eos_token_id=0)

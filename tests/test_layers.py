@@ -174,8 +174,8 @@ def test_wheel_and_sdist_carry_the_kernels(tmp_path):
 
 
 def test_the_step_models_have_no_import_cycle():
-    """modelling/: plots imports the model, the model never imports plots or the CLI (issue 35: perfmodel and
-    plots imported each other)."""
+    """modelling/: plots imports the model, the model never imports plots or the CLI (a cycle between
+    perfmodel and plots would make importing the model load matplotlib)."""
     graph = {}
     for rel, path in _modules():
         if rel.startswith("modelling" + os.sep):

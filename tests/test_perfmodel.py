@@ -353,8 +353,8 @@ def test_paper_alexnet_8_gpus_on_1g_ethernet():
     assert c == pytest.approx(0.40, abs=0.01)
     check = pm.compare_exchanges(alex.sizes, c, 8, eth.network, **flat)["terngrad_allgather"].speedup_vs_fp32
     assert check == pytest.approx(3.04, rel=1e-9)
-    # the default: node-aware where it pays (issue #24's goal: stay at 3.04x or better)
-    # (the figures of issue #24, with fp32 inside the node; the default now carries bf16 there: 15.74x)
+    # the default: node-aware where it pays, at 3.04x or better (these figures with fp32 inside the node;
+    # the default carries bf16 there: 15.74x)
     d = pm.predict_scaling(alex, eth, [8], flat_too=True, config=TernGradConfig(intra_node_dtype="float32"))[0]
     # (each group decided as the Horovod engine decides it, charged the step's two 4-byte allreduces: one
     # small group saves less than that and stays flat)
@@ -597,7 +597,7 @@ def test_per_rank_scalers_pay_no_handshake_per_group_but_one_presence_check_per_
     assert pm.exchange_plan("terngrad", [20_000], 8, net, config=auto) == [("terngrad_allgather", [20_000])]
 
 
-# ---------------------------------------------------------------- node-aware exchange (issue #24)
+# ---------------------------------------------------------------- node-aware exchange
 # inter-node link: alpha 1 ms, 1 MB/s, nodes of G; inside a node: alpha 0.1 ms, 100 MB/s (round numbers)
 INTRA = pm.Network("bus", latency_s=1e-4, bandwidth_Bps=1e8)
 
@@ -766,8 +766,8 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
             "terngrad", m.sizes, N, net, names=names, hierarchical=True)}
 
 
-def test_issue_24_goals_as_the_model_states_them():
-    """The figures docs/perfmodel.md reports (defaults: hierarchical="auto"), so a change shows here; and
+def test_node_aware_figures_at_512_gpus_as_the_model_states_them():
+    """The node-aware exchange's figures at 512 GPUs (defaults: hierarchical="auto"), so a change shows here; and
     the same before the allreduce choice and the NVLink links (ring-only, one port per GPU in the node)."""
     from dataclasses import replace
 
@@ -824,7 +824,7 @@ def test_issue_24_goals_as_the_model_states_them():
             assert r["terngrad"].step_s <= r["terngrad_flat"].step_s * (1 + 1e-12)
 
 
-# ---------------------------------------------------------------- HSDP (issue #30 item 9)
+# ---------------------------------------------------------------- HSDP
 GPT = pm.GPT3_1P3B
 G4 = 4
 
@@ -863,7 +863,7 @@ def test_hsdp_unit_shards_cut_as_the_frontend():
 
 
 def _ring(cluster):
-    """The cluster's network with every allreduce a ring (the bytes formulas of the brief)."""
+    """The cluster's network with every allreduce a ring (the plain ring bytes formulas)."""
     return pm.CLUSTERS[cluster].network.with_allreduce("ring")
 
 
@@ -1004,7 +1004,7 @@ def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
     assert rt.limit_s <= rt.step_s <= 1.1 * rt.limit_s
 
 
-# ---------------------------------------------------------------- the requantized exchange and the default (issue #39)
+# ---------------------------------------------------------------- the requantized exchange and the default
 @pytest.mark.parametrize("N", [3, 5])
 def test_requantized_cost_charges_exactly_codec_sizes_bytes(N):
     """exchange.cost.terngrad_requantized_cost (and so the plan, the HSDP rows and the schedule) charges c = the

@@ -2,7 +2,11 @@
 
     from horovod_terngrad.integrations.transformers import TernGradTrainerCallback
     trainer = Trainer(...)
-    TernGradTrainerCallback.attach(trainer)     # or Trainer(callbacks=[TernGradTrainerCallback(trainer)])
+    TernGradTrainerCallback.attach(trainer)     # first in trainer's callbacks, reading trainer's DDP model
+
+``attach`` needs the ``Trainer``, so it comes after the constructor: ``Trainer(callbacks=[...])`` cannot name the
+trainer it is building.  ``trainer.add_callback(TernGradTrainerCallback(trainer))`` works too, but puts the callback
+after the reporting ones, which then do not see the figures (``state.log_history`` still gets them).
 
 At every log (``logging_steps``) the figures of the steps since the last one (figures.py: bits per element, and
 per step the bytes sent and saved against fp32 and bf16, codec and wait milliseconds) are added to the Trainer's

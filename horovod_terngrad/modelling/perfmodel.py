@@ -106,7 +106,7 @@ Costs of this module itself: every function is O(number of tensors · number of 
 here touches the network.  torch is imported only by :func:`profile_compute` (and a module passed to
 :func:`tensor_sizes_of` brings its own); matplotlib only by ``modelling/plots.py``.
 
-HSDP (issue #30): :func:`predict_hsdp_step` / :func:`predict_hsdp` price one step of a GPT
+HSDP: :func:`predict_hsdp_step` / :func:`predict_hsdp` price one step of a GPT
 (:data:`GPT3_1P3B`, every parameter tensor with its shape) under FSDP2 inside a node and fp32, bf16 or TernGrad
 averaging of each rank's shard across nodes (frontends/fsdp.py), with the same step formula and overlap (0 by
 default) as above; the math is in the comment at the head of that section.  CLI:
@@ -844,7 +844,7 @@ def max_workers_where_allgather_wins(numel: int, network: Network, packing: str 
 
 
 # --------------------------------------------------------------------------------------------------
-# HSDP (FSDP2 sharded inside a node, each rank's gradient shard averaged across nodes), issue #30
+# HSDP (FSDP2 sharded inside a node, each rank's gradient shard averaged across nodes)
 #
 # The step of one rank of a job of N = R·G GPUs, R nodes of G GPUs (``network.ranks_per_node``), the model
 # sharded by FSDP2 on the G GPUs of a node (one FSDP unit per transformer block, plus the root unit holding

@@ -63,7 +63,7 @@ class Row:
 
 def gpt2_shapes(layers: int = 6, d: int = 512, vocab: int = 16384, context: int = 64) -> list[tuple[str, tuple]]:
     """(name, shape) of every parameter of a transformers GPT2LMHeadModel in its order (the head is tied to wte):
-    issue 35's DDP workload by default (6 x 512, vocabulary 16384, context 64: 76 tensors, 27.3M elements)."""
+    the DDP benchmark's GPT-2 by default (6 x 512, vocabulary 16384, context 64: 76 tensors, 27.3M elements)."""
     shapes = [("transformer.wte.weight", (vocab, d)), ("transformer.wpe.weight", (context, d))]
     for i in range(layers):
         h = f"transformer.h.{i}."

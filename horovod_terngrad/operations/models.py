@@ -117,8 +117,8 @@ def mlp(layers: int = 4, width: int = 2500) -> nn.Module:
 
 class GPT2Logits(nn.Module):
     """A ``transformers`` GPT2LMHeadModel (tied embeddings and head, dropout off) returning its logits, so a
-    benchmark step is ``model(x).square().mean().backward()`` as for the other models.  Issue 35's DDP
-    workload: 6 layers x 512, vocabulary 16384, context 64 (27.3M parameters in 76 tensors)."""
+    benchmark step is ``model(x).square().mean().backward()`` as for the other models.  The DDP
+    benchmark's GPT-2: 6 layers x 512, vocabulary 16384, context 64 (27.3M parameters in 76 tensors)."""
 
     def __init__(self, layers: int = 6, d: int = 512, heads: int = 8, vocab: int = 16384, context: int = 64):
         super().__init__()
