@@ -24,8 +24,8 @@ The probe (:func:`probe`), on one set of collectives (the world; or a node's ran
    (a late rank would otherwise time only the tail of the large one).  Each size's fastest repeat counts: a
    collective never runs faster than its link allows, while a busy core (another rank's training, another job)
    only ever makes it slower;
-4. the rate from the two sizes (alpha-beta): B = 2(N-1)/N · 4 · (LARGE - SMALL) / (t_large - t_small), which
-   leaves out what every collective costs whatever its size (the framework's negotiation round, the ring's
+4. the rate from the two sizes (alpha-beta): B = 2(N-1)/N · 4 · (LARGE - SMALL) / (t_large - t_small) for a
+   ring (``sent_bytes``: (N-1) · 4 · ... for a node's group carried by world collectives), which leaves out what every collective costs whatever its size (the framework's negotiation round, the ring's
    per-message latency, waking a thread); the large size alone where the difference is not positive.
 
 Why not one 1 MiB allreduce: on 2 emulated hosts x 2 ranks over 1 Gbit/s with the cores busy it read
@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -95,18 +95,23 @@ def _median(values) -> float:
     return v[h] if len(v) % 2 else (v[h - 1] + v[h]) / 2
 
 
-def ring_bytes(n_ranks: int, numel: int) -> float:
-    """Bytes an fp32 ring allreduce of ``numel`` elements sends from each of ``n_ranks`` ranks: 2(N-1)/N · 4n."""
-    return 2 * (n_ranks - 1) / n_ranks * 4 * numel
+def sent_bytes(coll, numel: int) -> float:
+    """Bytes each rank of ``coll`` sends in an fp32 allreduce of ``numel`` elements: a ring's 2(N-1)/N · 4n, or
+    (N-1) · 4n where ``coll`` is a group carried by world collectives (world_groups.py: an allgather, then the
+    sum on every rank)."""
+    n = coll.size
+    if getattr(coll, "spans_world", False):
+        return (n - 1) * 4.0 * numel
+    return 2 * (n - 1) / n * 4 * numel
 
 
-def rate_Bps(n_ranks: int, t_small: float, t_large: float) -> float:
-    """The link rate (bytes/s per rank's link) from the fastest small and large probe allreduce: the slope between
-    the two sizes, or the large one alone where the slope is not positive."""
+def rate_Bps(coll, t_small: float, t_large: float) -> float:
+    """The link rate (bytes/s per rank's link) from the fastest small and large probe allreduce on ``coll``: the
+    slope between the two sizes, or the large one alone where the slope is not positive."""
     dt = t_large - t_small
     if dt > 0:
-        return ring_bytes(n_ranks, LARGE_NUMEL - SMALL_NUMEL) / dt
-    return ring_bytes(n_ranks, LARGE_NUMEL) / max(t_large, 1e-9)
+        return (sent_bytes(coll, LARGE_NUMEL) - sent_bytes(coll, SMALL_NUMEL)) / dt
+    return sent_bytes(coll, LARGE_NUMEL) / max(t_large, 1e-9)
 
 
 def _present(coll, device, name: str) -> bool:
@@ -208,7 +213,7 @@ def measure(coll, device: torch.device, packing: str, name: str = "terngrad.link
         return None
     t_small, t_large = probe(coll, device, f"{name}.probe")
     t_codec = _codec_seconds(device, n, packing)
-    rows = agree(coll, device, [rate_Bps(n, t_small, t_large), t_codec], f"{name}.agree")
+    rows = agree(coll, device, [rate_Bps(coll, t_small, t_large), t_codec], f"{name}.agree")
     measured = max(_median(r[0] for r in rows), 1.0)
     return LinkDecision(n, _snapped_Bps(measured), _median(r[1] for r in rows) / PROBE_NUMEL, packing, measured)
 
@@ -224,6 +229,8 @@ class MeasuredLinks:
     across_Bps: float
     inside_Bps: float           #: 0 where no node has two ranks to measure between
     inside_given: bool = False
+    #: every rank's (t_small, t_large) of the world's probe and of its node's, seconds (0 where not measured)
+    times: tuple = field(default=(), compare=False)
 
     @property
     def across_priced_Bps(self) -> float:
@@ -261,15 +268,16 @@ def measure_links(world, local, device: torch.device, name: str = "terngrad.link
     t_world = probe(world, device, f"{name}.world") if n > 1 else None
     t_node = probe(local, device, f"{name}.node") if local.size > 1 else None
     given = "HOROVOD_TERNGRAD_INTRA_GBPS" in os.environ
-    rows = agree(world, device, [rate_Bps(n, *t_world) if t_world else 0.0,
-                                 rate_Bps(local.size, *t_node) if t_node else 0.0, float(given)], f"{name}.agree")
+    rows = agree(world, device, [rate_Bps(world, *t_world) if t_world else 0.0,
+                                 rate_Bps(local, *t_node) if t_node else 0.0, float(given),
+                                 *(t_world or (0.0, 0.0)), *(t_node or (0.0, 0.0))], f"{name}.agree")
     set_on = [r for r, row in enumerate(rows) if row[2]]
     if 0 < len(set_on) < n:
         raise TernGradError(f"TernGrad: hierarchical='auto': HOROVOD_TERNGRAD_INTRA_GBPS is set on ranks "
                             f"{_ranks(set_on)} and not on the others; set it alike on every rank")
     inside = [row[1] for row in rows if row[1] > 0]
     return MeasuredLinks(n, local.size, max(_median(row[0] for row in rows), 1.0),
-                         _median(inside) if inside else 0.0, bool(set_on))
+                         _median(inside) if inside else 0.0, bool(set_on), tuple(tuple(row[3:]) for row in rows))
 
 
 def _ranks(ranks: list) -> str:
