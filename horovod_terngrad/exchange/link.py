@@ -24,17 +24,21 @@ The probe (:func:`probe`), on one set of collectives (the world; or a node's ran
    (a late rank would otherwise time only the tail of the large one).  Each size's fastest repeat counts: a
    collective never runs faster than its link allows, while a busy core (another rank's training, another job)
    only ever makes it slower;
-4. the rate from the two sizes (alpha-beta): B = 2(N-1)/N · 4 · (LARGE - SMALL) / (t_large - t_small) for a
-   ring (``sent_bytes``: (N-1) · 4 · ... for a node's group carried by world collectives), which leaves out what every collective costs whatever its size (the framework's negotiation round, the ring's
-   per-message latency, waking a thread); the large size alone where the difference is not positive.
+4. the rate from the two sizes (alpha-beta, from the ranks' figures as agreed below):
+   B = 2(N-1)/N · 4 · (LARGE - SMALL) / (t_large - t_small) for a ring (``sent_bytes``: (N-1) · 4 · ... for a
+   node's group carried by world collectives), which leaves out what every collective costs whatever its size
+   (the framework's negotiation round, the ring's per-message latency, waking a thread); the large size alone
+   where the difference is not positive.
 
-Why not one 1 MiB allreduce: on 2 emulated hosts x 2 ranks over 1 Gbit/s with the cores busy it read
-0.06 Gbit/s in one run and went the other way in the next.  Its 12 ms of bytes were a fraction of the
-negotiation and scheduling around them, and the mean over ranks carried one rank's stall to every rank.
+Why not one 1 MiB allreduce: on 2 emulated hosts x 2 ranks over 1 Gbit/s with the cores busy it reads anything
+from 0.06 Gbit/s up, and the plan differs from one run of a job to the next: its 12 ms of bytes are a fraction
+of the negotiation and scheduling around them, and a mean over ranks carries one rank's stall to every rank.
 
 Agreement: one allreduce-sum of an N x k float64 matrix, each rank filling its own row (the others 0, so the
 sum is exact): every rank holds the same figures of every rank, and computes the same decision from them by
-plain arithmetic (``_median``: the median over the ranks, which a stalled rank or two cannot move).
+plain arithmetic (``agreed_rate_Bps``): the fixed cost is the fastest small allreduce of any rank (the least
+disturbed one: a busy core inflates a 64 KiB allreduce from 1 ms to 90), the large one the median over the
+ranks (which one or two stalled ranks cannot move).
 
 Snapping (:func:`snap_gbps`): the agreed rate is priced as the nearest point of a coarse grid, 1 and 3 per
 decade (..., 0.3, 1, 3, 10, 30, 100, 300, ... Gbit/s: 1 GbE -> 1, 2.5/5 GbE -> 3, 10 GbE -> 10, 25-50 GbE ->
@@ -106,12 +110,19 @@ def sent_bytes(coll, numel: int) -> float:
 
 
 def rate_Bps(coll, t_small: float, t_large: float) -> float:
-    """The link rate (bytes/s per rank's link) from the fastest small and large probe allreduce on ``coll``: the
-    slope between the two sizes, or the large one alone where the slope is not positive."""
+    """The link rate (bytes/s per rank's link) from a small and a large probe allreduce on ``coll``: the slope
+    between the two sizes, or the large one alone where the slope is not positive."""
     dt = t_large - t_small
     if dt > 0:
         return (sent_bytes(coll, LARGE_NUMEL) - sent_bytes(coll, SMALL_NUMEL)) / dt
     return sent_bytes(coll, LARGE_NUMEL) / max(t_large, 1e-9)
+
+
+def agreed_rate_Bps(coll, times) -> float:
+    """The rate from every rank's (t_small, t_large) on ``coll``: the fastest small allreduce of any rank (the
+    least disturbed: the cost every collective pays whatever its size) and the median large one (the bytes on top
+    of that cost, which one or two stalled ranks cannot move)."""
+    return rate_Bps(coll, min(t[0] for t in times), _median(t[1] for t in times))
 
 
 def _present(coll, device, name: str) -> bool:
@@ -213,9 +224,9 @@ def measure(coll, device: torch.device, packing: str, name: str = "terngrad.link
         return None
     t_small, t_large = probe(coll, device, f"{name}.probe")
     t_codec = _codec_seconds(device, n, packing)
-    rows = agree(coll, device, [rate_Bps(coll, t_small, t_large), t_codec], f"{name}.agree")
-    measured = max(_median(r[0] for r in rows), 1.0)
-    return LinkDecision(n, _snapped_Bps(measured), _median(r[1] for r in rows) / PROBE_NUMEL, packing, measured)
+    rows = agree(coll, device, [t_small, t_large, t_codec], f"{name}.agree")
+    measured = max(agreed_rate_Bps(coll, [r[:2] for r in rows]), 1.0)
+    return LinkDecision(n, _snapped_Bps(measured), _median(r[2] for r in rows) / PROBE_NUMEL, packing, measured)
 
 
 @dataclass(frozen=True)
@@ -268,16 +279,14 @@ def measure_links(world, local, device: torch.device, name: str = "terngrad.link
     t_world = probe(world, device, f"{name}.world") if n > 1 else None
     t_node = probe(local, device, f"{name}.node") if local.size > 1 else None
     given = "HOROVOD_TERNGRAD_INTRA_GBPS" in os.environ
-    rows = agree(world, device, [rate_Bps(world, *t_world) if t_world else 0.0,
-                                 rate_Bps(local, *t_node) if t_node else 0.0, float(given),
-                                 *(t_world or (0.0, 0.0)), *(t_node or (0.0, 0.0))], f"{name}.agree")
-    set_on = [r for r, row in enumerate(rows) if row[2]]
+    rows = agree(world, device, [float(given), *(t_world or (0.0, 0.0)), *(t_node or (0.0, 0.0))], f"{name}.agree")
+    set_on = [r for r, row in enumerate(rows) if row[0]]
     if 0 < len(set_on) < n:
         raise TernGradError(f"TernGrad: hierarchical='auto': HOROVOD_TERNGRAD_INTRA_GBPS is set on ranks "
                             f"{_ranks(set_on)} and not on the others; set it alike on every rank")
-    inside = [row[1] for row in rows if row[1] > 0]
-    return MeasuredLinks(n, local.size, max(_median(row[0] for row in rows), 1.0),
-                         _median(inside) if inside else 0.0, bool(set_on), tuple(tuple(row[3:]) for row in rows))
+    across = agreed_rate_Bps(world, [row[1:3] for row in rows]) if n > 1 else 0.0
+    inside = agreed_rate_Bps(local, [row[3:5] for row in rows]) if local.size > 1 else 0.0
+    return MeasuredLinks(n, local.size, max(across, 1.0), inside, bool(set_on), tuple(tuple(row[1:]) for row in rows))
 
 
 def _ranks(ranks: list) -> str:
