@@ -771,3 +771,12 @@ def test_link_measurement_is_agreed_from_every_rank_and_a_stalled_rank_cannot_mo
     got, net = results[0]
     assert 0.9 < 8 * got.across_Bps / 1e9 < 1.0 and net.bandwidth_Bps == 125e6     # 1 Gbit/s, not the stalled 0.1
     assert len(got.times) == 4 and got.times[3][1] > 5 * got.times[0][1]
+
+
+def test_link_plan_summary_says_which_groups_go_node_aware():
+    from horovod_terngrad.exchange.link import plan_summary
+    assert plan_summary(lambda n: n >= 5000) == "node-aware for groups of 8,192 elements or more, flat below"
+    assert plan_summary(lambda n: True) == "node-aware for every group"
+    assert plan_summary(lambda n: False, largest=1 << 20) == "flat for every group up to 1,048,576 elements"
+    assert plan_summary(lambda n: n in (2, 8), largest=16) == \
+        "node-aware for groups of 2, 8 elements (powers of two), flat for the others"

@@ -182,10 +182,12 @@ class HierarchicalExchange:
         self._links = measured.network(cost.configured_network(self.G))
         if self.coll.rank == 0:
             plan = link.plan_summary(lambda numel: self.uses_hierarchy([numel], device))
-            log.warning("TernGrad hierarchical='auto' on %d nodes of %d ranks: %s; plan: %s (the %s exchange across "
-                        "nodes, exchange=%r). Set HOROVOD_TERNGRAD_GBPS (and HOROVOD_TERNGRAD_INTRA_GBPS) to give "
-                        "the rates instead", self.M, self.G, measured.describe(), plan,
-                        cost.exchange_among(self.config.exchange, self.M), self.config.exchange)
+            if not plan.startswith("flat"):
+                plan += f" (across nodes the {cost.exchange_among(self.config.exchange, self.M)} exchange, " \
+                        f"exchange={self.config.exchange!r})"
+            log.warning("TernGrad hierarchical='auto' on %d nodes of %d ranks: %s; plan: %s. HOROVOD_TERNGRAD_GBPS "
+                        "(and HOROVOD_TERNGRAD_INTRA_GBPS) give the rates instead", self.M, self.G, measured.describe(),
+                        plan)
         return self._links
 
     def uses_hierarchy(self, numels: list, device=None) -> bool:

@@ -301,7 +301,7 @@ def plan_summary(node_aware, largest: int = 1 << 30) -> str:
     if all(takes):
         return "node-aware for every group"
     if not any(takes):
-        return f"flat for every group (up to {largest:,} elements)"
+        return f"flat for every group up to {largest:,} elements"
     first = takes.index(True)
     if all(takes[first:]):
         return f"node-aware for groups of {sizes[first]:,} elements or more, flat below"
