@@ -77,7 +77,8 @@ if hvd.rank() == 0:
         network_name=net.name if net else None,
         group_numels=[sum(g) for g in first_groups], group_node_aware=plan,
         plan=("node-aware" if plan and all(plan) else "flat" if not any(plan) else "mixed"),
-        node_aware_fraction=(sum(sum(g) for g, p in zip(first_groups, plan) if p) / max(1, sum(map(sum, first_groups)))),
+        node_aware_fraction=(sum(sum(g) for g, p in zip(first_groups, plan) if p)
+                             / max(1, sum(map(sum, first_groups)))),
         host0_eth0_tx_MB_per_step=(c1[0] - c0[0]) / (STEPS - 1) / 1e6,
         host0_eth0_rx_MB_per_step=(c1[1] - c0[1]) / (STEPS - 1) / 1e6,
         step_s=step_s, loadavg=open("/proc/loadavg").read().split()[:3])
