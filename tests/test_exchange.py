@@ -687,3 +687,97 @@ def test_known_layout_catches_ranks_that_disagree_on_sizes():
 
     for msg in run_ranks(2, body, timeout=30):
         assert msg and "'w'" in msg and "disagree" in msg
+
+
+# -- the measured links: snapped to a grid, agreed from every rank's figures --------------------------------------
+
+def test_link_rates_snap_to_a_grid_that_holds_40_percent_of_noise_around_each_point():
+    from horovod_terngrad.exchange.link import snap_gbps
+    assert [snap_gbps(g) for g in (0.06, 0.31, 1.15, 2.5, 5, 12, 40, 100, 200, 400)] == \
+        [0.1, 0.3, 1, 3, 3, 10, 30, 100, 300, 300]
+    for point in (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000):
+        for noise in (0.6, 0.75, 0.9, 1.0, 1.1, 1.25, 1.4):
+            assert snap_gbps(point * noise) == point, (point, noise)
+    assert snap_gbps(float("inf")) == float("inf") and snap_gbps(0.0) == 0.0
+
+
+def test_link_rate_from_two_sizes_leaves_out_what_every_collective_costs():
+    """A fixed cost per collective (negotiation, latency, waking a thread) in both probes does not lower the rate;
+    a large probe no slower than the small one (noise) falls back to the large one alone."""
+    from types import SimpleNamespace
+
+    from horovod_terngrad.exchange import link
+    world = SimpleNamespace(size=4)
+    Bps = 125e6
+    overhead = 0.030
+    t_small = overhead + link.sent_bytes(world, link.SMALL_NUMEL) / Bps
+    t_large = overhead + link.sent_bytes(world, link.LARGE_NUMEL) / Bps
+    assert link.rate_Bps(world, t_small, t_large) == pytest.approx(Bps)
+    assert link.rate_Bps(world, 0.05, 0.04) == pytest.approx(link.sent_bytes(world, link.LARGE_NUMEL) / 0.04)
+    # a node's group carried by world collectives sends its whole tensor to each peer
+    group = SimpleNamespace(size=4, spans_world=True)
+    assert link.sent_bytes(group, 100) == 3 * 400 and link.sent_bytes(world, 100) == 1.5 * 400
+
+
+def _noisy_links(across_gbps, inside_gbps, across_noise, inside_noise):
+    from horovod_terngrad.exchange.link import MeasuredLinks
+    return MeasuredLinks(4, 2, across_gbps * across_noise * 1e9 / 8, inside_gbps * inside_noise * 1e9 / 8)
+
+
+@pytest.mark.parametrize("across,inside", [(1, 3), (1, 10), (1, 100), (10, 30), (0.3, 3)])
+def test_link_noise_of_40_percent_around_a_grid_rate_gives_the_same_plan(across, inside):
+    """Every combination of +-40% on the rate across and inside nodes prices the same network, so hierarchical='auto'
+    takes the same plan for every group size (2 nodes x 2 ranks, the Horovod frontend's defaults)."""
+    from horovod_terngrad.exchange import cost
+    configured = cost.configured_network(2)
+    cfg = TernGradConfig()
+    sizes = [[1 << 12], [1 << 16], [1 << 20], [4_194_304], [1 << 24], [1_000_000, 3_000_000, 200_000]]
+
+    def plan(net):
+        return tuple(cost.hierarchy_for(s, 2, 2, cfg.packing, cfg.bucket_size, network=net, exchange=None,
+                                        step_allreduces=2, intra_width=cfg.intra_node_width) for s in sizes)
+    noise = (0.6, 0.8, 1.0, 1.2, 1.4)
+    nets = {_noisy_links(across, inside, a, i).network(configured) for a in noise for i in noise}
+    assert len(nets) == 1
+    net = nets.pop()
+    assert net.bandwidth_Bps == across * 1e9 / 8 and net.intra_node.bandwidth_Bps == inside * 1e9 / 8
+    assert net.latency_s == configured.latency_s and net.intra_node.latency_s == configured.intra_node.latency_s
+    assert len({plan(_noisy_links(across, inside, a, i).network(configured)) for a in noise for i in noise}) == 1
+    if (across, inside) == (1, 3):
+        # the figures as measured would flip it: the model goes node-aware from about 4.5 Gbit/s inside
+        from dataclasses import replace
+        raw = replace(net, intra_node=replace(net.intra_node, bandwidth_Bps=1.6 * net.intra_node.bandwidth_Bps))
+        assert plan(raw) != plan(net)
+
+
+def test_link_measurement_is_agreed_from_every_rank_and_a_stalled_rank_cannot_move_it(monkeypatch):
+    """Each rank's own probe times differ (noise, one rank 10x slower); one allreduce gives every rank every rank's
+    figures, and every rank computes the identical MeasuredLinks (the median over ranks) and network."""
+    from horovod_terngrad.exchange import cost, link
+    monkeypatch.delenv("HOROVOD_TERNGRAD_INTRA_GBPS", raising=False)
+    wire_s = link.sent_bytes(type("W", (), {"size": 4})(), link.LARGE_NUMEL - link.SMALL_NUMEL) / 125e6
+
+    def fake_probe(coll, device, name):
+        stall = 10.0 if coll.rank == 3 else 1.0 + 0.05 * coll.rank
+        return 0.02, 0.02 + wire_s * stall
+
+    monkeypatch.setattr(link, "probe", fake_probe)
+
+    def body(c):
+        got = link.measure_links(c, c, torch.device("cpu"))
+        return (got, got.network(cost.configured_network(2)))
+
+    results = run_ranks(4, body, timeout=60)
+    assert len(set(results)) == 1
+    got, net = results[0]
+    assert 0.9 < 8 * got.across_Bps / 1e9 < 1.0 and net.bandwidth_Bps == 125e6     # 1 Gbit/s, not the stalled 0.1
+    assert len(got.times) == 4 and got.times[3][1] > 5 * got.times[0][1]
+
+
+def test_link_plan_summary_says_which_groups_go_node_aware():
+    from horovod_terngrad.exchange.link import plan_summary
+    assert plan_summary(lambda n: n >= 5000) == "node-aware for groups of 8,192 elements or more, flat below"
+    assert plan_summary(lambda n: True) == "node-aware for every group"
+    assert plan_summary(lambda n: False, largest=1 << 20) == "flat for every group up to 1,048,576 elements"
+    assert plan_summary(lambda n: n in (2, 8), largest=16) == \
+        "node-aware for groups of 2, 8 elements (powers of two), flat for the others"

@@ -506,8 +506,10 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
         res, errs = run_hier(topo, body)
     assert errs == [None] * topo.size, errs
     assert len({r[1] for r in res}) == 1 and res[0][1][0] == "measured" and res[0][1][1] > 0
-    said = [r.getMessage() for r in caplog.records if "measured" in r.getMessage() and "across nodes" in r.getMessage()]
-    assert len(said) == 1 and "hierarchical='auto'" in said[0], said
+    said = [r for r in caplog.records if "measured" in r.getMessage() and "across nodes" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said     # seen with Python's default logging
+    text = said[0].getMessage()
+    assert "hierarchical='auto'" in text and "priced as" in text and "plan: " in text and "\n" not in text, text
     for step in range(2):
         assert all(torch.equal(r[0][step], res[0][0][step]) for r in res)
 
@@ -517,6 +519,51 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
         res2, errs = run_hier(topo, body)
     assert errs == [None] * topo.size and res2[0][1][0] == "configured"
     assert not [r for r in caplog.records if "across nodes" in r.getMessage()]
+
+
+@pytest.mark.parametrize("given", [{"HOROVOD_TERNGRAD_GBPS": "25"},
+                                   {"HOROVOD_TERNGRAD_GBPS": "25", "HOROVOD_TERNGRAD_INTRA_GBPS": "7"}])
+def test_hierarchical_auto_a_rate_the_user_gives_wins_and_nothing_is_measured(monkeypatch, given):
+    from horovod_terngrad.exchange import link
+    monkeypatch.delenv("HOROVOD_TERNGRAD_INTRA_GBPS", raising=False)
+    for k, v in given.items():
+        monkeypatch.setenv(k, v)
+
+    def refused(*a, **k):
+        raise AssertionError("measured although HOROVOD_TERNGRAD_GBPS was given")
+    monkeypatch.setattr(link, "measure_links", refused)
+    topo = TOPOS["2x2"]
+
+    def body(c, local, cross):
+        ex = engine(TernGradConfig(), c, local, cross, topo)
+        ex.allreduce(grad((300, 300), c.rank, 0), "w")
+        net = ex.network(torch.device("cpu"))
+        return net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    intra = float(given.get("HOROVOD_TERNGRAD_INTRA_GBPS", "100"))
+    assert set(res) == {("configured", 25e9 / 8, intra * 1e9 / 8)}
+
+
+def test_hierarchical_auto_a_rate_given_inside_a_node_is_kept_and_the_link_across_measured(monkeypatch):
+    from horovod_terngrad.exchange import link
+    monkeypatch.delenv("HOROVOD_TERNGRAD_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_MEASURE_LINKS", raising=False)
+    monkeypatch.setenv("HOROVOD_TERNGRAD_INTRA_GBPS", "7")
+    monkeypatch.setattr(link, "probe", lambda coll, device, name: (0.01, 0.01 + link.sent_bytes(
+        coll, link.LARGE_NUMEL - link.SMALL_NUMEL) / (1.2e9 / 8)))     # 1.2 Gbit/s on every ring
+    topo = TOPOS["2x2"]
+
+    def body(c, local, cross):
+        ex = engine(TernGradConfig(), c, local, cross, topo)
+        ex.allreduce(grad((300, 300), c.rank, 0), "w")
+        net = ex.network(torch.device("cpu"))
+        return net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    assert set(res) == {("measured", 1e9 / 8, 7e9 / 8)}          # 1.2 measured, priced as 1; 7 as given
 
 
 def test_the_frontends_say_once_on_rank_0_what_travels_inside_a_node(caplog):

@@ -71,7 +71,9 @@ def test_profiles_set_the_network_settings(tmp_path):
         assert "no ACTIVE InfiniBand port" in p.stderr and "--mca pml ob1" in p.stdout
     p = run([LAUNCH, "--dry-run", "-np", "4", "-H", "n1:2,n2:2", "--network", "ethernet", "--iface", "eno1",
              "--no-terngrad", "--", "python", "t.py"])
-    assert "export NCCL_SOCKET_IFNAME=eno1" in p.stdout and "export NCCL_IB_DISABLE=1" in p.stdout
+    # Ethernet pins NCCL's sockets to the interface and leaves IB verbs on: RoCE NICs are driven through them
+    assert "export NCCL_SOCKET_IFNAME=eno1" in p.stdout and "NCCL_IB_DISABLE" not in p.stdout
+    assert "NCCL_IB_DISABLE" not in launcher.network_env("ethernet", "eno1", [], True, given={})
     assert "--network-interface eno1" in p.stdout and "export HOROVOD_TERNGRAD=0" in p.stdout
     assert "mpi_yield_when_idle" not in p.stdout
     p = run([LAUNCH, "--dry-run", "-np", "2", "-H", "n1:1,n2:1", "--network", "ethernet", "--iface", "eno1",
@@ -83,6 +85,41 @@ def test_profiles_set_the_network_settings(tmp_path):
     (ib / "state").write_text("4: ACTIVE\n")
     assert launcher.resolve_network("auto", None, [("n1", 1)], ib_root=str(tmp_path / "ib"))[0] == "infiniband"
     assert launcher.resolve_network("auto", "eth0", [("n1", 1)], ib_root=str(tmp_path / "none"))[0] == "ethernet"
+
+
+def _without_rates():
+    e = env()
+    for k in launcher.RATE_SETTINGS:
+        e.pop(k, None)
+    return e
+
+
+@pytest.mark.parametrize("network,profile_gbps", [("ethernet", "1"), ("infiniband", "100")])
+def test_a_rate_the_user_gives_wins_over_the_profile(network, profile_gbps):
+    """HOROVOD_TERNGRAD_GBPS (and the other link settings) exported by the user are passed on as they are, also to
+    mpirun's remote ranks (-x); --gbps wins over both; the profile fills in only what the user left unset."""
+    cmd = [LAUNCH, "--dry-run", "-np", "4", "-H", "n1:2,n2:2", "--network", network, "--iface", "eno1",
+           "--launcher", "mpirun", "--", "python", "t.py"]
+    p = run(cmd, env=_without_rates())
+    assert p.returncode == 0, p.stderr
+    assert f"export HOROVOD_TERNGRAD_GBPS={profile_gbps}\n" in p.stdout
+    user = dict(_without_rates(), HOROVOD_TERNGRAD_GBPS="25", HOROVOD_TERNGRAD_INTRA_GBPS="7.5")
+    p = run(cmd, env=user)
+    assert p.returncode == 0, p.stderr
+    assert "export HOROVOD_TERNGRAD_GBPS=25\n" in p.stdout and "export HOROVOD_TERNGRAD_INTRA_GBPS=7.5\n" in p.stdout
+    assert "-x HOROVOD_TERNGRAD_GBPS" in p.stdout and "-x HOROVOD_TERNGRAD_INTRA_GBPS" in p.stdout
+    assert f"export HOROVOD_TERNGRAD_ALPHA_US={'5' if network == 'infiniband' else '50'}\n" in p.stdout
+    p = run(cmd[:2] + ["--gbps", "40"] + cmd[2:], env=user)
+    assert p.returncode == 0, p.stderr
+    assert "export HOROVOD_TERNGRAD_GBPS=40\n" in p.stdout and "export HOROVOD_TERNGRAD_INTRA_GBPS=7.5\n" in p.stdout
+    assert launcher.network_env(network, "eno1", [], True, given={"HOROVOD_TERNGRAD_GBPS": "25"},
+                                gbps=2.5)["HOROVOD_TERNGRAD_GBPS"] == "2.5"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "fast"])
+def test_gbps_must_be_a_positive_rate(value):
+    p = run([LAUNCH, "--dry-run", "-np", "2", "--gbps", value, "--", "true"])
+    assert p.returncode == 2 and f"--gbps takes a rate in Gbit/s > 0, got '{value}'" in p.stderr, p.stderr
 
 
 def test_odd_characters_are_passed_through_never_evaluated(tmp_path):

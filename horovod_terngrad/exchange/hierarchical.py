@@ -148,17 +148,18 @@ class HierarchicalExchange:
 
     def measures_links(self) -> bool:
         """Whether ``hierarchical="auto"`` prices measured links rather than the configured ones: unless a rate was
-        given (HOROVOD_TERNGRAD_GBPS, which terngrad-launch's profiles set) or HOROVOD_TERNGRAD_MEASURE_LINKS=0.
-        Why: a job started with plain torchrun, mpirun or srun on InfiniBand was priced as 1 Gbit/s Ethernet.  Not
-        for a driver that plays every rank from one thread (``ordered=False``, the simulator): a probe waits for
-        every rank, and there is no link to measure."""
+        given (HOROVOD_TERNGRAD_GBPS: the user's, or terngrad-launch's --gbps or its profile's where the user gave
+        none) or HOROVOD_TERNGRAD_MEASURE_LINKS=0.  Why: a job started with plain torchrun, mpirun or srun on
+        InfiniBand was priced as 1 Gbit/s Ethernet.  Not for a driver that plays every rank from one thread
+        (``ordered=False``, the simulator): a probe waits for every rank, and there is no link to measure."""
         return (self.config.hierarchical == "auto" and self.ordered and "HOROVOD_TERNGRAD_GBPS" not in os.environ
                 and os.environ.get("HOROVOD_TERNGRAD_MEASURE_LINKS", "1") != "0")
 
     def network(self, device) -> cost.Network:
         """The inter-node link with its intra-node link, as ``hierarchical="auto"`` prices them: measured once
-        (``measures_links``) at the first group, by every rank at the same point, and agreed; else the configured
-        one (cost.configured_network).  While a rank is in hvd.join() the measurement waits for a later step."""
+        (``measures_links``; exchange/link.py's ``measure_links``) at the first group, by every rank at the same
+        point, and agreed; else the configured one (cost.configured_network).  While a rank is in hvd.join() the
+        measurement waits for a later step."""
         if self._links is None and self.measures_links():
             try:
                 self._links = self._measure_links(device)
@@ -167,30 +168,21 @@ class HierarchicalExchange:
         return self._links or cost.configured_network(self.G)
 
     def _measure_links(self, device) -> "cost.Network | None":
-        """exchange/link.py's probe on the world (its ring crosses every node's link: the inter-node rate) and on
-        this node's ranks (the intra-node rate; each node measures its own, the mean over every rank of the job is
-        agreed by one more allreduce), the configured latencies kept.  Said once, on rank 0."""
-        packing = self.config.packing
-        world = link.measure(self.coll, device, packing, name="terngrad.link.world")
-        if world is None:
+        """The agreed measured network (None while a rank is in hvd.join()), and rank 0's one line at WARNING level
+        (what was measured, what it is priced as, which groups go node-aware on it)."""
+        measured = link.measure_links(self.coll, self.local, device, name="terngrad.link")
+        if measured is None:
             return None
-        node = link.measure(self.local, device, packing, name="terngrad.link.node")
-        mine = torch.tensor([node.allreduce_Bps if node is not None else 0.0], dtype=torch.float64, device=device)
-        intra_Bps = float(self.coll.synchronize(self.coll.allreduce_sum_async(mine, "terngrad.link.node.agree"))
-                          .cpu()[0]) / self.coll.size
-        configured = cost.configured_network(self.G)
-        inside = configured.intra_node or configured
-        net = replace(configured, name="measured", bandwidth_Bps=world.allreduce_Bps,
-                      intra_node=replace(inside, name="measured intra-node",
-                                         bandwidth_Bps=intra_Bps if intra_Bps > 0 else inside.bandwidth_Bps))
+        self._links = measured.network(cost.configured_network(self.G))
         if self.coll.rank == 0:
-            across = cost.exchange_among(self.config.exchange, self.M)
-            log.info("TernGrad: measured %.2f Gbit/s across nodes (fp32 allreduce of %d ranks) and %.2f Gbit/s inside "
-                     "a node (%d ranks); %d nodes of %d ranks: each group goes node-aware where the cost model finds "
-                     "it faster on these links (hierarchical='auto'), with the %s exchange across nodes "
-                     "(exchange=%r)", 8 * world.allreduce_Bps / 1e9, self.coll.size,
-                     8 * net.intra_node.bandwidth_Bps / 1e9, self.G, self.M, self.G, across, self.config.exchange)
-        return net
+            plan = link.plan_summary(lambda numel: self.uses_hierarchy([numel], device))
+            if not plan.startswith("flat"):
+                plan += f" (across nodes the {cost.exchange_among(self.config.exchange, self.M)} exchange, " \
+                        f"exchange={self.config.exchange!r})"
+            log.warning("TernGrad hierarchical='auto' on %d nodes of %d ranks: %s; plan: %s. HOROVOD_TERNGRAD_GBPS "
+                        "(and HOROVOD_TERNGRAD_INTRA_GBPS) give the rates instead", self.M, self.G, measured.describe(),
+                        plan)
+        return self._links
 
     def plan(self, numels: list, device=None) -> policy.Plan:
         """The policy's plan for a group of these sizes (``policy.node_plan``), priced on ``network(device)``'s

@@ -367,7 +367,8 @@ def bench_step(args):
             row["terngrad_config"] = dataclasses.asdict(su["comp"].config)
             link = su["comp"].engine().link      # exchange="auto": what it measured and decided
             if link is not None:
-                row["link"] = {"gbps": 8 * link.allreduce_Bps / 1e9, "codec_ns": 1e9 * link.codec_s_per_element,
+                row["link"] = {"gbps": 8 * link.allreduce_Bps / 1e9, "measured_gbps": 8 * link.measured_Bps / 1e9,
+                               "codec_ns": 1e9 * link.codec_s_per_element,
                                "compresses": link.compresses, "says": link.describe()}
             row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
                        payload_wait_ms=1000 * c["gather_wait_s"] / k,

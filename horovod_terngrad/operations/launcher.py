@@ -18,6 +18,8 @@ Processes are not bound to cores (``--bind-to none``): PyTorch and Horovod run s
 (a fp32 baseline without editing the script).  Before training, a preflight runs on every rank with the
 same launcher and settings and prints host, device, Horovod build, network and TernGrad backend.
 ``--dry-run`` prints the exact commands and environment instead of running them.
+What the cost model assumes about the links (HOROVOD_TERNGRAD_GBPS between nodes, and the other RATE_SETTINGS):
+``--gbps`` first, then what the user exported, then the profile's figures.
 Arguments are passed as argv lists, never through a shell, so any characters in them are safe.
 """
 from __future__ import annotations
@@ -128,13 +130,21 @@ def resolve_network(profile: str, iface: str | None, hosts: list[tuple[str, int]
     return profile, iface, ib
 
 
-def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> dict:
-    env = {
-        "HOROVOD_FUSION_THRESHOLD": str(FUSION_MB * 1024 * 1024),
-        "HOROVOD_CYCLE_TIME": "1" if profile == "infiniband" else "5",
-        "HOROVOD_TERNGRAD": "1" if terngrad else "0",
-        "HOROVOD_TERNGRAD_NETWORK": profile,
-        # what exchange='auto' assumes about the network (horovod_terngrad/exchange/cost.py)
+#: what the cost model assumes about the links (exchange/cost.py, configured_network): a rate the user gives,
+#: exported or by --gbps, wins; the profile fills in only what the user left unset
+RATE_SETTINGS = ("HOROVOD_TERNGRAD_GBPS", "HOROVOD_TERNGRAD_ALPHA_US", "HOROVOD_TERNGRAD_INTRA_GBPS",
+                 "HOROVOD_TERNGRAD_INTRA_ALPHA_US", "HOROVOD_TERNGRAD_INTRA_LINKS")
+
+
+def network_env(profile: str, iface: str | None, ib: list, terngrad: bool, given: dict | None = None,
+                gbps: float | None = None) -> dict:
+    """The environment the job runs with.  ``given``: the user's environment (default os.environ): a rate setting
+    (RATE_SETTINGS) found there is passed on as it is, instead of the profile's; ``gbps`` (--gbps) sets
+    HOROVOD_TERNGRAD_GBPS over both."""
+    given = os.environ if given is None else given
+    rates = {
+        # what exchange='auto' and hierarchical='auto' assume about the network (horovod_terngrad/exchange/cost.py;
+        # a rate given here also turns hierarchical='auto''s measurement of the links off)
         "HOROVOD_TERNGRAD_GBPS": "100" if profile == "infiniband" else "1",
         "HOROVOD_TERNGRAD_ALPHA_US": "5" if profile == "infiniband" else "50",
         # the link inside a node, for hierarchical="auto" (the performance model's: NVLink ~20 GB/s per
@@ -143,6 +153,16 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
         "HOROVOD_TERNGRAD_INTRA_GBPS": "160" if profile == "infiniband" else "80",
         "HOROVOD_TERNGRAD_INTRA_ALPHA_US": "5" if profile == "infiniband" else "10",
         "HOROVOD_TERNGRAD_INTRA_LINKS": "3" if profile == "infiniband" else "1",
+    }
+    rates.update({k: given[k] for k in RATE_SETTINGS if k in given})
+    if gbps is not None:
+        rates["HOROVOD_TERNGRAD_GBPS"] = f"{gbps:g}"
+    env = {
+        "HOROVOD_FUSION_THRESHOLD": str(FUSION_MB * 1024 * 1024),
+        "HOROVOD_CYCLE_TIME": "1" if profile == "infiniband" else "5",
+        "HOROVOD_TERNGRAD": "1" if terngrad else "0",
+        "HOROVOD_TERNGRAD_NETWORK": profile,
+        **rates,
         # the node-aware exchange runs its groups as world collectives by default and needs no process sets;
         # with HOROVOD_TERNGRAD_NODE_GROUPS=process_sets, a shared scaler or the sharded exchange it adds them
         # after hvd.init(), which Horovod 0.28.1 allows only with dynamic process sets on at hvd.init()
@@ -162,7 +182,11 @@ def network_env(profile: str, iface: str | None, ib: list, terngrad: bool) -> di
             env["NCCL_SOCKET_IFNAME"] = iface
             env["HOROVOD_GLOO_IFACE"] = iface
     else:
-        env.update({"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": iface, "HOROVOD_GLOO_IFACE": iface})
+        # NCCL_IB_DISABLE is left alone: RoCE NICs (Ethernet with RDMA) are driven by NCCL's IB-verbs transport,
+        # which NCCL_IB_DISABLE=1 would turn off for TCP sockets at a fraction of the rate.  On Ethernet without
+        # verbs devices NCCL finds no IB device and uses sockets anyway, on the interface named here (also
+        # its bootstrap's); a user who wants sockets over a RoCE NIC exports NCCL_IB_DISABLE=1 themselves.
+        env.update({"NCCL_SOCKET_IFNAME": iface, "HOROVOD_GLOO_IFACE": iface})
     return env
 
 
@@ -205,6 +229,17 @@ def build_command(args, hosts: list[tuple[str, int]], env: dict, profile: str, i
     return ["srun", f"--ntasks={args.np}", f"--mpi={args.srun_mpi}", "--cpu-bind=none", "--export=ALL"] + command
 
 
+def _gbps(text: str) -> float:
+    """--gbps: a positive finite number of Gbit/s."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"--gbps takes a rate in Gbit/s > 0, got {text!r}")
+    return value
+
+
 def _bin_path() -> str:
     return os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
@@ -219,6 +254,9 @@ def plan(argv=None):
     hosts.add_argument("--hostfile", default=None, help="file of 'host slots=N' lines")
     p.add_argument("--network", default="auto", choices=PROFILES, help="network profile (default auto)")
     p.add_argument("--iface", default=None, help="network interface to pin (default: detected)")
+    p.add_argument("--gbps", type=_gbps, default=None,
+                   help="the link rate between nodes in Gbit/s, for exchange='auto' and hierarchical='auto' "
+                        "(HOROVOD_TERNGRAD_GBPS; default: an exported HOROVOD_TERNGRAD_GBPS, else the profile's)")
     p.add_argument("--launcher", default="horovodrun", choices=LAUNCHERS)
     p.add_argument("--controller", default="gloo", choices=("gloo", "mpi"), help="horovodrun controller")
     p.add_argument("--srun-mpi", default="pmix", help="srun --mpi plugin (default pmix)")
@@ -252,7 +290,7 @@ def plan(argv=None):
         profile, iface, ib = resolve_network(args.network, args.iface, host_list)
     except LaunchError as e:
         p.error(str(e))
-    env = network_env(profile, iface, ib, args.terngrad)
+    env = network_env(profile, iface, ib, args.terngrad, gbps=args.gbps)
     if args.shared_cores:
         # Open MPI only yields by itself when it knows a node is oversubscribed; emulated hosts hide that,
         # and a rank spinning in MPI then takes the core another rank computes on (2x the step at N = 4)
