@@ -54,14 +54,14 @@ def modelled(numels: list, N: int, exchange: str) -> float:
 
 def measured(shape_list: list, N: int, exchange: str) -> float:
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import Exchange, run_ranks
+    from horovod_terngrad.exchange import Engine, run_ranks
     name, bucket = exchange_spec(exchange)
     cfg = TernGradConfig(exchange=name, fusion_numel=0, bucket_size=bucket)
     noise = "no noise" not in exchange
 
     def body(c):
         torch.set_num_threads(1)
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         gen = torch.Generator().manual_seed(c.rank)
         tickets = []
         for i, s in enumerate(shape_list):

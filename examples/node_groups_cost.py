@@ -31,9 +31,9 @@ def main():
     if args.nodes:
         os.environ["HOROVOD_TERNGRAD_HOST"] = args.nodes.split(",")[hvd.rank()]
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import Exchange, HorovodCollectives
+    from horovod_terngrad.exchange import Engine, HorovodCollectives
     from horovod_terngrad.exchange.fusion import TensorSpec, cut
-    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange.hierarchical import HierarchicalEngine
     from horovod_terngrad.exchange.topology import discover
     from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
     from horovod_terngrad.operations import models
@@ -47,9 +47,9 @@ def main():
     me = hvd.rank()
     sets = {g: hvd.add_process_set(list(g)) for g in topo.local_groups() + topo.cross_groups()}
     engines = {
-        "world": HierarchicalExchange(Exchange(world, cfg, steps={}), WorldGroupCollectives(world, topo.local_ranks_of(me)),
+        "world": HierarchicalEngine(Engine(world, cfg, steps={}), WorldGroupCollectives(world, topo.local_ranks_of(me)),
                                       WorldGroupCollectives(world, topo.cross_ranks_of(me)), topo, end_of_step_sync=True),
-        "process_sets": HierarchicalExchange(Exchange(world, cfg, steps={}), HorovodCollectives(sets[topo.local_ranks_of(me)]),
+        "process_sets": HierarchicalEngine(Engine(world, cfg, steps={}), HorovodCollectives(sets[topo.local_ranks_of(me)]),
                                              HorovodCollectives(sets[topo.cross_ranks_of(me)]), topo, end_of_step_sync=True),
     }
     shapes = dict((n, p.shape) for n, p in params)

@@ -69,9 +69,9 @@ def test_horovod_frontend_passthrough_adds_no_sync(monkeypatch):
 def test_a_poisoned_member_is_filled_on_the_device():
     """The result of a member flagged NaN/Inf (from host values the exchange read anyway: handshake or payload
     headers) is made on the device, without a sync."""
-    from horovod_terngrad.exchange.engine import Exchange, Ticket
+    from horovod_terngrad.exchange.engine import Engine, Ticket
     from horovod_terngrad.exchange.thread_collectives import ThreadWorld
-    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    ex = Engine(ThreadWorld(1).ranks()[0], TernGradConfig())
     g = torch.randn(50, device="cuda")
     tk = Ticket(ex, "w", g.shape, g.dtype, g, None, None, 1, True, False)
     with no_sync_allowed():
@@ -86,7 +86,7 @@ def test_fsdp_engine_decodes_without_a_sync(poison):
     NaN/Inf flags combined on the device): a whole exchange, statistics, encode, allgather (two thread-ranks, the
     tensors on the GPU) and decode, runs under sync-debug "error".  Its CPU twin, bit for bit against the header
     walk: tests/test_exchange.py::test_known_layout_decodes_the_bits_the_header_walk_decodes."""
-    from horovod_terngrad.exchange.engine import Exchange
+    from horovod_terngrad.exchange.engine import Engine
     from horovod_terngrad.exchange.thread_collectives import run_ranks
     cfg = TernGradConfig(min_numel=0)
     grads = [torch.randn(3000, device="cuda", generator=torch.Generator("cuda").manual_seed(r)) for r in range(2)]
@@ -95,7 +95,7 @@ def test_fsdp_engine_decodes_without_a_sync(poison):
     exchanges = {}
 
     def body(c):
-        ex = exchanges[c.rank] = Exchange(c, cfg, stream_rank=c.rank)
+        ex = exchanges[c.rank] = Engine(c, cfg, stream_rank=c.rank)
         ex.layout_known = True
         return ex.finish(ex.start(grads[c.rank].clone(), "w"))
 
@@ -112,7 +112,7 @@ def test_reternarized_exchange_runs_without_a_sync(poison):
     shard payloads, the owner's decode and second ternarization, the allgather and the decode of every owner's
     payload, NaN flags carried and combined on the device, under sync-debug "error" (engines as the DDP and FSDP
     frontends make them: no presence check).  Its CPU twin: tests/test_reternarized.py (bit for bit)."""
-    from horovod_terngrad.exchange.engine import Exchange
+    from horovod_terngrad.exchange.engine import Engine
     from horovod_terngrad.exchange.thread_collectives import run_ranks
     cfg = TernGradConfig(min_numel=0, exchange="reternarized")
     grads = [torch.randn(3000, device="cuda", generator=torch.Generator("cuda").manual_seed(r)) for r in range(3)]
@@ -120,7 +120,7 @@ def test_reternarized_exchange_runs_without_a_sync(poison):
         grads[1][2990] = float("nan")
 
     def body(c):
-        ex = Exchange(c, cfg, stream_rank=c.rank, joins=False)
+        ex = Engine(c, cfg, stream_rank=c.rank, joins=False)
         return ex.finish(ex.start(grads[c.rank].clone(), "w"))
 
     run_ranks(3, body)                       # warm-up: kernels compiled, first-use allocations made
@@ -193,14 +193,14 @@ def sync_sites(fn):
 
 
 def _flat(n_ranks, cfg, joins, layout_known):
-    from horovod_terngrad.exchange.engine import Exchange
+    from horovod_terngrad.exchange.engine import Engine
     from horovod_terngrad.exchange.thread_collectives import run_ranks
     shapes = [(3000,), (64, 33), (7,), (20011,)]
     grads = {(r, i): torch.randn(s, device="cuda", generator=torch.Generator("cuda").manual_seed(10 * r + i))
              for r in range(n_ranks) for i, s in enumerate(shapes)}
 
     def body(c):
-        ex = Exchange(c, cfg, stream_rank=c.rank, joins=joins)
+        ex = Engine(c, cfg, stream_rank=c.rank, joins=joins)
         ex.layout_known = layout_known
         tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")
         for tk in tickets:
@@ -212,8 +212,8 @@ def _flat(n_ranks, cfg, joins, layout_known):
 
 def _node_aware(per_node, nodes, cfg, ddp=False):
     from helpers import run_hier
-    from horovod_terngrad.exchange import Exchange
-    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange import Engine
+    from horovod_terngrad.exchange.hierarchical import HierarchicalEngine
     from horovod_terngrad.exchange.topology import Topology
     topo = Topology.contiguous(per_node * nodes, per_node)
     shapes = [(3000,), (64, 33), (20011,)]
@@ -221,7 +221,7 @@ def _node_aware(per_node, nodes, cfg, ddp=False):
              for r in range(topo.size) for i, s in enumerate(shapes)}
 
     def body(c, local, cross):
-        ex = HierarchicalExchange(Exchange(c, cfg, stream_rank=c.rank, joins=False), local, cross, topo)
+        ex = HierarchicalEngine(Engine(c, cfg, stream_rank=c.rank, joins=False), local, cross, topo)
         if ddp:                      # as the DDP frontend makes it (frontends/ddp.py, _node_aware)
             ex.flat.layout_known = ex.cross_engine.layout_known = True
         tickets = ex.start_group([(grads[c.rank, i].clone(), f"w{i}") for i in range(len(shapes))], "g0")

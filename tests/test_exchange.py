@@ -4,7 +4,7 @@ import torch
 
 from helpers import expected_average
 from horovod_terngrad import NonFiniteGradientError, RankMismatchError, TernGradConfig
-from horovod_terngrad.exchange import Exchange, ThreadWorld, run_ranks
+from horovod_terngrad.exchange import Engine, ThreadWorld, run_ranks
 from horovod_terngrad.exchange import ThreadCollectives
 
 
@@ -30,7 +30,7 @@ def test_every_rank_gets_the_recomputed_average_bit_for_bit(N, cfg):
     steps = 2
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         outs = []
         for step in range(steps):
             tickets = [ex.start(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(SHAPES)]
@@ -49,7 +49,7 @@ def test_sum_instead_of_average():
     cfg = TernGradConfig(exchange="allgather")
 
     def body(c):
-        return Exchange(c, cfg).allreduce(grad((100,), c.rank), "w", average=False)
+        return Engine(c, cfg).allreduce(grad((100,), c.rank), "w", average=False)
 
     res = run_ranks(3, body)
     want, _ = expected_average([grad((100,), r) for r in range(3)], "w", 0, cfg, average=False)
@@ -61,7 +61,7 @@ def test_low_and_high_precision_grads_keep_their_dtype(dtype):
     cfg = TernGradConfig(exchange="allgather")
 
     def body(c):
-        return Exchange(c, cfg).allreduce(grad((300,), c.rank, dtype=dtype), "w")
+        return Engine(c, cfg).allreduce(grad((300,), c.rank, dtype=dtype), "w")
 
     res = run_ranks(2, body)
     want, _ = expected_average([grad((300,), r, dtype=dtype) for r in range(2)], "w", 0, cfg)
@@ -75,7 +75,7 @@ def test_non_contiguous_gradient():
     def body(c):
         g = base[c.rank].t()
         assert not g.is_contiguous()
-        return Exchange(c, cfg).allreduce(g, "w")
+        return Engine(c, cfg).allreduce(g, "w")
 
     res = run_ranks(2, body)
     want, _ = expected_average([b.t().contiguous() for b in base], "w", 0, cfg)
@@ -87,7 +87,7 @@ def test_zero_and_empty_tensors(shared):
     cfg = TernGradConfig(exchange="allgather", shared_scaler=shared)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         return ex.allreduce(torch.zeros(5, 5), "zero"), ex.allreduce(torch.zeros(0, 3), "empty")
 
     for zero, empty in run_ranks(2, body):
@@ -97,7 +97,7 @@ def test_zero_and_empty_tensors(shared):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_integer_gradient_is_a_clear_error(dtype):
-    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig(exchange="allgather"))
+    ex = Engine(ThreadWorld(1).ranks()[0], TernGradConfig(exchange="allgather"))
     with pytest.raises(TypeError, match=r"'counts' has dtype .*floating-point"):
         ex.start(torch.ones(4, dtype=dtype), "counts")
 
@@ -108,7 +108,7 @@ def test_nonfinite_on_one_rank_raises_on_every_rank(shared, bad):
     cfg = TernGradConfig(exchange="allgather", shared_scaler=shared, on_nonfinite="raise")
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         g = grad((64,), c.rank)
         if c.rank == 2:
             g[5] = bad
@@ -138,7 +138,7 @@ def test_nonfinite_propagates_by_default_the_same_nan_on_every_rank(exchange, sh
     assert cfg.on_nonfinite == "propagate"
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         items = [(grad((64,), c.rank, i), f"w{i}") for i in range(3)]
         if c.rank == 2:
             items[1][0][5] = bad
@@ -161,7 +161,7 @@ def test_nonfinite_zero_policy_is_agreed():
     cfg = TernGradConfig(exchange="allgather", on_nonfinite="zero")
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         g = grad((64,), c.rank)
         if c.rank == 0:
             g[0] = float("nan")
@@ -176,7 +176,7 @@ def test_nonfinite_zero_policy_is_agreed():
 @pytest.mark.parametrize("shapes", [[(10,), (11,)], [(2, 5), (5, 2)]], ids=["numel", "shape"])
 def test_ranks_with_mismatched_shapes_get_a_clear_error_not_a_hang(cfg, shapes):
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         try:
             ex.allreduce(torch.randn(shapes[c.rank]), "conv.weight")
         except RankMismatchError as e:
@@ -216,7 +216,7 @@ def test_start_waits_only_for_groups_before_the_previous_one(ordered):
     out = [None, None]
 
     def rank1():
-        ex = Exchange(cs[1], cfg, ordered=ordered)
+        ex = Engine(cs[1], cfg, ordered=ordered)
         tks = [ex.start(grad((32,), 1, i), n) for i, n in enumerate(names[:free])]
         out[1] = (cs[1].blocking, ex.pending()[0])
         ready.set()
@@ -226,7 +226,7 @@ def test_start_waits_only_for_groups_before_the_previous_one(ordered):
     th = threading.Thread(target=rank1)
     th.start()
     assert ready.wait(30)
-    ex0 = Exchange(cs[0], cfg, ordered=ordered)
+    ex0 = Engine(cs[0], cfg, ordered=ordered)
     [ex0.finish(t) for t in [ex0.start(grad((32,), 0, i), n) for i, n in enumerate(names)]]
     th.join(30)
     assert not th.is_alive()
@@ -244,7 +244,7 @@ def test_wire_size_per_element_on_a_1M_parameter_model():
         cfg = TernGradConfig(exchange="allgather", packing=fmt)
 
         def body(c):
-            ex = Exchange(c, cfg)
+            ex = Engine(c, cfg)
             tks = [ex.start(grad((n,), c.rank, i), name) for i, (name, n) in enumerate(params)]
             [ex.finish(t) for t in tks]
             return ex.stats
@@ -267,7 +267,7 @@ def test_sharded_exchange_at_64_ranks_receives_at_most_10_bits_per_element(fmt, 
     cfg = TernGradConfig(exchange="sharded", packing=fmt)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         out = ex.allreduce(grad((n,), c.rank), "big")
         return out, ex.stats.bytes_received, ex.stats.payload_bytes_sent
 
@@ -290,9 +290,9 @@ def test_auto_exchange_picks_by_cost():
     assert auto_transport([10_000_000], 64, "2bit", network=net) == "requantized"
     assert auto_transport([100], 64, "2bit", network=net) == "allgather"       # latency-bound: one collective wins
     assert auto_transport([100_000], 4, "2bit", network=net) == "allgather"    # at 4 ranks the allgather's 6 bits win
-    from horovod_terngrad.exchange.cost import TERNGRAD_REQUANTIZED, choose_exchange
-    bucketed = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,), bucket_size=128)
-    plain = choose_exchange([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,))
+    from horovod_terngrad.exchange.cost import TERNGRAD_REQUANTIZED, cheapest_method
+    bucketed = cheapest_method([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,), bucket_size=128)
+    plain = cheapest_method([10_000_000], 64, net, candidates=(TERNGRAD_REQUANTIZED,))
     assert bucketed.cost.bits_per_element > plain.cost.bits_per_element    # the configured buckets' scalers counted
     with pytest.raises(ValueError, match="needs shared_scaler"):
         TernGradConfig(exchange="sharded", shared_scaler=False)
@@ -303,7 +303,7 @@ def test_sharded_reference_path_gives_the_fused_bytes(monkeypatch):
     cfg = TernGradConfig(exchange="sharded", packing="base3", bucket_size=30)
 
     def body(c):
-        return Exchange(c, cfg).allreduce(grad((1001,), c.rank), "w")
+        return Engine(c, cfg).allreduce(grad((1001,), c.rank), "w")
 
     fused = run_ranks(3, body)
     monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
@@ -369,7 +369,7 @@ def test_fused_group_gives_each_tensor_its_unfused_average_bit_for_bit_in_two_co
 
     def body(c):
         counted = KindCounting(c)
-        ex = Exchange(counted, cfg)
+        ex = Engine(counted, cfg)
         outs = []
         for step in range(steps):
             items = [(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(FUSED)]
@@ -402,7 +402,7 @@ def test_a_finished_group_lets_go_of_its_gradients_without_the_cycle_collector(e
     cfg = TernGradConfig(exchange=exchange, seed=4)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         grads = [grad(s, c.rank, i) for i, s in enumerate(FUSED)]
         alive = [weakref.ref(g) for g in grads]
         tickets = ex.start_group([(g, f"layer{i}") for i, g in enumerate(grads)], "group0", in_place=True)
@@ -432,7 +432,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
     cfg = TernGradConfig(exchange="allgather", on_nonfinite=policy, shared_scaler=True)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         items = [(grad((30,), c.rank, i), f"w{i}") for i in range(3)]
         if c.rank == 1:
             items[1][0][4] = float("nan")
@@ -459,7 +459,7 @@ def test_fused_member_with_nan_fails_alone(policy, backend, monkeypatch):
 
 def test_fused_groups_that_differ_between_ranks_raise_a_clear_error_on_every_rank():
     def body(c):
-        ex = Exchange(c, TernGradConfig(exchange="allgather", shared_scaler=True))
+        ex = Engine(c, TernGradConfig(exchange="allgather", shared_scaler=True))
         members = [(torch.randn(10), "a"), (torch.randn(12 if c.rank else 10), "b")]
         if c.rank == 1:
             members.append((torch.randn(5), "c"))      # a member the other rank does not have
@@ -480,7 +480,7 @@ def test_fused_handshake_is_compact_and_catches_layout_disagreement():
     """A fused group's handshake costs 32 + 16 per member + 8 per scaler bytes (72 per tensor alone);
     members of equal count whose sizes differ between ranks are caught by the layout checksum."""
     def body(c):
-        ex = Exchange(c, TernGradConfig(exchange="allgather", shared_scaler=True))
+        ex = Engine(c, TernGradConfig(exchange="allgather", shared_scaler=True))
         tks = ex.start_group([(grad((7,), c.rank, i), f"t{i}") for i in range(5)], "g")
         for tk in tks:
             ex.finish(tk)
@@ -517,7 +517,7 @@ def test_joined_ranks_count_as_zeros_and_results_are_exact(cfg, world):
     def body(c):
         if c.rank == world - 1:
             return c.join(), None
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         outs = []
         for step in range(2):
             outs.append(ex.allreduce(grad((57,), c.rank, 9 + step), "lone"))
@@ -549,7 +549,7 @@ def test_nan_while_a_rank_is_joined_propagates_to_every_active_rank(cfg):
     def body(c):
         if c.rank == 2:
             return c.join(), None
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         items = [(grad((33,), c.rank, i), f"m{i}") for i in range(2)]
         if c.rank == 1:
             items[0][0][3] = float("inf")
@@ -571,7 +571,7 @@ def issue_orders(cfg, ordered):
 
     def body(c):
         rec = KindCounting(c)
-        ex = Exchange(rec, cfg, ordered=ordered)
+        ex = Engine(rec, cfg, ordered=ordered)
         tickets = []
         for i in range(5):
             if c.rank == 1:
@@ -613,7 +613,7 @@ def test_link_decision_ternarizes_on_slow_links_and_not_where_the_codec_costs_mo
 @pytest.mark.parametrize("world", [2, 3])
 def test_auto_measures_the_link_once_and_every_rank_agrees(world):
     def body(c):
-        ex = Exchange(c, TernGradConfig(exchange="auto"))
+        ex = Engine(c, TernGradConfig(exchange="auto"))
         first = ex.compression_pays(torch.device("cpu"))
         link = ex.link
         ex.compression_pays(torch.device("cpu"))          # decided: no more collectives
@@ -623,7 +623,22 @@ def test_auto_measures_the_link_once_and_every_rank_agrees(world):
     results = run_ranks(world, body, timeout=60)
     assert len(set(results)) == 1 and results[0][1][0] == world and results[0][1][1] > 0
     # not "auto": nothing is measured
-    assert run_ranks(2, lambda c: (Exchange(c, TernGradConfig(exchange="allgather")).compression_pays(torch.device("cpu")),)) == [(True,)] * 2
+    assert run_ranks(2, lambda c: (Engine(c, TernGradConfig(exchange="allgather")).compression_pays(torch.device("cpu")),)) == [(True,)] * 2
+
+
+def test_auto_prices_the_rate_the_user_gives_and_runs_no_probe(monkeypatch):
+    """HOROVOD_TERNGRAD_GBPS wins over the measurement: exchange="auto" times only the codec and prices the given
+    rate (a 400 Gbit/s fabric stays 400, whatever a probe on these cores would read)."""
+    from horovod_terngrad.exchange import link as link_mod
+    monkeypatch.setenv("HOROVOD_TERNGRAD_GBPS", "400")
+    monkeypatch.setattr(link_mod, "probe", lambda *a, **k: pytest.fail("probed although the user gave the rate"))
+
+    def body(c):
+        ex = Engine(c, TernGradConfig(exchange="auto"))
+        ex.compression_pays(torch.device("cpu"))
+        return ex.link.allreduce_Bps, ex.link.measured_Bps, "HOROVOD_TERNGRAD_GBPS" in ex.link.describe()
+
+    assert run_ranks(2, body, timeout=60) == [(400e9 / 8, 0.0, True)] * 2
 
 
 def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
@@ -632,7 +647,7 @@ def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
     def body(c):
         if c.rank == 2:
             return c.join(), None
-        ex = Exchange(c, TernGradConfig(exchange="auto"))
+        ex = Engine(c, TernGradConfig(exchange="auto"))
         pays = ex.compression_pays(torch.device("cpu"))
         return c.join(), (pays, ex.link)
 
@@ -644,7 +659,7 @@ def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
 @pytest.mark.parametrize("policy", ["propagate", "zero"])
 @pytest.mark.parametrize("bucket_size", [0, 16])
 def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_size, device_path, monkeypatch):
-    """``Exchange.layout_known`` (the FSDP and DDP frontends' engines): the allgather is decoded at offsets computed
+    """``Engine.layout_known`` (the FSDP and DDP frontends' engines): the allgather is decoded at offsets computed
     from this rank's own payload sizes, NaN/Inf flags combined with tensor ops (no host read on a GPU: the device
     path, run here on CPU tensors, which leaves the NaN count to the host).  The same bits as the header walk,
     fused members and lone tensors; a flagged member NaN (or zero) on every rank, its neighbours untouched."""
@@ -652,7 +667,7 @@ def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_si
     cfg = TernGradConfig(exchange="allgather", on_nonfinite=policy, bucket_size=bucket_size, min_numel=0)
 
     def body(c, known):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         ex.layout_known = known
         outs = []
         for step in range(2):
@@ -677,7 +692,7 @@ def test_known_layout_decodes_the_bits_the_header_walk_decodes(policy, bucket_si
 
 def test_known_layout_catches_ranks_that_disagree_on_sizes():
     def body(c):
-        ex = Exchange(c, TernGradConfig(exchange="allgather", min_numel=0))
+        ex = Engine(c, TernGradConfig(exchange="allgather", min_numel=0))
         ex.layout_known = True
         try:
             ex.allreduce(grad((40 + 8 * c.rank,), c.rank), "w")
@@ -728,14 +743,14 @@ def _noisy_links(across_gbps, inside_gbps, across_noise, inside_noise):
 def test_link_noise_of_40_percent_around_a_grid_rate_gives_the_same_plan(across, inside):
     """Every combination of +-40% on the rate across and inside nodes prices the same network, so hierarchical='auto'
     takes the same plan for every group size (2 nodes x 2 ranks, the Horovod frontend's defaults)."""
-    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.exchange import cost, policy
     configured = cost.configured_network(2)
     cfg = TernGradConfig()
     sizes = [[1 << 12], [1 << 16], [1 << 20], [4_194_304], [1 << 24], [1_000_000, 3_000_000, 200_000]]
 
     def plan(net):
-        return tuple(cost.hierarchy_for(s, 2, 2, cfg.packing, cfg.bucket_size, network=net, exchange=None,
-                                        step_allreduces=2, intra_width=cfg.intra_node_width) for s in sizes)
+        return tuple(policy.hierarchy_for(cfg.exchange, s, 2, 2, cfg.packing, cfg.bucket_size, network=net,
+                                          step_allreduces=2, intra_width=cfg.intra_node_width) for s in sizes)
     noise = (0.6, 0.8, 1.0, 1.2, 1.4)
     nets = {_noisy_links(across, inside, a, i).network(configured) for a in noise for i in noise}
     assert len(nets) == 1

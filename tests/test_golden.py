@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.exchange import Exchange, run_ranks
+from horovod_terngrad.exchange import Engine, run_ranks
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "exchange.json")
 WRITE = os.environ.get("TERNGRAD_GOLDEN_WRITE") == "1"
@@ -97,7 +97,7 @@ def _run(case: str, n_ranks: int, fused: str, device: str = "cpu", settings: dic
 
     def body(c):
         rec = _Recording(c)
-        ex = Exchange(rec, cfg)
+        ex = Engine(rec, cfg)
         outs = []
         for step in range(2):
             grads = [(_grad(s, c.rank, i, step, nan=(case.endswith("zero-nonfinite") and c.rank == n_ranks - 1 and i == 4)

@@ -10,9 +10,9 @@ import torch
 
 from helpers import expected_average, expected_hierarchical as reference, run_hier
 from horovod_terngrad import NonFiniteGradientError, TernGradConfig
-from horovod_terngrad.exchange import Exchange, ThreadWorld
+from horovod_terngrad.exchange import Engine, ThreadWorld
 from horovod_terngrad.exchange.collectives import CollectiveError
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange, HierarchicalTicket
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine, HierarchicalTicket
 from horovod_terngrad.exchange.topology import Piece, Topology, piece_name, shard_bounds, shard_plan  # noqa: F401
 
 
@@ -22,7 +22,7 @@ def grad(shape, rank, tensor=0):
 
 
 def engine(cfg, c, local, cross, topo, steps=None):
-    return HierarchicalExchange(Exchange(c, cfg, steps=steps), local, cross, topo)
+    return HierarchicalEngine(Engine(c, cfg, steps=steps), local, cross, topo)
 
 
 # -- topology and plan --------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def test_simulator_with_nodes_gives_the_hierarchical_average(cfg):
     cfg = CONFIGS[cfg]
     topo = Topology.contiguous(8, 4)
     sim = Simulator(torch.nn.Linear(2, 2), 8, cfg, ranks_per_node=4)
-    assert all(isinstance(e, HierarchicalExchange) for e in sim.engines)
+    assert all(isinstance(e, HierarchicalEngine) for e in sim.engines)
     ref_steps: dict = {}
     for step in range(2):
         per_rank = [grad((333,), r, step) for r in range(8)]
@@ -616,7 +616,7 @@ def test_the_simulator_with_nodes_and_the_defaults_does_not_measure_links(monkey
     t.start()
     t.join(60)
     assert done == [True]
-    assert isinstance(sim.engines[0], HierarchicalExchange) and not sim.engines[0].measures_links()
+    assert isinstance(sim.engines[0], HierarchicalEngine) and not sim.engines[0].measures_links()
 
 
 def test_intra_node_dtype_is_checked_halves_the_bytes_inside_a_node_and_the_cost_model_knows():

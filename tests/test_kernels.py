@@ -95,7 +95,7 @@ def test_kernel_driver_in_fused_and_single_exchanges(host, monkeypatch, cfg):
     import horovod_terngrad.backends as B
     from helpers import expected_average
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import Exchange, run_ranks
+    from horovod_terngrad.exchange import Engine, run_ranks
     monkeypatch.setattr(B, "for_device", lambda device: host)
     config = TernGradConfig(seed=4, **cfg)
     shapes = [(30, 7), (5,), (0,), (300,)]
@@ -104,7 +104,7 @@ def test_kernel_driver_in_fused_and_single_exchanges(host, monkeypatch, cfg):
         return [sample(int(torch.Size(s).numel()), 10 * rank + i).reshape(s) for i, s in enumerate(shapes)]
 
     def body(c):
-        ex = Exchange(c, config)
+        ex = Engine(c, config)
         fused = [ex.finish(t) for t in ex.start_group([(g, f"k{i}") for i, g in enumerate(grads(c.rank))], "grp")]
         alone = ex.allreduce(grads(c.rank)[0] * 3, "alone")
         return fused, alone

@@ -5,7 +5,7 @@ import types
 import torch
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.exchange import Exchange, run_ranks
+from horovod_terngrad.exchange import Engine, run_ranks
 from horovod_terngrad.operations.metrics import TernGradMetrics, progress_bar
 
 
@@ -24,7 +24,7 @@ def test_metrics_per_step_and_layer():
     sizes = {"fc.weight": 4000, "fc.bias": 40}
 
     def body(c):
-        eng = Exchange(c, TernGradConfig(shared_scaler=True))
+        eng = Engine(c, TernGradConfig(shared_scaler=True))
         comp = types.SimpleNamespace(stats=eng.stats, inspection=eng.inspection, uncompressed_elements=0)
         m = TernGradMetrics(comp, world_size=c.size, log_layers=True, capture=("fc.weight",))
         gen = torch.Generator().manual_seed(c.rank)

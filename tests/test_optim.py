@@ -278,7 +278,7 @@ def test_exchanges_before_one_step_keep_each_parameters_own_estimate(exchange):
     its own last exchange's, in the CPU buffer its ledger entry reuses, handed to the step once.  (An estimate
     held in a buffer of the engine keyed by tensor name is overwritten by the next exchange of that name.)"""
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import Exchange, run_ranks
+    from horovod_terngrad.exchange import Engine, run_ranks
     cfg = TernGradConfig(exchange=exchange)
     n = 3000
 
@@ -294,7 +294,7 @@ def test_exchanges_before_one_step_keep_each_parameters_own_estimate(exchange):
         return made
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         a, b = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))
         opt = AdamW([a, b])
         ledger = opt.precision_ledger

@@ -174,7 +174,7 @@ def test_terngrad_sharded_by_hand():
 
 def test_one_worker_exchanges_nothing():
     for m in ("fp32", "fp16", "terngrad_allgather", "terngrad_sharded", "terngrad"):
-        c = pm.exchange_cost(m, 10**6, 1, FLAT)
+        c = pm.method_cost(m, 10**6, 1, FLAT)
         assert c.time_s == 0 and c.bytes_received == 0
 
 
@@ -238,11 +238,11 @@ def test_allgather_never_beats_allreduce_for_a_small_tensor_on_infiniband():
 
 def test_chooser_picks_sharded_for_large_N_and_allgather_for_small_messages():
     for N in (16, 64, 512):
-        assert pm.choose_exchange(25_000_000, N, pm.INFINIBAND_100G).method == "terngrad_sharded"
-        assert pm.choose_exchange(25_000_000, N, pm.ETHERNET_1G).method == "terngrad_sharded"
-    assert pm.choose_exchange(25_000_000, 2, flat(pm.ETHERNET_1G)).method == "terngrad_allgather"
-    assert pm.choose_exchange(100, 64, pm.ETHERNET_1G).method == "terngrad_allgather"
-    choice = pm.choose_exchange([10**6, 10**6], 128, pm.ETHERNET_1G, candidates=("fp32", "terngrad_allgather",
+        assert pm.cheapest_method(25_000_000, N, pm.INFINIBAND_100G).method == "terngrad_sharded"
+        assert pm.cheapest_method(25_000_000, N, pm.ETHERNET_1G).method == "terngrad_sharded"
+    assert pm.cheapest_method(25_000_000, 2, flat(pm.ETHERNET_1G)).method == "terngrad_allgather"
+    assert pm.cheapest_method(100, 64, pm.ETHERNET_1G).method == "terngrad_allgather"
+    choice = pm.cheapest_method([10**6, 10**6], 128, pm.ETHERNET_1G, candidates=("fp32", "terngrad_allgather",
                                                                                   "terngrad_sharded"))
     assert choice.cost.time_s == min(c.time_s for c in choice.costs.values())
     assert choice.method == "terngrad_sharded"
@@ -443,11 +443,11 @@ def test_model_charges_exactly_the_bytes_the_engine_sends(exchange, N, packing, 
     """Run the engine on thread ranks (a fused group of awkward sizes, then a lone tensor) and check its
     counters against codec/sizes.py and exchange/cost.py: the model's P, H, c and P_sum are the engine's."""
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import Exchange, cost, run_ranks
+    from horovod_terngrad.exchange import Engine, cost, run_ranks
     cfg = TernGradConfig(exchange=exchange, packing=packing, bucket_size=bucket_size, shared_scaler=True)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         gen = torch.Generator().manual_seed(100 + c.rank)
         out = []
         for items, group in (([(torch.randn(n, generator=gen), f"t{i}") for i, n in enumerate(AWKWARD)], "g"),
@@ -519,7 +519,7 @@ def test_exchange_plan_is_the_fusion_cut_with_the_config_policy():
     total, used = pm.model_exchange_cost("terngrad", numels, 64, net, config=cfg, names=names)
     assert used == [m for m, _ in plan]
     # (per-rank scalers, the allgather's default: no handshake per allgather group, one presence check)
-    assert total.time_s == pytest.approx(sum(pm.exchange_cost(m, g, 64, net, shared_scaler=False,
+    assert total.time_s == pytest.approx(sum(pm.method_cost(m, g, 64, net, shared_scaler=False,
                                                               bucket_size=cfg.bucket_size).time_s
                                              for m, g in plan) + pm.presence_cost(64, net).time_s)
     # without a config: TernGradConfig()'s policy, fusion_numel from the argument
@@ -540,7 +540,7 @@ def test_one_place_for_sizes_and_costs_no_drifted_constants():
 
     from horovod_terngrad.exchange import cost
     for name in ("Network", "ExchangeCost", "ring_allreduce_time", "ring_allgather_time", "alltoall_time",
-                 "calibrated_efficiency", "choose_exchange", "exchange_cost", "terngrad_sharded_cost",
+                 "calibrated_efficiency", "cheapest_method", "method_cost", "terngrad_sharded_cost",
                  "terngrad_allgather_cost", "fp32_allreduce_cost", "sharded_bytes", "METHODS"):
         assert getattr(pm, name) is getattr(cost, name), name
     for name in ("PAYLOAD_HEADER_BYTES", "SCALER_BYTES", "HANDSHAKE_BYTES_PER_TENSOR", "FUSED_HANDSHAKE_BYTES",
@@ -635,7 +635,7 @@ def test_hierarchical_cost_by_hand():
     # auto: each rank picks for its pieces as cost.cheapest_transport does on the cross link
     a = cost.hierarchical_cost(ns, 3, 2, net)
     assert a.time_s == pytest.approx(local + max(
-        cost.exchange_cost("terngrad_" + cost.cheapest_transport(p, 3, "2bit", network=link), p, 3, link,
+        cost.method_cost("terngrad_" + cost.cheapest_transport(p, 3, "2bit", network=link), p, 3, link,
                            shared_scaler=False).time_s for p in ([800], [200, 600])), rel=1e-12)
 
 
@@ -649,7 +649,7 @@ def test_hierarchical_cost_degenerates_to_the_flat_exchange(cross):
         net = nodes_of(G)
         h = cost.hierarchical_cost(ns, M, G, net, cross=cross)
         ex = cross or cost.cheapest_transport(ns, M * G, "2bit", network=net)
-        flat = cost.exchange_cost("terngrad_" + ex, ns, M * G, net, shared_scaler=False)
+        flat = cost.method_cost("terngrad_" + ex, ns, M * G, net, shared_scaler=False)
         assert (h.time_s, h.bytes_received, h.messages) == (flat.time_s, flat.bytes_received, flat.messages)
     assert cost.hierarchical_cost(ns, 1, 4, nodes_of(4), cross="allgather").time_s == pytest.approx(
         cost.terngrad_allgather_cost(ns, 4, INTRA, shared_scaler=False).time_s)
@@ -663,7 +663,7 @@ def test_hierarchy_for_weighs_the_flat_exchange_and_the_step_overhead():
     # 1 Gbit/s between nodes, PCIe inside: the node-aware exchange wins at 8 = 2 x 4 and at 512 = 128 x 4
     for M in (2, 128):
         assert cost.hierarchy_for(big, M, 4, network=eth)
-        assert cost.hierarchical_cost(big, M, 4, eth).time_s < cost.choose_exchange(big, 4 * M, eth,
+        assert cost.hierarchical_cost(big, M, 4, eth).time_s < cost.cheapest_method(big, 4 * M, eth,
                                                                                    shared_scaler=False).cost.time_s
     # a bus inside the node slower than the link between nodes: never
     slow = pm.Network("ib", 1e-6, 12.5e9, ranks_per_node=4, intra_node=pm.Network("slow", 1e-4, 1e7))
@@ -675,7 +675,7 @@ def test_hierarchy_for_weighs_the_flat_exchange_and_the_step_overhead():
     # charged as rings (2·63·5 us each) they cost more than a small group saves
     small = [5000]
     ib = pm.INFINIBAND_100G.with_allreduce("ring")
-    gain = (cost.choose_exchange(small, 64, ib, shared_scaler=False).cost.time_s
+    gain = (cost.cheapest_method(small, 64, ib, shared_scaler=False).cost.time_s
             - cost.hierarchical_cost(small, 16, 4, ib).time_s)
     overhead = cost.presence_cost(64, ib).time_s
     assert 0 < gain < 2 * overhead
@@ -750,7 +750,7 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
                     expect += cost.hierarchical_cost(list(b.sizes), 16, 4, eth, shared_scaler=False, cross=ex,
                                                      intra_width=cfg.intra_node_width).time_s
                 else:
-                    expect += pm.exchange_cost(b.exchange, list(b.sizes), 64, eth, shared_scaler=False,
+                    expect += pm.method_cost(b.exchange, list(b.sizes), 64, eth, shared_scaler=False,
                                                bucket_size=b.bucket_size).time_s
             if "terngrad_allgather" in used and not shared:
                 expect += cost.presence_cost(64, eth).time_s
@@ -1012,7 +1012,7 @@ def test_requantized_cost_charges_exactly_codec_sizes_bytes(N):
     (codec.sizes); the engine on thread ranks receives exactly (N-1)·(c + P) of them (without the noise channel:
     no optimizer asked for it there)."""
     from horovod_terngrad import TernGradConfig
-    from horovod_terngrad.exchange import Exchange, cost, run_ranks
+    from horovod_terngrad.exchange import Engine, cost, run_ranks
     from horovod_terngrad.modelling import timeline as tl
     for noise in (True, False):
         c = max(sum(sizes.reternarized_chunk_bytes(n, N, "2bit")[r] for n in AWKWARD) for r in range(N))
@@ -1035,7 +1035,7 @@ def test_requantized_cost_charges_exactly_codec_sizes_bytes(N):
     plain = TernGradConfig(exchange="requantized")
 
     def body(comm):
-        ex = Exchange(comm, plain)
+        ex = Engine(comm, plain)
         gen = torch.Generator().manual_seed(7 + comm.rank)
         for tk in ex.start_group([(torch.randn(n, generator=gen), f"t{i}") for i, n in enumerate(AWKWARD)], "g"):
             ex.finish(tk)

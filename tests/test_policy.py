@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from horovod_terngrad import TernGradConfig
-from horovod_terngrad.exchange import Exchange, ThreadWorld, cost, policy, topology
+from horovod_terngrad.exchange import Engine, ThreadWorld, cost, policy, topology
 
 SETTINGS = ("default", "auto", "allgather", "sharded", "reternarized", "requantized")
 TRANSPORTS = ("allgather", "sharded", "reternarized", "requantized")
@@ -71,7 +71,7 @@ def test_flat_plans(setting):
 def test_the_engine_runs_the_policys_transport(setting):
     cfg = TernGradConfig(exchange=setting, bucket_size=128)
     for N in (2, 5, 8):
-        engine = Exchange(ThreadWorld(N).ranks()[0], cfg)
+        engine = Engine(ThreadWorld(N).ranks()[0], cfg)
         for sizes in SIZES.values():
             assert engine._mode(sizes) == policy.flat_plan(cfg, sizes, N).transport
 
@@ -162,10 +162,8 @@ def test_describe():
 SETTING_NAMES = {"default", "auto"}
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "horovod_terngrad"
 OWNERS = {"exchange/policy.py", "config.py"}
-# comparisons with the same words that are no exchange or hierarchical setting: the launcher's network profile; and
-# HierarchicalExchange.measures_links, part of the link measurement (exchange/link.py's), whose body stays as is
-NOT_SETTINGS = {("operations/launcher.py", "profile == 'auto'"),
-                ("exchange/hierarchical.py", "self.config.hierarchical == 'auto'")}
+# comparisons with the same words that are no exchange or hierarchical setting: the launcher's network profile
+NOT_SETTINGS = {("operations/launcher.py", "profile == 'auto'")}
 
 
 def _names(node) -> list:

@@ -9,7 +9,7 @@ import torch
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.backends import REFERENCE, REQUANT, RequantBackend, has_capability
 from horovod_terngrad.codec import requant, sizes
-from horovod_terngrad.exchange import Exchange, requantized, run_ranks
+from horovod_terngrad.exchange import Engine, requantized, run_ranks
 
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 127, 128, 129, 255, 256, 257, 1023, 1024, 1025, 1031, 2047, 2049, 5000,
          65537, (1 << 18) + 5]
@@ -145,7 +145,7 @@ def _run(N, cfg, steps=2):
         return payload
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         outs, noises = [], []
         for step in range(steps):
             items = [(torch.randn(s, generator=torch.Generator().manual_seed(100 * c.rank + 10 * step + i)) * (i + 1),

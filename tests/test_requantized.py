@@ -9,7 +9,7 @@ import torch
 from helpers import expected_average, expected_reternarized
 from horovod_terngrad import RankMismatchError, TernGradConfig
 from horovod_terngrad.codec import requant, sizes
-from horovod_terngrad.exchange import Exchange, run_ranks
+from horovod_terngrad.exchange import Engine, run_ranks
 
 
 def grad(shape, rank, tensor=0):
@@ -90,7 +90,7 @@ def test_a_payload_decodes_to_what_was_quantized_at_any_offset(m, with_noise):
 @pytest.mark.parametrize("fused", [False, True], ids=["alone", "fused"])
 def test_every_rank_gets_the_reference_bit_for_bit_with_and_without_noise(N, cfg, fused):
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         outs, noises = [], []
         for step in range(2):
             items = [(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(SHAPES)]
@@ -159,7 +159,7 @@ def test_the_average_is_unbiased_and_the_second_rounding_adds_far_less_than_tern
 
 def _bits(cfg, N, n=1_000_000, noise=False):
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         tk = ex.start(torch.randn(n, generator=torch.Generator().manual_seed(c.rank)), "w")
         tk.want_noise = noise
         ex.finish(tk)
@@ -190,7 +190,7 @@ def test_ranks_that_disagree_get_a_clear_error_not_a_hang():
     def body(c):
         msgs = []
         for case in ("shape", "noise"):
-            ex = Exchange(c, cfg)
+            ex = Engine(c, cfg)
             try:
                 tk = ex.start(torch.randn(100 + 40 * c.rank if case == "shape" else 1000), "conv.weight")
                 tk.want_noise = case == "noise" and c.rank == 1
@@ -198,7 +198,7 @@ def test_ranks_that_disagree_get_a_clear_error_not_a_hang():
                 msgs.append(None)
             except RankMismatchError as e:
                 msgs.append(str(e))
-        ok = Exchange(c, cfg).allreduce(grad((40,), c.rank, 2), "next")
+        ok = Engine(c, cfg).allreduce(grad((40,), c.rank, 2), "next")
         return msgs, ok
 
     res = run_ranks(2, body, timeout=30)
@@ -219,7 +219,7 @@ def test_the_default_exchange_is_the_allgather_up_to_4_ranks_and_requantized_abo
     shape = (64, 100)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         tk = ex.start(grad(shape, c.rank, 4), "w")
         tk.want_noise = True
         return ex.finish(tk), tk.noise

@@ -7,7 +7,7 @@ import torch
 from helpers import expected_average, expected_reternarized
 from horovod_terngrad import NonFiniteGradientError, RankMismatchError, TernGradConfig
 from horovod_terngrad.codec import sizes
-from horovod_terngrad.exchange import Exchange, run_ranks
+from horovod_terngrad.exchange import Engine, run_ranks
 
 
 def grad(shape, rank, tensor=0):
@@ -29,7 +29,7 @@ IDS = ["default", "base3", "buckets", "shared", "noclip-base3-buckets"]
 @pytest.mark.parametrize("fused", [False, True], ids=["alone", "fused"])
 def test_every_rank_gets_the_reference_bit_for_bit(N, cfg, fused):
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         outs = []
         for step in range(2):
             items = [(grad(s, c.rank, i + 10 * step), f"layer{i}") for i, s in enumerate(SHAPES)]
@@ -76,7 +76,7 @@ def test_it_differs_from_the_allgather_exchange_and_stays_unbiased():
 
 def _bits(cfg, N, n=1_000_000):
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         ex.allreduce(torch.randn(n, generator=torch.Generator().manual_seed(c.rank)), "w")
         return ex.stats.payload_bytes_sent, ex.stats.bytes_received
 
@@ -109,7 +109,7 @@ def test_nonfinite_on_one_rank_is_decided_alike_on_every_rank(policy, exchange):
     cfg = TernGradConfig(exchange=exchange, on_nonfinite=policy)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         items = [(grad((300,), c.rank, i), f"m{i}") for i in range(2)]
         if c.rank == 2:
             items[0][0][250] = float("nan")          # in the last owner's shard only
@@ -140,7 +140,7 @@ def test_ranks_that_disagree_on_a_shape_get_a_clear_error_not_a_hang():
 
     def body(c):
         try:
-            Exchange(c, cfg).allreduce(torch.randn(100 + 40 * c.rank), "conv.weight")
+            Engine(c, cfg).allreduce(torch.randn(100 + 40 * c.rank), "conv.weight")
         except RankMismatchError as e:
             return str(e)
         return None
@@ -161,7 +161,7 @@ def test_a_step_with_a_joined_rank_goes_by_the_join_transport_exactly(exchange):
     def body(c):
         if c.rank == world - 1:
             return c.join(), None
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         out = ex.allreduce(grad((257,), c.rank, 4), "lone")
         return c.join(), out
 
@@ -180,7 +180,7 @@ def test_the_noise_estimate_is_the_owners_squared_values_bit_for_bit(cfg):
     N, shape = 4, (30, 41)
 
     def body(c):
-        ex = Exchange(c, cfg)
+        ex = Engine(c, cfg)
         tk = ex.start(grad(shape, c.rank, 3), "w")
         tk.want_noise = True
         ex.finish(tk)
@@ -198,13 +198,13 @@ def test_ranks_whose_shard_headers_disagree_at_equal_sizes_fail_at_finish_not_a_
     Every owner reads a disagreeing sender's header, so every rank's finish raises RankMismatchError naming the
     tensor (set on the members, not raised out of the owner step), and the next exchange still works."""
     def body(c):
-        ex = Exchange(c, TernGradConfig(exchange="reternarized", bucket_size=60 * c.rank))
+        ex = Engine(c, TernGradConfig(exchange="reternarized", bucket_size=60 * c.rank))
         try:
             ex.allreduce(grad((100,), c.rank), "fc.weight")
             msg = None
         except RankMismatchError as e:
             msg = str(e)
-        ok = Exchange(c, TernGradConfig(exchange="reternarized")).allreduce(grad((40,), c.rank, 2), "next")
+        ok = Engine(c, TernGradConfig(exchange="reternarized")).allreduce(grad((40,), c.rank, 2), "next")
         return msg, ok
 
     res = run_ranks(2, body, timeout=30)

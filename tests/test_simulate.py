@@ -34,7 +34,7 @@ def test_simulator_is_the_exchange_on_threaded_ranks_bit_for_bit(cfg):
     """The simulator drives N engines from one thread over shared buffers; the same engines on N threads
     (run_ranks, copied buffers) give identical averages over several steps (stream keys advance per step)
     and identical counters."""
-    from horovod_terngrad.exchange import Exchange, run_ranks
+    from horovod_terngrad.exchange import Engine, run_ranks
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
     config = TernGradConfig(seed=7, min_numel=0, **cfg)   # every tensor through the engine, as below
@@ -47,7 +47,7 @@ def test_simulator_is_the_exchange_on_threaded_ranks_bit_for_bit(cfg):
     def body(c):
         # the simulator's ranks never call hvd.join, so its engines run with joins=False (no 4-byte
         # presence allreduce per step ahead of per-rank payloads); the threaded engines are told the same
-        ex = Exchange(c, config, joins=False)
+        ex = Engine(c, config, joins=False)
         outs = []
         for g in grads:
             tickets = [ex.start(t, name) for t, name in zip(g[c.rank], sim.names)]

@@ -128,7 +128,7 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
     import torch
     from test_exchange import KindCounting
 
-    from horovod_terngrad.exchange import Exchange, run_ranks
+    from horovod_terngrad.exchange import Engine, run_ranks
     cfg, N = cfg if isinstance(cfg, tuple) else (cfg, 3)
     sizes = [300, 700, 40, 900, 500, 1000, 60]
     method = method_of(cfg)
@@ -138,7 +138,7 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
 
     def body(c):
         rec = KindCounting(c)
-        ex = Exchange(rec, cfg)
+        ex = Engine(rec, cfg)
         tickets = []
         for g, members in enumerate(groups):
             tickets += ex.start_group([(torch.randn(sizes[i]), f"t{i}") for i in members], str(g))
@@ -318,15 +318,15 @@ def engine_issued(topo, cfg, groups, sizes, joins):
     from test_exchange import KindCounting
     from test_hierarchical import run_hier
 
-    from horovod_terngrad.exchange import Exchange
-    from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+    from horovod_terngrad.exchange import Engine
+    from horovod_terngrad.exchange.hierarchical import HierarchicalEngine
 
     def body(c, local, cross):
         issued = []
         recs = [KindCounting(x) for x in (c, local, cross)]
         for rec in recs:
             rec.issued = issued            # one list: the order across the three sets of collectives
-        ex = HierarchicalExchange(Exchange(recs[0], cfg, joins=joins), recs[1], recs[2], topo,
+        ex = HierarchicalEngine(Engine(recs[0], cfg, joins=joins), recs[1], recs[2], topo,
                                   end_of_step_sync=joins)
         tickets = []
         for g, members in enumerate(groups):

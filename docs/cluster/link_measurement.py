@@ -14,7 +14,7 @@ import torch
 
 from horovod_terngrad import TernGrad
 from horovod_terngrad.exchange import link
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine
 from horovod_terngrad.operations.models import mlp
 
 STEPS = int(os.environ.get("LINK_STEPS", "4"))
@@ -35,7 +35,7 @@ if hasattr(link, "measure_links"):
         measured.append((got, time.perf_counter() - t0))
         return got
     link.measure_links = recorded
-started = HierarchicalExchange.start_group
+started = HierarchicalEngine.start_group
 
 
 def start_group(self, items, group, *a, **k):
@@ -43,7 +43,7 @@ def start_group(self, items, group, *a, **k):
     return started(self, items, group, *a, **k)
 
 
-HierarchicalExchange.start_group = start_group
+HierarchicalEngine.start_group = start_group
 
 
 def counters():
@@ -68,8 +68,8 @@ hvd.allreduce(torch.zeros(1), name="barrier")
 c1 = counters()
 if hvd.rank() == 0:
     eng = TernGrad.engine()
-    net = eng.network(torch.device("cpu")) if isinstance(eng, HierarchicalExchange) else None
-    plan = [bool(eng.uses_hierarchy(g, torch.device("cpu"))) for g in first_groups] if net is not None else []
+    net = eng.network(torch.device("cpu")) if isinstance(eng, HierarchicalEngine) else None
+    plan = [eng.plan(g, torch.device("cpu")).hierarchical for g in first_groups] if net is not None else []
     row = dict(
         ranks=hvd.size(), params=sum(p.numel() for p in model.parameters()),
         priced_across_gbps=8 * net.bandwidth_Bps / 1e9 if net else None,

@@ -118,11 +118,11 @@ def receive(ex, tk) -> torch.Tensor | None:
 
 def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor | None:
     """``receive`` without reading the gathered headers on the host, for a caller that guarantees every rank
-    sends the same members with the same sizes and settings (``Exchange.layout_known``; the FSDP frontend checks
+    sends the same members with the same sizes and settings (``Engine.layout_known``; the FSDP frontend checks
     it once, at ``register``, the DDP frontend at its first bucket).  Offsets follow from this rank's own payload
     sizes; the decode reads the scalers on the device; the senders' NaN/Inf flags (header byte 3) are combined on
     the device, and a flagged member's average is filled with NaN ("propagate", or "raise" where the caller reads
-    the result: ``Exchange.nonfinite_on_device``) or zero ("zero") there: no host synchronization on a GPU.  On the
+    the result: ``Engine.nonfinite_on_device``) or zero ("zero") there: no host synchronization on a GPU.  On the
     CPU the flags are read first, for free, and the policy applied as the header walk applies it."""
     t0 = time.perf_counter()
     grp, N = tk.group, ex.coll.size
@@ -149,7 +149,7 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor | None:
     else:
         if cfg.on_nonfinite == "raise" and not ex.nonfinite_on_device:
             raise TernGradError("TernGrad: on_nonfinite='raise' needs the headers on the host; "
-                                "Exchange.layout_known does not read them")
+                                "Engine.layout_known does not read them")
         bad = flagged.any()
     out = backends.for_device(buf.device).decode(buf, [header] * N, offsets, N if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)

@@ -82,13 +82,6 @@ TRANSPORT_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TE
 _METHOD_OF_TRANSPORT = {transport: method for method, transport in TRANSPORT_OF.items()}
 
 
-def exchange_among(setting: str, n_ranks: int) -> str:
-    """policy.setting_among (the transport a setting names among ``n_ranks`` ranks), for the one caller in
-    hierarchical.py's link measurement that reads it here."""
-    from .policy import setting_among
-    return setting_among(setting, n_ranks)
-
-
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
 HOROVOD_FUSION_BYTES = 128 * 1024 * 1024
 TERNGRAD_FUSION_NUMEL = 1 << 22            #: TernGradConfig.fusion_numel's default
@@ -526,19 +519,19 @@ _COST_FUNCTIONS = {
 
 @dataclass(frozen=True)
 class ExchangeChoice:
-    """What :func:`choose_exchange` decided: the method, its cost and every candidate's cost."""
+    """What :func:`cheapest_method` decided: the method, its cost and every candidate's cost."""
 
     method: str
     cost: ExchangeCost
     costs: dict
 
 
-def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network: Network,
+def method_cost(method: str, sizes: int | Sequence[int], workers: int, network: Network,
                   packing: str = "2bit", bucket_size: int = 0, shared_scaler: bool = True) -> ExchangeCost:
     """Cost of one buffer under ``method`` (one of :data:`METHODS`; "terngrad" = the cheaper TernGrad).
     ``shared_scaler`` is the allgather's scaler setting (``TernGradConfig.scaler_shared_for("allgather")``)."""
     if method == TERNGRAD_BEST:
-        return choose_exchange(sizes, workers, network, packing, candidates=cheapest_candidates(workers),
+        return cheapest_method(sizes, workers, network, packing, candidates=cheapest_candidates(workers),
                                bucket_size=bucket_size, shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)}, "
@@ -546,7 +539,7 @@ def exchange_cost(method: str, sizes: int | Sequence[int], workers: int, network
     return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size, shared_scaler)
 
 
-def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
+def cheapest_method(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "2bit",
                     candidates: Sequence[str] = TERNGRAD_EXCHANGES, bucket_size: int = 0,
                     shared_scaler: bool = True) -> ExchangeChoice:
     """Pick the cheapest of ``candidates`` (methods, by modelled time) for one tensor or fused buffer.
@@ -557,7 +550,7 @@ def choose_exchange(sizes: int | Sequence[int], workers: int, network: Network, 
     candidate (allgather first: fewer messages).  ``shared_scaler``: the allgather's scaler setting (the
     sharded exchange always has a handshake).  Cost: O(k) for k tensors.
     """
-    costs = {m: exchange_cost(m, sizes, workers, network, packing, bucket_size, shared_scaler) for m in candidates}
+    costs = {m: method_cost(m, sizes, workers, network, packing, bucket_size, shared_scaler) for m in candidates}
     best = min(candidates, key=lambda m: (costs[m].time_s, candidates.index(m)))
     return ExchangeChoice(best, costs[best], costs)
 
@@ -746,7 +739,7 @@ def cheapest_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket
     no handshake)."""
     if n_ranks <= 2:
         return "allgather"
-    choice = choose_exchange(list(numels), n_ranks, network or configured_network(), packing,
+    choice = cheapest_method(list(numels), n_ranks, network or configured_network(), packing,
                              candidates=tuple(candidates), bucket_size=bucket_size, shared_scaler=shared_scaler)
     return TRANSPORT_OF[choice.method]
 

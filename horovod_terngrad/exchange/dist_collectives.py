@@ -4,7 +4,7 @@
 with ``async_op=True``; ``poll`` is ``Work.is_completed()`` and ``synchronize`` is ``Work.wait()``.
 torch.distributed ignores names and matches collectives by the order in which each rank issues them on a
 group, so every rank must issue the same collectives in the same order: the exchange engine does
-(``Exchange(ordered=True)``: its collectives are a pure function of the calls made to it).  A process
+(``Engine(ordered=True)``: its collectives are a pure function of the calls made to it).  A process
 group of its own (the DDP frontend makes one) keeps them apart from DDP's own collectives.
 
 The math of each operation, and its cost per call for a tensor of b bytes on N ranks (ring algorithms;

@@ -163,7 +163,7 @@ class Group:
         return len(self.members) > 1
 
 
-class Exchange:
+class Engine:
     """Ternarize, exchange and average tensors over ``collectives`` (see the module docstring).
 
     ``steps`` counts, per tensor name, the exchanges started: the ``step`` word of each tensor's random

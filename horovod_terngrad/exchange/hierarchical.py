@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 
 import torch
 
@@ -46,7 +45,7 @@ from ..codec.packing import device_constant
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
 from . import allgather, cost, link, policy, topology
 from .collectives import CollectiveError, Collectives
-from .engine import Exchange, Ticket, check_gradient, follow_routes
+from .engine import Engine, Ticket, check_gradient, follow_routes
 from .node_wire import BufferPool, node_sum, wire_values
 
 log = logging.getLogger("horovod_terngrad")
@@ -83,13 +82,13 @@ class HierarchicalGroup:
         self.device = members[0].g32.device if members else None
 
 
-class HierarchicalExchange:
+class HierarchicalEngine:
     """The engine's interface (start/start_group/finish/progress/pending/reset/compression_pays) over a
     node-aware plan.  ``flat`` is the ordinary engine on the whole world (it measures the link, and takes
     the groups of steps with a joined rank, and those ``hierarchical="auto"`` finds cheaper flat);
     ``local`` and ``cross`` are the collectives of this rank's node and of its cross group."""
 
-    def __init__(self, flat: Exchange, local: Collectives, cross: Collectives, topo: topology.Topology,
+    def __init__(self, flat: Engine, local: Collectives, cross: Collectives, topo: topology.Topology,
                  end_of_step_sync: bool = False):
         self.flat = flat
         self.config = flat.config
@@ -101,7 +100,7 @@ class HierarchicalExchange:
                                 f"of {cross.size} ranks do not fit {topo.describe()}")
         # the cross engine asks no presence of its own (this engine asked the world) and keys the random
         # streams by the global rank; it decides NaN/Inf per piece, this engine applies the policy per member
-        self.cross_engine = Exchange(cross, self.config.replace(on_nonfinite="raise"), flat.stats, flat.inspection,
+        self.cross_engine = Engine(cross, self.config.replace(on_nonfinite="raise"), flat.stats, flat.inspection,
                                      flat.steps, ordered=flat.ordered, joins=False, stream_rank=flat.coll.rank)
         # on a GPU a flagged piece comes back NaN-filled and _finish_cross tells it from the result on the device
         self.cross_engine.nonfinite_on_device = True
@@ -152,7 +151,7 @@ class HierarchicalExchange:
         none) or HOROVOD_TERNGRAD_MEASURE_LINKS=0.  Why: a job started with plain torchrun, mpirun or srun on
         InfiniBand was priced as 1 Gbit/s Ethernet.  Not for a driver that plays every rank from one thread
         (``ordered=False``, the simulator): a probe waits for every rank, and there is no link to measure."""
-        return (self.config.hierarchical == "auto" and self.ordered and "HOROVOD_TERNGRAD_GBPS" not in os.environ
+        return (policy.measures_node_links(self.config) and self.ordered and link.user_rate_Bps() is None
                 and os.environ.get("HOROVOD_TERNGRAD_MEASURE_LINKS", "1") != "0")
 
     def network(self, device) -> cost.Network:
@@ -175,9 +174,9 @@ class HierarchicalExchange:
             return None
         self._links = measured.network(cost.configured_network(self.G))
         if self.coll.rank == 0:
-            plan = link.plan_summary(lambda numel: self.uses_hierarchy([numel], device))
+            plan = link.plan_summary(lambda numel: self.plan([numel], device).hierarchical)
             if not plan.startswith("flat"):
-                plan += f" (across nodes the {cost.exchange_among(self.config.exchange, self.M)} exchange, " \
+                plan += f" (across nodes the {policy.setting_among(self.config.exchange, self.M)} exchange, " \
                         f"exchange={self.config.exchange!r})"
             log.warning("TernGrad hierarchical='auto' on %d nodes of %d ranks: %s; plan: %s. HOROVOD_TERNGRAD_GBPS "
                         "(and HOROVOD_TERNGRAD_INTRA_GBPS) give the rates instead", self.M, self.G, measured.describe(),

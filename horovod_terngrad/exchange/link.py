@@ -46,7 +46,8 @@ decade (..., 0.3, 1, 3, 10, 30, 100, 300, ... Gbit/s: 1 GbE -> 1, 2.5/5 GbE -> 3
 point's cell spans x/÷ 1.7 or more, so measurement noise of +-40% around a grid rate is priced at that rate and
 cannot flip the plan; only a link measured near a cell's edge (1.7, 5.5, 17 ... Gbit/s) can land on either side.
 
-A rate the user gives wins: ``HOROVOD_TERNGRAD_GBPS`` turns the measurement of ``hierarchical="auto"`` off, and
+A rate the user gives wins: ``HOROVOD_TERNGRAD_GBPS`` turns the probe off (``hierarchical="auto"`` prices the
+configured links; ``exchange="auto"`` times only the codec and prices the given rate), and
 ``HOROVOD_TERNGRAD_INTRA_GBPS`` keeps the configured link inside a node (the node's probe still runs, on every
 rank alike; a job whose ranks disagree about it raises).
 
@@ -188,7 +189,8 @@ class LinkDecision:
         verdict = ("ternarizing" if self.compresses else
                    "compression OFF: gradients travel at full precision, as with Compression.none "
                    "(pass exchange='allgather' to ternarize anyway)")
-        measured = (f"measured {8 * self.measured_Bps / 1e9:.2f} Gbit/s, priced as " if self.measured_Bps else "")
+        measured = (f"measured {8 * self.measured_Bps / 1e9:.2f} Gbit/s, priced as " if self.measured_Bps else
+                    "HOROVOD_TERNGRAD_GBPS: ")
         return (f"TernGrad exchange='auto': {measured}{8 * self.allreduce_Bps / 1e9:.2f} Gbit/s per link (fp32 "
                 f"allreduce, {self.ranks} ranks) and a codec of {1e9 * self.codec_s_per_element:.2f} ns/element: "
                 f"{1e9 * self.terngrad_s_per_element:.2f} ns/element ternary vs "
@@ -222,11 +224,25 @@ def measure(coll, device: torch.device, packing: str, name: str = "terngrad.link
         return LinkDecision(1, float("inf"), 0.0, packing)
     if not _present(coll, device, name):
         return None
-    t_small, t_large = probe(coll, device, f"{name}.probe")
+    given = user_rate_Bps()
+    # a rate the user gives wins: no probe (every rank reads the same variable, or none does: the launcher
+    # exports it to every rank), only the codec is timed
+    t_small, t_large = (0.0, 0.0) if given is not None else probe(coll, device, f"{name}.probe")
     t_codec = _codec_seconds(device, n, packing)
     rows = agree(coll, device, [t_small, t_large, t_codec], f"{name}.agree")
+    codec_s = _median(r[2] for r in rows) / PROBE_NUMEL
+    if given is not None:
+        return LinkDecision(n, given, codec_s, packing)
     measured = max(agreed_rate_Bps(coll, [r[:2] for r in rows]), 1.0)
-    return LinkDecision(n, _snapped_Bps(measured), _median(r[2] for r in rows) / PROBE_NUMEL, packing, measured)
+    return LinkDecision(n, _snapped_Bps(measured), codec_s, packing, measured)
+
+
+def user_rate_Bps() -> float | None:
+    """The link rate the user gave (``HOROVOD_TERNGRAD_GBPS``; ``terngrad-launch --gbps`` sets it), in bytes/s, or
+    None: then it is measured."""
+    if "HOROVOD_TERNGRAD_GBPS" not in os.environ:
+        return None
+    return cost.configured_network().bandwidth_Bps
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,12 @@ def measures_link(config) -> bool:
     return config.exchange == AUTO
 
 
+def measures_node_links(config) -> bool:
+    """Whether the node-aware engine may measure its links across and inside nodes (exchange/link.py's
+    ``measure_links``): only ``hierarchical="auto"`` prices them; True and False decide without a price."""
+    return config.hierarchical == HIERARCHY_AUTO
+
+
 def auto_candidates(n_ranks: int) -> tuple:
     """The methods "auto" weighs among ``n_ranks`` ranks: the allgather alone at two ranks or fewer."""
     return cost.cheapest_candidates(n_ranks, AUTO_TRANSPORTS)

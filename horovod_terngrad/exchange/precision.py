@@ -27,7 +27,7 @@ ternary noise estimate of that gradient (the allgather transport's (1/N^2)·Σ_r
   full precision: the one who decided is the one who wrote it down, per exchange, whatever happens between the
   exchange and the optimizer's step (accumulation, a GradScaler's skipped step, Horovod's
   ``backward_passes_per_step``).  The returned ``Route`` says whether to ternarize, and travels with the
-  exchange's ticket (``Exchange.start(..., route=)``), which then asks its transport for the noise estimate
+  exchange's ticket (``Engine.start(..., route=)``), which then asks its transport for the noise estimate
   where the ledger wants it, written into the ledger's buffer for that parameter.
 * **Who hands over.**  After the exchange the frontend calls ``deliver(ticket, average)``: the estimate (or its
   absence) goes to the ledger of the ticket's parameter, with the squared norm of the average then (whatever
@@ -241,7 +241,7 @@ def _store(claim: _Claim, noise, average) -> None:
 class Route:
     """What ``route`` decided for one exchange of a gradient: whether it is ternarized (``ternary``), and, where
     the gradient's parameter's ledger wants it, the claim its noise estimate goes to (``noise``).  Handed to
-    ``Exchange.start`` / ``start_group``, it rides on the ticket to ``deliver``."""
+    ``Engine.start`` / ``start_group``, it rides on the ticket to ``deliver``."""
 
     __slots__ = ("ternary", "_claim")
 

@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from ..exchange import Exchange, ExchangeStats, Inspection, precision, settle_full_precision
+from ..exchange import Engine, ExchangeStats, Inspection, precision, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
@@ -298,12 +298,12 @@ class TernGradState:
         return self.state.steps.setdefault(STEPS_KEY, {})
 
     @property
-    def engine(self) -> Exchange:
+    def engine(self) -> Engine:
         """The exchange engine (made on first use, and again after ``reset()``)."""
         return self.state.engine(None, self.config, lambda _: self.collectives,   # kept under STEPS_KEY
                                  hierarchy=self._node_aware)
 
-    def _node_aware(self, flat: Exchange):
+    def _node_aware(self, flat: Engine):
         """The node-aware engine over ``flat`` where the topology allows it (frontends/hierarchy.py): made at
         the first bucket, on every rank alike, with subgroups of the hook's group on its backend."""
         members = dist.get_process_group_ranks(self.process_group)

@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from ..exchange import Exchange, precision, settle_full_precision
+from ..exchange import Engine, precision, settle_full_precision
 from ..exchange.dist_collectives import DistCollectives
 from ..exchange.fusion import TensorSpec, cut
 from .cpu_threads import warn_if_oversubscribed
@@ -162,11 +162,11 @@ class TernGradFSDPState:
         coll = DistCollectives(group, equal_sizes=True)
         me = dist.get_rank()
         # streams keyed by the global rank: the R·S ranks of the job each draw their own
-        self.engine = Exchange(coll, self.config, self.state.stats, self.state.inspection, {}, joins=False,
+        self.engine = Engine(coll, self.config, self.state.stats, self.state.inspection, {}, joins=False,
                                stream_rank=me)
         # the flat shard's buckets: the user's, else FALLBACK_BUCKET
         bucketed = self.config.replace(bucket_size=self.config.bucket_size or FALLBACK_BUCKET)
-        self._bucket_engine = Exchange(coll, bucketed, self.state.stats, self.state.inspection, {}, joins=False,
+        self._bucket_engine = Engine(coll, bucketed, self.state.stats, self.state.inspection, {}, joins=False,
                                        stream_rank=me)
         # replicas agree on settings and layout (register's check), so payloads are decoded without reading
         # their headers on the host: on a GPU the hook adds no host synchronization (exchange/allgather.py)

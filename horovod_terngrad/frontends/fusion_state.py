@@ -7,7 +7,7 @@ was built), their names and sizes, in reverse registration order (the order back
 or a rank that ran fewer steps, forms exactly the same groups and names.
 
 ``compress`` of a group member only records the tensor; the member that completes the group starts one
-handshake and one exchange for all of them (``Exchange.start_group``), named ``terngrad.fused<g>.<first member>`` (the
+handshake and one exchange for all of them (``Engine.start_group``), named ``terngrad.fused<g>.<first member>`` (the
 member's name keeps two optimizers' groups apart when both are in flight on one process set).
 Horovod calls every compress of a step before the first decompress, so a group is normally complete by
 then.  Members Horovod never hands over (sparse gradients without ``sparse_as_dense``; parameters removed

@@ -29,8 +29,8 @@ import logging
 import os
 
 from ..errors import TernGradError
-from ..exchange import Exchange, policy
-from ..exchange.hierarchical import HierarchicalExchange
+from ..exchange import Engine, policy
+from ..exchange.hierarchical import HierarchicalEngine
 from ..exchange.topology import discover
 from ..exchange.world_groups import WorldGroupCollectives
 
@@ -41,7 +41,7 @@ NODE_GROUPS_ENV = "HOROVOD_TERNGRAD_NODE_GROUPS"
 NODE_GROUPS = ("world", "process_sets")
 
 
-def _flat(flat: Exchange, reason: str, quiet: bool = False) -> Exchange:
+def _flat(flat: Engine, reason: str, quiet: bool = False) -> Engine:
     """The flat engine, saying why once (rank 0): INFO if ``quiet`` (one node, or one rank per node), else
     WARNING.  ``hierarchical=True`` warns where ``quiet`` (a multi-node script run on one machine still runs)
     and raises elsewhere, on every rank (every rank reaches the same reason)."""
@@ -97,7 +97,7 @@ def _horovod_process_sets(topo):
     return sets
 
 
-def _topology(flat: Exchange):
+def _topology(flat: Engine):
     """The job's topology where a node-aware exchange may run over ``flat``'s ranks, else None (the flat
     engine stays; where the topology is why, said by ``_flat``).  Every rank gets the same answer: one
     allgather of host identities."""
@@ -111,7 +111,7 @@ def _topology(flat: Exchange):
     return topo
 
 
-def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
+def horovod_engine(flat: Engine) -> Engine | HierarchicalEngine:
     """The engine for Horovod's global process set: ``flat`` or the hierarchical one over it."""
     topo = _topology(flat)
     if topo is None:
@@ -145,10 +145,10 @@ def horovod_engine(flat: Exchange) -> Exchange | HierarchicalExchange:
         local = HorovodCollectives(sets[topo.local_ranks_of(me)])
         cross = HorovodCollectives(sets[topo.cross_ranks_of(me)])
     _said_on(flat, topo, "over world collectives" if use == "world" else "over process sets")
-    return HierarchicalExchange(flat, local, cross, topo, end_of_step_sync=True)
+    return HierarchicalEngine(flat, local, cross, topo, end_of_step_sync=True)
 
 
-def dist_engine(flat: Exchange, make_collectives) -> Exchange | HierarchicalExchange:
+def dist_engine(flat: Engine, make_collectives) -> Engine | HierarchicalEngine:
     """The DDP hook's engine: ``flat`` or the hierarchical one; ``make_collectives(ranks, intra_node)``
     makes a ``DistCollectives`` on a new subgroup of those ranks of the hook's group (called for every
     group, on every rank, in the same order: ``dist.new_group`` is collective)."""
@@ -159,4 +159,4 @@ def dist_engine(flat: Exchange, make_collectives) -> Exchange | HierarchicalExch
     made.update({g: make_collectives(list(g), False) for g in topo.cross_groups()})
     me = flat.coll.rank
     _said_on(flat, topo, "over torch.distributed subgroups")
-    return HierarchicalExchange(flat, made[topo.local_ranks_of(me)], made[topo.cross_ranks_of(me)], topo)
+    return HierarchicalEngine(flat, made[topo.local_ranks_of(me)], made[topo.cross_ranks_of(me)], topo)

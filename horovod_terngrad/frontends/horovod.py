@@ -38,7 +38,7 @@ import torch
 
 from ..config import TernGradConfig
 from ..errors import TernGradError
-from ..exchange import (Exchange, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient,
+from ..exchange import (Engine, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient,
                         precision, settle_full_precision)
 from ..exchange.hvd_collectives import horovod_world
 from . import naming
@@ -115,7 +115,7 @@ class TernGradCompressor:
         """The engines created so far (one per process set)."""
         return list(self.state.engines.values())
 
-    def engine(self, process_set=None) -> Exchange:
+    def engine(self, process_set=None) -> Engine:
         return self.state.engine(process_set, self.config, HorovodCollectives, hierarchy=horovod_engine)
 
     def state_dict(self) -> dict:

@@ -3,7 +3,7 @@
 * ``steps``: per process set, per tensor name, the exchanges started so far: the ``step`` word of every
   random stream key.  Saving and restoring it makes a resumed run draw exactly the streams an
   uninterrupted run draws.
-* ``engines``: one ``exchange.Exchange`` per process set (created on first use), sharing ``steps``,
+* ``engines``: one ``exchange.Engine`` per process set (created on first use), sharing ``steps``,
   ``stats`` and ``inspection``.
 * ``fusions``: per optimizer (weakly held), its tensor-fusion state (fusion_state.py).
 * ``world``: Horovod's handle table when the engines were made; a new one means Horovod was
@@ -21,7 +21,7 @@ import os
 import weakref
 
 from ..config import TernGradConfig
-from ..exchange import Exchange, ExchangeStats, Inspection
+from ..exchange import Engine, ExchangeStats, Inspection
 
 STATE_VERSION = 1
 
@@ -54,20 +54,20 @@ class CompressorState:
         self.stats = ExchangeStats()
         self.inspection = Inspection()
         self.steps: dict[str, dict[str, int]] = {}
-        self.engines: dict[str, Exchange] = {}
+        self.engines: dict[str, Engine] = {}
         self.fusions = weakref.WeakKeyDictionary()     # optimizer -> OptimizerFusion
         self.uncompressed_elements = 0
         self.unnamed = 0                   # tensors named by call order so far
         self.world = None
         self.grouped_calls: dict = {}      # id(tensor list of a grouped call) -> member indices named so far
 
-    def engine(self, process_set, config, make_collectives, hierarchy=None) -> Exchange:
+    def engine(self, process_set, config, make_collectives, hierarchy=None) -> Engine:
         """The engine of a process set, created with ``make_collectives(process_set)`` on first use; on the
         global set ``hierarchy(flat engine)`` may return the node-aware engine over it (hierarchy.py)."""
         key = process_set_key(process_set)
         eng = self.engines.get(key)
         if eng is None:
-            eng = Exchange(make_collectives(process_set), config, self.stats, self.inspection,
+            eng = Engine(make_collectives(process_set), config, self.stats, self.inspection,
                            self.steps.setdefault(key, {}))
             if hierarchy is not None and key == "global":
                 eng = hierarchy(eng)

@@ -9,7 +9,7 @@ One model of the system: every size on the wire comes from ``codec/sizes.py`` an
 exchange cost and exchange choice from ``exchange/cost.py`` (the runtime cost model the engine itself
 uses for ``exchange="auto"``); TernGrad's fusion groups are ``exchange/fusion.py``'s cut, the one the
 Horovod frontend makes.  This module adds the step model, the paper's networks and clusters, and the CLI;
-the names of ``exchange/cost.py`` stay available here (``perfmodel.Network``, ``perfmodel.choose_exchange``...).
+the names of ``exchange/cost.py`` stay available here (``perfmodel.Network``, ``perfmodel.cheapest_method``...).
 
 Step time (one iteration, every worker, weak scaling: fixed batch per worker)
 -----------------------------------------------------------------------------
@@ -100,7 +100,7 @@ N <= 32 and loses for N >= 33 (bandwidth terms equal at N = 32: (N-1)·2 bits vs
 allgather has fewer latency terms); with base3 up to N = 40.  Rings only (``allreduce="ring"``):
 n·(8/N - 1/4) > alpha/beta + 24 + 144/N, N <= 31 (base3 39).  Sharded
 receives fewer bits than allgather from N = 3 on (b + L < N·b) but pays one more round of (N-1)·alpha, so
-:func:`choose_exchange` picks allgather for small tensors or few workers and sharded for large N.
+:func:`cheapest_method` picks allgather for small tensors or few workers and sharded for large N.
 
 Costs of this module itself: every function is O(number of tensors · number of worker counts); nothing
 here touches the network.  torch is imported only by :func:`profile_compute` (and a module passed to
@@ -132,8 +132,8 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
-    choose_exchange,
-    cheapest_transport, configured_network, cross_network, exchange_cost,
+    cheapest_method,
+    cheapest_transport, configured_network, cross_network, method_cost,
     fp16_allreduce_cost,
     fp32_allreduce_cost, hierarchical_cost, ring_allgather_time, ring_allreduce_time, presence_cost,
     requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
@@ -367,7 +367,7 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
                         fusion_numel: int | None = None, *, config: TernGradConfig | None = None,
                         names: Sequence[str] | None = None, hierarchical=None) -> tuple[ExchangeCost, list[str]]:
     """Cost of exchanging all of a model's gradients: the sum over its buffers (:func:`exchange_plan`),
-    each charged by ``exchange.cost.exchange_cost`` with the config's packing and bucket size.
+    each charged by ``exchange.cost.method_cost`` with the config's packing and bucket size.
 
     An allgather buffer pays the handshake only if the config shares its scaler
     (``scaler_shared_for("allgather")``); with per-rank scalers the step pays one presence check instead
@@ -389,7 +389,7 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
             cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared,
                                      policy.transport_among(b.cross, M), cfg.intra_node_width)
         else:
-            cost = exchange_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
+            cost = method_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost
         used.append(b.exchange)
     # per-rank scalers (the allgather's default, the re-ternarized and requantized exchanges'): the engine's

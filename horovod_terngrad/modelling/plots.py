@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from ..exchange.cost import (FP16, FP32, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED,
-                             TERNGRAD_SHARDED, Network, exchange_cost)
+                             TERNGRAD_SHARDED, Network, method_cost)
 from .perfmodel import CLUSTERS, MODELS, TERNGRAD_DEFAULT, TERNGRAD_FLAT
 
 
@@ -67,7 +67,7 @@ def plot_exchanges(numel: int, network: Network, path: str, max_workers: int = 5
     N = list(range(2, max_workers + 1))
     fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
     for m in (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED):
-        costs = [exchange_cost(m, numel, k, network, packing) for k in N]
+        costs = [method_cost(m, numel, k, network, packing) for k in N]
         axes[0].plot(N, [c.time_s for c in costs], label=m)
         axes[1].plot(N, [c.bits_per_element for c in costs], label=m)
     axes[0].set_ylabel("s per exchange")

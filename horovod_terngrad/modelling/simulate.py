@@ -4,7 +4,7 @@
     for step in range(steps):
         sim.step(x, y, loss_fn, optimizer)      # x, y: the global batch, split evenly over the workers
 
-Averaging runs the real engine: N ``exchange.Exchange`` instances (one per simulated rank) over one
+Averaging runs the real engine: N ``exchange.Engine`` instances (one per simulated rank) over one
 in-process ``ThreadWorld`` that shares buffers instead of copying them, driven from this one thread: every
 rank starts its tensors, every rank advances what every rank has posted until nothing moves (handshakes
 into payloads, alltoalls into owners' sums), then rank 0 finishes; its result (identical on all ranks by
@@ -31,8 +31,8 @@ import torch
 from ..config import TernGradConfig
 from ..exchange import precision
 from ..errors import RankMismatchError
-from ..exchange import Exchange, ExchangeStats, ThreadWorld
-from ..exchange.hierarchical import HierarchicalExchange
+from ..exchange import Engine, ExchangeStats, ThreadWorld
+from ..exchange.hierarchical import HierarchicalEngine
 from ..exchange.thread_collectives import hierarchical_collectives
 from ..exchange.topology import Topology
 
@@ -67,13 +67,13 @@ class Simulator:
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
         self.world = ThreadWorld(n_workers, copy=False)
         # one thread plays every rank: poll (ordered=False); simulated ranks never join
-        self.engines = [Exchange(c, self.config, ordered=False, joins=False) for c in self.world.ranks()]
+        self.engines = [Engine(c, self.config, ordered=False, joins=False) for c in self.world.ranks()]
         self.topology = Topology.contiguous(n_workers, ranks_per_node)
         if self.config.hierarchical is not False and self.topology.flat_reason() is None:
             # nodes of ranks_per_node ranks: the node-aware engine over each rank's flat one, as the
             # frontends build it (hierarchical="auto" asks the cost model per group, as they do)
             sub = hierarchical_collectives(self.topology, copy=False)
-            self.engines = [HierarchicalExchange(e, *sub[r], self.topology) for r, e in enumerate(self.engines)]
+            self.engines = [HierarchicalEngine(e, *sub[r], self.topology) for r, e in enumerate(self.engines)]
 
     # -- gradients per worker ---------------------------------------------------------------------
     def worker_gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[list[torch.Tensor]]:

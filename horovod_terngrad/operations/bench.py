@@ -363,7 +363,7 @@ def bench_step(args):
         if hasattr(su["comp"], "stats"):
             c = su["counters"]
             # the node-aware engine (exchange/hierarchical.py) took over where the topology and config allow
-            row["node_aware"] = type(su["comp"].engine()).__name__ == "HierarchicalExchange"
+            row["node_aware"] = type(su["comp"].engine()).__name__ == "HierarchicalEngine"
             row["terngrad_config"] = dataclasses.asdict(su["comp"].config)
             link = su["comp"].engine().link      # exchange="auto": what it measured and decided
             if link is not None:
@@ -409,9 +409,9 @@ def bench_engine(args):
     """The engine's own cost per step on one rank (no network): ``--tensors`` gradients, every other one
     ``--numel`` elements and the rest 256 (weights and biases), exchanged as one fused group and each alone."""
     from ..config import TernGradConfig
-    from ..exchange import Exchange, ThreadWorld
+    from ..exchange import Engine, ThreadWorld
     torch.set_num_threads(1)
-    ex = Exchange(ThreadWorld(1).ranks()[0], TernGradConfig())
+    ex = Engine(ThreadWorld(1).ranks()[0], TernGradConfig())
     grads = [(torch.randn(args.numel if i % 2 == 0 else 256), f"t{i}") for i in range(args.tensors)]
 
     def step(fused):

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from amp_common import INIT_SCALE, Faults, make_model, make_optimizer, train  # noqa: E402
 from horovod_terngrad import ddp as tg_ddp  # noqa: E402
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine  # noqa: E402
 
 STATIC_SCALE = 128.0
 SETTINGS = {"none": None, "terngrad": {}, "terngrad_min0": {"min_numel": 0},
@@ -42,7 +42,7 @@ def info(state) -> dict:
     if state is None:
         return {"terngrad": False}
     eng = state.engine
-    hier = isinstance(eng, HierarchicalExchange)
+    hier = isinstance(eng, HierarchicalEngine)
     return {"terngrad": True, "hierarchical": hier, "nodes": [list(n) for n in eng.topology.nodes] if hier else None,
             "config": state.config, "stats": vars(state.stats).copy(),
             "uncompressed": state.state.uncompressed_elements}

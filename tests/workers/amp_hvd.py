@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from amp_common import INIT_SCALE, STEPS, Faults, make_model, make_optimizer, train  # noqa: E402
 from hvd_scenarios import run_all  # noqa: E402
 from horovod_terngrad import TernGrad  # noqa: E402
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine  # noqa: E402
 
 RESUME_AT = 8          # checkpoint after steps 0..7 (the first ones skipped), then steps 8..15
 STATIC_SCALE = 128.0   # the .half() model's fixed loss scale
@@ -68,8 +68,8 @@ def info(comp) -> dict:
     if comp is hvd.Compression.none:
         return {"terngrad": False}
     eng = comp.engine()
-    return {"terngrad": True, "hierarchical": isinstance(eng, HierarchicalExchange),
-            "nodes": [list(n) for n in eng.topology.nodes] if isinstance(eng, HierarchicalExchange) else None,
+    return {"terngrad": True, "hierarchical": isinstance(eng, HierarchicalEngine),
+            "nodes": [list(n) for n in eng.topology.nodes] if isinstance(eng, HierarchicalEngine) else None,
             "config": comp.config, "stats": vars(comp.stats).copy(), "uncompressed": comp.uncompressed_elements}
 
 

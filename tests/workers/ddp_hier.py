@@ -17,11 +17,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from helpers import mlp  # noqa: E402
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine  # noqa: E402
 from horovod_terngrad.frontends import ddp as tg_ddp  # noqa: E402
 
 RECORD = {"groups": [], "inputs": [], "outputs": []}
-_start, _finish = HierarchicalExchange.start_group, HierarchicalExchange.finish
+_start, _finish = HierarchicalEngine.start_group, HierarchicalEngine.finish
 
 
 def start_group(self, items, group, average=True, in_place=False):
@@ -36,7 +36,7 @@ def finish(self, tk):
     return out
 
 
-HierarchicalExchange.start_group, HierarchicalExchange.finish = start_group, finish
+HierarchicalEngine.start_group, HierarchicalEngine.finish = start_group, finish
 
 
 def main():
@@ -58,8 +58,8 @@ def main():
             model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
             opt.step()
         eng = state.engine
-        res.update(RECORD, config=state.config, hierarchical=isinstance(eng, HierarchicalExchange),
-                   nodes=[list(n) for n in eng.topology.nodes] if isinstance(eng, HierarchicalExchange) else None,
+        res.update(RECORD, config=state.config, hierarchical=isinstance(eng, HierarchicalEngine),
+                   nodes=[list(n) for n in eng.topology.nodes] if isinstance(eng, HierarchicalEngine) else None,
                    params=[p.detach().clone() for p in model.parameters()], stats=vars(state.stats).copy())
     except Exception:  # noqa: BLE001
         res["crash"] = traceback.format_exc()

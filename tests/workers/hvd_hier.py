@@ -23,14 +23,14 @@ import horovod.torch as hvd
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hvd_scenarios import Recording, mlp, run_all, train_steps  # noqa: E402
 from horovod_terngrad import NonFiniteGradientError, TernGradError  # noqa: E402
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine  # noqa: E402
 from horovod_terngrad.exchange.world_groups import WorldGroupCollectives  # noqa: E402
 from horovod_terngrad.frontends import hierarchy  # noqa: E402
 
 
 def engine_info(comp) -> dict:
     eng = comp.engine()
-    hier = isinstance(eng, HierarchicalExchange)
+    hier = isinstance(eng, HierarchicalEngine)
     return {"hierarchical": hier, "nodes": [list(n) for n in eng.topology.nodes] if hier else None,
             "world_groups": hier and isinstance(eng.local, WorldGroupCollectives),
             "stats": vars(comp.stats).copy()}

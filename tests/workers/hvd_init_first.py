@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hvd_scenarios import Recording  # noqa: E402  (imports horovod_terngrad: after hvd.init())
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
-from horovod_terngrad.exchange.hierarchical import HierarchicalExchange  # noqa: E402
+from horovod_terngrad.exchange.hierarchical import HierarchicalEngine  # noqa: E402
 from horovod_terngrad.exchange.world_groups import WorldGroupCollectives  # noqa: E402
 
 WIDTH, DEPTH, STEPS = 512, 4, 3     # 4 x 262,144 weights (ternarized at the defaults) and 4 biases (fp32)
@@ -49,7 +49,7 @@ def main():
         opt.step()
         losses.append(float(loss))
     eng = comp.engine()
-    hier = isinstance(eng, HierarchicalExchange)
+    hier = isinstance(eng, HierarchicalEngine)
     res = {"size": hvd.size(), "config": comp.config, "inputs": comp.inputs, "outputs": comp.outputs,
            "hierarchical": hier, "world_groups": hier and isinstance(eng.local, WorldGroupCollectives),
            "nodes": [list(n) for n in eng.topology.nodes] if hier else None, "losses": losses,
