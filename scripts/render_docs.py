@@ -564,6 +564,117 @@ def block_ddp_status(m: dict) -> str:
     ])
 
 
+def _example(name: str):
+    """examples/NAME.py as a module: the benchmark's own formulas (limits, link bytes, ratios) for its tables."""
+    import importlib
+    path = os.path.join(ROOT, "examples")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
+FSDP_SPEED_LABELS = {"hsdp-fp32": "HSDP fp32 (native)", "hsdp-bf16": "HSDP bf16 reduce (native)",
+                     "hsdp-terngrad": "HSDP + TernGrad", "local": "compute alone (no exchange)"}
+
+
+def block_fsdp_speed() -> str:
+    """fsdp.md's speed table, from docs/fsdp/gpt2-L4-E256-n2x2-regime8.json and its repeat (-r2), with
+    examples/fsdp_benchmark.py's own limit, host-link and ratio formulas."""
+    fb = _example("fsdp_benchmark")
+    res = _load("docs/fsdp/gpt2-L4-E256-n2x2-regime8.json")
+    rep = _load("docs/fsdp/gpt2-L4-E256-n2x2-regime8-r2.json")
+    s, s2 = fb.summary(res), fb.summary(rep)
+    lines = ["| configuration | ms/step | limit ms (compute + codec + link) | host-link MB/step per host "
+             "| step vs HSDP bf16 | host-link bytes vs HSDP bf16 | replicas identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        rat = s["ratios_vs_bf16"][r["config"]]
+        lim = fb.limit_ms(res, r)
+        local = r["config"] == "local"
+        limit = f"{lim[0]:.0f}" if local else f"{lim[0]:.0f} = {lim[1]:.0f} + {lim[2]:.0f} + {lim[3]:.0f}"
+        bold = (lambda t: f"**{t}**") if r["config"] == "hsdp-terngrad" else (lambda t: t)  # noqa: E731
+        same = "–" if r["replicas_identical"] is None else ("yes" if r["replicas_identical"] else "**no**")
+        nbytes = "–" if local else bold(f"{rat['host_link_bytes']:.3f}x")
+        lines.append(f"| {FSDP_SPEED_LABELS.get(r['config'], r['config'])} | {r['step_ms']:.0f} | {limit} "
+                     f"| {fb.host_link(r)[0] / 1e6:.3f} | {bold(_x(rat['step']))} | {nbytes} | {same} |")
+    tg, tg2 = s["ratios_vs_bf16"]["hsdp-terngrad"], s2["ratios_vs_bf16"]["hsdp-terngrad"]
+    met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    g = s["goals"]
+    alone = sorted([res["compute_alone"]["compute_ms"], rep["compute_alone"]["compute_ms"]])
+    lines += ["", f"Goals: host-link bytes ≤ 0.15x bf16's ({tg['host_link_bytes']:.3f}x, "
+              f"{met(g['host_link_bytes_le_0.15x_bf16'])}), step time ≤ 0.6x bf16's ({_x(tg['step'])}, "
+              f"{met(g['step_le_0.6x_bf16'])}), replicas identical ({met(g['replicas_identical'])}, every "
+              f"configuration). The repeat (`--tag r2`, `docs/fsdp/gpt2-L4-E256-n2x2-regime8-r2.json`) gave "
+              f"{_x(tg2['step'])} step time and {tg2['host_link_bytes']:.3f}x bytes: one rank's compute alone, the "
+              f"regime's yardstick, measured {alone[0]:.0f} ms there and {alone[1]:.0f} ms here on this shared "
+              f"machine, so take the larger step ratio as the honest figure."]
+    tgrow = next(r for r in res["rows"] if r["config"] == "hsdp-terngrad")
+    wait = 1000 * max(p["gather_wait_s"] for p in tgrow["terngrad_per_rank_per_step"])
+    lines.append(f"TernGrad's hook blocks backward ({wait:.0f} ms per step waiting in allgathers, the most of any "
+                 f"rank, of {tgrow['hook_ms']:.0f} ms inside the hook), with no overlap.")
+    return "\n".join(lines)
+
+
+DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
+
+
+def block_ddp_gpt2() -> str:
+    """ddp.md's GPT-2 table, from docs/ddp/gpt2-regime8/gpt2-n2-regime8.json with examples/ddp_benchmark.py's
+    own limit (compute alone + codec + the row's bytes on a host link at the regime's rate)."""
+    db = _example("ddp_benchmark")
+    res = _load("docs/ddp/gpt2-regime8/gpt2-n2-regime8.json")
+    by = {r["config"]: r for r in res["rows"]}
+    fp16, psgd = by["fp16"]["step_ms"], by["powersgd4"]["step_ms"]
+    alone, bps = res["regime"]["compute_alone_ms"], db.link_bps(res)
+    lines = ["| configuration | ms/step | by round | vs fp16 | vs PowerSGD-4 | forward+backward | optimizer "
+             "| bits/param | limit = compute + codec + wire | step / limit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        cells = [DDP_GPT2_LABELS.get(r["config"], r["label"]), f"{r['step_ms']:.0f}",
+                 ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]), _x(r["step_ms"] / fp16),
+                 "" if r["config"] == "local" else _x(r["step_ms"] / psgd), f"{r['forward_backward_ms']:.0f}",
+                 f"{r['optimizer_ms']:.0f}", "" if r["bits_per_param"] is None else f"{r['bits_per_param']:.2f}"]
+        nbytes = db.wire_bytes(r, res["params"], res["ranks"])
+        if nbytes is None or r["config"] == "local":
+            cells += ["", ""]
+        else:
+            wire = 1000 * 8 * nbytes / bps
+            codec = r.get("profile", {}).get("codec", 0.0)
+            limit = alone + codec + wire
+            note = " (its matrices' compute not counted)" if r["config"].startswith("powersgd") else ""
+            ratio = _x(r["step_ms"] / limit)
+            cells += [f"{limit:.0f} = {alone:.0f} + {codec:.0f} + {wire:.0f}{note}",
+                      f"**{ratio}**" if "profile" in r else ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    tg = [r for r in res["rows"] if "profile" in r]
+    wire = 1000 * 8 * db.wire_bytes(tg[0], res["params"], res["ranks"]) / bps
+    which = {"terngrad": "torch AdamW", "terngrad-tgadamw": "TernGrad's AdamW"}
+    lines += ["", f"Against compute + wire alone ({alone + wire:.0f} ms) TernGrad's step is "
+              + " and ".join(f"{_x(r['step_ms'] / (alone + wire))} ({which[r['config']]})" for r in tg) + "."]
+    return "\n".join(lines)
+
+
+def block_ddp_gpt2_profile() -> str:
+    """ddp.md's "where TernGrad's step goes", the medians examples/ddp_benchmark.py --profile recorded."""
+    res = _load("docs/ddp/gpt2-regime8/gpt2-n2-regime8.json")
+    by = {r["config"]: r["profile"] for r in res["rows"] if "profile" in r}
+    a, b = by["terngrad"], by["terngrad-tgadamw"]
+    copies = lambda p: f"{p['copies']:.0f}" + (" (decoded in place)" if p is a and not p["copies"] else "")  # noqa: E731
+    rows = [("step begin to the last bucket handed over (forward, backward, and the worker's share of the cores)",
+             "forward_backward"),
+            ("tail: last bucket handed over to backward's return (DDP waiting for the exchange)", "tail"),
+            ("optimizer step", "optimizer"),
+            ("worker: start spans (prepare, ternarize, pack, launch)", "encode"),
+            ("worker: codec (encode + decode + noise estimate)", "codec"),
+            ("worker: blocked on collectives (payloads, the small tensors' allreduce)", "wait")]
+    lines = ["| | torch AdamW | horovod_terngrad.optim.AdamW |", "|---|---|---|"]
+    lines += [f"| {what} | {a[k]:.0f} | {b[k]:.0f} |" for what, k in rows]
+    lines += [f"| copies (averages into DDP's bucket) | {copies(a)} | {copies(b)} |",
+              f"| worker busy / idle in the step | {a['worker_busy']:.0f} / {a['worker_idle_in_step']:.0f} "
+              f"| {b['worker_busy']:.0f} / {b['worker_idle_in_step']:.0f} |"]
+    return "\n".join(lines)
+
+
 def block_fsdp_scale(be: dict, mod: dict) -> str:
     """fsdp.md's scale text: the allgather's break-even (hsdp_break_even) beside the default's plan and the sharded
     exchange's (modelled(), the source of choosing.md's HSDP table)."""
@@ -870,6 +981,9 @@ def blocks() -> dict:
         ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm(),
         ("docs/scale.md", "bf16-intra"): block_bf16_intra(),
         ("docs/perfmodel.md", "goals-512"): block_goals_512(),
+        ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed(),
+        ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
+        ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
     }
 
 
