@@ -615,6 +615,41 @@ def block_fsdp_speed() -> str:
     return "\n".join(lines)
 
 
+FSDP_MEMORY_LABELS = {"ddp-terngrad": "DDP + TernGrad", "hsdp-fp32": "HSDP fp32 (native)",
+                      "hsdp-terngrad": "HSDP + TernGrad"}
+
+
+def block_fsdp_memory() -> str:
+    """fsdp.md's memory table, from docs/fsdp/memory-gpt2-small-shapes.json and docs/fsdp/memory.json
+    (examples/fsdp_memory.py): bytes per rank after the optimizer's step, the largest rank's."""
+    def table(rel):
+        res = _load(rel)
+        ddp = next(r for r in res["rows"] if r["config"].startswith("ddp"))["max_persistent"]
+        out = []
+        for r in res["rows"]:
+            big = max(r["per_rank"], key=lambda x: x["persistent"])
+            out.append((r, big, r["max_persistent"] / ddp, (r["max_persistent"] + r["transient"]) / ddp))
+        return res, out
+    res, rows = table("docs/fsdp/memory-gpt2-small-shapes.json")
+    mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
+    lines = [f"GPT-2 shapes, 12 layers x 768 (byte vocabulary: {res['params'] / 1e6:.1f}M parameters), AdamW, "
+             f"{res['ranks'] // res['G']} nodes x G = {res['G']}:", "",
+             "| configuration | params | grads | optimizer state | persistent (largest rank) | vs DDP "
+             "| + transient (one unit gathered, one prefetched) | peak vs DDP |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r, big, vs, peak in rows:
+        lines.append(f"| {FSDP_MEMORY_LABELS.get(r['config'], r['config'])} | {mb(big['params'])} | {mb(big['grads'])} "
+                     f"| {mb(big['optimizer'])} | {mb(r['max_persistent'])} | {vs:.3f}x "
+                     f"| {mb(r['transient']) if r['transient'] else 0} | {peak:.3f}x |")
+    small, srows = table("docs/fsdp/memory.json")
+    ddp = next(x for x in srows if x[0]["config"].startswith("ddp"))
+    hsdp = next(x for x in srows if x[0]["config"] == "hsdp-terngrad")
+    lines += ["", f"The benchmark's GPT-2, 4 layers x 256 ({small['params'] / 1e6:.2f}M parameters; "
+              "`docs/fsdp/memory.json`): persistent "
+              f"{mb(ddp[0]['max_persistent'])} (DDP) against {mb(hsdp[0]['max_persistent'])} ({hsdp[2]:.3f}x); "
+              f"with the transient {hsdp[3]:.3f}x (a 4-block model: one block is a quarter of it)."]
+    return "\n".join(lines)
+
 DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
 
 
@@ -982,6 +1017,7 @@ def blocks() -> dict:
         ("docs/scale.md", "bf16-intra"): block_bf16_intra(),
         ("docs/perfmodel.md", "goals-512"): block_goals_512(),
         ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed(),
+        ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory(),
         ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
         ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
     }
