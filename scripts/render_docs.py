@@ -650,6 +650,42 @@ def block_fsdp_memory() -> str:
               f"with the transient {hsdp[3]:.3f}x (a 4-block model: one block is a quarter of it)."]
     return "\n".join(lines)
 
+def block_cluster_regime(model: str, tags: tuple, last: str) -> str:
+    """cluster.md's calibrated-regime table of ``model`` (2 hosts x 2 ranks): per configuration its step in each
+    repeat (docs/cluster/regime/<model>-n2x2-regime8[-<tag>].json, examples/emulated_cluster_benchmark.py), its
+    speed against fp16, the bytes its busiest host link carried one way per step (first repeat), and ``last``:
+    "limit" (step / (compute alone + codec + those bytes at the link rate), per repeat) or "flat" (bytes against
+    the flat exchange's)."""
+    eb = _example("emulated_cluster_benchmark")
+    cells = [_load(f"docs/cluster/regime/{model}-n2x2-regime8{'-' + t if t else ''}.json") for t in tags]
+    names = " / ".join(t or "r1" for t in tags)
+    alone = [c["compute_alone"]["compute_ms"] for c in cells]
+    lines = [f"One rank's compute alone: {' / '.join(f'{a:.1f}' for a in alone)} ms ({names}), so the links ran at "
+             f"{' / '.join(f'{eb.link_gbps(c):.3f}' for c in cells)} Gbit/s.", "",
+             f"| configuration | ms/step {names} | vs fp16 | MB/step per host link | "
+             + ("step / limit |" if last == "limit" else "vs flat's bytes |"), "|---|---|---|---|---|"]
+    by = [{r["config"]: r for r in c["rows"]} for c in cells]
+    for r in cells[0]["rows"]:
+        k = r["config"]
+        rows = [b[k] for b in by]
+        label = k + (" (auto: node-aware)" if k == "terngrad" and r.get("node_aware") else
+                     " (auto: flat)" if k == "terngrad" else "")
+        steps = " / ".join(f"{x['step_ms']:.0f}" for x in rows)
+        vs16 = "1.00x" if k == "fp16" else " / ".join(_x(b["fp16"]["step_ms"] / x["step_ms"]) for b, x in zip(by, rows))
+        nbytes = eb._most_link_bytes(r)
+        if last == "limit":
+            lim = []
+            for c, x in zip(cells, rows):
+                limit = (c["compute_alone"]["compute_ms"] + x.get("codec_ms", 0.0)
+                         + 1000 * 8 * eb._most_link_bytes(x) / (eb.link_gbps(c) * 1e9))
+                lim.append(_x(x["step_ms"] / limit))
+            tail = " / ".join(lim)
+        else:
+            flat = by[0].get("terngrad-flat")
+            tail = _x(nbytes / eb._most_link_bytes(flat)) if k.startswith("terngrad") and flat else ""
+        lines.append(f"| {label} | {steps} | {vs16} | {nbytes / 1e6:.1f} | {tail} |")
+    return "\n".join(lines)
+
 DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
 
 
@@ -1117,6 +1153,8 @@ def blocks() -> dict:
         ("docs/perfmodel.md", "goals-512"): block_goals_512(),
         ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed(),
         ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory(),
+        ("docs/cluster.md", "cluster-regime-mlp"): block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
+        ("docs/cluster.md", "cluster-regime-resnet50"): block_cluster_regime("resnet50", ("", "r2"), "flat"),
         ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
         ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
     }
