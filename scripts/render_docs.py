@@ -686,6 +686,57 @@ def block_cluster_regime(model: str, tags: tuple, last: str) -> str:
         lines.append(f"| {label} | {steps} | {vs16} | {nbytes / 1e6:.1f} | {tail} |")
     return "\n".join(lines)
 
+def _cluster_limit(eb, res: dict, row: dict):
+    """step / limit of a row of an emulated-cluster cell, as examples/emulated_cluster_benchmark.py's table
+    computes it (compute alone + codec + the bytes it received at the link rate); None without a limit."""
+    gbps = eb.link_gbps(res)
+    if "bytes_received_per_step" not in row or not gbps:
+        return None
+    return row["step_ms"] / (res["calibration"]["compute_ms"] + row["codec_ms"]
+                             + 1000 * 8 * row["bytes_received_per_step"] / (gbps * 1e9))
+
+
+CLUSTER_RELEASED = (("resnet50", 2, "1gbit", ("r1", "r2")), ("resnet50", 4, "1gbit", ("r1", "r2")),
+                    ("transformer", 2, "1gbit", ("r1", "r2")), ("resnet50", 2, "none", ("r1",)),
+                    ("transformer", 2, "none", ("r1",)))
+
+
+def block_cluster_released() -> str:
+    """cluster.md's table of docs/cluster/released/<model>-n<N>-<rate>-<tag>.json: ms per step of each
+    configuration, repeats side by side, TernGrad's speedups and its step against its limit."""
+    eb = _example("emulated_cluster_benchmark")
+    lines = ["| model | N | link | fp32 | fp16 | TernGrad (defaults) | step/limit | auto |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, N, rate, tags in CLUSTER_RELEASED:
+        cells = [_load(f"docs/cluster/released/{model}-n{N}-{rate}-{t}.json") for t in tags]
+        by = [{r["config"]: r for r in c["rows"]} for c in cells]
+        ms = lambda k: " / ".join(f"{b[k]['step_ms']:.0f}" for b in by)  # noqa: E731
+        ratios = "; ".join(f"{_x(b['fp16']['step_ms'] / b['terngrad']['step_ms'])} / "
+                           f"{_x(b['fp32']['step_ms'] / b['terngrad']['step_ms'])}" for b in by)
+        if rate == "none":
+            link = f"unshaped ({eb.link_gbps(cells[0]):.1f} Gbit/s)"
+            tg = f"{ms('terngrad')} ({' / '.join(_x(b['terngrad']['step_ms'] / b['fp32']['step_ms']) for b in by)} of fp32's step)"
+        else:
+            link = rate
+            tg = f"{ms('terngrad')} ({ratios})"
+        lim = " / ".join(_x(_cluster_limit(eb, c, b["terngrad"])) for c, b in zip(cells, by))
+        lines.append(f"| {model} | {N} | {link} | {ms('fp32')} | {ms('fp16')} | {tg} | {lim} | {ms('terngrad-auto')} |")
+    return "\n".join(lines)
+
+
+def block_cluster_released_n4() -> str:
+    """cluster.md's two further ResNet-50 repeats at N = 4, 1 Gbit/s (docs/cluster/released/resnet50-n4-1gbit-r3/r4)."""
+    eb = _example("emulated_cluster_benchmark")
+    lines = ["| repeat | fp16 ms | TernGrad (defaults) ms | vs fp16 | step/limit | auto ms | auto vs fp16 |",
+             "|---|---|---|---|---|---|---|"]
+    for tag in ("r3", "r4"):
+        c = _load(f"docs/cluster/released/resnet50-n4-1gbit-{tag}.json")
+        b = {r["config"]: r for r in c["rows"]}
+        f16, tg, auto = b["fp16"]["step_ms"], b["terngrad"]["step_ms"], b["terngrad-auto"]["step_ms"]
+        lines.append(f"| {tag} | {f16:.0f} | {tg:.0f} | {_x(f16 / tg)} | {_x(_cluster_limit(eb, c, b['terngrad']))} "
+                     f"| {auto:.0f} | {_x(f16 / auto)} |")
+    return "\n".join(lines)
+
 DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
 
 
@@ -1153,6 +1204,8 @@ def blocks() -> dict:
         ("docs/perfmodel.md", "goals-512"): block_goals_512(),
         ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed(),
         ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory(),
+        ("docs/cluster.md", "cluster-released"): block_cluster_released(),
+        ("docs/cluster.md", "cluster-released-n4"): block_cluster_released_n4(),
         ("docs/cluster.md", "cluster-regime-mlp"): block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
         ("docs/cluster.md", "cluster-regime-resnet50"): block_cluster_regime("resnet50", ("", "r2"), "flat"),
         ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
@@ -1189,7 +1242,12 @@ def rendered_pages() -> dict:
             raise SystemExit(f"render_docs: {rel} lacks the markers of block {name!r}:\n{b}\n{e}")
         pre, rest = text.split(b, 1)
         _, post = rest.split(e, 1)
-        pages[rel] = pre + b + "\n" + body + "\n" + e + post
+        # a block inside a list item keeps the item's indentation: the BEGIN marker's
+        indent = pre[pre.rfind("\n") + 1:]
+        if indent.strip():
+            raise SystemExit(f"render_docs: {rel}: the BEGIN marker of block {name!r} must start its line")
+        body = "\n".join(indent + line if line else line for line in body.split("\n"))
+        pages[rel] = pre + b + "\n" + body + "\n" + indent + e + post
     return pages
 
 
