@@ -737,6 +737,46 @@ def block_cluster_released_n4() -> str:
                      f"| {auto:.0f} | {_x(f16 / auto)} |")
     return "\n".join(lines)
 
+W = "docs/cluster/workload/"
+CLUSTER_WORKLOAD = (
+    ("transformer, 8 x 64 tokens (default)", 2, ("docs/cluster/transformer-n2-1gbit-r1.json",
+                                                 "docs/cluster/transformer-n2-1gbit-r2.json")),
+    ("transformer, 8 x 32 tokens", 2, (W + "transformer-n2-1gbit-ctx32.json",)),
+    ("transformer, 8 x 16 tokens", 2, (W + "transformer-n2-1gbit-ctx16.json",)),
+    ("resnet50, 8 x 64x64 (default)", 2, ("docs/cluster/resnet50-n2-1gbit-r1.json",
+                                          "docs/cluster/resnet50-n2-1gbit-r2.json")),
+    ("resnet50, 8 x 32x32", 2, (W + "resnet50-n2-1gbit-img32.json",)),
+    ("resnet50, 8 x 64x64 (default)", 4, ("docs/cluster/resnet50-n4-1gbit-r1.json",
+                                          "docs/cluster/resnet50-n4-1gbit-r2.json")),
+    ("resnet50, 8 x 32x32", 4, (W + "resnet50-n4-1gbit-img32.json",)),
+    ("transformer, 8 x 16 tokens", 4, (W + "transformer-n4-1gbit-ctx16.json",)),
+)
+CLUSTER_WORKLOAD_FIXED = (("transformer, 8 x 16 tokens", 2, (W + "transformer-n2-1gbit-ctx16-fixed.json",)),
+                          ("resnet50, 8 x 32x32", 4, (W + "resnet50-n4-1gbit-img32-fixed.json",)))
+
+
+def block_cluster_workload(spec: tuple, rounds: bool = False) -> str:
+    """cluster.md's "where compute caps the gain" tables: per workload its cells (repeats side by side), the
+    calibration's compute, each configuration's ms per step, TernGrad's and auto's speedup vs fp16 and TernGrad's
+    step against its limit (examples/emulated_cluster_benchmark.py's formula)."""
+    eb = _example("emulated_cluster_benchmark")
+    lines = ["| model, workload | N | compute | fp32 | fp16 | TernGrad (defaults) | step/limit | auto |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, N, rels in spec:
+        cells = [_load(rel) for rel in rels]
+        by = [{r["config"]: r for r in c["rows"]} for c in cells]
+        comp = sorted(c["calibration"]["compute_ms"] for c in cells)
+        compute = f"{comp[0]:.0f}" if len(comp) == 1 else f"{comp[0]:.0f}-{comp[-1]:.0f}"
+        ms = lambda k: " / ".join(f"{b[k]['step_ms']:.0f}" for b in by)  # noqa: E731
+        vs16 = lambda k: " / ".join(_x(b["fp16"]["step_ms"] / b[k]["step_ms"]) for b in by)  # noqa: E731
+        tg = f"{ms('terngrad')} ({vs16('terngrad')})"
+        if rounds:
+            tg += ", rounds " + "; ".join(", ".join(f"{x:.0f}" for x in b["terngrad"]["step_ms_by_round"]) for b in by)
+        lim = " / ".join(_x(_cluster_limit(eb, c, b["terngrad"])) for c, b in zip(cells, by))
+        lines.append(f"| {label} | {N} | {compute} | {ms('fp32')} | {ms('fp16')} | {tg} | {lim} "
+                     f"| {ms('terngrad-auto')} ({vs16('terngrad-auto')}) |")
+    return "\n".join(lines)
+
 DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
 
 
@@ -1206,6 +1246,8 @@ def blocks() -> dict:
         ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory(),
         ("docs/cluster.md", "cluster-released"): block_cluster_released(),
         ("docs/cluster.md", "cluster-released-n4"): block_cluster_released_n4(),
+        ("docs/cluster.md", "cluster-workload"): block_cluster_workload(CLUSTER_WORKLOAD),
+        ("docs/cluster.md", "cluster-workload-fixed"): block_cluster_workload(CLUSTER_WORKLOAD_FIXED, rounds=True),
         ("docs/cluster.md", "cluster-regime-mlp"): block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
         ("docs/cluster.md", "cluster-regime-resnet50"): block_cluster_regime("resnet50", ("", "r2"), "flat"),
         ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
