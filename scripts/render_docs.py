@@ -797,6 +797,26 @@ def block_cluster_workload(spec: tuple, rounds: bool = False) -> str:
                      f"| {ms('terngrad-auto')} ({vs16('terngrad-auto')}) |")
     return "\n".join(lines)
 
+def block_ddp_bench(rel: str, cell_cols: bool) -> str:
+    """ddp.md's benchmark table of one cell (examples/ddp_benchmark.py's JSON ``rel``): per configuration its median
+    step, the rounds, the step against DDP fp32's and fp16's, and the bits per parameter it hands to collectives.
+    ``cell_cols``: lead with the model, N and link columns."""
+    res = _load(rel)
+    by = {r["config"]: r for r in res["rows"]}
+    fp32, fp16 = by["fp32"]["step_ms"], by["fp16"]["step_ms"]
+    head = ["model", "N", "link"] if cell_cols else []
+    vs = ["time vs fp32", "time vs fp16"] if cell_cols else ["vs fp32", "vs fp16"]
+    cols = head + ["configuration", "ms/step", "by round"] + vs + ["bits/param sent"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in res["rows"]:
+        link = res.get("rate") or re.search(r"-n\d+-(\w+)\.json$", rel).group(1)    # the cell's file names its link
+        cells = ([res["model"], str(res["ranks"]), link] if cell_cols else []) + [
+            r["label"], f"{r['step_ms']:.0f}", ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]),
+            _x(r["step_ms"] / fp32), _x(r["step_ms"] / fp16),
+            "" if r.get("bits_per_param") is None else f"{r['bits_per_param']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
 DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
 
 
@@ -1272,6 +1292,8 @@ def blocks() -> dict:
         ("docs/cluster.md", "cluster-regime-mlp"): block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
         ("docs/cluster.md", "cluster-regime-resnet50"): block_cluster_regime("resnet50", ("", "r2"), "flat"),
         ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
+        ("docs/ddp.md", "ddp-mlp"): block_ddp_bench("docs/ddp/mlp-n2-1gbit.json", True),
+        ("docs/ddp.md", "ddp-resnet50"): block_ddp_bench("docs/ddp/resnet50-n2-1gbit.json", False),
         ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
     }
 
