@@ -545,6 +545,26 @@ def block_goals_512() -> str:
     return "\n".join(lines)
 
 
+def block_goal_budget() -> str:
+    """perfmodel.md's "what dominates": for Horovod VGG-A and AlexNet at 512 GPUs on InfiniBand (nodes of 4, the
+    default's additive plan), the communication the 0.90 goal leaves, the node-aware groups and the latency their
+    cross-node exchanges pay before any byte (2·(M-1) per-message latencies each, M nodes)."""
+    from horovod_terngrad.modelling import perfmodel as pm
+    G, N = 4, 512
+    M = N // G
+    lines = [f"| Horovod, {N} GPUs ({M} nodes x {G}), InfiniBand | compute ms | left for communication at 0.90 ms "
+             "| node-aware groups | their cross-node latency alone ms |", "|---|---|---|---|---|"]
+    for mk, name in (("vgga", "VGG-A"), ("alexnet", "AlexNet")):
+        model, cl = pm.MODELS[mk], _cluster("infiniband", G)
+        c = model.compute_s[cl.gpu]
+        row = pm.compare_exchanges(model, c, N, cl.network, (pm.FP32, pm.TERNGRAD_DEFAULT),
+                                   batch_per_worker=model.batch_per_gpu)[pm.TERNGRAD_DEFAULT]
+        groups = sum(e == "terngrad_hierarchical" for e in row.exchanges)
+        alpha = cl.network.latency_s
+        lines.append(f"| {name} | {1e3 * c:.1f} | {1e3 * (c / 0.9 - c):.1f} | {groups} "
+                     f"| {1e3 * groups * 2 * (M - 1) * alpha:.2f} ({groups} x 2·{M - 1} α, α = {1e6 * alpha:g} µs) |")
+    return "\n".join(lines)
+
 def block_ddp_status(m: dict) -> str:
     return "\n".join([
         "| goal | status |",
@@ -562,6 +582,299 @@ def block_ddp_status(m: dict) -> str:
         "against -0.80, also on the moving average); met at lr 0.0003 for every hook (-1.23 against -1.41) |",
         "| NCCL / GPU | not run |",
     ])
+
+
+def _example(name: str):
+    """examples/NAME.py as a module: the benchmark's own formulas (limits, link bytes, ratios) for its tables."""
+    import importlib
+    path = os.path.join(ROOT, "examples")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
+FSDP_SPEED_LABELS = {"hsdp-fp32": "HSDP fp32 (native)", "hsdp-bf16": "HSDP bf16 reduce (native)",
+                     "hsdp-terngrad": "HSDP + TernGrad", "local": "compute alone (no exchange)"}
+
+
+def block_fsdp_speed() -> str:
+    """fsdp.md's speed table, from docs/fsdp/gpt2-L4-E256-n2x2-regime8.json and its repeat (-r2), with
+    examples/fsdp_benchmark.py's own limit, host-link and ratio formulas."""
+    fb = _example("fsdp_benchmark")
+    res = _load("docs/fsdp/gpt2-L4-E256-n2x2-regime8.json")
+    rep = _load("docs/fsdp/gpt2-L4-E256-n2x2-regime8-r2.json")
+    s, s2 = fb.summary(res), fb.summary(rep)
+    lines = ["| configuration | ms/step | limit ms (compute + codec + link) | host-link MB/step per host "
+             "| step vs HSDP bf16 | host-link bytes vs HSDP bf16 | replicas identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        rat = s["ratios_vs_bf16"][r["config"]]
+        lim = fb.limit_ms(res, r)
+        local = r["config"] == "local"
+        limit = f"{lim[0]:.0f}" if local else f"{lim[0]:.0f} = {lim[1]:.0f} + {lim[2]:.0f} + {lim[3]:.0f}"
+        bold = (lambda t: f"**{t}**") if r["config"] == "hsdp-terngrad" else (lambda t: t)  # noqa: E731
+        same = "–" if r["replicas_identical"] is None else ("yes" if r["replicas_identical"] else "**no**")
+        nbytes = "–" if local else bold(f"{rat['host_link_bytes']:.3f}x")
+        lines.append(f"| {FSDP_SPEED_LABELS.get(r['config'], r['config'])} | {r['step_ms']:.0f} | {limit} "
+                     f"| {fb.host_link(r)[0] / 1e6:.3f} | {bold(_x(rat['step']))} | {nbytes} | {same} |")
+    tg, tg2 = s["ratios_vs_bf16"]["hsdp-terngrad"], s2["ratios_vs_bf16"]["hsdp-terngrad"]
+    met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    g = s["goals"]
+    alone = sorted([res["compute_alone"]["compute_ms"], rep["compute_alone"]["compute_ms"]])
+    lines += ["", f"Goals: host-link bytes ≤ 0.15x bf16's ({tg['host_link_bytes']:.3f}x, "
+              f"{met(g['host_link_bytes_le_0.15x_bf16'])}), step time ≤ 0.6x bf16's ({_x(tg['step'])}, "
+              f"{met(g['step_le_0.6x_bf16'])}), replicas identical ({met(g['replicas_identical'])}, every "
+              f"configuration). The repeat (`--tag r2`, `docs/fsdp/gpt2-L4-E256-n2x2-regime8-r2.json`) gave "
+              f"{_x(tg2['step'])} step time and {tg2['host_link_bytes']:.3f}x bytes: one rank's compute alone, the "
+              f"regime's yardstick, measured {alone[0]:.0f} ms there and {alone[1]:.0f} ms here on this shared "
+              f"machine, so take the larger step ratio as the honest figure."]
+    tgrow = next(r for r in res["rows"] if r["config"] == "hsdp-terngrad")
+    wait = 1000 * max(p["gather_wait_s"] for p in tgrow["terngrad_per_rank_per_step"])
+    lines.append(f"TernGrad's hook blocks backward ({wait:.0f} ms per step waiting in allgathers, the most of any "
+                 f"rank, of {tgrow['hook_ms']:.0f} ms inside the hook), with no overlap.")
+    return "\n".join(lines)
+
+
+FSDP_MEMORY_LABELS = {"ddp-terngrad": "DDP + TernGrad", "hsdp-fp32": "HSDP fp32 (native)",
+                      "hsdp-terngrad": "HSDP + TernGrad"}
+
+
+def block_fsdp_memory() -> str:
+    """fsdp.md's memory table, from docs/fsdp/memory-gpt2-small-shapes.json and docs/fsdp/memory.json
+    (examples/fsdp_memory.py): bytes per rank after the optimizer's step, the largest rank's."""
+    def table(rel):
+        res = _load(rel)
+        ddp = next(r for r in res["rows"] if r["config"].startswith("ddp"))["max_persistent"]
+        out = []
+        for r in res["rows"]:
+            big = max(r["per_rank"], key=lambda x: x["persistent"])
+            out.append((r, big, r["max_persistent"] / ddp, (r["max_persistent"] + r["transient"]) / ddp))
+        return res, out
+    res, rows = table("docs/fsdp/memory-gpt2-small-shapes.json")
+    mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
+    lines = [f"GPT-2 shapes, 12 layers x 768 (byte vocabulary: {res['params'] / 1e6:.1f}M parameters), AdamW, "
+             f"{res['ranks'] // res['G']} nodes x G = {res['G']}:", "",
+             "| configuration | params | grads | optimizer state | persistent (largest rank) | vs DDP "
+             "| + transient (one unit gathered, one prefetched) | peak vs DDP |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r, big, vs, peak in rows:
+        lines.append(f"| {FSDP_MEMORY_LABELS.get(r['config'], r['config'])} | {mb(big['params'])} | {mb(big['grads'])} "
+                     f"| {mb(big['optimizer'])} | {mb(r['max_persistent'])} | {vs:.3f}x "
+                     f"| {mb(r['transient']) if r['transient'] else 0} | {peak:.3f}x |")
+    small, srows = table("docs/fsdp/memory.json")
+    ddp = next(x for x in srows if x[0]["config"].startswith("ddp"))
+    hsdp = next(x for x in srows if x[0]["config"] == "hsdp-terngrad")
+    lines += ["", f"The benchmark's GPT-2, 4 layers x 256 ({small['params'] / 1e6:.2f}M parameters; "
+              "`docs/fsdp/memory.json`): persistent "
+              f"{mb(ddp[0]['max_persistent'])} (DDP) against {mb(hsdp[0]['max_persistent'])} ({hsdp[2]:.3f}x); "
+              f"with the transient {hsdp[3]:.3f}x (a 4-block model: one block is a quarter of it)."]
+    return "\n".join(lines)
+
+def block_cluster_regime(model: str, tags: tuple, last: str) -> str:
+    """cluster.md's calibrated-regime table of ``model`` (2 hosts x 2 ranks): per configuration its step in each
+    repeat (docs/cluster/regime/<model>-n2x2-regime8[-<tag>].json, examples/emulated_cluster_benchmark.py), its
+    speed against fp16, the bytes its busiest host link carried one way per step (first repeat), and ``last``:
+    "limit" (step / (compute alone + codec + those bytes at the link rate), per repeat) or "flat" (bytes against
+    the flat exchange's)."""
+    eb = _example("emulated_cluster_benchmark")
+    cells = [_load(f"docs/cluster/regime/{model}-n2x2-regime8{'-' + t if t else ''}.json") for t in tags]
+    names = " / ".join(t or "r1" for t in tags)
+    alone = [c["compute_alone"]["compute_ms"] for c in cells]
+    lines = [f"One rank's compute alone: {' / '.join(f'{a:.1f}' for a in alone)} ms ({names}), so the links ran at "
+             f"{' / '.join(f'{eb.link_gbps(c):.3f}' for c in cells)} Gbit/s.", "",
+             f"| configuration | ms/step {names} | vs fp16 | MB/step per host link | "
+             + ("step / limit |" if last == "limit" else "vs flat's bytes |"), "|---|---|---|---|---|"]
+    by = [{r["config"]: r for r in c["rows"]} for c in cells]
+    for r in cells[0]["rows"]:
+        k = r["config"]
+        rows = [b[k] for b in by]
+        label = k + (" (auto: node-aware)" if k == "terngrad" and r.get("node_aware") else
+                     " (auto: flat)" if k == "terngrad" else "")
+        steps = " / ".join(f"{x['step_ms']:.0f}" for x in rows)
+        vs16 = "1.00x" if k == "fp16" else " / ".join(_x(b["fp16"]["step_ms"] / x["step_ms"]) for b, x in zip(by, rows))
+        nbytes = eb._most_link_bytes(r)
+        if last == "limit":
+            lim = []
+            for c, x in zip(cells, rows):
+                limit = (c["compute_alone"]["compute_ms"] + x.get("codec_ms", 0.0)
+                         + 1000 * 8 * eb._most_link_bytes(x) / (eb.link_gbps(c) * 1e9))
+                lim.append(_x(x["step_ms"] / limit))
+            tail = " / ".join(lim)
+        else:
+            flat = by[0].get("terngrad-flat")
+            tail = _x(nbytes / eb._most_link_bytes(flat)) if k.startswith("terngrad") and flat else ""
+        lines.append(f"| {label} | {steps} | {vs16} | {nbytes / 1e6:.1f} | {tail} |")
+    return "\n".join(lines)
+
+def _cluster_limit(eb, res: dict, row: dict):
+    """step / limit of a row of an emulated-cluster cell, as examples/emulated_cluster_benchmark.py's table
+    computes it (compute alone + codec + the bytes it received at the link rate); None without a limit."""
+    gbps = eb.link_gbps(res)
+    if "bytes_received_per_step" not in row or not gbps:
+        return None
+    return row["step_ms"] / (res["calibration"]["compute_ms"] + row["codec_ms"]
+                             + 1000 * 8 * row["bytes_received_per_step"] / (gbps * 1e9))
+
+
+CLUSTER_RELEASED = (("resnet50", 2, "1gbit", ("r1", "r2")), ("resnet50", 4, "1gbit", ("r1", "r2")),
+                    ("transformer", 2, "1gbit", ("r1", "r2")), ("resnet50", 2, "none", ("r1",)),
+                    ("transformer", 2, "none", ("r1",)))
+
+
+def block_cluster_released() -> str:
+    """cluster.md's table of docs/cluster/released/<model>-n<N>-<rate>-<tag>.json: ms per step of each
+    configuration, repeats side by side, TernGrad's speedups and its step against its limit."""
+    eb = _example("emulated_cluster_benchmark")
+    lines = ["| model | N | link | fp32 | fp16 | TernGrad (defaults) | step/limit | auto |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, N, rate, tags in CLUSTER_RELEASED:
+        cells = [_load(f"docs/cluster/released/{model}-n{N}-{rate}-{t}.json") for t in tags]
+        by = [{r["config"]: r for r in c["rows"]} for c in cells]
+        ms = lambda k: " / ".join(f"{b[k]['step_ms']:.0f}" for b in by)  # noqa: E731
+        ratios = "; ".join(f"{_x(b['fp16']['step_ms'] / b['terngrad']['step_ms'])} / "
+                           f"{_x(b['fp32']['step_ms'] / b['terngrad']['step_ms'])}" for b in by)
+        if rate == "none":
+            link = f"unshaped ({eb.link_gbps(cells[0]):.1f} Gbit/s)"
+            tg = f"{ms('terngrad')} ({' / '.join(_x(b['terngrad']['step_ms'] / b['fp32']['step_ms']) for b in by)} of fp32's step)"
+        else:
+            link = rate
+            tg = f"{ms('terngrad')} ({ratios})"
+        lim = " / ".join(_x(_cluster_limit(eb, c, b["terngrad"])) for c, b in zip(cells, by))
+        lines.append(f"| {model} | {N} | {link} | {ms('fp32')} | {ms('fp16')} | {tg} | {lim} | {ms('terngrad-auto')} |")
+    return "\n".join(lines)
+
+
+def block_cluster_released_n4() -> str:
+    """cluster.md's two further ResNet-50 repeats at N = 4, 1 Gbit/s (docs/cluster/released/resnet50-n4-1gbit-r3/r4)."""
+    eb = _example("emulated_cluster_benchmark")
+    lines = ["| repeat | fp16 ms | TernGrad (defaults) ms | vs fp16 | step/limit | auto ms | auto vs fp16 |",
+             "|---|---|---|---|---|---|---|"]
+    for tag in ("r3", "r4"):
+        c = _load(f"docs/cluster/released/resnet50-n4-1gbit-{tag}.json")
+        b = {r["config"]: r for r in c["rows"]}
+        f16, tg, auto = b["fp16"]["step_ms"], b["terngrad"]["step_ms"], b["terngrad-auto"]["step_ms"]
+        lines.append(f"| {tag} | {f16:.0f} | {tg:.0f} | {_x(f16 / tg)} | {_x(_cluster_limit(eb, c, b['terngrad']))} "
+                     f"| {auto:.0f} | {_x(f16 / auto)} |")
+    return "\n".join(lines)
+
+W = "docs/cluster/workload/"
+CLUSTER_WORKLOAD = (
+    ("transformer, 8 x 64 tokens (default)", 2, ("docs/cluster/transformer-n2-1gbit-r1.json",
+                                                 "docs/cluster/transformer-n2-1gbit-r2.json")),
+    ("transformer, 8 x 32 tokens", 2, (W + "transformer-n2-1gbit-ctx32.json",)),
+    ("transformer, 8 x 16 tokens", 2, (W + "transformer-n2-1gbit-ctx16.json",)),
+    ("resnet50, 8 x 64x64 (default)", 2, ("docs/cluster/resnet50-n2-1gbit-r1.json",
+                                          "docs/cluster/resnet50-n2-1gbit-r2.json")),
+    ("resnet50, 8 x 32x32", 2, (W + "resnet50-n2-1gbit-img32.json",)),
+    ("resnet50, 8 x 64x64 (default)", 4, ("docs/cluster/resnet50-n4-1gbit-r1.json",
+                                          "docs/cluster/resnet50-n4-1gbit-r2.json")),
+    ("resnet50, 8 x 32x32", 4, (W + "resnet50-n4-1gbit-img32.json",)),
+    ("transformer, 8 x 16 tokens", 4, (W + "transformer-n4-1gbit-ctx16.json",)),
+)
+CLUSTER_WORKLOAD_FIXED = (("transformer, 8 x 16 tokens", 2, (W + "transformer-n2-1gbit-ctx16-fixed.json",)),
+                          ("resnet50, 8 x 32x32", 4, (W + "resnet50-n4-1gbit-img32-fixed.json",)))
+
+
+def block_cluster_workload(spec: tuple, rounds: bool = False) -> str:
+    """cluster.md's "where compute caps the gain" tables: per workload its cells (repeats side by side), the
+    calibration's compute, each configuration's ms per step, TernGrad's and auto's speedup vs fp16 and TernGrad's
+    step against its limit (examples/emulated_cluster_benchmark.py's formula)."""
+    eb = _example("emulated_cluster_benchmark")
+    lines = ["| model, workload | N | compute | fp32 | fp16 | TernGrad (defaults) | step/limit | auto |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, N, rels in spec:
+        cells = [_load(rel) for rel in rels]
+        by = [{r["config"]: r for r in c["rows"]} for c in cells]
+        comp = sorted(c["calibration"]["compute_ms"] for c in cells)
+        compute = f"{comp[0]:.0f}" if len(comp) == 1 else f"{comp[0]:.0f}-{comp[-1]:.0f}"
+        ms = lambda k: " / ".join(f"{b[k]['step_ms']:.0f}" for b in by)  # noqa: E731
+        vs16 = lambda k: " / ".join(_x(b["fp16"]["step_ms"] / b[k]["step_ms"]) for b in by)  # noqa: E731
+        tg = f"{ms('terngrad')} ({vs16('terngrad')})"
+        if rounds:
+            tg += ", rounds " + "; ".join(", ".join(f"{x:.0f}" for x in b["terngrad"]["step_ms_by_round"]) for b in by)
+        lim = " / ".join(_x(_cluster_limit(eb, c, b["terngrad"])) for c, b in zip(cells, by))
+        lines.append(f"| {label} | {N} | {compute} | {ms('fp32')} | {ms('fp16')} | {tg} | {lim} "
+                     f"| {ms('terngrad-auto')} ({vs16('terngrad-auto')}) |")
+    return "\n".join(lines)
+
+def block_ddp_bench(rel: str, cell_cols: bool) -> str:
+    """ddp.md's benchmark table of one cell (examples/ddp_benchmark.py's JSON ``rel``): per configuration its median
+    step, the rounds, the step against DDP fp32's and fp16's, and the bits per parameter it hands to collectives.
+    ``cell_cols``: lead with the model, N and link columns."""
+    res = _load(rel)
+    by = {r["config"]: r for r in res["rows"]}
+    fp32, fp16 = by["fp32"]["step_ms"], by["fp16"]["step_ms"]
+    head = ["model", "N", "link"] if cell_cols else []
+    vs = ["time vs fp32", "time vs fp16"] if cell_cols else ["vs fp32", "vs fp16"]
+    cols = head + ["configuration", "ms/step", "by round"] + vs + ["bits/param sent"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in res["rows"]:
+        link = res.get("rate") or re.search(r"-n\d+-(\w+)\.json$", rel).group(1)    # the cell's file names its link
+        cells = ([res["model"], str(res["ranks"]), link] if cell_cols else []) + [
+            r["label"], f"{r['step_ms']:.0f}", ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]),
+            _x(r["step_ms"] / fp32), _x(r["step_ms"] / fp16),
+            "" if r.get("bits_per_param") is None else f"{r['bits_per_param']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+DDP_GPT2_LABELS = {"terngrad": "TernGrad-DDP, torch AdamW"}
+
+
+def block_ddp_gpt2() -> str:
+    """ddp.md's GPT-2 table, from docs/ddp/gpt2-regime8/gpt2-n2-regime8.json with examples/ddp_benchmark.py's
+    own limit (compute alone + codec + the row's bytes on a host link at the regime's rate)."""
+    db = _example("ddp_benchmark")
+    res = _load("docs/ddp/gpt2-regime8/gpt2-n2-regime8.json")
+    by = {r["config"]: r for r in res["rows"]}
+    fp16, psgd = by["fp16"]["step_ms"], by["powersgd4"]["step_ms"]
+    alone, bps = res["regime"]["compute_alone_ms"], db.link_bps(res)
+    lines = ["| configuration | ms/step | by round | vs fp16 | vs PowerSGD-4 | forward+backward | optimizer "
+             "| bits/param | limit = compute + codec + wire | step / limit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        cells = [DDP_GPT2_LABELS.get(r["config"], r["label"]), f"{r['step_ms']:.0f}",
+                 ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]), _x(r["step_ms"] / fp16),
+                 "" if r["config"] == "local" else _x(r["step_ms"] / psgd), f"{r['forward_backward_ms']:.0f}",
+                 f"{r['optimizer_ms']:.0f}", "" if r["bits_per_param"] is None else f"{r['bits_per_param']:.2f}"]
+        nbytes = db.wire_bytes(r, res["params"], res["ranks"])
+        if nbytes is None or r["config"] == "local":
+            cells += ["", ""]
+        else:
+            wire = 1000 * 8 * nbytes / bps
+            codec = r.get("profile", {}).get("codec", 0.0)
+            limit = alone + codec + wire
+            note = " (its matrices' compute not counted)" if r["config"].startswith("powersgd") else ""
+            ratio = _x(r["step_ms"] / limit)
+            cells += [f"{limit:.0f} = {alone:.0f} + {codec:.0f} + {wire:.0f}{note}",
+                      f"**{ratio}**" if "profile" in r else ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    tg = [r for r in res["rows"] if "profile" in r]
+    wire = 1000 * 8 * db.wire_bytes(tg[0], res["params"], res["ranks"]) / bps
+    which = {"terngrad": "torch AdamW", "terngrad-tgadamw": "TernGrad's AdamW"}
+    lines += ["", f"Against compute + wire alone ({alone + wire:.0f} ms) TernGrad's step is "
+              + " and ".join(f"{_x(r['step_ms'] / (alone + wire))} ({which[r['config']]})" for r in tg) + "."]
+    return "\n".join(lines)
+
+
+def block_ddp_gpt2_profile() -> str:
+    """ddp.md's "where TernGrad's step goes", the medians examples/ddp_benchmark.py --profile recorded."""
+    res = _load("docs/ddp/gpt2-regime8/gpt2-n2-regime8.json")
+    by = {r["config"]: r["profile"] for r in res["rows"] if "profile" in r}
+    a, b = by["terngrad"], by["terngrad-tgadamw"]
+    copies = lambda p: f"{p['copies']:.0f}" + (" (decoded in place)" if p is a and not p["copies"] else "")  # noqa: E731
+    rows = [("step begin to the last bucket handed over (forward, backward, and the worker's share of the cores)",
+             "forward_backward"),
+            ("tail: last bucket handed over to backward's return (DDP waiting for the exchange)", "tail"),
+            ("optimizer step", "optimizer"),
+            ("worker: start spans (prepare, ternarize, pack, launch)", "encode"),
+            ("worker: codec (encode + decode + noise estimate)", "codec"),
+            ("worker: blocked on collectives (payloads, the small tensors' allreduce)", "wait")]
+    lines = ["| | torch AdamW | horovod_terngrad.optim.AdamW |", "|---|---|---|"]
+    lines += [f"| {what} | {a[k]:.0f} | {b[k]:.0f} |" for what, k in rows]
+    lines += [f"| copies (averages into DDP's bucket) | {copies(a)} | {copies(b)} |",
+              f"| worker busy / idle in the step | {a['worker_busy']:.0f} / {a['worker_idle_in_step']:.0f} "
+              f"| {b['worker_busy']:.0f} / {b['worker_idle_in_step']:.0f} |"]
+    return "\n".join(lines)
 
 
 def block_fsdp_scale(be: dict, mod: dict) -> str:
@@ -801,27 +1114,51 @@ def _message(node) -> str:
     return "…"
 
 
+#: Functions whose returned text the package logs elsewhere (``log.warning(msg)``, ``log.info("%s", msg)``): their
+#: messages are listed under their own module, the forwarding call (whose message is a variable) is not.
+LOGGED_RETURNS = {("horovod_terngrad/frontends/cpu_threads.py", "oversubscription"): "warning",
+                  ("horovod_terngrad/exchange/link.py", "describe"): "log (INFO or WARNING)"}
+#: Module-level helpers that log their third argument once, at the level given as their second (``fsdp._say``).
+LOG_ONCE_HELPERS = {"_say"}
+
+
 def inventory() -> list[tuple[str, int, str, str]]:
-    """(file, line, kind, message) for every ``raise X(...)`` and every log warning / warnings.warn."""
+    """(file, line, kind, message) for every ``raise X(...)``, every log warning / warnings.warn, every message a
+    ``LOG_ONCE_HELPERS`` call logs at WARNING and every text a ``LOGGED_RETURNS`` function returns."""
     out = []
+    found_returns = set()
     for path in sorted(glob.glob(os.path.join(ROOT, "horovod_terngrad", "**", "*.py"), recursive=True)):
         rel = os.path.relpath(path, ROOT)
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and (rel, node.name) in LOGGED_RETURNS:
+                found_returns.add((rel, node.name))
+                for ret in ast.walk(node):
+                    if isinstance(ret, ast.Return) and ret.value is not None and _message(ret.value) != "…":
+                        out.append((rel, ret.lineno, LOGGED_RETURNS[(rel, node.name)], _message(ret.value)))
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
                 fn = node.exc.func
                 name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "?")
                 msg = _message(node.exc.args[0]) if node.exc.args else ""
                 out.append((rel, node.lineno, name, msg))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOG_ONCE_HELPERS:
+                level = node.args[1] if len(node.args) >= 3 else None
+                if isinstance(level, ast.Attribute) and level.attr == "WARNING":
+                    out.append((rel, node.lineno, "warning", _message(node.args[2])))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 attr = node.func.attr
                 owner = node.func.value
                 oname = getattr(owner, "id", "")
                 if (attr == "warn" and oname == "warnings") or (attr in ("warning", "error") and oname == "log"):
-                    out.append((rel, node.lineno, "warning", _message(node.args[0]) if node.args else ""))
+                    if not (len(node.args) == 1 and isinstance(node.args[0], ast.Name)):
+                        out.append((rel, node.lineno, "warning", _message(node.args[0]) if node.args else ""))
                 elif attr == "log" and oname == "log" and len(node.args) >= 2:
-                    out.append((rel, node.lineno, "log (INFO or WARNING)", _message(node.args[1])))
+                    if not isinstance(node.args[1], ast.Name):
+                        out.append((rel, node.lineno, "log (INFO or WARNING)", _message(node.args[1])))
+    missing = set(LOGGED_RETURNS) - found_returns
+    if missing:
+        raise SystemExit(f"render_docs: LOGGED_RETURNS names functions the package no longer has: {sorted(missing)}")
     return sorted(out)
 
 
@@ -842,6 +1179,80 @@ def block_inventory() -> str:
         lines.append(f"| `{kind}` | {_md(msg).replace('`', '')} |")
     return "\n".join(lines)
 
+
+#: What each logged warning means and what to do, keyed by (module, the start of its message as the code writes it
+#: with its whitespace collapsed).  Every warning and log site of ``inventory()`` needs an entry, and every entry a
+#: site: a new warning without advice, or advice for a message the code no longer writes, stops the render.
+WARNING_ADVICE = [
+    ("horovod_terngrad/backends/cpu.py", "TernGrad: fused CPU codec unavailable",
+     "no C compiler or the build failed: the torch reference codec runs (same bytes, slower)", "install gcc, or set `CC`"),
+    ("horovod_terngrad/backends/__init__.py", "TernGrad: CUDA kernels unavailable",
+     "CuPy missing: CUDA tensors use the torch reference path (correct, slower)", "`pip install cupy-cuda12x`"),
+    ("horovod_terngrad/frontends/cpu_threads.py", "TernGrad: … rank(s) on this host each run",
+     "the ranks of a host run more threads than it has cores; on CPU that, not the network, sets the step time",
+     "`OMP_NUM_THREADS=1` (or cores / ranks) for every rank, or `torch.set_num_threads`"),
+    ("horovod_terngrad/frontends/cpu_threads.py", "TernGrad: … ranks on this host share",
+     "more ranks than cores on one host (an emulated cluster on one machine, or `-np` / `--nproc_per_node` above "
+     "the cores)", "at most C ranks per host; on an emulated cluster, compare against the shared-core limit "
+     "([scale](scale.md))"),
+    ("horovod_terngrad/exchange/link.py", "TernGrad exchange='auto': measured",
+     "the link `exchange=\"auto\"` measured (INFO; WARNING when ternarizing does not pay: every gradient then "
+     "travels uncompressed)", "nothing (that is the choice); set another `exchange` to force TernGrad"),
+    ("horovod_terngrad/frontends/hierarchy.py", "TernGrad: node-aware exchange off",
+     "the flat exchange runs instead of the node-aware one, and why (INFO where quiet: one node or one rank per "
+     "node)", "nothing, or fix the placement the message names"),
+    ("horovod_terngrad/frontends/hierarchy.py", "TernGrad: …=process_sets:",
+     "process sets could not be added; world collectives carry the node-aware exchange instead",
+     "nothing, or `HOROVOD_DYNAMIC_PROCESS_SETS=1` before `hvd.init()`"),
+    ("horovod_terngrad/exchange/engine.py", "…; its averaged gradient is set to zero on every rank this step",
+     "a NaN/Inf was zeroed, once per tensor", "with fp16 AMP use `\"propagate\"`"),
+    ("horovod_terngrad/frontends/horovod.py", "TernGrad: no parameter name available",
+     "Horovod's optimizer was built without `named_parameters`", "pass `named_parameters=model.named_parameters()`"),
+    ("horovod_terngrad/frontends/horovod.py", "TernGrad: gradient '…' submitted again",
+     "a step was abandoned half-way (an exception, a skipped `step()`); the step's groups start afresh",
+     "nothing if it was intended"),
+    ("horovod_terngrad/frontends/horovod.py", "TernGrad: fused groups miss",
+     "some members of a fusion group sent no gradient (sparse without `sparse_as_dense`, parameters dropped from "
+     "the update)", "nothing; their other members go as smaller groups"),
+    ("horovod_terngrad/frontends/ddp.py", "TernGrad: a TernGradState's process group is not pickled",
+     "an unpickled DDP state uses the default group", "pass `process_group=` again to a new state for a subgroup"),
+    ("horovod_terngrad/frontends/fsdp.py", "TernGrad FSDP: unit '…': parameter offsets in its shard unknown",
+     "a unit's flat shard could not be split per parameter: one scaler per `bucket_size` elements instead (65536 "
+     "where it is 0); FSDP's own path (a 1-D mesh, one replica) is said at INFO", "nothing; `state.layout` / "
+     "`state.reason` say which"),
+    ("horovod_terngrad/optim/adam.py", "horovod_terngrad.optim: no ternary noise estimate came with a gradient",
+     "the exchange gave no estimate (sharded, a rank in `hvd.join()`): the optimizer behaves as plain AdamW with "
+     "TernGrad there", "an exchange that gives one, flat or node-aware: `\"default\"` (the allgather up to 4 ranks, "
+     "the requantized exchange above), `\"allgather\"`, `\"requantized\"` or `\"auto\"` "
+     "([choosing settings](choosing.md))"),
+    ("horovod_terngrad/optim/adam.py", "horovod_terngrad.optim: a parameter (shape …) got a ternary gradient",
+     "refresh mode: the schedule's first step was not full precision for it (e.g. resumed mid-run); its second "
+     "moment starts from a ternary gradient", "nothing, or start with a warm-up"),
+]
+
+
+def _plain(msg: str) -> str:
+    """A message with its whitespace collapsed and its run-time values (%s, %r, %d, {…}) shown as …."""
+    return re.sub(r"%[srd]|\{…\}", "…", " ".join(msg.split()))
+
+
+def block_warnings() -> str:
+    sites = [(rel, _plain(msg)) for rel, _, kind, msg in inventory() if kind == "warning" or kind.startswith("log")]
+    lines = ["| warning (start of the message, as the code writes it) | module | what it means | what to do |",
+             "|---|---|---|---|"]
+    covered = set()
+    for rel, start, meaning, todo in WARNING_ADVICE:
+        hits = [msg for r, msg in sites if r == rel and msg.startswith(start)]
+        if not hits:
+            raise SystemExit(f"render_docs: WARNING_ADVICE: {rel} logs no message starting {start!r}")
+        covered.update((rel, msg) for msg in hits)
+        shown = hits[0] if len(hits[0]) <= 90 else hits[0][:hits[0].rfind(" ", 0, 90)] + " ..."
+        lines.append(f"| `{_md(shown).replace('`', '')}` | `{rel.removeprefix('horovod_terngrad/')}` | {meaning} "
+                     f"| {todo} |")
+    left = sorted(set(sites) - covered)
+    if left:
+        raise SystemExit(f"render_docs: warnings without an entry in WARNING_ADVICE: {left}")
+    return "\n".join(lines)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Writing
@@ -865,11 +1276,25 @@ def blocks() -> dict:
         ("docs/quickstart.md", "adam"): block_adam(m),
         ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be, mod),
         ("docs/troubleshooting.md", "inventory"): block_inventory(),
+        ("docs/troubleshooting.md", "warnings"): block_warnings(),
         ("docs/perfmodel.md", "paper-vs-model"): block_paper_vs_model(paper_vs_model()),
         ("docs/adam.md", "adam-tables"): block_adam_tables(),
         ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm(),
         ("docs/scale.md", "bf16-intra"): block_bf16_intra(),
         ("docs/perfmodel.md", "goals-512"): block_goals_512(),
+        ("docs/perfmodel.md", "goal-budget"): block_goal_budget(),
+        ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed(),
+        ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory(),
+        ("docs/cluster.md", "cluster-released"): block_cluster_released(),
+        ("docs/cluster.md", "cluster-released-n4"): block_cluster_released_n4(),
+        ("docs/cluster.md", "cluster-workload"): block_cluster_workload(CLUSTER_WORKLOAD),
+        ("docs/cluster.md", "cluster-workload-fixed"): block_cluster_workload(CLUSTER_WORKLOAD_FIXED, rounds=True),
+        ("docs/cluster.md", "cluster-regime-mlp"): block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
+        ("docs/cluster.md", "cluster-regime-resnet50"): block_cluster_regime("resnet50", ("", "r2"), "flat"),
+        ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
+        ("docs/ddp.md", "ddp-mlp"): block_ddp_bench("docs/ddp/mlp-n2-1gbit.json", True),
+        ("docs/ddp.md", "ddp-resnet50"): block_ddp_bench("docs/ddp/resnet50-n2-1gbit.json", False),
+        ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
     }
 
 
@@ -902,7 +1327,12 @@ def rendered_pages() -> dict:
             raise SystemExit(f"render_docs: {rel} lacks the markers of block {name!r}:\n{b}\n{e}")
         pre, rest = text.split(b, 1)
         _, post = rest.split(e, 1)
-        pages[rel] = pre + b + "\n" + body + "\n" + e + post
+        # a block inside a list item keeps the item's indentation: the BEGIN marker's
+        indent = pre[pre.rfind("\n") + 1:]
+        if indent.strip():
+            raise SystemExit(f"render_docs: {rel}: the BEGIN marker of block {name!r} must start its line")
+        body = "\n".join(indent + line if line else line for line in body.split("\n"))
+        pages[rel] = pre + b + "\n" + body + "\n" + indent + e + post
     return pages
 
 
