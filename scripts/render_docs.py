@@ -981,7 +981,8 @@ def env_vars() -> dict:
 
 def _launcher_env() -> dict:
     from horovod_terngrad.operations import launcher
-    return {p: launcher.network_env(p, "eth0" if p == "ethernet" else None, ["mlx5_0:1"], True)
+    # the profiles' own values: given={} leaves out whatever rate this shell (or the test run) exported
+    return {p: launcher.network_env(p, "eth0" if p == "ethernet" else None, ["mlx5_0:1"], True, given={})
             for p in ("infiniband", "ethernet")}
 
 
@@ -1195,9 +1196,16 @@ WARNING_ADVICE = [
      "more ranks than cores on one host (an emulated cluster on one machine, or `-np` / `--nproc_per_node` above "
      "the cores)", "at most C ranks per host; on an emulated cluster, compare against the shared-core limit "
      "([scale](scale.md))"),
-    ("horovod_terngrad/exchange/link.py", "TernGrad exchange='auto': measured",
-     "the link `exchange=\"auto\"` measured (INFO; WARNING when ternarizing does not pay: every gradient then "
+    ("horovod_terngrad/exchange/link.py", "TernGrad exchange='auto':",
+     "the link `exchange=\"auto\"` measured, or the rate `HOROVOD_TERNGRAD_GBPS` gave (INFO; WARNING when ternarizing does not pay: every gradient then "
      "travels uncompressed)", "nothing (that is the choice); set another `exchange` to force TernGrad"),
+    ("horovod_terngrad/exchange/hierarchical.py", "TernGrad hierarchical='auto' on",
+     "once, on rank 0: the links across and inside nodes as measured, the grid rates they are priced as, and which "
+     "group sizes go node-aware on them",
+     "nothing if the rates are near your fabric's; otherwise give them: `HOROVOD_TERNGRAD_GBPS` (and "
+     "`HOROVOD_TERNGRAD_INTRA_GBPS`), or `terngrad-launch --gbps`"),
+    ("horovod_terngrad/exchange/link.py", "measured",
+     "the measured part of the line above (`MeasuredLinks.describe`)", "as above"),
     ("horovod_terngrad/frontends/hierarchy.py", "TernGrad: node-aware exchange off",
      "the flat exchange runs instead of the node-aware one, and why (INFO where quiet: one node or one rank per "
      "node)", "nothing, or fix the placement the message names"),

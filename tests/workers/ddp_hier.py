@@ -24,10 +24,10 @@ RECORD = {"groups": [], "inputs": [], "outputs": []}
 _start, _finish = HierarchicalEngine.start_group, HierarchicalEngine.finish
 
 
-def start_group(self, items, group, average=True, in_place=False):
+def start_group(self, items, group, average=True, in_place=False, routes=None):
     RECORD["groups"].append([n for _, n in items])
     RECORD["inputs"] += [(n, t.detach().clone()) for t, n in items]
-    return _start(self, items, group, average, in_place)
+    return _start(self, items, group, average, in_place, routes=routes)
 
 
 def finish(self, tk):
