@@ -8,7 +8,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 runs="${1:-10}"; busy="${2:-2}"; tree="${3:-$here}"; controller="${4:-gloo}"
-py="${PYTHON:-/work/main/.venv/bin/python}"
+py="${PYTHON:-$here/.venv/bin/python}"
 prefix=tgl
 "$here/launch/netns-cluster.sh" up 2 --rate 1gbit --prefix "$prefix" --subnet 10.78.0 >&2
 pids=()
