@@ -1269,6 +1269,38 @@ BEGIN = "<!-- BEGIN rendered:{name} (scripts/render_docs.py; do not edit by hand
 END = "<!-- END rendered:{name} -->"
 
 
+def block_link_measurement() -> str:
+    """cluster.md: each set of link_measurement.sh runs (docs/cluster/link_measurement.json): the rate measured
+    across nodes, how many runs read within 2x of the link's, the rates priced and the plans."""
+    d = _load("docs/cluster/link_measurement.json")
+    link = d["link_gbps"]
+    out = ["| runs (controller, commit: probe) | measured across, Gbit/s (min / median / max) | within 2x of "
+           f"{link:g} Gbit/s | priced across | priced inside | plan | MB per step on host 0's link | load (1 min) |",
+           "|---|---|---|---|---|---|---|---|"]
+
+    def priced(runs, key):
+        return " or ".join(f"{v:g}" for v in sorted({r[key] for r in runs if r[key] is not None})) or "(no grid)"
+
+    order = sorted(d["sets"], key=lambda k: (k.split("-")[0], d["sets"][k]["commit"] != "9fa9b50", k))
+    for name in order:
+        meta, runs = d["sets"][name], d["runs"][name]
+        across = sorted(r["measured_across_gbps"] for r in runs)
+        h = len(across) // 2
+        median = across[h] if len(across) % 2 else (across[h - 1] + across[h]) / 2
+        within = sum(1 for a in across if link / 2 <= a <= 2 * link)
+        plans = {}
+        for r in runs:
+            plans[r["plan"]] = plans.get(r["plan"], 0) + 1
+        mb = sorted(r["host0_eth0_MB_per_step_tx_rx"][0] for r in runs)
+        loads = sorted(r["loadavg_1min"] for r in runs)
+        out.append(f"| {len(runs)} ({name.split('-')[0]}, {meta['commit']}: {meta['probe']}) | "
+                   f"{across[0]:.2f} / {median:.2f} / {across[-1]:.2f} | {within} of {len(runs)} | "
+                   f"{priced(runs, 'priced_across_gbps')} | {priced(runs, 'priced_inside_gbps')} | "
+                   + ", ".join(f"{p} in {n} of {len(runs)}" for p, n in sorted(plans.items()))
+                   + f" | {mb[0]:.2f}-{mb[-1]:.2f} | {loads[0]:.1f}-{loads[-1]:.1f} |")
+    return "\n".join(out)
+
+
 @functools.lru_cache(maxsize=None)
 def blocks() -> dict:
     """(page, block name) -> the block's text; computed once per process."""
@@ -1303,6 +1335,7 @@ def blocks() -> dict:
         ("docs/ddp.md", "ddp-mlp"): block_ddp_bench("docs/ddp/mlp-n2-1gbit.json", True),
         ("docs/ddp.md", "ddp-resnet50"): block_ddp_bench("docs/ddp/resnet50-n2-1gbit.json", False),
         ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
+        ("docs/cluster.md", "link-measurement"): block_link_measurement(),
     }
 
 
