@@ -1405,6 +1405,30 @@ def block_realshapes_repeats() -> str:
     return "\n".join(lines)
 
 
+# ddp.md's side-by-side cells (examples/ddp_benchmark.py --out docs/ddp/side-by-side), in the page's column order
+DDP_SIDE_CELLS = ("resnet50-n2-1gbit", "resnet50-n4-1gbit", "transformer-n2-1gbit", "resnet50-n2-none")
+DDP_SIDE_LABELS = {"horovod-fp16": "Horovod fp16", "horovod-terngrad": "Horovod TernGrad (defaults)"}
+
+
+def block_ddp_side_by_side() -> str:
+    """ddp.md's side-by-side table (DDP_SIDE_CELLS, docs/ddp/side-by-side/<cell>.json): per configuration its median
+    step in each cell and, in brackets, against DDP fp16's; TernGrad-DDP's row in bold."""
+    cells = [_load(f"docs/ddp/side-by-side/{c}.json") for c in DDP_SIDE_CELLS]
+    model = {"resnet50": "ResNet-50", "transformer": "transformer"}
+    link = {"1gbit": "1 Gbit/s", "none": "unshaped"}
+    head = [f"{model[c['model']]}, N={c['ranks']}, {link[c['rate']]}" for c in cells]
+    lines = ["| configuration | " + " | ".join(head) + " |", "|---|" + "---|" * len(cells)]
+    by = [{r["config"]: r for r in c["rows"]} for c in cells]
+    for r in cells[0]["rows"]:
+        k = r["config"]
+        vals = [f"{b[k]['step_ms']:.0f} ({_x(b[k]['step_ms'] / b['fp16']['step_ms'])})" for b in by]
+        label = DDP_SIDE_LABELS.get(k, r["label"])
+        if k == "terngrad":
+            label, vals = f"**{label}**", [f"**{v}**" for v in vals]
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 BEGIN = "<!-- BEGIN rendered:{name} (scripts/render_docs.py; do not edit by hand) -->"
 END = "<!-- END rendered:{name} -->"
 
@@ -1480,6 +1504,7 @@ def blocks() -> dict:
         ("docs/mixed_precision.md", "mp-bf16"): block_mp_bf16(),
         ("docs/realshapes.md", "realshapes"): block_realshapes(),
         ("docs/realshapes.md", "realshapes-repeats"): block_realshapes_repeats(),
+        ("docs/ddp.md", "ddp-side-by-side"): block_ddp_side_by_side(),
     }
 
 
