@@ -1375,13 +1375,16 @@ def block_realshapes() -> str:
         for r in res["rows"]:
             main = r["config"] == "terngrad"
             b = (lambda col, v: f"**{v}**" if main and col in bold else v)  # noqa: E731
-            c = {"vs fp32": _x(by["fp32"]["step_ms"] / r["step_ms"]), "vs fp16": _x(by["fp16"]["step_ms"] / r["step_ms"]),
+            c = {"vs fp32": _x(by["fp32"]["step_ms"] / r["step_ms"]),
+                 "vs fp16": _x(by["fp16"]["step_ms"] / r["step_ms"]),
                  "limit": "", "step / limit": ""}
             if "codec_ms" in r:
                 lim, compute, codec, wire = _realshapes_limit(res, r, link)
                 c["limit"] = f"{lim:.0f} = {compute:.0f} + {codec:.0f} + {wire:.0f}"
                 c["step / limit"] = _x(r["step_ms"] / lim)
-            name, step = (f"**{r['config']}**", f"**{r['step_ms']:.0f}**") if main else (r["config"], f"{r['step_ms']:.0f}")
+            name, step = r["config"], f"{r['step_ms']:.0f}"
+            if main:
+                name, step = f"**{name}**", f"**{step}**"
             lines.append(f"| {res['model']} | {res['ranks']} | {link} | {name} | {step} "
                          f"| {', '.join(f'{x:.0f}' for x in r['step_ms_by_round'])} "
                          f"| {1000 * res['batch'] / r['step_ms']:.1f} | {b('vs fp32', c['vs fp32'])} "
@@ -1480,7 +1483,8 @@ def block_ddp_accuracy_steps() -> str:
 
 def block_ddp_accuracy_wallclock() -> str:
     """ddp.md's equal wall-clock table: per hook its ms/step and steps by the budget T per seed and its gap at T."""
-    lines = ["| study | hook | ms/step (seed 1, 2) | steps by T | gap at T per seed | mean |", "|---|---|---|---|---|---|"]
+    lines = ["| study | hook | ms/step (seed 1, 2) | steps by T | gap at T per seed | mean |",
+             "|---|---|---|---|---|---|"]
     for study, rel in (("LeNet", "docs/ddp/study_lenet.json"), ("CifarNet", "docs/ddp/study_cifarnet.json")):
         hooks, by = _study(rel)
         for h in [h for h in hooks if h != "fp32"] + ["fp32"]:
