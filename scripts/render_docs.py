@@ -1266,8 +1266,9 @@ def block_warnings() -> str:
 # Writing
 
 # mixed_precision.md's runs (examples/mnist_lenet.py, ddp_mnist.py, transformers_lm.py with --json
-# docs/mixed_precision/<file>.json): (file, model and frontend, exchange).  LeNet on Horovod writes one record per
-# epoch and not its step count, which its command fixes (2 epochs, --max-steps 200): the third field of those rows.
+# docs/mixed_precision/<file>.json): (file, model and frontend, exchange, steps).  LeNet on Horovod writes one record
+# per epoch and not its step count, which its command fixes (2 epochs, --max-steps 200): those rows give it as
+# "steps"; the others' JSON holds theirs (None).
 MP_FP16_RUNS = [(f"lenet-hvd-fp16-{c}-{i}", "LeNet, Horovod", x, 400) for i in ("init65536", "init240")
                 for c, x in (("terngrad", "TernGrad"), ("none", "Compression.none"), ("fp16", "Compression.fp16"))] + [
     (f"lenet-ddp-fp16-{c}-{i}", "LeNet, DDP", x, None) for i in ("init65536", "init240")
