@@ -1265,6 +1265,291 @@ def block_warnings() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Writing
 
+# mixed_precision.md's runs (examples/mnist_lenet.py, ddp_mnist.py, transformers_lm.py with --json
+# docs/mixed_precision/<file>.json): (file, model and frontend, exchange, steps).  LeNet on Horovod writes one record
+# per epoch and not its step count, which its command fixes (2 epochs, --max-steps 200): those rows give it as
+# "steps"; the others' JSON holds theirs (None).
+MP_FP16_RUNS = [(f"lenet-hvd-fp16-{c}-{i}", "LeNet, Horovod", x, 400) for i in ("init65536", "init240")
+                for c, x in (("terngrad", "TernGrad"), ("none", "Compression.none"), ("fp16", "Compression.fp16"))] + [
+    (f"lenet-ddp-fp16-{c}-{i}", "LeNet, DDP", x, None) for i in ("init65536", "init240")
+    for c, x in (("terngrad", "TernGrad hook"), ("none", "no hook"), ("fp16", "fp16_compress_hook"),
+                 ("powersgd", "PowerSGD (rank 1)"), ("terngrad-zero", 'TernGrad hook, `on_nonfinite="zero"`'))] + [
+    (f"lm-{f}-fp16-{c}-{i}", f"GPT-2 LM, {fe}", x, None) for f, fe in (("hvd", "Horovod"), ("ddp", "DDP"))
+    for i in ("init65536", "init240") for c, x in (("terngrad", "TernGrad"), ("none", "none (fp32 allreduce)"))]
+# (file, model, exchange, steps as for MP_FP16_RUNS): LeNet's README run, 2 epochs of 781 steps
+MP_BF16_RUNS = [(f"lenet-hvd-{a}-{c}", "LeNet (Horovod)", x, 1562) for c, x in (("terngrad", "TernGrad"),
+                ("none", "Compression.none")) for a in ("off", "bf16")] + [
+    (f"lm-hvd-{a}-{c}{s}", f"GPT-2 LM (Horovod), seed {1 if s else 0}", x, None)
+    for c, x in (("terngrad", "TernGrad"), ("none", "none")) for s in ("", "-seed1") for a in ("off", "bf16")]
+
+
+def _pow2(v: float) -> str:
+    """A loss scale as 2^k (0 once it has underflowed)."""
+    import math
+    if not v:
+        return "0"
+    k = math.log2(v)
+    if k != int(k):
+        raise ValueError(f"loss scale {v} is not a power of 2")
+    return f"2^{int(k)}"
+
+
+def _step_ranges(steps: list) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _mp_run(name: str, steps) -> dict:
+    """One run of docs/mixed_precision/: its last epoch's record where the file holds one per epoch (LeNet on
+    Horovod, whose loss is the epoch's mean), with ``steps`` and ``loss_last`` filled in."""
+    res = _load(f"docs/mixed_precision/{name}.json")
+    if isinstance(res, list):
+        res = dict(res[-1], loss_last=res[-1]["loss"])
+    if steps is not None:
+        res["steps"] = steps
+    return res
+
+
+def _mp_quality(r: dict) -> str:
+    return f"{100 * r['test_acc']:.2f}%" if "test_acc" in r else f"{r['held_out_loss']:.4f}"
+
+
+def block_mp_fp16() -> str:
+    """mixed_precision.md's fp16 + GradScaler table (MP_FP16_RUNS): per run its initial scale, the steps GradScaler
+    skipped (total, each rank's, which), the final scale, the final loss and the test accuracy or held-out loss."""
+    lines = ["| model, frontend | initial scale | exchange | steps | skipped | which steps | final scale | final loss "
+             "| test acc / held-out loss |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, model, exchange, steps in MP_FP16_RUNS:
+        r = _mp_run(name, steps)
+        per_rank = ", ".join(str(n) for n in r["skipped_steps_per_rank"])
+        lines.append(f"| {model} | {_pow2(r['init_scale'])} | {exchange} | {r['steps']} | {r['skipped_steps']} "
+                     f"[{per_rank}] | {_step_ranges(r['skipped_at'])} | {_pow2(r['loss_scale'])} "
+                     f"| {r['loss_last']:.4f} | {_mp_quality(r)} |")
+    return "\n".join(lines)
+
+
+def block_mp_bf16() -> str:
+    """mixed_precision.md's bf16-against-fp32 table (MP_BF16_RUNS): final loss and test accuracy or held-out loss."""
+    lines = ["| model | exchange | precision | steps | final loss | test acc / held-out loss |",
+             "|---|---|---|---|---|---|"]
+    for name, model, exchange, steps in MP_BF16_RUNS:
+        r = _mp_run(name, steps)
+        prec = {"off": "fp32", "bf16": "bf16"}[r["amp"]]
+        lines.append(f"| {model} | {exchange} | {prec} | {r['steps']} | {r['loss_last']:.4f} | {_mp_quality(r)} |")
+    return "\n".join(lines)
+
+
+# realshapes.md's cells (docs/realshapes/<cell>.json, examples/realshapes_benchmark.py) in the page's order, each
+# with the columns its TernGrad row sets in bold: the ones the page's goals judge for that cell.
+REALSHAPES_CELLS = (("resnet50-n2-1gbit", ("vs fp32", "vs fp16", "step / limit")),
+                    ("transformer-n2-1gbit", ("vs fp16",)),
+                    ("resnet50-n4-1gbit", ("vs fp16",)),
+                    ("resnet50-n2-none", ("vs fp32",)))
+
+
+def _realshapes_limit(res: dict, r: dict, link: str) -> tuple:
+    """(limit ms, compute, codec, wire) of a TernGrad row: compute alone (the calibration) + TernGrad's codec clock
+    + the bytes a rank receives per step at the link rate (none on unshaped links)."""
+    rate = {"1gbit": 1e9, "none": None}[link]
+    wire = 1000 * 8 * r["bytes_received_per_step"] / rate if rate else 0.0
+    compute = res["calibration"]["compute_ms"]
+    return compute + r["codec_ms"] + wire, compute, r["codec_ms"], wire
+
+
+def block_realshapes() -> str:
+    """realshapes.md's results table (REALSHAPES_CELLS): per configuration its median step and per-round medians,
+    images per second per worker, speed against fp32 and fp16, and for TernGrad its step-time limit."""
+    cols = ["model", "N", "link", "configuration", "ms/step", "by round", "img/s per worker", "vs fp32", "vs fp16",
+            "limit ms (compute + codec + wire)", "step / limit"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for cell, bold in REALSHAPES_CELLS:
+        res = _load(f"docs/realshapes/{cell}.json")
+        link = cell.rsplit("-", 1)[1]
+        by = {r["config"]: r for r in res["rows"]}
+        for r in res["rows"]:
+            main = r["config"] == "terngrad"
+            b = (lambda col, v: f"**{v}**" if main and col in bold else v)  # noqa: E731
+            c = {"vs fp32": _x(by["fp32"]["step_ms"] / r["step_ms"]),
+                 "vs fp16": _x(by["fp16"]["step_ms"] / r["step_ms"]),
+                 "limit": "", "step / limit": ""}
+            if "codec_ms" in r:
+                lim, compute, codec, wire = _realshapes_limit(res, r, link)
+                c["limit"] = f"{lim:.0f} = {compute:.0f} + {codec:.0f} + {wire:.0f}"
+                c["step / limit"] = _x(r["step_ms"] / lim)
+            name, step = r["config"], f"{r['step_ms']:.0f}"
+            if main:
+                name, step = f"**{name}**", f"**{step}**"
+            lines.append(f"| {res['model']} | {res['ranks']} | {link} | {name} | {step} "
+                         f"| {', '.join(f'{x:.0f}' for x in r['step_ms_by_round'])} "
+                         f"| {1000 * res['batch'] / r['step_ms']:.1f} | {b('vs fp32', c['vs fp32'])} "
+                         f"| {b('vs fp16', c['vs fp16'])} | {c['limit']} | {b('step / limit', c['step / limit'])} |")
+    return "\n".join(lines)
+
+
+def block_realshapes_repeats() -> str:
+    """realshapes.md's repeats of ResNet-50 at N = 2, 1 Gbit/s (docs/realshapes/resnet50-n2-1gbit[-repeatK].json)."""
+    lines = ["| run | fp32 | fp16 | terngrad (defaults) | vs fp16 | vs fp32 | limit, step/limit | terngrad-shared "
+             "| vs fp16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for run, tail in ((1, ""), (2, "-repeat2"), (3, "-repeat3")):
+        res = _load(f"docs/realshapes/resnet50-n2-1gbit{tail}.json")
+        by = {r["config"]: r for r in res["rows"]}
+        fp32, fp16, t, sh = by["fp32"]["step_ms"], by["fp16"]["step_ms"], by["terngrad"], by["terngrad-shared"]
+        lim = _realshapes_limit(res, t, "1gbit")[0]
+        lines.append(f"| {'1 (table above)' if run == 1 else run} | {fp32:.0f} | {fp16:.0f} | {t['step_ms']:.0f} "
+                     f"({', '.join(f'{x:.0f}' for x in t['step_ms_by_round'])}) | {_x(fp16 / t['step_ms'])} "
+                     f"| {_x(fp32 / t['step_ms'])} | {lim:.0f}, {_x(t['step_ms'] / lim)} | {sh['step_ms']:.0f} "
+                     f"| {_x(fp16 / sh['step_ms'])} |")
+    return "\n".join(lines)
+
+
+# ddp.md's side-by-side cells (examples/ddp_benchmark.py --out docs/ddp/side-by-side), in the page's column order
+DDP_SIDE_CELLS = ("resnet50-n2-1gbit", "resnet50-n4-1gbit", "transformer-n2-1gbit", "resnet50-n2-none")
+DDP_SIDE_LABELS = {"horovod-fp16": "Horovod fp16", "horovod-terngrad": "Horovod TernGrad (defaults)"}
+
+
+def block_ddp_side_by_side() -> str:
+    """ddp.md's side-by-side table (DDP_SIDE_CELLS, docs/ddp/side-by-side/<cell>.json): per configuration its median
+    step in each cell and, in brackets, against DDP fp16's; TernGrad-DDP's row in bold."""
+    cells = [_load(f"docs/ddp/side-by-side/{c}.json") for c in DDP_SIDE_CELLS]
+    model = {"resnet50": "ResNet-50", "transformer": "transformer"}
+    link = {"1gbit": "1 Gbit/s", "none": "unshaped"}
+    head = [f"{model[c['model']]}, N={c['ranks']}, {link[c['rate']]}" for c in cells]
+    lines = ["| configuration | " + " | ".join(head) + " |", "|---|" + "---|" * len(cells)]
+    by = [{r["config"]: r for r in c["rows"]} for c in cells]
+    for r in cells[0]["rows"]:
+        k = r["config"]
+        vals = [f"{b[k]['step_ms']:.0f} ({_x(b[k]['step_ms'] / b['fp16']['step_ms'])})" for b in by]
+        label = DDP_SIDE_LABELS.get(k, r["label"])
+        if k == "terngrad":
+            label, vals = f"**{label}**", [f"**{v}**" for v in vals]
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+# ddp.md's accuracy studies (examples/study_ddp.py's JSON: per seed, per hook, the comparisons it computed)
+DDP_STUDY_LABELS = {"fp32": "DDP fp32", "fp16": "fp16_compress_hook", "powersgd1": "PowerSGD rank 1",
+                    "powersgd4": "PowerSGD rank 4", "terngrad": "TernGrad-DDP"}
+DDP_LONG_LABELS = {"fp32": "DDP fp32", "powersgd4": "PowerSGD rank 4", "terngrad": "TernGrad-DDP (defaults)",
+                   "terngrad-b512": "TernGrad-DDP, bucket_size 512"}
+DDP_GOAL_HOOKS = ("powersgd4", "terngrad")   # the goal compares these two: their mean gaps in bold
+
+
+def _study(rel: str, key: str = "comparisons") -> tuple:
+    """(hooks in the study's order, {hook: [its comparison per seed]}) of a study_ddp.py JSON."""
+    comp = _load(rel)[key]
+    seeds = sorted(comp, key=int)
+    hooks = list(comp[seeds[0]]["hooks"])
+    return hooks, {h: [comp[s]["hooks"][h] for s in seeds] for h in hooks}
+
+
+def _gaps(rows: list, key: str) -> tuple:
+    """(per seed, mean) of a gap in points."""
+    vals = [r[key] for r in rows]
+    return ", ".join(f"{v:+.2f}" for v in vals), f"{statistics.mean(vals):+.2f}"
+
+
+def _bits(rows: list) -> str:
+    b = statistics.mean(r["bits_per_param"] for r in rows)
+    return f"{b:.0f}" if b in (16.0, 32.0) else f"{b:.2f}"
+
+
+def _bold_if(hook: str, v: str) -> str:
+    return f"**{v}**" if hook in DDP_GOAL_HOOKS else v
+
+
+def block_ddp_accuracy_steps() -> str:
+    """ddp.md's equal-steps accuracy table: LeNet and CifarNet (docs/ddp/study_lenet.json, study_cifarnet.json)."""
+    lines = ["| study | hook | final accuracy (mean) | gap per seed | mean gap | gap, last 3 (mean) | bits/param |",
+             "|---|---|---|---|---|---|---|"]
+    for study, rel in (("LeNet", "docs/ddp/study_lenet.json"), ("CifarNet", "docs/ddp/study_cifarnet.json")):
+        hooks, by = _study(rel)
+        for h in hooks:
+            rows = by[h]
+            acc = f"{100 * statistics.mean(r['final_acc'] for r in rows):.2f}%"
+            if h == "fp32":
+                lines.append(f"| {study} | {DDP_STUDY_LABELS[h]} | {acc} | | | | {_bits(rows)} |")
+                continue
+            per, mean = _gaps(rows, "gap")
+            lines.append(f"| {study} | {DDP_STUDY_LABELS[h]} | {acc} | {per} | {_bold_if(h, mean)} "
+                         f"| {_gaps(rows, 'tail_gap')[1]} | {_bits(rows)} |")
+    return "\n".join(lines)
+
+
+def block_ddp_accuracy_wallclock() -> str:
+    """ddp.md's equal wall-clock table: per hook its ms/step and steps by the budget T per seed and its gap at T."""
+    lines = ["| study | hook | ms/step (seed 1, 2) | steps by T | gap at T per seed | mean |",
+             "|---|---|---|---|---|---|"]
+    for study, rel in (("LeNet", "docs/ddp/study_lenet.json"), ("CifarNet", "docs/ddp/study_cifarnet.json")):
+        hooks, by = _study(rel)
+        for h in [h for h in hooks if h != "fp32"] + ["fp32"]:
+            rows = by[h]
+            ms = ", ".join(f"{r['ms_per_step']:.1f}" for r in rows)
+            steps = ", ".join(f"{r['steps_at_budget']:.0f}" for r in rows)
+            if h == "fp32":
+                gaps = "| | |"
+            else:
+                per, mean = _gaps(rows, "gap_at_budget")
+                gaps = f"| {per} | {_bold_if(h, mean)} |"
+            lines.append(f"| {study} | {DDP_STUDY_LABELS[h]} | {ms} | {steps} {gaps}")
+    return "\n".join(lines)
+
+
+def block_ddp_cifarnet_long(rel: str, last: str) -> str:
+    """ddp.md's 1200-step CifarNet table of ``rel`` (study_ddp.py's JSON): per hook its final accuracy per seed and
+    its mean gaps to fp32 at equal steps, over the last 3 records and at equal wall-clock; ``last``: "bits" (bits
+    per parameter) or "lr2e-4" (the mean gap of docs/ddp/cifarnet-long/, the same study at Adam lr 0.0002)."""
+    hooks, by = _study(rel)
+    _, base = _study("docs/ddp/cifarnet-long/study_cifarnet.json")
+    tail_head = "bits/param" if last == "bits" else "at lr 0.0002 (above)"
+    lines = ["| hook | final accuracy, seed 1 / 2 | gap per seed | mean gap | mean gap, last 3 | mean gap at equal "
+             f"wall-clock | {tail_head} |", "|---|---|---|---|---|---|---|"]
+    for h in hooks:
+        rows = by[h]
+        acc = " / ".join(f"{100 * r['final_acc']:.2f}%" for r in rows)
+        if last == "bits":
+            tail = _bits(rows)
+        elif h == "fp32":
+            tail = f"{100 * statistics.mean(r['final_acc'] for r in base[h]):.2f}% (mean)"
+        else:
+            tail = _gaps(base[h], "gap")[1]
+        if h == "fp32":
+            lines.append(f"| {DDP_LONG_LABELS[h]} | {acc} | | | | | {tail} |")
+            continue
+        per, mean = _gaps(rows, "gap")
+        lines.append(f"| {DDP_LONG_LABELS[h]} | {acc} | {per} | {_bold_if(h, mean)} | {_gaps(rows, 'tail_gap')[1]} "
+                     f"| {_gaps(rows, 'gap_at_budget')[1]} | {tail} |")
+    return "\n".join(lines)
+
+
+def block_ddp_cifarnet_ema() -> str:
+    """ddp.md's raw-against-averaged CifarNet table (docs/ddp/cifarnet-ema/study_cifarnet.json, --ema-decay 0.99):
+    per hook its mean gap to fp32 (and per seed) and over the last 3 records, of the raw and the averaged
+    parameters."""
+    rel = "docs/ddp/cifarnet-ema/study_cifarnet.json"
+    hooks, raw = _study(rel)
+    _, ema = _study(rel, "comparisons_ema")
+    lines = ["| hook | raw: mean gap (seed 1, 2) | raw, last 3 | averaged: mean gap (seed 1, 2) | averaged, last 3 |",
+             "|---|---|---|---|---|"]
+    for h in hooks:
+        if h == "fp32":
+            cells = [f"{100 * statistics.mean(r['final_acc'] for r in b[h]):.2f}% (final, mean) | " for b in (raw, ema)]
+            lines.append(f"| {DDP_LONG_LABELS[h]} | {cells[0]}| {cells[1]}|")
+            continue
+        out = []
+        for b in (raw, ema):
+            per, mean = _gaps(b[h], "gap")
+            out.append(f"{_bold_if(h, mean)} ({per}) | {_gaps(b[h], 'tail_gap')[1]}")
+        lines.append(f"| {DDP_LONG_LABELS[h]} | {out[0]} | {out[1]} |")
+    return "\n".join(lines)
+
+
 BEGIN = "<!-- BEGIN rendered:{name} (scripts/render_docs.py; do not edit by hand) -->"
 END = "<!-- END rendered:{name} -->"
 
@@ -1336,6 +1621,18 @@ def blocks() -> dict:
         ("docs/ddp.md", "ddp-resnet50"): block_ddp_bench("docs/ddp/resnet50-n2-1gbit.json", False),
         ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
         ("docs/cluster.md", "link-measurement"): block_link_measurement(),
+        ("docs/mixed_precision.md", "mp-fp16"): block_mp_fp16(),
+        ("docs/mixed_precision.md", "mp-bf16"): block_mp_bf16(),
+        ("docs/realshapes.md", "realshapes"): block_realshapes(),
+        ("docs/realshapes.md", "realshapes-repeats"): block_realshapes_repeats(),
+        ("docs/ddp.md", "ddp-side-by-side"): block_ddp_side_by_side(),
+        ("docs/ddp.md", "ddp-accuracy-steps"): block_ddp_accuracy_steps(),
+        ("docs/ddp.md", "ddp-accuracy-wallclock"): block_ddp_accuracy_wallclock(),
+        ("docs/ddp.md", "ddp-cifarnet-long"): block_ddp_cifarnet_long("docs/ddp/cifarnet-long/study_cifarnet.json",
+                                                                       "bits"),
+        ("docs/ddp.md", "ddp-cifarnet-ema"): block_ddp_cifarnet_ema(),
+        ("docs/ddp.md", "ddp-cifarnet-lr3e-4"): block_ddp_cifarnet_long("docs/ddp/cifarnet-lr3e-4/study_cifarnet.json",
+                                                                         "lr2e-4"),
     }
 
 
