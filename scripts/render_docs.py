@@ -1464,11 +1464,14 @@ def _bold_if(hook: str, v: str) -> str:
     return f"**{v}**" if hook in DDP_GOAL_HOOKS else v
 
 
+DDP_STUDIES = (("LeNet", "docs/ddp/study_lenet.json"), ("CifarNet", "docs/ddp/study_cifarnet.json"))
+
+
 def block_ddp_accuracy_steps() -> str:
     """ddp.md's equal-steps accuracy table: LeNet and CifarNet (docs/ddp/study_lenet.json, study_cifarnet.json)."""
     lines = ["| study | hook | final accuracy (mean) | gap per seed | mean gap | gap, last 3 (mean) | bits/param |",
              "|---|---|---|---|---|---|---|"]
-    for study, rel in (("LeNet", "docs/ddp/study_lenet.json"), ("CifarNet", "docs/ddp/study_cifarnet.json")):
+    for study, rel in DDP_STUDIES:
         hooks, by = _study(rel)
         for h in hooks:
             rows = by[h]
@@ -1486,7 +1489,7 @@ def block_ddp_accuracy_wallclock() -> str:
     """ddp.md's equal wall-clock table: per hook its ms/step and steps by the budget T per seed and its gap at T."""
     lines = ["| study | hook | ms/step (seed 1, 2) | steps by T | gap at T per seed | mean |",
              "|---|---|---|---|---|---|"]
-    for study, rel in (("LeNet", "docs/ddp/study_lenet.json"), ("CifarNet", "docs/ddp/study_cifarnet.json")):
+    for study, rel in DDP_STUDIES:
         hooks, by = _study(rel)
         for h in [h for h in hooks if h != "fp32"] + ["fp32"]:
             rows = by[h]

@@ -521,6 +521,22 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
     assert not [r for r in caplog.records if "across nodes" in r.getMessage()]
 
 
+def _priced_links_2x2() -> list:
+    """Every rank's (name, rate across, rate inside) of the network hierarchical='auto' prices on 2 nodes x 2 ranks,
+    after one exchange."""
+    topo = TOPOS["2x2"]
+
+    def body(c, local, cross):
+        ex = engine(TernGradConfig(), c, local, cross, topo)
+        ex.allreduce(grad((300, 300), c.rank, 0), "w")
+        net = ex.network(torch.device("cpu"))
+        return net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps
+
+    res, errs = run_hier(topo, body)
+    assert errs == [None] * topo.size, errs
+    return res
+
+
 @pytest.mark.parametrize("given", [{"HOROVOD_TERNGRAD_GBPS": "25"},
                                    {"HOROVOD_TERNGRAD_GBPS": "25", "HOROVOD_TERNGRAD_INTRA_GBPS": "7"}])
 def test_hierarchical_auto_a_rate_the_user_gives_wins_and_nothing_is_measured(monkeypatch, given):
@@ -532,16 +548,7 @@ def test_hierarchical_auto_a_rate_the_user_gives_wins_and_nothing_is_measured(mo
     def refused(*a, **k):
         raise AssertionError("measured although HOROVOD_TERNGRAD_GBPS was given")
     monkeypatch.setattr(link, "measure_links", refused)
-    topo = TOPOS["2x2"]
-
-    def body(c, local, cross):
-        ex = engine(TernGradConfig(), c, local, cross, topo)
-        ex.allreduce(grad((300, 300), c.rank, 0), "w")
-        net = ex.network(torch.device("cpu"))
-        return net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps
-
-    res, errs = run_hier(topo, body)
-    assert errs == [None] * topo.size, errs
+    res = _priced_links_2x2()
     intra = float(given.get("HOROVOD_TERNGRAD_INTRA_GBPS", "100"))
     assert set(res) == {("configured", 25e9 / 8, intra * 1e9 / 8)}
 
@@ -553,16 +560,7 @@ def test_hierarchical_auto_a_rate_given_inside_a_node_is_kept_and_the_link_acros
     monkeypatch.setenv("HOROVOD_TERNGRAD_INTRA_GBPS", "7")
     monkeypatch.setattr(link, "probe", lambda coll, device, name: (0.01, 0.01 + link.sent_bytes(
         coll, link.LARGE_NUMEL - link.SMALL_NUMEL) / (1.2e9 / 8)))     # 1.2 Gbit/s on every ring
-    topo = TOPOS["2x2"]
-
-    def body(c, local, cross):
-        ex = engine(TernGradConfig(), c, local, cross, topo)
-        ex.allreduce(grad((300, 300), c.rank, 0), "w")
-        net = ex.network(torch.device("cpu"))
-        return net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps
-
-    res, errs = run_hier(topo, body)
-    assert errs == [None] * topo.size, errs
+    res = _priced_links_2x2()
     assert set(res) == {("measured", 1e9 / 8, 7e9 / 8)}          # 1.2 measured, priced as 1; 7 as given
 
 
