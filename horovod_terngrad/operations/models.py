@@ -6,6 +6,7 @@ and a few large matrices per block.
 
     resnet50()          25,557,032 parameters in 161 tensors (torchvision's ResNet-50 exactly)
     transformer()       a GPT-2-style decoder: 12 blocks of width 384, 16k vocabulary (tied head), 148 tensors
+    GPT2()              GPT-2 124M in plain torch, transformers' GPT2LMHeadModel's parameter names and shapes
     tiny_tensors(300)   300 small tensors (the per-tensor overhead benchmark)
     mlp(layers, width)  the communication-heavy MLP of the earlier benchmarks
 
@@ -133,6 +134,101 @@ class GPT2Logits(nn.Module):
 
     def forward(self, idx):
         return self.lm(idx).logits
+
+
+class _Conv1D(nn.Module):
+    """GPT-2's projection: weight [in, out] (transposed against nn.Linear), y = x @ weight + bias."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class _GPT2Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = _Conv1D(d, 3 * d)
+        self.c_proj = _Conv1D(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        return self.c_proj(a)
+
+
+class _GPT2MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.c_fc = _Conv1D(d, 4 * d)
+        self.c_proj = _Conv1D(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class _GPT2Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d, eps=1e-5)
+        self.attn = _GPT2Attention(d, heads)
+        self.ln_2 = nn.LayerNorm(d, eps=1e-5)
+        self.mlp = _GPT2MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class _GPT2Body(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, context: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(context, d)
+        self.h = nn.ModuleList(_GPT2Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d, eps=1e-5)
+
+
+class GPT2(nn.Module):
+    """GPT-2 in plain torch, for machines without ``transformers``: GPT2LMHeadModel's parameters (names, shapes,
+    order; the head tied to ``transformer.wte``), pre-LayerNorm blocks, tanh GELU, causal attention, no dropout.
+    The defaults are GPT-2 124M (12 layers x 768, 12 heads, vocabulary 50257, context 1024: 148 tensors,
+    124,439,808 elements).  ``forward(idx)`` returns the logits [batch, tokens, vocab]."""
+
+    def __init__(self, layers: int = 12, d: int = 768, heads: int = 12, vocab: int = 50257, context: int = 1024):
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"GPT2: width {d} is not a multiple of the {heads} heads")
+        self.transformer = _GPT2Body(layers, d, heads, vocab, context)
+        self.context = context
+
+    def forward(self, idx):
+        if idx.shape[1] > self.context:
+            raise ValueError(f"GPT2: {idx.shape[1]} tokens exceed the context of {self.context}")
+        tr = self.transformer
+        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in tr.h:
+            x = block(x)
+        return tr.ln_f(x) @ tr.wte.weight.t()
+
+
+def gpt2_lm(layers: int = 12, d: int = 768, heads: int = 12, vocab: int = 50257, context: int = 1024,
+            prefer_transformers: bool = True) -> tuple[nn.Module, str]:
+    """(a GPT-2 returning logits, where it came from): ``transformers``' GPT2LMHeadModel (dropout off) where that
+    imports and ``prefer_transformers``, else :class:`GPT2`; both have the same parameters.  Defaults: 124M."""
+    if prefer_transformers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return GPT2Logits(layers, d, heads, vocab, context), "transformers GPT2LMHeadModel"
+    return GPT2(layers, d, heads, vocab, context), "plain-torch GPT2 (operations/models.py)"
 
 
 MODELS = ("mlp", "resnet50", "transformer", "tiny", "gpt2")
