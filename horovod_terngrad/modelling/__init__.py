@@ -4,6 +4,7 @@
   with ``exchange.cost`` (the runtime cost model, which stays beside the engine that decides with it);
 * ``timeline``: the scheduled step model (the engine's collectives in the order it issues them, overlap with
   backward, measured codec rates);
+* ``gpu_profile``: the codec's rates measured on a GPU (``scripts/gpu_check.sh``'s JSON), for ``perfmodel``;
 * ``simulate``: N data-parallel workers in one process with the real exchange engines (accuracy at any N);
 * ``plots``: figures of the above (matplotlib, loaded only by the CLI when a figure is asked for);
 * ``cli``: ``python -m horovod_terngrad.modelling [hsdp] ...``, the tables and figures.

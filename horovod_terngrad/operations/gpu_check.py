@@ -685,6 +685,7 @@ def _timed_row(step: str, device: str, fn) -> Row:
     return Row(step, device, result, status, time.perf_counter() - t0)
 
 
+STEPS = ("tests", "identity gpt2", "identity resnet50", "kernels", "optimizer", "train step", "2 ranks")
 # the steps' shares of --budget-s (seconds at the default 420; scaled with it): each step stops itself in time
 STEP_BUDGET_S = {"tests": 150, "identity": 30, "kernels": 80, "optimizer": 25, "train step": 75, "2 ranks": 45}
 
