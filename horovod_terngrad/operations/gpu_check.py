@@ -7,23 +7,34 @@ Steps, each one row of the table:
 
 1. ``tests``: the CUDA tests of the checkout (tests/test_kernels.py, tests/test_backends.py,
    tests/test_cuda_nosync.py, and tests/test_golden.py's CUDA tests: every exchange's pinned bytes and averages
-   from CUDA tensors, and the default above 4 ranks against the CPU) under pytest.  Dry run: test_kernels.py (its CUDA sources built for the host) and
-   test_cuda_nosync.py, whose CUDA tests skip.
+   from CUDA tensors, and the default above 4 ranks against the CPU) under pytest.  Dry run: test_kernels.py (its
+   CUDA sources built for the host) and test_cuda_nosync.py, whose CUDA tests skip.
 2. ``identity <model>``: byte identity of the device backend against a CPU backend on a model's real tensor
    shapes (GPT-2 in GPT2LMHeadModel's layout, ResNet-50 in torchvision's): per tensor, two ranks' statistics,
    encoded payloads (both packings) and the decode of both payloads must be bit for bit the same.  On a GPU: the
    CUDA backend (CuPy kernels, or the torch reference on the GPU where CuPy is missing) against the fused CPU
    backend.  Dry run: the fused CPU backend against the torch reference.
-3. ``codec``: the device backend's compress and decompress (N=2) rates in GB/s of fp32, beside a copy of the
-   same tensor on the same device.
-4. ``optimizer``: ``horovod_terngrad.optim.AdamW``'s step on GPT-2's tensors with a ternary gradient and its
-   noise estimate (what every frontend hands over), beside ``torch.optim.AdamW``'s.
-5. ``2 ranks``: two processes on the one device (gloo; on a GPU over CUDA tensors), the DDP hook and
+3. ``kernels``: the kernel table.  Each codec path (``KERNEL_PATHS``: compress = prepare + encode of fp32 and of
+   bf16 gradients, 2bit and base3; decode of 2 and of 8 payloads) on single tensors of 16M, 64M and 256M elements
+   and on GPT-2 124M's and ResNet-50's gradients cut into the frontends' fused groups, one call per member as the
+   engine makes them.  Per row: the bytes the kernel must move per element (``traffic``), the GPU time (CUDA
+   events) and the wall time per call, elements/s, GB/s moved and the fraction of the device's copy bandwidth,
+   measured in the same call (a copy of B bytes moves 2B); goal: 70%.  Dry run: the host build of the CUDA
+   kernels at 64K and 256K elements, a 12 x 128 GPT-2 (148 tensors) and ResNet-50's tensors at 1/16.
+4. ``optimizer``: ``horovod_terngrad.optim.AdamW``'s step on GPT-2 124M's 148 tensors with a ternary gradient and
+   its noise estimate (what every frontend hands over), beside ``torch.optim.AdamW``'s fused and foreach steps.
+5. ``train step``: one GPU's GPT-2 124M step (bf16 autocast, 8 x 1024 tokens; forward, backward, torch's fused
+   AdamW), and what TernGrad adds: the codec at N = 8 (8 thread-ranks through ``exchange.Engine`` on the one
+   device, one rank's share of the device time) plus ``optim.AdamW``'s step less torch's fused one; goal: 5%.
+6. ``2 ranks``: two processes on the one device (gloo; on a GPU over CUDA tensors), the DDP hook and
    ``horovod_terngrad.optim.AdamW`` for a few steps: losses finite, the ranks' parameters identical.
 
 A step that fails is marked FAIL (with its error) and the others still run; the exit status is 1 when any step
-failed, else 0 (a CPU dry run that passes exits 0).  Every step has a time limit, so the whole check stays under
-``--budget-s`` (default 420 s; scripts/gpu_check.sh stops it at 480 s).
+failed, else 0 (a CPU dry run that passes exits 0).  Every step has its share of ``--budget-s`` (``STEP_BUDGET_S``;
+default 420 s, scripts/gpu_check.sh stops the whole call at 480 s): the tests, the kernel table, the thread-ranks
+and the 2 ranks stop at theirs; the other steps' sizes fit theirs.  ``--json`` writes
+every figure (docs/gpu/*.json; scripts/render_docs.py renders docs/gpu.md and the performance model's GPU rows from
+the newest a GPU wrote).
 """
 from __future__ import annotations
 
@@ -31,7 +42,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -342,11 +352,9 @@ def kernel_rows(backend, device, targets, timer: Timer, copy_gbs: float, repeat:
     rows = []
     gen = torch.Generator(device=device).manual_seed(seed)
     for target in targets:
-        flat = torch.randn(target.elements, device=device, generator=gen)
-        flat_bf16 = flat.to(torch.bfloat16)
-        bounds = [0]
-        for n in target.members:
-            bounds.append(bounds[-1] + n)
+        # every member its own allocation, as every parameter's gradient is (aligned as the allocator aligns them)
+        fp32 = [torch.randn(n, device=device, generator=gen) for n in target.members]
+        bf16 = [g.to(torch.bfloat16) for g in fp32]
         keys = [codec.stream_key(7, 3, i, 0) for i in range(len(target.members))]
         payloads = {}
         for name, op, dtype, fmt, n_pay in KERNEL_PATHS:
@@ -357,9 +365,8 @@ def kernel_rows(backend, device, targets, timer: Timer, copy_gbs: float, repeat:
             if time.perf_counter() - t_start > budget_s:
                 row.update(status=SKIPPED, note=f"past the step's {budget_s:.0f} s")
                 continue
-            src = flat if dtype == torch.float32 else flat_bf16
-            views = [src[a:b] for a, b in zip(bounds, bounds[1:])]
-            in_bytes = src.element_size()
+            views = fp32 if dtype == torch.float32 else bf16
+            in_bytes = views[0].element_size()
             if op == "compress":
                 cast = dtype != torch.float32 and not direct_bf16
 
@@ -378,8 +385,7 @@ def kernel_rows(backend, device, targets, timer: Timer, copy_gbs: float, repeat:
                         payloads[fmt].append(backend.encode(v, prep.threshold, prep.scalers, 0, key, fmt))
                 gathered = [torch.cat([y] * n_pay) for y in payloads[fmt]]
                 walked = [packing.walk(g, n_pay) for g in gathered]
-                out = torch.empty(target.elements, device=device)
-                outs = [out[a:b] for a, b in zip(bounds, bounds[1:])]
+                outs = [torch.empty(n, device=device) for n in target.members]
 
                 def fn(gathered=gathered, walked=walked, outs=outs, n_pay=n_pay):
                     for g, (headers, offsets), o in zip(gathered, walked, outs):
@@ -393,7 +399,7 @@ def kernel_rows(backend, device, targets, timer: Timer, copy_gbs: float, repeat:
                        wall_ms=1e3 * t["wall_s"], queued=t["queued"], gelem_s=n / t["s"] / 1e9, gbs=gbs,
                        of_copy=gbs / copy_gbs)
             del fn
-        del flat, flat_bf16, payloads
+        del fp32, bf16, payloads
     return rows
 
 
@@ -450,7 +456,6 @@ def optimizer_step_ms(shapes, device, timer: Timer | None = None, steps: int = 1
     out.update(tg_ms=1e3 * t["s"], tg_wall_ms=1e3 * t["wall_s"])
     out["ternary_params"] = sum(1 for p in tg_params
                                 if float(tg_opt.state[p].get("ternary_steps", torch.zeros(()))) > 0)
-    del tg_opt, tg_params, noises
     for kind in ("fused", "foreach"):
         ps = params()
         try:
@@ -460,7 +465,6 @@ def optimizer_step_ms(shapes, device, timer: Timer | None = None, steps: int = 1
         except (RuntimeError, ValueError) as e:       # a torch without the fused step on this device
             out[f"{kind}_ms"] = None
             out[f"{kind}_error"] = str(e).splitlines()[0][:200]
-        del ps
     return out
 
 
@@ -508,7 +512,6 @@ def compute_step_ms(size: GPT2Size, device, batch: int, timer: Timer, steps: int
     t = timer.measure(step, steps)
     n = sum(p.numel() for p in model.parameters())
     tensors = sum(1 for _ in model.parameters())
-    del model, opt
     return {"compute_ms": 1e3 * t["s"], "compute_wall_ms": 1e3 * t["wall_s"], "queued": t["queued"],
             "model": source, "params": n, "tensors": tensors, "batch": batch, "tokens": batch * size.context,
             "optimizer": opt_kind}
@@ -527,16 +530,10 @@ def codec_share_ms(shapes, device, timer: Timer, ranks: int = 8, steps: int = 2,
     names = [n for n, _ in shapes]
     sizes = [math.prod(s) for _, s in shapes]
     plan = fusion.cut_sizes(sizes, cfg, names)
-    total = sum(sizes)
     grads = []
-    for r in range(ranks):
+    for r in range(ranks):                                # every gradient its own allocation, as a parameter's
         gen = torch.Generator(device=device).manual_seed(100 + r)
-        flat = torch.randn(total, device=device, generator=gen).mul_(1e-3)
-        views, a = {}, 0
-        for n, s in zip(names, sizes):
-            views[n] = flat[a:a + s]
-            a += s
-        grads.append(views)
+        grads.append({n: torch.randn(s, device=device, generator=gen).mul_(1e-3) for n, s in zip(names, sizes)})
     world = ThreadWorld(ranks, copy=False)
     engines = [Engine(c, cfg) for c in world.ranks()]
     digests: list = [None] * ranks

@@ -221,13 +221,9 @@ def gpt2_lm(layers: int = 12, d: int = 768, heads: int = 12, vocab: int = 50257,
             prefer_transformers: bool = True) -> tuple[nn.Module, str]:
     """(a GPT-2 returning logits, where it came from): ``transformers``' GPT2LMHeadModel (dropout off) where that
     imports and ``prefer_transformers``, else :class:`GPT2`; both have the same parameters.  Defaults: 124M."""
-    if prefer_transformers:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            return GPT2Logits(layers, d, heads, vocab, context), "transformers GPT2LMHeadModel"
+    import importlib.util
+    if prefer_transformers and importlib.util.find_spec("transformers") is not None:
+        return GPT2Logits(layers, d, heads, vocab, context), "transformers GPT2LMHeadModel"
     return GPT2(layers, d, heads, vocab, context), "plain-torch GPT2 (operations/models.py)"
 
 
