@@ -1688,7 +1688,7 @@ def block_gpu_train_step(d: dict) -> str:
         f"| compute: {t['model']}, {t['batch']} x {t['tokens'] // t['batch']} tokens, bf16 autocast, forward, "
         f"backward and torch's {t['optimizer']} AdamW | {t['compute_ms']:.1f} |",
         f"| the codec at N = 8 ({t['ranks']} thread-ranks on the one GPU, {t['groups']} groups), one rank's share "
-        f"| {t['codec_ms_per_rank']:.2f} |",
+        f"of the {t['measured']} | {t['codec_ms_per_rank']:.2f} |",
         f"| `optim.AdamW`'s step less torch's | {t['optimizer_added_ms']:.2f} |",
         f"| TernGrad adds | {t['added_ms']:.2f} ({t['added_fraction']:.1%}) |"])
 
