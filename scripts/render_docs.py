@@ -1682,7 +1682,7 @@ def block_gpu_train_step(d: dict) -> str:
     """gpu.md: the one-GPU training step of the current JSON."""
     t = d.get("train_step")
     if not t:
-        return f"{GPU_NOT_RUN.capitalize()}."
+        return f"{GPU_NOT_RUN[0].upper()}{GPU_NOT_RUN[1:]}."
     return "\n".join([
         "| figure | ms per step |", "|---|---|",
         f"| compute: {t['model']}, {t['batch']} x {t['tokens'] // t['batch']} tokens, bf16 autocast, forward, "
