@@ -58,6 +58,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 from .. import backends
+from ..backends import cuda_adam
 from ..codec.schedule import RefreshSchedule
 from ..exchange import precision
 
@@ -69,6 +70,9 @@ NOISE = "exp_avg_noise"          # running mean of the ternary noise estimate (d
 # default mode on a CPU, fp32: one fused C pass per tensor (kernels/terngrad_cpu.c, tg_adam_corrected) instead of
 # the foreach ops, which take about a dozen passes over memory; False forces the foreach ops (tests compare both)
 FUSED_CPU = True
+# default mode, fp32 on CUDA: every tensor of a group in one launch of kernels/adam.cu (backends/cuda_adam.py).
+# A kernel object set here is used instead where its device matches (tests: the host build on a CPU)
+MULTI_TENSOR_KERNEL = None
 
 
 def _local(t):
@@ -125,6 +129,23 @@ class _RefreshedAdam:
             group.setdefault("v_floor", self._v_floor)
             self._claim(group)
 
+    def _group_view(self, group) -> "_GroupView":
+        """The group's cached view of the ledger (claims by parameter, the parameters on TernGrad's path for
+        good): rebuilt when the ledger's claims move (a claim, a release, ``load_state_dict``) or the group's
+        parameter list is another."""
+        ledger = self.precision_ledger
+        views = self.__dict__.setdefault("_group_views", {})
+        params = group["params"]
+        key = (ledger.generation, id(params), len(params))
+        view = views.get(id(group))
+        if view is None or view.key != key or view.group is not group:
+            view = views[id(group)] = _GroupView(key, group, ledger.claims_of(params))
+            for p in params:                       # TernGrad's path for good after a first ternary gradient
+                st = self.state.get(p)
+                if st and TERNARY_STEPS in st and float(st[TERNARY_STEPS]) > 0:
+                    view.ternary.add(id(p))
+        return view
+
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter with a gradient: torch's for those that travelled at full precision by
@@ -136,16 +157,15 @@ class _RefreshedAdam:
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            view = self._group_view(group)
+            claims = [view.claims.get(id(p)) for p in params]
+            # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
+            # TernGrad's after it, for good (the view's set; a fused or capturable group is refused there anyway)
+            ternary = view.ternary if not (group["fused"] or group["capturable"]) else ()
             plain, tern = [], []
-            on_host = not (group["fused"] or group["capturable"])     # else TernGrad's path is refused anyway
-            ledger = self.precision_ledger
-            records = [ledger.record_of(p) for p in params]           # read once per step (weak-keyed map)
             for i, p in enumerate(params):
-                st = self.state[p]
-                # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
-                # TernGrad's after it, for good (host-side count: no GPU sync)
-                ternary_before = on_host and TERNARY_STEPS in st and float(st[TERNARY_STEPS]) > 0
-                (tern if records[i] == precision.TERNARY or ternary_before else plain).append(i)
+                c = claims[i]
+                (tern if (c is not None and c.record == precision.TERNARY) or id(p) in ternary else plain).append(i)
             if plain:
                 pick = (lambda xs: [xs[i] for i in plain])
                 torch_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
@@ -157,56 +177,62 @@ class _RefreshedAdam:
                            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
                            found_inf=getattr(self, "found_inf", None),
                            decoupled_weight_decay=group["decoupled_weight_decay"])
+                # v was updated with m: its count follows step.  Every key TernGrad's path uses exists from the
+                # first step on, so that a checkpoint template (torch.distributed.checkpoint loads only the keys a
+                # fresh state has) holds them
+                follow, counts = [], []
                 for i in plain:
-                    # v was updated with m: its count follows step.  Every key TernGrad's path uses exists from the
-                    # first step on, so that a checkpoint template (torch.distributed.checkpoint loads only the keys
-                    # a fresh state has) holds them
                     p = params[i]
                     st = self.state[p]
                     if V_STEPS in st:
-                        st[V_STEPS].copy_(st["step"])
+                        follow.append(st[V_STEPS])
+                        counts.append(st["step"])
                     else:
                         st[V_STEPS] = st["step"].clone()
                         st[TERNARY_STEPS] = torch.zeros_like(st["step"])
-                    if NOISE not in st and ledger.wants_noise(p):
+                    if NOISE not in st and claims[i] is not None and claims[i].noise:
                         st[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if follow:
+                    torch._foreach_copy_(follow, counts)
             if tern:
                 amsgrad = group["amsgrad"]
-                self._terngrad_update(group, [params[i] for i in tern], [grads[i] for i in tern],
+                self._terngrad_update(group, view, [params[i] for i in tern], [grads[i] for i in tern],
                                       [exp_avgs[i] for i in tern], [exp_avg_sqs[i] for i in tern],
                                       [max_exp_avg_sqs[i] for i in tern] if amsgrad else None,
-                                      [records[i] for i in tern])
+                                      [claims[i] for i in tern])
         return loss
 
-    def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, records) -> None:
+    def _terngrad_update(self, group, view, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, claims) -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if group[flag]:
                 raise ValueError(f"horovod_terngrad.optim.{type(self).__name__}: {flag}=True is not supported for "
                                  f"parameters whose gradients TernGrad ternarizes (first: shape "
                                  f"{tuple(params[0].shape)}); leave {flag} unset")
         beta1, beta2 = group["betas"]
-        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-        decoupled = group["decoupled_weight_decay"]
         corrected = group.get("refresh") is None
         by_kind: dict = {}
-        noise_of = {}
-        ledger = self.precision_ledger
+        estimates = {}
         ternary_counts = []       # host step counts, advanced by one foreach call (not one op per tensor)
+        noise_states = []
         for i, p in enumerate(params):
             state = self.state[p]
             if V_STEPS not in state:      # a state from torch's AdamW: v has had as many updates as steps so far
                 state[V_STEPS] = state["step"].clone()
             if TERNARY_STEPS not in state:
                 state[TERNARY_STEPS] = torch.zeros_like(state["step"])
-            record = records[i]
-            if record == precision.TERNARY:
+            claim = claims[i]
+            is_ternary = claim is not None and claim.record == precision.TERNARY
+            if is_ternary:
                 ternary_counts.append(state[TERNARY_STEPS])
+                view.ternary.add(id(p))
             if corrected:
                 refresh = True            # v is updated every step; n carries the noise to take out
                 if NOISE not in state:
                     state[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                noise_of[i] = ledger.take_noise(p) if record == precision.TERNARY else None
-                if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
+                noise_states.append(state[NOISE])
+                got = precision.take_estimate(claim, p) if is_ternary else None
+                estimates[i] = got
+                if is_ternary and got is None and not _RefreshedAdam._warned_no_noise:
                     _RefreshedAdam._warned_no_noise = True
                     log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "
                                 "the allgather, re-ternarized and requantized exchanges give one, flat or across "
@@ -214,7 +240,7 @@ class _RefreshedAdam:
                                 "the ternary "
                                 "gradient as plain AdamW does", tuple(p.shape))
             else:
-                refresh = record != precision.TERNARY
+                refresh = not is_ternary
                 if not refresh and float(state[V_STEPS]) == 0:
                     # a ternary gradient before any exact one (a schedule without warm-up, a parameter added
                     # late): v from it beats a division by eps
@@ -227,83 +253,165 @@ class _RefreshedAdam:
         if ternary_counts:
             torch._foreach_add_(ternary_counts, 1)
         for (device, dtype, refresh), idx in by_kind.items():
-            if corrected and self._fused_cpu(device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of):
-                self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, noise_of)
-                continue
-            ps = [_local(params[i]) for i in idx]
-            gs = [_local(grads[i]) for i in idx]
-            ms = [_local(exp_avgs[i]) for i in idx]
-            vs = [_local(exp_avg_sqs[i]) for i in idx]
-            if group["maximize"]:
-                gs = torch._foreach_neg(gs)
-            if wd != 0 and not decoupled:
-                gs = torch._foreach_add(gs, ps, alpha=wd)
-            torch._foreach_lerp_(ms, gs, 1 - beta1)
-            if refresh:
-                torch._foreach_mul_(vs, beta2)
-                torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
-            if corrected:
-                ns = [_local(self.state[params[i]][NOISE]) for i in idx]
-                torch._foreach_mul_(ns, beta2)
-                got = [(j, noise_of.get(i)) for j, i in enumerate(idx)]
-                got = [(j, x) for j, x in got if x is not None]
-                if got:
-                    # n += (1 - β2)·noise·(|g|²/|average|² at the exchange): the gradient may have been scaled
-                    # since the exchange (clip, unscale), the noise with it squared.  The factors are computed as
-                    # one vector on the device (no host sync) and handed out as its 0-d views: a handful of
-                    # kernels per step, not five per tensor (on a GPU, 76 tensors' small kernels took 6x torch's
-                    # whole AdamW step).  (The gradient as it came, before maximize's sign and Adam's L2 term.)
-                    sq = torch.stack(torch._foreach_norm([_local(grads[idx[j]]) for j, _ in got], 2,
-                                                         dtype=torch.float32))
-                    sq = sq * sq
-                    at = torch.stack([x[1] for _, x in got])
-                    factor = (torch.where(at > 0, sq / at, torch.ones_like(sq)) * (1 - beta2)).unbind(0)
-                    torch._foreach_addcmul_([ns[j] for j, _ in got], [x[0].to(ns[j].dtype) for j, x in got],
-                                            factor)
-            del gs
-            # the host step counts: one foreach call each, then read (torch's own Adam does the same)
+            # the host step counts: one foreach call each, then read once; the bias corrections from them (torch's
+            # own non-capturable Adam does the same: no GPU sync)
             counts = [self.state[params[i]]["step"] for i in idx]
             v_counts = [self.state[params[i]][V_STEPS] for i in idx]
             torch._foreach_add_(counts, 1)
             if refresh:
                 torch._foreach_add_(v_counts, 1)
-            bias1 = [1 - beta1 ** c.item() for c in counts]
-            bias2_sqrt = [math.sqrt(1 - beta2 ** v.item()) for v in v_counts]
-            if wd != 0 and decoupled:
-                torch._foreach_mul_(ps, 1 - lr * wd)
+            bias1, bias2_sqrt = _bias_corrections(counts, v_counts, beta1, beta2)
             if corrected:
-                # v_hat = max(v - n, f·v): the ternary noise out, never below the floor f.  Computed as
-                # f·max((v - n)/f, v) in one temporary, the f folded into the bias correction: three passes
-                # (a CPU in fp32 takes the fused C pass instead: _fused_corrected_update)
-                f = float(group["v_floor"])
-                v_hat = torch._foreach_sub(vs, ns)    # one pass, one launch (a copy and an in-place sub: two)
-                if f > 0:
-                    torch._foreach_mul_(v_hat, 1 / f)
-                    torch._foreach_maximum_(v_hat, vs)
-                else:
-                    torch._foreach_clamp_min_(v_hat, 0.0)
-                    f = 1.0
-                if max_exp_avg_sqs is not None:
-                    if f != 1.0:
-                        torch._foreach_mul_(v_hat, f)
-                        f = 1.0
-                    maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
-                    torch._foreach_maximum_(maxs, v_hat)
-                    torch._foreach_copy_(v_hat, maxs)
-                torch._foreach_sqrt_(v_hat)
-                denom = v_hat
-                bias2_sqrt = [b / math.sqrt(f) for b in bias2_sqrt]
-            elif max_exp_avg_sqs is not None:
-                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
-                torch._foreach_maximum_(maxs, vs)
-                denom = torch._foreach_sqrt(maxs)
-            else:
-                denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
+                kernel = self._multi_tensor_kernel(device, dtype, params, grads, max_exp_avg_sqs, idx, estimates)
+                if kernel is not None:
+                    self._multi_tensor_update(kernel, group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
+                                              bias2_sqrt)
+                    continue
+                if self._fused_cpu(device, dtype, params, grads, max_exp_avg_sqs, idx, estimates):
+                    self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
+                                                 bias2_sqrt)
+                    continue
+            self._foreach_update(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx, estimates,
+                                 refresh, bias1, bias2_sqrt)
 
-    def _fused_cpu(self, device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of) -> bool:
+    def _foreach_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx, estimates, refresh,
+                        bias1, bias2_sqrt) -> None:
+        """The update of ``idx`` as foreach ops (every device and dtype; the refresh mode everywhere)."""
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        decoupled = group["decoupled_weight_decay"]
+        corrected = group.get("refresh") is None
+        ps = [_local(params[i]) for i in idx]
+        gs = [_local(grads[i]) for i in idx]
+        ms = [_local(exp_avgs[i]) for i in idx]
+        vs = [_local(exp_avg_sqs[i]) for i in idx]
+        if group["maximize"]:
+            gs = torch._foreach_neg(gs)
+        if wd != 0 and not decoupled:
+            gs = torch._foreach_add(gs, ps, alpha=wd)
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        if refresh:
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+        if corrected:
+            ns = [_local(self.state[params[i]][NOISE]) for i in idx]
+            torch._foreach_mul_(ns, beta2)
+            got = [(j, estimates.get(i)) for j, i in enumerate(idx)]
+            got = [(j, x) for j, x in got if x is not None]
+            if got:
+                # n += (1 - β2)·noise·(|g|²/|average|² at the exchange): the gradient may have been scaled
+                # since the exchange (clip, unscale), the noise with it squared.  The factors are computed as
+                # one vector on the device (no host sync) and handed out as its 0-d views: a handful of
+                # kernels per step, not five per tensor.  (The gradient as it came, before maximize's sign and
+                # Adam's L2 term.)
+                sq = torch.stack(torch._foreach_norm([_local(grads[idx[j]]) for j, _ in got], 2,
+                                                     dtype=torch.float32))
+                sq = sq * sq
+                at = torch.stack([x.norm for _, x in got])
+                at = at * at
+                factor = (torch.where(at > 0, sq / at, torch.ones_like(sq)) * (1 - beta2)).unbind(0)
+                torch._foreach_addcmul_([ns[j] for j, _ in got], [x.noise.to(ns[j].dtype) for j, x in got],
+                                        factor)
+        del gs
+        if wd != 0 and decoupled:
+            torch._foreach_mul_(ps, 1 - lr * wd)
+        if corrected:
+            # v_hat = max(v - n, f·v): the ternary noise out, never below the floor f.  Computed as
+            # f·max((v - n)/f, v) in one temporary, the f folded into the bias correction: three passes
+            # (fp32 on a CPU or a GPU takes one fused pass instead: _fused_corrected_update, _multi_tensor_update)
+            f = float(group["v_floor"])
+            v_hat = torch._foreach_sub(vs, ns)    # one pass, one launch (a copy and an in-place sub: two)
+            if f > 0:
+                torch._foreach_mul_(v_hat, 1 / f)
+                torch._foreach_maximum_(v_hat, vs)
+            else:
+                torch._foreach_clamp_min_(v_hat, 0.0)
+                f = 1.0
+            if max_exp_avg_sqs is not None:
+                if f != 1.0:
+                    torch._foreach_mul_(v_hat, f)
+                    f = 1.0
+                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
+                torch._foreach_maximum_(maxs, v_hat)
+                torch._foreach_copy_(v_hat, maxs)
+            torch._foreach_sqrt_(v_hat)
+            denom = v_hat
+            bias2_sqrt = [b / math.sqrt(f) for b in bias2_sqrt]
+        elif max_exp_avg_sqs is not None:
+            maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
+            torch._foreach_maximum_(maxs, vs)
+            denom = torch._foreach_sqrt(maxs)
+        else:
+            denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
+
+    def _fused_operands(self, params, grads, max_exp_avg_sqs, idx, estimates, device) -> bool:
+        """Whether every tensor the fused pass of ``idx`` writes or reads is fp32, contiguous (it walks raw
+        pointers) and on ``device``."""
+        f32 = torch.float32
+        for i in idx:
+            st = self.state[params[i]]
+            ts = [_local(params[i]), _local(grads[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
+                  _local(st[NOISE])] + ([_local(max_exp_avg_sqs[i])] if max_exp_avg_sqs is not None else [])
+            if any(t.dtype != f32 or not t.is_contiguous() or t.device != device for t in ts):
+                return False
+            got = estimates.get(i)
+            if got is not None and (got.noise.numel() != ts[0].numel() or got.noise.device != device):
+                return False
+        return True
+
+    def _multi_tensor_kernel(self, device, dtype, params, grads, max_exp_avg_sqs, idx, estimates):
+        """The multi-tensor kernel (backends/cuda_adam.py) for the default mode's update of ``idx``, or None: on
+        CUDA, fp32 and contiguous, where CuPy is installed (``MULTI_TENSOR_KERNEL`` overrides: tests run the host
+        build of the same source on a CPU)."""
+        if dtype != torch.float32:
+            return None
+        kernel = MULTI_TENSOR_KERNEL if MULTI_TENSOR_KERNEL is not None else cuda_adam.kernel_for(device)
+        if kernel is None or kernel.device != device.type:
+            return None
+        return kernel if self._fused_operands(params, grads, max_exp_avg_sqs, idx, estimates, device) else None
+
+    def _multi_tensor_update(self, kernel, group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
+                             bias2_sqrt) -> None:
+        """The default mode's update of ``idx`` (the foreach ops of ``_foreach_update``, the same formula:
+        tg_adam_corrected's) in one launch of ``kernels/adam.cu``.  The gradient's norm, for the noise's factor,
+        is the exchange's where the gradient is its very average unmodified (no pass), else one foreach norm of
+        those that need it; the factor is formed on the device."""
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        decoupled = group["decoupled_weight_decay"]
+        states = [self.state[params[i]] for i in idx]
+        gs = [_local(grads[i]) for i in idx]
+        noises, grad_norms, average_norms, need = [], [], [], []
+        for j, i in enumerate(idx):
+            got = estimates.get(i)
+            if got is None:
+                noises.append(None)
+                grad_norms.append(None)
+                average_norms.append(None)
+                continue
+            noises.append(got.noise if got.noise.is_contiguous() and got.noise.dtype == torch.float32
+                          else got.noise.to(torch.float32).contiguous())
+            average_norms.append(got.norm)
+            if got.same_as(grads[i]):
+                grad_norms.append(got.norm)
+            else:
+                grad_norms.append(None)
+                need.append(j)
+        if need:
+            for j, nrm in zip(need, torch._foreach_norm([gs[j] for j in need], 2, dtype=torch.float32)):
+                grad_norms[j] = nrm
+        cuda_adam.adam_multi(
+            kernel, [_local(params[i]) for i in idx], [_local(st["exp_avg"]) for st in states],
+            [_local(st["exp_avg_sq"]) for st in states], [_local(st[NOISE]) for st in states], gs, noises,
+            None if max_exp_avg_sqs is None else [_local(max_exp_avg_sqs[i]) for i in idx], grad_norms,
+            average_norms, [lr / b for b in bias1], [1 / b for b in bias2_sqrt], beta1=beta1, beta2=beta2, eps=eps,
+            decay=1 - lr * wd if wd != 0 and decoupled else 1.0, l2=float(wd) if wd != 0 and not decoupled else 0.0,
+            floor=float(group["v_floor"]), maximize=group["maximize"])
+
+    def _fused_cpu(self, device, dtype, params, grads, max_exp_avg_sqs, idx, estimates) -> bool:
         """Whether the default mode's update of these parameters can take the fused C pass: CPU, fp32, every
         tensor it writes or reads contiguous (it walks raw pointers), the fused CPU backend loaded."""
         if not FUSED_CPU or device.type != "cpu" or dtype != torch.float32:
@@ -311,19 +419,11 @@ class _RefreshedAdam:
         be = backends.for_device(device)
         if not backends.has_capability(be, backends.ADAM_CORRECTED):
             return False
-        for i in idx:
-            st = self.state[params[i]]
-            ts = [_local(params[i]), _local(grads[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
-                  _local(st[NOISE])] + ([_local(max_exp_avg_sqs[i])] if max_exp_avg_sqs is not None else [])
-            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
-                return False
-            got = noise_of.get(i)
-            if got is not None and (got[0].numel() != ts[0].numel() or got[0].device.type != "cpu"):
-                return False
-        return True
+        return self._fused_operands(params, grads, max_exp_avg_sqs, idx, estimates, device)
 
-    def _fused_corrected_update(self, group, params, grads, max_exp_avg_sqs, idx, noise_of) -> None:
-        """The default mode's update (the foreach ops of ``_terngrad_update``, the same formula) as one C pass per
+    def _fused_corrected_update(self, group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
+                                bias2_sqrt) -> None:
+        """The default mode's update (the foreach ops of ``_foreach_update``, the same formula) as one C pass per
         tensor: on a CPU the factor |g|²/|average|² is read on the host for free."""
         be = backends.for_device(torch.device("cpu"))
         beta1, beta2 = group["betas"]
@@ -331,26 +431,45 @@ class _RefreshedAdam:
         decoupled = group["decoupled_weight_decay"]
         decay = 1 - lr * wd if wd != 0 and decoupled else 1.0
         l2 = float(wd) if wd != 0 and not decoupled else 0.0
-        for i in idx:
-            param = params[i]
-            st = self.state[param]
-            st["step"] += 1
-            st[V_STEPS] += 1
-            bias1 = 1 - beta1 ** float(st["step"])
-            bias2_sqrt = math.sqrt(1 - beta2 ** float(st[V_STEPS]))
+        floor, maximize = float(group["v_floor"]), group["maximize"]
+        for j, i in enumerate(idx):
+            st = self.state[params[i]]
             g = _local(grads[i])
-            got = noise_of.get(i)
+            got = estimates.get(i)
             noise, coef = None, 0.0
             if got is not None:
-                noise, at = got
-                at = float(at)
-                factor = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 / at if at > 0 else 1.0
-                noise, coef = noise.to(torch.float32).contiguous(), (1 - beta2) * factor
-            be.adam_corrected(_local(param), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
+                # kernels/adam.cu's arithmetic: the average's square in fp32, the gradient's in double
+                at = float(got.norm.square())
+                gn = float(got.norm) if got.same_as(grads[i]) else float(torch.linalg.vector_norm(g, dtype=torch.float32))
+                factor = (gn * gn) / at if at > 0 else 1.0
+                noise, coef = got.noise.to(torch.float32).contiguous(), (1 - beta2) * factor
+            be.adam_corrected(_local(params[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
                               g, noise, _local(max_exp_avg_sqs[i]) if max_exp_avg_sqs is not None else None,
-                              beta1=beta1, beta2=beta2, step=lr / bias1, inv_bias2_sqrt=1 / bias2_sqrt, eps=eps,
-                              decay=decay, l2=l2, noise_coef=coef, floor=float(group["v_floor"]),
-                              maximize=group["maximize"])
+                              beta1=beta1, beta2=beta2, step=lr / bias1[j], inv_bias2_sqrt=1 / bias2_sqrt[j],
+                              eps=eps, decay=decay, l2=l2, noise_coef=coef, floor=floor, maximize=maximize)
+
+
+def _bias_corrections(counts, v_counts, beta1: float, beta2: float) -> tuple[list, list]:
+    """(1 - β1^step, sqrt(1 - β2^v_steps)) per tensor from the host count tensors, read in one go; computed once
+    per distinct count (a group's tensors mostly share theirs)."""
+    if len(counts) > 4:
+        cs = torch.stack(counts).tolist()
+        vcs = torch.stack(v_counts).tolist()
+    else:
+        cs, vcs = [float(c) for c in counts], [float(c) for c in v_counts]
+    b1 = {c: 1 - beta1 ** c for c in set(cs)}
+    b2 = {c: math.sqrt(1 - beta2 ** c) for c in set(vcs)}
+    return [b1[c] for c in cs], [b2[c] for c in vcs]
+
+
+class _GroupView:
+    """One param group's view of its optimizer's ledger (``_RefreshedAdam._group_view``)."""
+
+    __slots__ = ("key", "group", "claims", "ternary")
+
+    def __init__(self, key, group, claims):
+        self.key, self.group, self.claims = key, group, claims
+        self.ternary: set = set()     # ids of the parameters on TernGrad's path for good
 
 
 class Adam(_RefreshedAdam, torch.optim.Adam):
