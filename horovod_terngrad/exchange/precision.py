@@ -195,7 +195,7 @@ class PrecisionLedger:
         last exchange, once; None if it gave none, or it was taken already."""
         claim = self._claims.get(param) if param is not None else None
         got = None if claim is None else take_estimate(claim, param)
-        return None if got is None else (got.noise, got.norm.square())
+        return None if got is None else (got.noise.view(_local(param).shape), got.norm.square())
 
     def claims_of(self, params) -> dict:
         """{id(param): its claim} of those of ``params`` this ledger holds (the optimizer's per-group view; valid
@@ -239,8 +239,9 @@ def ledger_of(param) -> PrecisionLedger | None:
 
 
 class Estimate:
-    """A noise estimate taken for the step: ``noise`` shaped as the parameter's local tensor, ``norm`` the fp32
-    norm of the exchange's average (0-d, on its device), ``average`` and ``version`` what ``same_as`` checks."""
+    """A noise estimate taken for the step: ``noise`` as the exchange gave it (flat, or any shape of the parameter's
+    local element count), ``norm`` the fp32 norm of the exchange's average (0-d, on its device), ``average`` and
+    ``version`` what ``same_as`` checks."""
 
     __slots__ = ("noise", "norm", "average", "version")
 
@@ -260,11 +261,11 @@ def take_estimate(claim: _Claim, param) -> Estimate | None:
     if noise is None:
         return None
     claim.estimate = None
-    shape = _local(param).shape
-    if noise.numel() != shape.numel():
-        raise ValueError(f"TernGrad: the noise estimate of a parameter of shape {tuple(shape)} holds "
+    local = _local(param)
+    if noise.numel() != local.numel():
+        raise ValueError(f"TernGrad: the noise estimate of a parameter of shape {tuple(local.shape)} holds "
                          f"{noise.numel()} elements")
-    return Estimate(noise.view(shape), claim.norm, claim.average, claim.version)
+    return Estimate(noise, claim.norm, claim.average, claim.version)
 
 
 def _store(claim: _Claim, noise, average) -> None:

@@ -75,9 +75,12 @@ FUSED_CPU = True
 MULTI_TENSOR_KERNEL = None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _local(t):
     """A DTensor's local shard (the same memory), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t if type(t) in _PLAIN else t.to_local() if hasattr(t, "to_local") else t
 
 
 def _schedule_dict(refresh) -> dict | None:
@@ -212,10 +215,10 @@ class _RefreshedAdam:
         corrected = group.get("refresh") is None
         by_kind: dict = {}
         estimates = {}
-        ternary_counts = []       # host step counts, advanced by one foreach call (not one op per tensor)
-        noise_states = []
+        states = [self.state[p] for p in params]
+        ternary_counts = []
         for i, p in enumerate(params):
-            state = self.state[p]
+            state = states[i]
             if V_STEPS not in state:      # a state from torch's AdamW: v has had as many updates as steps so far
                 state[V_STEPS] = state["step"].clone()
             if TERNARY_STEPS not in state:
@@ -229,7 +232,6 @@ class _RefreshedAdam:
                 refresh = True            # v is updated every step; n carries the noise to take out
                 if NOISE not in state:
                     state[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                noise_states.append(state[NOISE])
                 got = precision.take_estimate(claim, p) if is_ternary else None
                 estimates[i] = got
                 if is_ternary and got is None and not _RefreshedAdam._warned_no_noise:
@@ -250,32 +252,30 @@ class _RefreshedAdam:
                         log.warning("horovod_terngrad.optim: a parameter (shape %s) got a ternary gradient before "
                                     "any full-precision one; its second moment starts from that", tuple(p.shape))
             by_kind.setdefault((p.device, p.dtype, refresh), []).append(i)
-        if ternary_counts:
-            torch._foreach_add_(ternary_counts, 1)
+        # the host step counts (ternary steps, steps, v's updates) advanced by one foreach call and read in one go;
+        # the bias corrections from them (torch's own non-capturable Adam does the same: no GPU sync)
+        counts = [st["step"] for st in states]
+        v_idx = [i for (_, _, refresh), idx in by_kind.items() if refresh for i in idx]
+        torch._foreach_add_(ternary_counts + counts + [states[i][V_STEPS] for i in v_idx], 1)
+        bias1, bias2_sqrt = _bias_corrections(counts, [st[V_STEPS] for st in states], beta1, beta2)
         for (device, dtype, refresh), idx in by_kind.items():
-            # the host step counts: one foreach call each, then read once; the bias corrections from them (torch's
-            # own non-capturable Adam does the same: no GPU sync)
-            counts = [self.state[params[i]]["step"] for i in idx]
-            v_counts = [self.state[params[i]][V_STEPS] for i in idx]
-            torch._foreach_add_(counts, 1)
-            if refresh:
-                torch._foreach_add_(v_counts, 1)
-            bias1, bias2_sqrt = _bias_corrections(counts, v_counts, beta1, beta2)
+            b1, b2 = [bias1[i] for i in idx], [bias2_sqrt[i] for i in idx]
             if corrected:
-                kernel = self._multi_tensor_kernel(device, dtype, params, grads, max_exp_avg_sqs, idx, estimates)
+                kernel = self._multi_tensor_kernel(device, dtype, params, grads, states, max_exp_avg_sqs, idx,
+                                                   estimates)
                 if kernel is not None:
-                    self._multi_tensor_update(kernel, group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
-                                              bias2_sqrt)
+                    self._multi_tensor_update(kernel, group, params, grads, states, max_exp_avg_sqs, idx, estimates,
+                                              b1, b2)
                     continue
-                if self._fused_cpu(device, dtype, params, grads, max_exp_avg_sqs, idx, estimates):
-                    self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
-                                                 bias2_sqrt)
+                if self._fused_cpu(device, dtype, params, grads, states, max_exp_avg_sqs, idx, estimates):
+                    self._fused_corrected_update(group, params, grads, states, max_exp_avg_sqs, idx, estimates, b1,
+                                                 b2)
                     continue
-            self._foreach_update(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx, estimates,
-                                 refresh, bias1, bias2_sqrt)
+            self._foreach_update(group, params, grads, states, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx,
+                                 estimates, refresh, b1, b2)
 
-    def _foreach_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx, estimates, refresh,
-                        bias1, bias2_sqrt) -> None:
+    def _foreach_update(self, group, params, grads, states, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx, estimates,
+                        refresh, bias1, bias2_sqrt) -> None:
         """The update of ``idx`` as foreach ops (every device and dtype; the refresh mode everywhere)."""
         beta1, beta2 = group["betas"]
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
@@ -294,7 +294,7 @@ class _RefreshedAdam:
             torch._foreach_mul_(vs, beta2)
             torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
         if corrected:
-            ns = [_local(self.state[params[i]][NOISE]) for i in idx]
+            ns = [_local(states[i][NOISE]) for i in idx]
             torch._foreach_mul_(ns, beta2)
             got = [(j, estimates.get(i)) for j, i in enumerate(idx)]
             got = [(j, x) for j, x in got if x is not None]
@@ -310,8 +310,8 @@ class _RefreshedAdam:
                 at = torch.stack([x.norm for _, x in got])
                 at = at * at
                 factor = (torch.where(at > 0, sq / at, torch.ones_like(sq)) * (1 - beta2)).unbind(0)
-                torch._foreach_addcmul_([ns[j] for j, _ in got], [x.noise.to(ns[j].dtype) for j, x in got],
-                                        factor)
+                torch._foreach_addcmul_([ns[j] for j, _ in got],
+                                        [x.noise.view(ns[j].shape).to(ns[j].dtype) for j, x in got], factor)
         del gs
         if wd != 0 and decoupled:
             torch._foreach_mul_(ps, 1 - lr * wd)
@@ -347,22 +347,26 @@ class _RefreshedAdam:
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
 
-    def _fused_operands(self, params, grads, max_exp_avg_sqs, idx, estimates, device) -> bool:
+    @staticmethod
+    def _fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device) -> bool:
         """Whether every tensor the fused pass of ``idx`` writes or reads is fp32, contiguous (it walks raw
         pointers) and on ``device``."""
         f32 = torch.float32
         for i in idx:
-            st = self.state[params[i]]
-            ts = [_local(params[i]), _local(grads[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
-                  _local(st[NOISE])] + ([_local(max_exp_avg_sqs[i])] if max_exp_avg_sqs is not None else [])
-            if any(t.dtype != f32 or not t.is_contiguous() or t.device != device for t in ts):
-                return False
+            st = states[i]
+            ts = (params[i], grads[i], st["exp_avg"], st["exp_avg_sq"], st[NOISE])
+            if max_exp_avg_sqs is not None:
+                ts += (max_exp_avg_sqs[i],)
+            for t in ts:
+                t = _local(t)
+                if t.dtype != f32 or t.device != device or not t.is_contiguous():
+                    return False
             got = estimates.get(i)
-            if got is not None and (got.noise.numel() != ts[0].numel() or got.noise.device != device):
+            if got is not None and got.noise.device != device:
                 return False
         return True
 
-    def _multi_tensor_kernel(self, device, dtype, params, grads, max_exp_avg_sqs, idx, estimates):
+    def _multi_tensor_kernel(self, device, dtype, params, grads, states, max_exp_avg_sqs, idx, estimates):
         """The multi-tensor kernel (backends/cuda_adam.py) for the default mode's update of ``idx``, or None: on
         CUDA, fp32 and contiguous, where CuPy is installed (``MULTI_TENSOR_KERNEL`` overrides: tests run the host
         build of the same source on a CPU)."""
@@ -371,9 +375,10 @@ class _RefreshedAdam:
         kernel = MULTI_TENSOR_KERNEL if MULTI_TENSOR_KERNEL is not None else cuda_adam.kernel_for(device)
         if kernel is None or kernel.device != device.type:
             return None
-        return kernel if self._fused_operands(params, grads, max_exp_avg_sqs, idx, estimates, device) else None
+        ok = self._fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device)
+        return kernel if ok else None
 
-    def _multi_tensor_update(self, kernel, group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
+    def _multi_tensor_update(self, kernel, group, params, grads, states, max_exp_avg_sqs, idx, estimates, bias1,
                              bias2_sqrt) -> None:
         """The default mode's update of ``idx`` (the foreach ops of ``_foreach_update``, the same formula:
         tg_adam_corrected's) in one launch of ``kernels/adam.cu``.  The gradient's norm, for the noise's factor,
@@ -382,7 +387,7 @@ class _RefreshedAdam:
         beta1, beta2 = group["betas"]
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
         decoupled = group["decoupled_weight_decay"]
-        states = [self.state[params[i]] for i in idx]
+        sts = [states[i] for i in idx]
         gs = [_local(grads[i]) for i in idx]
         noises, grad_norms, average_norms, need = [], [], [], []
         for j, i in enumerate(idx):
@@ -392,8 +397,9 @@ class _RefreshedAdam:
                 grad_norms.append(None)
                 average_norms.append(None)
                 continue
-            noises.append(got.noise if got.noise.is_contiguous() and got.noise.dtype == torch.float32
-                          else got.noise.to(torch.float32).contiguous())
+            noise = got.noise
+            noises.append(noise if noise.dtype == torch.float32 and noise.is_contiguous()
+                          else noise.to(torch.float32).contiguous())
             average_norms.append(got.norm)
             if got.same_as(grads[i]):
                 grad_norms.append(got.norm)
@@ -404,14 +410,14 @@ class _RefreshedAdam:
             for j, nrm in zip(need, torch._foreach_norm([gs[j] for j in need], 2, dtype=torch.float32)):
                 grad_norms[j] = nrm
         cuda_adam.adam_multi(
-            kernel, [_local(params[i]) for i in idx], [_local(st["exp_avg"]) for st in states],
-            [_local(st["exp_avg_sq"]) for st in states], [_local(st[NOISE]) for st in states], gs, noises,
+            kernel, [_local(params[i]) for i in idx], [_local(st["exp_avg"]) for st in sts],
+            [_local(st["exp_avg_sq"]) for st in sts], [_local(st[NOISE]) for st in sts], gs, noises,
             None if max_exp_avg_sqs is None else [_local(max_exp_avg_sqs[i]) for i in idx], grad_norms,
             average_norms, [lr / b for b in bias1], [1 / b for b in bias2_sqrt], beta1=beta1, beta2=beta2, eps=eps,
             decay=1 - lr * wd if wd != 0 and decoupled else 1.0, l2=float(wd) if wd != 0 and not decoupled else 0.0,
             floor=float(group["v_floor"]), maximize=group["maximize"])
 
-    def _fused_cpu(self, device, dtype, params, grads, max_exp_avg_sqs, idx, estimates) -> bool:
+    def _fused_cpu(self, device, dtype, params, grads, states, max_exp_avg_sqs, idx, estimates) -> bool:
         """Whether the default mode's update of these parameters can take the fused C pass: CPU, fp32, every
         tensor it writes or reads contiguous (it walks raw pointers), the fused CPU backend loaded."""
         if not FUSED_CPU or device.type != "cpu" or dtype != torch.float32:
@@ -419,9 +425,9 @@ class _RefreshedAdam:
         be = backends.for_device(device)
         if not backends.has_capability(be, backends.ADAM_CORRECTED):
             return False
-        return self._fused_operands(params, grads, max_exp_avg_sqs, idx, estimates, device)
+        return self._fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device)
 
-    def _fused_corrected_update(self, group, params, grads, max_exp_avg_sqs, idx, estimates, bias1,
+    def _fused_corrected_update(self, group, params, grads, states, max_exp_avg_sqs, idx, estimates, bias1,
                                 bias2_sqrt) -> None:
         """The default mode's update (the foreach ops of ``_foreach_update``, the same formula) as one C pass per
         tensor: on a CPU the factor |g|²/|average|² is read on the host for free."""
@@ -433,14 +439,15 @@ class _RefreshedAdam:
         l2 = float(wd) if wd != 0 and not decoupled else 0.0
         floor, maximize = float(group["v_floor"]), group["maximize"]
         for j, i in enumerate(idx):
-            st = self.state[params[i]]
+            st = states[i]
             g = _local(grads[i])
             got = estimates.get(i)
             noise, coef = None, 0.0
             if got is not None:
                 # kernels/adam.cu's arithmetic: the average's square in fp32, the gradient's in double
                 at = float(got.norm.square())
-                gn = float(got.norm) if got.same_as(grads[i]) else float(torch.linalg.vector_norm(g, dtype=torch.float32))
+                same = got.same_as(grads[i])
+                gn = float(got.norm) if same else float(torch.linalg.vector_norm(g, dtype=torch.float32))
                 factor = (gn * gn) / at if at > 0 else 1.0
                 noise, coef = got.noise.to(torch.float32).contiguous(), (1 - beta2) * factor
             be.adam_corrected(_local(params[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
