@@ -184,3 +184,25 @@ def test_cupy_kernel_is_the_host_build(host):
     for size, a, b in zip(SIZES, cpu, dev):
         for f in ("p", "m", "v", "n", "vmax"):
             assert _same_bits(a[f], b[f].cpu()), (size, f)
+
+
+def test_the_groups_cached_view_follows_the_claims():
+    """The per-group view of the ledger is rebuilt when a claim moves: another optimizer claiming a parameter,
+    a parameter group added, a state loaded."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(5))
+    first = AdamW([a])
+    view = first._group_view(first.param_groups[0])
+    assert set(view.claims) == {id(a)} and first._group_view(first.param_groups[0]) is view     # cached
+    second = AdamW([a])                                   # the last to claim a parameter wins it
+    assert first._group_view(first.param_groups[0]).claims == {}
+    second.add_param_group({"params": [b]})
+    assert set(second._group_view(second.param_groups[1]).claims) == {id(b)}
+    a.grad = torch.ones(3)
+    second.precision_ledger.set_record(a, precision.TERNARY)
+    second.precision_ledger.put_noise(a, torch.ones(3), a.grad)
+    second.step()
+    assert second._group_view(second.param_groups[0]).ternary == {id(a)}      # TernGrad's path for good
+    fresh = AdamW([a])
+    fresh.add_param_group({"params": [b]})
+    fresh.load_state_dict(second.state_dict())
+    assert fresh._group_view(fresh.param_groups[0]).ternary == {id(a)}        # read back from the loaded state

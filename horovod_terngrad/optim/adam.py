@@ -42,11 +42,19 @@ Parameters whose gradient did not come through a ternary exchange, and never did
 ``min_numel`` or in ``exclude``, ``HOROVOD_TERNGRAD=0``), take torch's own update, bit for bit: the functional
 ``adam`` torch's ``step`` calls, with the group's flags.
 
-Cost.  One more state tensor per ternarized parameter (n), the noise estimate held from the exchange to the
-step, and foreach ops over the parameters grouped by device and dtype (on a DTensor, its local shard); bias
-corrections from the host-side step counts: no synchronization on a GPU, as torch's non-capturable Adam.
-``capturable``, ``differentiable`` and ``fused`` apply to torch's path; a ternarized parameter under them is
-refused with a reason at its first step.
+Cost.  One more state tensor per ternarized parameter (n), and the noise estimate held from the exchange to the
+step.  The default mode's update of fp32 parameters (on a DTensor, its local shard) is one pass over memory: on
+CUDA one launch of ``kernels/adam.cu`` for all of a group's tensors (backends/cuda_adam.py; CuPy compiles it), on a
+CPU one C pass per tensor (``tg_adam_corrected``), the same bytes given the same inputs.  It reads p, g, m, v, n
+and the estimate and writes p, m, v, n: 40 bytes per element, where torch's fused AdamW moves 28, so on a
+memory-bound device its floor is about 1.43x torch's fused step.  The noise's factor |g|²/|average|² needs the
+gradient's norm: none is taken where the gradient is the exchange's average itself, unmodified since (its
+version counter); else one foreach norm (CUDA) or one per tensor (CPU).  Other dtypes, the refresh mode, and
+CUDA without CuPy take foreach ops over the parameters grouped by device and dtype.  The host work per step is a
+few list passes per group: the ledger's claims are cached per group (rebuilt when a claim moves), the step
+counts advanced and read through numpy views, bias corrections once per distinct count; no synchronization on
+a GPU, as torch's non-capturable Adam.  ``capturable``, ``differentiable`` and ``fused`` apply to torch's path;
+a ternarized parameter under them is refused with a reason at its first step.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ import dataclasses
 import logging
 import math
 
+import numpy as np
 import torch
 from torch.optim.adam import adam as torch_adam
 
@@ -256,8 +265,9 @@ class _RefreshedAdam:
         # the bias corrections from them (torch's own non-capturable Adam does the same: no GPU sync)
         counts = [st["step"] for st in states]
         v_idx = [i for (_, _, refresh), idx in by_kind.items() if refresh for i in idx]
-        torch._foreach_add_(ternary_counts + counts + [states[i][V_STEPS] for i in v_idx], 1)
-        bias1, bias2_sqrt = _bias_corrections(counts, [st[V_STEPS] for st in states], beta1, beta2)
+        view.advance(ternary_counts + counts + [states[i][V_STEPS] for i in v_idx])
+        bias1, bias2_sqrt = _bias_corrections(view.read(counts), view.read([st[V_STEPS] for st in states]), beta1,
+                                              beta2)
         for (device, dtype, refresh), idx in by_kind.items():
             b1, b2 = [bias1[i] for i in idx], [bias2_sqrt[i] for i in idx]
             if corrected:
@@ -351,15 +361,14 @@ class _RefreshedAdam:
     def _fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device) -> bool:
         """Whether every tensor the fused pass of ``idx`` writes or reads is fp32, contiguous (it walks raw
         pointers) and on ``device``."""
-        f32 = torch.float32
+        # dtype and device: the parameter's (``by_kind``), which torch holds its gradient and state to
         for i in idx:
             st = states[i]
             ts = (params[i], grads[i], st["exp_avg"], st["exp_avg_sq"], st[NOISE])
             if max_exp_avg_sqs is not None:
                 ts += (max_exp_avg_sqs[i],)
             for t in ts:
-                t = _local(t)
-                if t.dtype != f32 or t.device != device or not t.is_contiguous():
+                if not _local(t).is_contiguous():
                     return False
             got = estimates.get(i)
             if got is not None and got.noise.device != device:
@@ -456,27 +465,58 @@ class _RefreshedAdam:
                               eps=eps, decay=decay, l2=l2, noise_coef=coef, floor=floor, maximize=maximize)
 
 
-def _bias_corrections(counts, v_counts, beta1: float, beta2: float) -> tuple[list, list]:
-    """(1 - β1^step, sqrt(1 - β2^v_steps)) per tensor from the host count tensors, read in one go; computed once
-    per distinct count (a group's tensors mostly share theirs)."""
-    if len(counts) > 4:
-        cs = torch.stack(counts).tolist()
-        vcs = torch.stack(v_counts).tolist()
-    else:
-        cs, vcs = [float(c) for c in counts], [float(c) for c in v_counts]
+def _bias_corrections(cs, vcs, beta1: float, beta2: float) -> tuple[list, list]:
+    """(1 - β1^step, sqrt(1 - β2^v_steps)) per tensor from the step counts; computed once per distinct count (a
+    group's tensors mostly share theirs)."""
     b1 = {c: 1 - beta1 ** c for c in set(cs)}
     b2 = {c: math.sqrt(1 - beta2 ** c) for c in set(vcs)}
     return [b1[c] for c in cs], [b2[c] for c in vcs]
 
 
 class _GroupView:
-    """One param group's view of its optimizer's ledger (``_RefreshedAdam._group_view``)."""
+    """One param group's view of its optimizer's ledger (``_RefreshedAdam._group_view``), and numpy views of its
+    host step counters."""
 
-    __slots__ = ("key", "group", "claims", "ternary")
+    __slots__ = ("key", "group", "claims", "ternary", "_counters")
 
     def __init__(self, key, group, claims):
         self.key, self.group, self.claims = key, group, claims
         self.ternary: set = set()     # ids of the parameters on TernGrad's path for good
+        self._counters: dict = {}     # id(counter) -> (counter, its numpy view): the counter kept alive with it
+
+    def _arrays(self, counters) -> list | None:
+        """numpy views of ``counters`` (host 0-d fp32 tensors, as torch's non-capturable Adam keeps ``step``), or
+        None if one is not such a tensor."""
+        cache, out = self._counters, []
+        for t in counters:
+            e = cache.get(id(t))
+            if e is None or e[0] is not t:
+                if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 0 or t.requires_grad:
+                    return None
+                e = cache[id(t)] = (t, t.numpy())
+            out.append(e[1])
+        return out
+
+    def advance(self, counters) -> None:
+        """counter += 1 for each of ``counters``: through the numpy views (a tenth of a CPU scalar op's cost; the
+        same fp32 addition), else one foreach call."""
+        arrays = self._arrays(counters)
+        if arrays is None:
+            torch._foreach_add_(counters, 1)
+            return
+        one = _ONE
+        for a in arrays:
+            np.add(a, one, out=a)
+
+    def read(self, counters) -> list:
+        """The counters' values as Python floats, without an op per tensor."""
+        arrays = self._arrays(counters)
+        if arrays is None:
+            return torch.stack(counters).tolist() if counters else []
+        return [float(a) for a in arrays]
+
+
+_ONE = np.float32(1)
 
 
 class Adam(_RefreshedAdam, torch.optim.Adam):
