@@ -206,3 +206,16 @@ def test_the_groups_cached_view_follows_the_claims():
     fresh.add_param_group({"params": [b]})
     fresh.load_state_dict(second.state_dict())
     assert fresh._group_view(fresh.param_groups[0]).ternary == {id(a)}        # read back from the loaded state
+
+
+def test_a_kernel_that_does_not_build_falls_back_to_the_foreach_ops_said_once(monkeypatch, caplog):
+    def refuse():
+        raise RuntimeError("NVRTC_ERROR_COMPILATION")
+    monkeypatch.setattr(cuda_adam, "CupyAdamKernel", refuse)
+    monkeypatch.setattr(cuda_adam, "_kernels", {})
+    with caplog.at_level("WARNING", logger="horovod_terngrad"):
+        assert cuda_adam.kernel_for(torch.device("cuda")) is None
+        assert cuda_adam.kernel_for(torch.device("cuda")) is None
+    said = [r.getMessage() for r in caplog.records if "adam.cu did not build" in r.getMessage()]
+    assert len(said) == 1 and "NVRTC_ERROR_COMPILATION" in said[0]
+    assert cuda_adam.kernel_for(torch.device("cpu")) is None

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 
@@ -20,6 +21,8 @@ import numpy as np
 import torch
 
 from .compile_cache import compile_cached, kernel_source
+
+log = logging.getLogger("horovod_terngrad")
 
 NVCC_OPTIONS = ("--fmad=false", "-std=c++14")
 HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
@@ -78,7 +81,7 @@ _kernels: dict = {}
 
 def kernel_for(device: torch.device):
     """The kernel for tensors on ``device``: CuPy's build on CUDA (one per process); None elsewhere, or where
-    CuPy is missing (the caller then takes its foreach ops)."""
+    CuPy is missing or cannot build it (said once; the caller then takes its foreach ops)."""
     if device.type != "cuda":
         return None
     k = _kernels.get("cuda", False)
@@ -86,6 +89,10 @@ def kernel_for(device: torch.device):
         try:
             k = CupyAdamKernel()
         except ImportError:
+            k = None
+        except Exception as e:          # NVRTC or the driver refused it: the foreach ops still work
+            log.warning("horovod_terngrad.optim: kernels/adam.cu did not build on this GPU (%s: %s); the default "
+                        "mode's update takes the foreach ops", type(e).__name__, e)
             k = None
         _kernels["cuda"] = k
     return k
