@@ -109,7 +109,7 @@ SHAPES = [(0,), (1,), (3,), (257, 129), (768,), (33, 1000), (64, 3, 5)]
 def _run(cls, monkeypatch, path, dtype=torch.float32, steps=8, **kw):
     """``steps`` default-mode steps of ``cls`` on SHAPES through ``path``: 'kernel' (the host-built multi-tensor
     kernel), 'fused' (the C pass per tensor) or 'foreach'.  Some steps clip after the exchange, every fourth comes
-    without an estimate, some hand the gradient over as the average itself (its norm reused)."""
+    without an estimate, some hand the gradient over as the average itself."""
     monkeypatch.setattr(adam_module, "MULTI_TENSOR_KERNEL", cuda_adam.HostAdamKernel() if path == "kernel" else None)
     monkeypatch.setattr(adam_module, "FUSED_CPU", path == "fused")
     gen = torch.Generator().manual_seed(3)
@@ -121,7 +121,7 @@ def _run(cls, monkeypatch, path, dtype=torch.float32, steps=8, **kw):
             g = (torch.randn(w.shape, generator=gen) * 1e-2).to(dtype)
             noise = torch.rand(w.shape, generator=gen).to(dtype) * 1e-4
             ledger.set_record(w, precision.TERNARY)
-            if k % 2 == 0:                   # the gradient is the average itself: its norm is the exchange's
+            if k % 2 == 0:                   # the gradient is the average itself
                 w.grad = g
                 if k % 4 != 2:
                     ledger.put_noise(w, noise, w.grad)
@@ -155,17 +155,33 @@ def test_bf16_parameters_take_the_foreach_ops(monkeypatch):
     assert a[3].dtype == torch.bfloat16
 
 
-def test_the_gradients_norm_is_reused_only_when_it_is_the_average_unmodified():
-    w = torch.nn.Parameter(torch.ones(4))
-    opt = AdamW([w])
-    claim = opt.precision_ledger.claims_of([w])[id(w)]
-    g = torch.full((4,), 2.0)
-    opt.precision_ledger.put_noise(w, torch.ones(4), g)
-    got = precision.take_estimate(claim, w)
-    assert got.same_as(g) and not got.same_as(g.clone()) and float(got.norm) == 4.0
-    g.mul_(0.5)                                  # a clip in place: the version moved
-    assert not got.same_as(g)
-    assert precision.take_estimate(claim, w) is None        # taken once
+@pytest.mark.parametrize("path", ["kernel", "fused"])
+def test_a_clip_through_data_after_the_exchange_scales_the_noise(path, monkeypatch):
+    """The gradient handed over as the average itself, then scaled through ``.data`` (a write its version counter
+    does not see, as a fused clipping kernel's): the step takes its norm again, so the noise comes in scaled by
+    the square, exactly as for a clipped copy."""
+    if path == "fused" and cpu_fused() is None:
+        pytest.skip("no C compiler: the fused CPU pass is not built")
+    monkeypatch.setattr(adam_module, "MULTI_TENSOR_KERNEL", cuda_adam.HostAdamKernel() if path == "kernel" else None)
+    monkeypatch.setattr(adam_module, "FUSED_CPU", path == "fused")
+    out = []
+    for through_data in (True, False):
+        w = torch.nn.Parameter(torch.ones(1000))
+        opt = AdamW([w], lr=1e-2)
+        for k in range(3):
+            avg = torch.linspace(-1, 1, 1000) * (k + 1)
+            opt.precision_ledger.set_record(w, precision.TERNARY)
+            if through_data:
+                w.grad = avg
+                opt.precision_ledger.put_noise(w, torch.full((1000,), 0.5), w.grad)
+                w.grad.data.mul_(0.5)
+            else:
+                opt.precision_ledger.put_noise(w, torch.full((1000,), 0.5), avg)
+                w.grad = avg * 0.5
+            opt.step()
+        out.append((w.detach().clone(), opt.state[w]["exp_avg_noise"].clone()))
+    assert all(_same_bits(a, b) for a, b in zip(*out))
+    torch.testing.assert_close(out[0][1], torch.full((1000,), 0.5 * 0.25 * (1 - 0.999 ** 3)), rtol=1e-5, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

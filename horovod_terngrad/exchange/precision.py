@@ -103,7 +103,7 @@ class _LedgerRef:
 class _Claim:
     """A ledger's entry for one parameter."""
 
-    __slots__ = ("schedule", "noise", "record", "estimate", "norm", "average", "version", "buffer")
+    __slots__ = ("schedule", "noise", "record", "estimate", "norm", "buffer")
 
     def __init__(self, schedule, noise: bool):
         self.schedule = schedule     # RefreshSchedule or None (never refresh)
@@ -111,8 +111,6 @@ class _Claim:
         self.record = None           # TERNARY | REFRESH | FULL: what the last exchange did
         self.estimate = None         # the last exchange's noise estimate (flat), until the step takes it
         self.norm = None             # the fp32 norm of that exchange's average (0-d, on its device)
-        self.average = None          # a weak reference to that average, and its version counter then: a step
-        self.version = None          # whose gradient is that very tensor, unmodified, reuses ``norm``
         self.buffer = None           # CPU: the estimate's memory, reused by every exchange of the parameter
 
 
@@ -240,18 +238,14 @@ def ledger_of(param) -> PrecisionLedger | None:
 
 class Estimate:
     """A noise estimate taken for the step: ``noise`` as the exchange gave it (flat, or any shape of the parameter's
-    local element count), ``norm`` the fp32 norm of the exchange's average (0-d, on its device), ``average`` and
-    ``version`` what ``same_as`` checks."""
+    local element count), ``norm`` the fp32 norm of the exchange's average (0-d, on its device).  The step takes
+    the gradient's own norm again: a write through ``.data`` or a raw pointer (a fused clipping kernel) would not
+    show in the gradient's version counter."""
 
-    __slots__ = ("noise", "norm", "average", "version")
+    __slots__ = ("noise", "norm")
 
-    def __init__(self, noise, norm, average, version):
-        self.noise, self.norm, self.average, self.version = noise, norm, average, version
-
-    def same_as(self, grad) -> bool:
-        """Whether ``grad`` is the exchange's average itself, not modified in place since (its version counter
-        unchanged): then its norm is ``norm``, bit for bit, and need not be computed again."""
-        return self.average is not None and self.average() is grad and grad._version == self.version
+    def __init__(self, noise, norm):
+        self.noise, self.norm = noise, norm
 
 
 def take_estimate(claim: _Claim, param) -> Estimate | None:
@@ -265,16 +259,15 @@ def take_estimate(claim: _Claim, param) -> Estimate | None:
     if noise.numel() != local.numel():
         raise ValueError(f"TernGrad: the noise estimate of a parameter of shape {tuple(local.shape)} holds "
                          f"{noise.numel()} elements")
-    return Estimate(noise, claim.norm, claim.average, claim.version)
+    return Estimate(noise, claim.norm)
 
 
 def _store(claim: _Claim, noise, average) -> None:
     if noise is None:
-        claim.estimate = claim.norm = claim.average = claim.version = None
+        claim.estimate = claim.norm = None
         return
     claim.estimate = noise
     claim.norm = torch.linalg.vector_norm(average.detach(), dtype=torch.float32)
-    claim.average, claim.version = weakref.ref(average), average._version
 
 
 class Route:
@@ -303,7 +296,7 @@ class Route:
         if claim is None:
             return
         ticket.want_noise = True
-        claim.estimate = claim.norm = claim.average = claim.version = None
+        claim.estimate = claim.norm = None
         g32 = ticket.g32
         if g32.device.type != "cpu":
             return                  # the transport allocates it: no fault on an accelerator, freed after the step

@@ -47,9 +47,9 @@ step.  The default mode's update of fp32 parameters (on a DTensor, its local sha
 CUDA one launch of ``kernels/adam.cu`` for all of a group's tensors (backends/cuda_adam.py; CuPy compiles it), on a
 CPU one C pass per tensor (``tg_adam_corrected``), the same bytes given the same inputs.  It reads p, g, m, v, n
 and the estimate and writes p, m, v, n: 40 bytes per element, where torch's fused AdamW moves 28, so on a
-memory-bound device its floor is about 1.43x torch's fused step.  The noise's factor |g|²/|average|² needs the
-gradient's norm: none is taken where the gradient is the exchange's average itself, unmodified since (its
-version counter); else one foreach norm (CUDA) or one per tensor (CPU).  Other dtypes, the refresh mode, and
+memory-bound device its floor is about 1.43x torch's fused step; the noise's factor |g|²/|average|² adds the
+gradient's norm (one foreach norm on CUDA, one per tensor on a CPU: 4 bytes more), and the hand-over the
+average's (``precision.deliver``, one per tensor: 4 more).  Other dtypes, the refresh mode, and
 CUDA without CuPy take foreach ops over the parameters grouped by device and dtype.  The host work per step is a
 few list passes per group: the ledger's claims are cached per group (rebuilt when a claim moves), the step
 counts advanced and read through numpy views, bias corrections once per distinct count; no synchronization on
@@ -390,9 +390,8 @@ class _RefreshedAdam:
     def _multi_tensor_update(self, kernel, group, params, grads, states, max_exp_avg_sqs, idx, estimates, bias1,
                              bias2_sqrt) -> None:
         """The default mode's update of ``idx`` (the foreach ops of ``_foreach_update``, the same formula:
-        tg_adam_corrected's) in one launch of ``kernels/adam.cu``.  The gradient's norm, for the noise's factor,
-        is the exchange's where the gradient is its very average unmodified (no pass), else one foreach norm of
-        those that need it; the factor is formed on the device."""
+        tg_adam_corrected's) in one launch of ``kernels/adam.cu``, after one foreach norm of the gradients that
+        came with an estimate; the noise's factor is formed on the device."""
         beta1, beta2 = group["betas"]
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
         decoupled = group["decoupled_weight_decay"]
@@ -410,11 +409,8 @@ class _RefreshedAdam:
             noises.append(noise if noise.dtype == torch.float32 and noise.is_contiguous()
                           else noise.to(torch.float32).contiguous())
             average_norms.append(got.norm)
-            if got.same_as(grads[i]):
-                grad_norms.append(got.norm)
-            else:
-                grad_norms.append(None)
-                need.append(j)
+            grad_norms.append(None)
+            need.append(j)
         if need:
             for j, nrm in zip(need, torch._foreach_norm([gs[j] for j in need], 2, dtype=torch.float32)):
                 grad_norms[j] = nrm
@@ -455,8 +451,7 @@ class _RefreshedAdam:
             if got is not None:
                 # kernels/adam.cu's arithmetic: the average's square in fp32, the gradient's in double
                 at = float(got.norm.square())
-                same = got.same_as(grads[i])
-                gn = float(got.norm) if same else float(torch.linalg.vector_norm(g, dtype=torch.float32))
+                gn = float(torch.linalg.vector_norm(g, dtype=torch.float32))
                 factor = (gn * gn) / at if at > 0 else 1.0
                 noise, coef = got.noise.to(torch.float32).contiguous(), (1 - beta2) * factor
             be.adam_corrected(_local(params[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
