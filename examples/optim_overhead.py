@@ -18,6 +18,12 @@ each, in ``--rounds`` interleaved rounds (so a slow spell of the machine lands o
 
 The ledger's records are set as the exchange would set them (exchange/precision.py), so no exchange runs here.
 overhead = (tg + noise - torch) / compute for the default; (mix - torch) / compute for the refresh mode.
+
+The step alone against torch's foreach and fused AdamW, on a model's parameter shapes (no model built, any device;
+operations/optim_speed.py says what each column times):
+
+    OMP_NUM_THREADS=1 python examples/optim_overhead.py --shapes gpt2-124m --device cpu
+    python examples/optim_overhead.py --shapes gpt2-124m --device cuda --steps 20 --rounds 5
 """
 from __future__ import annotations
 
@@ -126,6 +132,27 @@ def measure(name, spec, batch, steps, rounds):
     return row
 
 
+# parameter shapes for --shapes (operations/gpu_check.gpt2_shapes: transformers' GPT2LMHeadModel, head tied)
+SHAPES = {"gpt2-124m": dict(layers=12, d=768, vocab=50257, context=1024),
+          "gpt2-6x512-v16384": dict(layers=6, d=512, vocab=16384, context=64)}
+
+
+def step_table(shapes_name, device, steps, rounds, kinds):
+    """The step alone (operations/optim_speed.adamw_step_ms) on ``shapes_name``'s parameter shapes: its row."""
+    from horovod_terngrad.operations.gpu_check import gpt2_shapes
+    from horovod_terngrad.operations.optim_speed import adamw_step_ms
+    row = adamw_step_ms(gpt2_shapes(**SHAPES[shapes_name]), device, steps=steps, rounds=rounds, kinds=kinds)
+    row["shapes"] = shapes_name
+    cols = [k for k in ("tg", "tg-clipped", "torch-foreach", "torch-fused") if f"{k}_ms" in row]
+    ratios = [k for k in ("tg/torch-fused", "tg/torch-foreach", "tg-clipped/torch-fused") if k in row]
+    print(f"{shapes_name} ({row['tensors']} tensors, {row['elements'] / 1e6:.1f}M elements) on {row['device']}, "
+          f"median of {rounds} x {steps} steps; optim.AdamW's path: {row['path']}")
+    print("| " + " | ".join([f"{k} ms" for k in cols] + ratios) + " |")
+    print("|" + "---|" * (len(cols) + len(ratios)))
+    print("| " + " | ".join([f"{row[k + '_ms']:.2f}" for k in cols] + [f"{row[k]:.2f}x" for k in ratios]) + " |")
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -133,7 +160,21 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--shapes", choices=sorted(SHAPES), default=None,
+                   help="time the step alone on these parameter shapes against torch's foreach and fused AdamW")
+    p.add_argument("--device", default="cpu", help="with --shapes: cpu, cuda, or auto (cuda where present)")
+    p.add_argument("--kinds", default="tg,tg-clipped,torch-foreach,torch-fused",
+                   help="with --shapes: which steps to time (operations/optim_speed.py)")
     a = p.parse_args(argv)
+    if a.shapes:
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+        if device == "cpu":
+            torch.set_num_threads(1)
+        row = step_table(a.shapes, device, a.steps, a.rounds, tuple(a.kinds.split(",")))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(row, f, indent=1)
+        return
     torch.set_num_threads(1)
     rows = [measure(m, MODELS[m], a.batch, a.steps, a.rounds) for m in a.models.split(",")]
     print("| model | params (tensors) | compute alone ms | torch AdamW ms | tg AdamW ms | + noise estimate ms "

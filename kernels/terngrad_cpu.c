@@ -470,30 +470,68 @@ void tg_unpack_sums(const uint8_t *data, int64_t m, int nranks, int bits, const 
  *   n  = b2 * n + noise_coef * noise                  (noise NULL: n = b2 * n)
  *   vh = max(v - n, floor * v)    (vmax non-NULL, amsgrad: vmax = max(vmax, vh); vh = vmax)
  *   p  = p * decay - step * m / (sqrt(vh) * inv_bias2_sqrt + eps)   (decay: 1 - lr * wd for AdamW; step = lr / bias1)
- * All fp32, elementwise: no ordering question across threads. */
+ * All fp32, elementwise: no ordering question across threads.  One loop per combination of the three flags
+ * (maximize, an estimate, amsgrad), restrict-qualified and built with -fno-math-errno (cpu.py), so that the compiler
+ * vectorizes it: sqrt and division stay IEEE-rounded per lane, the bytes those of the scalar loop. */
+#define TG_ADAM_LOOP(NAME, MAXIMIZE, NOISE, VMAX)                                                                      \
+    static void NAME(                                                                                                \
+        float *restrict p, float *restrict m, float *restrict v, float *restrict n, const float *restrict g,         \
+        const float *restrict noise, float *restrict vmax, int64_t lo, int64_t hi, float c1, float b2, float c2,     \
+        float step, float inv_bias2_sqrt, float eps, float decay, float l2, float noise_coef, float floor_) {        \
+        (void)noise; (void)vmax; (void)noise_coef;                                                                   \
+        for (int64_t i = lo; i < hi; i++) {                                                                          \
+            float gi = MAXIMIZE ? -g[i] : g[i];                                                                      \
+            gi = gi + l2 * p[i];                                                                                     \
+            const float mi = m[i] + c1 * (gi - m[i]);                                                                \
+            const float vi = b2 * v[i] + c2 * (gi * gi);                                                             \
+            const float ni = b2 * n[i] + (NOISE ? noise_coef * noise[i] : 0.0f);                                     \
+            float vh = vi - ni;                                                                                      \
+            const float fl = floor_ * vi;                                                                            \
+            vh = vh > fl ? vh : fl;                                                                                  \
+            if (VMAX) {                                                                                              \
+                const float x = vmax[i] > vh ? vmax[i] : vh;                                                         \
+                vmax[i] = x;                                                                                         \
+                vh = x;                                                                                              \
+            }                                                                                                        \
+            m[i] = mi; v[i] = vi; n[i] = ni;                                                                         \
+            p[i] = p[i] * decay - step * mi / (sqrtf(vh) * inv_bias2_sqrt + eps);                                    \
+        }                                                                                                            \
+    }
+TG_ADAM_LOOP(adam_loop_000, 0, 0, 0)
+TG_ADAM_LOOP(adam_loop_001, 0, 0, 1)
+TG_ADAM_LOOP(adam_loop_010, 0, 1, 0)
+TG_ADAM_LOOP(adam_loop_011, 0, 1, 1)
+TG_ADAM_LOOP(adam_loop_100, 1, 0, 0)
+TG_ADAM_LOOP(adam_loop_101, 1, 0, 1)
+TG_ADAM_LOOP(adam_loop_110, 1, 1, 0)
+TG_ADAM_LOOP(adam_loop_111, 1, 1, 1)
+#undef TG_ADAM_LOOP
+
+typedef void (*adam_loop_fn)(float *, float *, float *, float *, const float *, const float *, float *, int64_t,
+                             int64_t, float, float, float, float, float, float, float, float, float, float);
+
 void tg_adam_corrected(float *p, float *m, float *v, float *n, const float *g, const float *noise, float *vmax,
                        int64_t count, float c1, float b2, float c2, float step, float inv_bias2_sqrt, float eps, float decay,
                        float l2, float noise_coef, float floor_, int maximize, int nthreads) {
-#ifdef _OPENMP
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && count > 65536)
-#endif
-    for (int64_t i = 0; i < count; i++) {
-        float gi = maximize ? -g[i] : g[i];
-        gi = gi + l2 * p[i];
-        float mi = m[i] + c1 * (gi - m[i]);
-        float vi = b2 * v[i] + c2 * (gi * gi);
-        float ni = b2 * n[i] + (noise ? noise_coef * noise[i] : 0.0f);
-        float vh = vi - ni;
-        float fl = floor_ * vi;
-        vh = vh > fl ? vh : fl;
-        if (vmax) {
-            float x = vmax[i] > vh ? vmax[i] : vh;
-            vmax[i] = x;
-            vh = x;
-        }
-        m[i] = mi; v[i] = vi; n[i] = ni;
-        p[i] = p[i] * decay - step * mi / (sqrtf(vh) * inv_bias2_sqrt + eps);
+    static const adam_loop_fn loops[8] = {adam_loop_000, adam_loop_001, adam_loop_010, adam_loop_011,
+                                          adam_loop_100, adam_loop_101, adam_loop_110, adam_loop_111};
+    const adam_loop_fn loop = loops[(maximize ? 4 : 0) | (noise ? 2 : 0) | (vmax ? 1 : 0)];
+    if (nthreads <= 1 || count <= 65536) {
+        loop(p, m, v, n, g, noise, vmax, 0, count, c1, b2, c2, step, inv_bias2_sqrt, eps, decay, l2, noise_coef,
+             floor_);
+        return;
     }
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t per = (count + nt - 1) / nt, lo = t * per < count ? t * per : count;
+        const int64_t hi = lo + per < count ? lo + per : count;
+        loop(p, m, v, n, g, noise, vmax, lo, hi, c1, b2, c2, step, inv_bias2_sqrt, eps, decay, l2, noise_coef, floor_);
+    }
+#else
+    loop(p, m, v, n, g, noise, vmax, 0, count, c1, b2, c2, step, inv_bias2_sqrt, eps, decay, l2, noise_coef, floor_);
+#endif
 }
 
 /* The requantized exchange's owner payload (codec/requant.py, the reference; sizes.requantized_owner_bytes):

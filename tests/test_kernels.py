@@ -36,7 +36,7 @@ def _nvcc():
 def test_nvcc_compiles_every_kernel(tmp_path, arch):
     nvcc = _nvcc()
     kernels = sorted(f for f in os.listdir(os.path.dirname(SOURCE)) if f.endswith(".cu"))
-    assert kernels == ["terngrad.cu"]
+    assert kernels == ["adam.cu", "terngrad.cu"]    # adam.cu: tests/test_adam_kernel.py
     out = tmp_path / f"terngrad.{arch}.cubin"
     opts = [o for o in NVCC_OPTIONS]
     p = subprocess.run([nvcc, f"-arch={arch}", "-cubin", *opts, "-Werror", "all-warnings", SOURCE, "-o", str(out)],

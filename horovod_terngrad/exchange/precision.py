@@ -103,14 +103,14 @@ class _LedgerRef:
 class _Claim:
     """A ledger's entry for one parameter."""
 
-    __slots__ = ("schedule", "noise", "record", "estimate", "norm_sq", "buffer")
+    __slots__ = ("schedule", "noise", "record", "estimate", "norm", "buffer")
 
     def __init__(self, schedule, noise: bool):
         self.schedule = schedule     # RefreshSchedule or None (never refresh)
         self.noise = noise           # the optimizer wants the ternary noise estimate
         self.record = None           # TERNARY | REFRESH | FULL: what the last exchange did
         self.estimate = None         # the last exchange's noise estimate (flat), until the step takes it
-        self.norm_sq = None          # the squared norm of that exchange's average (0-d, on its device)
+        self.norm = None             # the fp32 norm of that exchange's average (0-d, on its device)
         self.buffer = None           # CPU: the estimate's memory, reused by every exchange of the parameter
 
 
@@ -122,6 +122,9 @@ class PrecisionLedger:
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
         self._claims = WeakIdKeyDictionary()       # keyed by identity: a tensor's == is elementwise
+        # moves whenever a parameter is claimed or let go of here: what the optimizer's per-group view of its
+        # claims (optim/adam.py) is keyed by
+        self.generation = 0
 
     @property
     def optimizer(self):
@@ -138,6 +141,8 @@ class PrecisionLedger:
         previous = _marked(param)
         if previous is not None and previous is not self:
             previous._claims.pop(param, None)
+            previous.generation += 1
+        self.generation += 1
         claim = self._claims.get(param)
         if claim is None:
             self._claims[param] = _Claim(schedule, bool(noise))
@@ -152,6 +157,7 @@ class PrecisionLedger:
     def release(self, param) -> None:
         """Let go of ``param``: its request, record and estimate; exchanges no longer ask this ledger."""
         self._claims.pop(param, None)
+        self.generation += 1
         if _marked(param) is self:
             delattr(param, LEDGER_ATTRIBUTE)
 
@@ -180,20 +186,20 @@ class PrecisionLedger:
     def noise_of(self, param):
         """(flat noise estimate, squared norm of the average) held for the step, without taking it; or None."""
         claim = self._claims.get(param) if param is not None else None
-        return None if claim is None or claim.estimate is None else (claim.estimate, claim.norm_sq)
+        return None if claim is None or claim.estimate is None else (claim.estimate, claim.norm.square())
 
     def take_noise(self, param):
         """(noise estimate shaped as ``param``'s local tensor, squared norm of the average at the exchange) of the
         last exchange, once; None if it gave none, or it was taken already."""
         claim = self._claims.get(param) if param is not None else None
-        if claim is None or claim.estimate is None:
-            return None
-        noise, claim.estimate = claim.estimate, None
-        shape = _local(param).shape
-        if noise.numel() != shape.numel():
-            raise ValueError(f"TernGrad: the noise estimate of a parameter of shape {tuple(shape)} holds "
-                             f"{noise.numel()} elements")
-        return noise.view(shape), claim.norm_sq
+        got = None if claim is None else take_estimate(claim, param)
+        return None if got is None else (got.noise.view(_local(param).shape), got.norm.square())
+
+    def claims_of(self, params) -> dict:
+        """{id(param): its claim} of those of ``params`` this ledger holds (the optimizer's per-group view; valid
+        while ``generation`` stays)."""
+        claims = self._claims
+        return {id(p): claims[p] for p in params if p in claims}
 
     # -- what an exchange writes (``route`` and ``deliver`` call these; public for tests and benchmarks that
     # -- drive the optimizer without an exchange)
@@ -230,12 +236,38 @@ def ledger_of(param) -> PrecisionLedger | None:
     return ledger
 
 
+class Estimate:
+    """A noise estimate taken for the step: ``noise`` as the exchange gave it (flat, or any shape of the parameter's
+    local element count), ``norm`` the fp32 norm of the exchange's average (0-d, on its device).  The step takes
+    the gradient's own norm again: a write through ``.data`` or a raw pointer (a fused clipping kernel) would not
+    show in the gradient's version counter."""
+
+    __slots__ = ("noise", "norm")
+
+    def __init__(self, noise, norm):
+        self.noise, self.norm = noise, norm
+
+
+def take_estimate(claim: _Claim, param) -> Estimate | None:
+    """The claim's estimate for the step (``Estimate``), once; None if the last exchange gave none, or it was
+    taken already.  A count that is not the parameter's local one is an error naming the shape."""
+    noise = claim.estimate
+    if noise is None:
+        return None
+    claim.estimate = None
+    local = _local(param)
+    if noise.numel() != local.numel():
+        raise ValueError(f"TernGrad: the noise estimate of a parameter of shape {tuple(local.shape)} holds "
+                         f"{noise.numel()} elements")
+    return Estimate(noise, claim.norm)
+
+
 def _store(claim: _Claim, noise, average) -> None:
     if noise is None:
-        claim.estimate = claim.norm_sq = None
+        claim.estimate = claim.norm = None
         return
     claim.estimate = noise
-    claim.norm_sq = torch.linalg.vector_norm(average.detach(), dtype=torch.float32).square()
+    claim.norm = torch.linalg.vector_norm(average.detach(), dtype=torch.float32)
 
 
 class Route:
@@ -264,7 +296,7 @@ class Route:
         if claim is None:
             return
         ticket.want_noise = True
-        claim.estimate = claim.norm_sq = None
+        claim.estimate = claim.norm = None
         g32 = ticket.g32
         if g32.device.type != "cpu":
             return                  # the transport allocates it: no fault on an accelerator, freed after the step
@@ -315,4 +347,4 @@ def deliver(ticket, average: torch.Tensor) -> None:
 
 
 __all__ = ["TERNARY", "REFRESH", "FULL", "RECORDS", "LEDGER_ATTRIBUTE", "PrecisionLedger", "Route", "FULL_PRECISION",
-           "ledger_of", "route", "deliver", "optimizer_step"]
+           "Estimate", "take_estimate", "ledger_of", "route", "deliver", "optimizer_step"]

@@ -42,11 +42,19 @@ Parameters whose gradient did not come through a ternary exchange, and never did
 ``min_numel`` or in ``exclude``, ``HOROVOD_TERNGRAD=0``), take torch's own update, bit for bit: the functional
 ``adam`` torch's ``step`` calls, with the group's flags.
 
-Cost.  One more state tensor per ternarized parameter (n), the noise estimate held from the exchange to the
-step, and foreach ops over the parameters grouped by device and dtype (on a DTensor, its local shard); bias
-corrections from the host-side step counts: no synchronization on a GPU, as torch's non-capturable Adam.
-``capturable``, ``differentiable`` and ``fused`` apply to torch's path; a ternarized parameter under them is
-refused with a reason at its first step.
+Cost.  One more state tensor per ternarized parameter (n), and the noise estimate held from the exchange to the
+step.  The default mode's update of fp32 parameters (on a DTensor, its local shard) is one pass over memory: on
+CUDA one launch of ``kernels/adam.cu`` for all of a group's tensors (backends/cuda_adam.py; CuPy compiles it), on a
+CPU one C pass per tensor (``tg_adam_corrected``), the same bytes given the same inputs.  It reads p, g, m, v, n
+and the estimate and writes p, m, v, n: 40 bytes per element, where torch's fused AdamW moves 28, so on a
+memory-bound device its floor is about 1.43x torch's fused step; the noise's factor |g|²/|average|² adds the
+gradient's norm (one foreach norm on CUDA, one per tensor on a CPU: 4 bytes more), and the hand-over the
+average's (``precision.deliver``, one per tensor: 4 more).  Other dtypes, the refresh mode, and
+CUDA without CuPy take foreach ops over the parameters grouped by device and dtype.  The host work per step is a
+few list passes per group: the ledger's claims are cached per group (rebuilt when a claim moves), the step
+counts advanced and read through numpy views, bias corrections once per distinct count; no synchronization on
+a GPU, as torch's non-capturable Adam.  ``capturable``, ``differentiable`` and ``fused`` apply to torch's path;
+a ternarized parameter under them is refused with a reason at its first step.
 """
 from __future__ import annotations
 
@@ -54,10 +62,12 @@ import dataclasses
 import logging
 import math
 
+import numpy as np
 import torch
 from torch.optim.adam import adam as torch_adam
 
 from .. import backends
+from ..backends import cuda_adam
 from ..codec.schedule import RefreshSchedule
 from ..exchange import precision
 
@@ -69,11 +79,17 @@ NOISE = "exp_avg_noise"          # running mean of the ternary noise estimate (d
 # default mode on a CPU, fp32: one fused C pass per tensor (kernels/terngrad_cpu.c, tg_adam_corrected) instead of
 # the foreach ops, which take about a dozen passes over memory; False forces the foreach ops (tests compare both)
 FUSED_CPU = True
+# default mode, fp32 on CUDA: every tensor of a group in one launch of kernels/adam.cu (backends/cuda_adam.py).
+# A kernel object set here is used instead where its device matches (tests: the host build on a CPU)
+MULTI_TENSOR_KERNEL = None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _local(t):
     """A DTensor's local shard (the same memory), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t if type(t) in _PLAIN else t.to_local() if hasattr(t, "to_local") else t
 
 
 def _schedule_dict(refresh) -> dict | None:
@@ -125,6 +141,23 @@ class _RefreshedAdam:
             group.setdefault("v_floor", self._v_floor)
             self._claim(group)
 
+    def _group_view(self, group) -> "_GroupView":
+        """The group's cached view of the ledger (claims by parameter, the parameters on TernGrad's path for
+        good): rebuilt when the ledger's claims move (a claim, a release, ``load_state_dict``) or the group's
+        parameter list is another."""
+        ledger = self.precision_ledger
+        views = self.__dict__.setdefault("_group_views", {})
+        params = group["params"]
+        key = (ledger.generation, id(params), len(params))
+        view = views.get(id(group))
+        if view is None or view.key != key or view.group is not group:
+            view = views[id(group)] = _GroupView(key, group, ledger.claims_of(params))
+            for p in params:                       # TernGrad's path for good after a first ternary gradient
+                st = self.state.get(p)
+                if st and TERNARY_STEPS in st and float(st[TERNARY_STEPS]) > 0:
+                    view.ternary.add(id(p))
+        return view
+
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter with a gradient: torch's for those that travelled at full precision by
@@ -136,16 +169,15 @@ class _RefreshedAdam:
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            view = self._group_view(group)
+            claims = [view.claims.get(id(p)) for p in params]
+            # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
+            # TernGrad's after it, for good (the view's set; a fused or capturable group is refused there anyway)
+            ternary = view.ternary if not (group["fused"] or group["capturable"]) else ()
             plain, tern = [], []
-            on_host = not (group["fused"] or group["capturable"])     # else TernGrad's path is refused anyway
-            ledger = self.precision_ledger
-            records = [ledger.record_of(p) for p in params]           # read once per step (weak-keyed map)
             for i, p in enumerate(params):
-                st = self.state[p]
-                # torch's path until the first ternary gradient (so the warm-up's refreshes are torch's update),
-                # TernGrad's after it, for good (host-side count: no GPU sync)
-                ternary_before = on_host and TERNARY_STEPS in st and float(st[TERNARY_STEPS]) > 0
-                (tern if records[i] == precision.TERNARY or ternary_before else plain).append(i)
+                c = claims[i]
+                (tern if (c is not None and c.record == precision.TERNARY) or id(p) in ternary else plain).append(i)
             if plain:
                 pick = (lambda xs: [xs[i] for i in plain])
                 torch_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
@@ -157,56 +189,61 @@ class _RefreshedAdam:
                            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
                            found_inf=getattr(self, "found_inf", None),
                            decoupled_weight_decay=group["decoupled_weight_decay"])
+                # v was updated with m: its count follows step.  Every key TernGrad's path uses exists from the
+                # first step on, so that a checkpoint template (torch.distributed.checkpoint loads only the keys a
+                # fresh state has) holds them
+                follow, counts = [], []
                 for i in plain:
-                    # v was updated with m: its count follows step.  Every key TernGrad's path uses exists from the
-                    # first step on, so that a checkpoint template (torch.distributed.checkpoint loads only the keys
-                    # a fresh state has) holds them
                     p = params[i]
                     st = self.state[p]
                     if V_STEPS in st:
-                        st[V_STEPS].copy_(st["step"])
+                        follow.append(st[V_STEPS])
+                        counts.append(st["step"])
                     else:
                         st[V_STEPS] = st["step"].clone()
                         st[TERNARY_STEPS] = torch.zeros_like(st["step"])
-                    if NOISE not in st and ledger.wants_noise(p):
+                    if NOISE not in st and claims[i] is not None and claims[i].noise:
                         st[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if follow:
+                    torch._foreach_copy_(follow, counts)
             if tern:
                 amsgrad = group["amsgrad"]
-                self._terngrad_update(group, [params[i] for i in tern], [grads[i] for i in tern],
+                self._terngrad_update(group, view, [params[i] for i in tern], [grads[i] for i in tern],
                                       [exp_avgs[i] for i in tern], [exp_avg_sqs[i] for i in tern],
                                       [max_exp_avg_sqs[i] for i in tern] if amsgrad else None,
-                                      [records[i] for i in tern])
+                                      [claims[i] for i in tern])
         return loss
 
-    def _terngrad_update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, records) -> None:
+    def _terngrad_update(self, group, view, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, claims) -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if group[flag]:
                 raise ValueError(f"horovod_terngrad.optim.{type(self).__name__}: {flag}=True is not supported for "
                                  f"parameters whose gradients TernGrad ternarizes (first: shape "
                                  f"{tuple(params[0].shape)}); leave {flag} unset")
         beta1, beta2 = group["betas"]
-        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-        decoupled = group["decoupled_weight_decay"]
         corrected = group.get("refresh") is None
         by_kind: dict = {}
-        noise_of = {}
-        ledger = self.precision_ledger
-        ternary_counts = []       # host step counts, advanced by one foreach call (not one op per tensor)
+        estimates = {}
+        states = [self.state[p] for p in params]
+        ternary_counts = []
         for i, p in enumerate(params):
-            state = self.state[p]
+            state = states[i]
             if V_STEPS not in state:      # a state from torch's AdamW: v has had as many updates as steps so far
                 state[V_STEPS] = state["step"].clone()
             if TERNARY_STEPS not in state:
                 state[TERNARY_STEPS] = torch.zeros_like(state["step"])
-            record = records[i]
-            if record == precision.TERNARY:
+            claim = claims[i]
+            is_ternary = claim is not None and claim.record == precision.TERNARY
+            if is_ternary:
                 ternary_counts.append(state[TERNARY_STEPS])
+                view.ternary.add(id(p))
             if corrected:
                 refresh = True            # v is updated every step; n carries the noise to take out
                 if NOISE not in state:
                     state[NOISE] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                noise_of[i] = ledger.take_noise(p) if record == precision.TERNARY else None
-                if record == precision.TERNARY and noise_of[i] is None and not _RefreshedAdam._warned_no_noise:
+                got = precision.take_estimate(claim, p) if is_ternary else None
+                estimates[i] = got
+                if is_ternary and got is None and not _RefreshedAdam._warned_no_noise:
                     _RefreshedAdam._warned_no_noise = True
                     log.warning("horovod_terngrad.optim: no ternary noise estimate came with a gradient (shape %s): "
                                 "the allgather, re-ternarized and requantized exchanges give one, flat or across "
@@ -214,7 +251,7 @@ class _RefreshedAdam:
                                 "the ternary "
                                 "gradient as plain AdamW does", tuple(p.shape))
             else:
-                refresh = record != precision.TERNARY
+                refresh = not is_ternary
                 if not refresh and float(state[V_STEPS]) == 0:
                     # a ternary gradient before any exact one (a schedule without warm-up, a parameter added
                     # late): v from it beats a division by eps
@@ -224,86 +261,168 @@ class _RefreshedAdam:
                         log.warning("horovod_terngrad.optim: a parameter (shape %s) got a ternary gradient before "
                                     "any full-precision one; its second moment starts from that", tuple(p.shape))
             by_kind.setdefault((p.device, p.dtype, refresh), []).append(i)
-        if ternary_counts:
-            torch._foreach_add_(ternary_counts, 1)
+        # the host step counts (ternary steps, steps, v's updates) advanced by one foreach call and read in one go;
+        # the bias corrections from them (torch's own non-capturable Adam does the same: no GPU sync)
+        counts = [st["step"] for st in states]
+        v_idx = [i for (_, _, refresh), idx in by_kind.items() if refresh for i in idx]
+        view.advance(ternary_counts + counts + [states[i][V_STEPS] for i in v_idx])
+        bias1, bias2_sqrt = _bias_corrections(view.read(counts), view.read([st[V_STEPS] for st in states]), beta1,
+                                              beta2)
         for (device, dtype, refresh), idx in by_kind.items():
-            if corrected and self._fused_cpu(device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of):
-                self._fused_corrected_update(group, params, grads, max_exp_avg_sqs, idx, noise_of)
-                continue
-            ps = [_local(params[i]) for i in idx]
-            gs = [_local(grads[i]) for i in idx]
-            ms = [_local(exp_avgs[i]) for i in idx]
-            vs = [_local(exp_avg_sqs[i]) for i in idx]
-            if group["maximize"]:
-                gs = torch._foreach_neg(gs)
-            if wd != 0 and not decoupled:
-                gs = torch._foreach_add(gs, ps, alpha=wd)
-            torch._foreach_lerp_(ms, gs, 1 - beta1)
-            if refresh:
-                torch._foreach_mul_(vs, beta2)
-                torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+            b1, b2 = [bias1[i] for i in idx], [bias2_sqrt[i] for i in idx]
             if corrected:
-                ns = [_local(self.state[params[i]][NOISE]) for i in idx]
-                torch._foreach_mul_(ns, beta2)
-                got = [(j, noise_of.get(i)) for j, i in enumerate(idx)]
-                got = [(j, x) for j, x in got if x is not None]
-                if got:
-                    # n += (1 - β2)·noise·(|g|²/|average|² at the exchange): the gradient may have been scaled
-                    # since the exchange (clip, unscale), the noise with it squared.  The factors are computed as
-                    # one vector on the device (no host sync) and handed out as its 0-d views: a handful of
-                    # kernels per step, not five per tensor (on a GPU, 76 tensors' small kernels took 6x torch's
-                    # whole AdamW step).  (The gradient as it came, before maximize's sign and Adam's L2 term.)
-                    sq = torch.stack(torch._foreach_norm([_local(grads[idx[j]]) for j, _ in got], 2,
-                                                         dtype=torch.float32))
-                    sq = sq * sq
-                    at = torch.stack([x[1] for _, x in got])
-                    factor = (torch.where(at > 0, sq / at, torch.ones_like(sq)) * (1 - beta2)).unbind(0)
-                    torch._foreach_addcmul_([ns[j] for j, _ in got], [x[0].to(ns[j].dtype) for j, x in got],
-                                            factor)
-            del gs
-            # the host step counts: one foreach call each, then read (torch's own Adam does the same)
-            counts = [self.state[params[i]]["step"] for i in idx]
-            v_counts = [self.state[params[i]][V_STEPS] for i in idx]
-            torch._foreach_add_(counts, 1)
-            if refresh:
-                torch._foreach_add_(v_counts, 1)
-            bias1 = [1 - beta1 ** c.item() for c in counts]
-            bias2_sqrt = [math.sqrt(1 - beta2 ** v.item()) for v in v_counts]
-            if wd != 0 and decoupled:
-                torch._foreach_mul_(ps, 1 - lr * wd)
-            if corrected:
-                # v_hat = max(v - n, f·v): the ternary noise out, never below the floor f.  Computed as
-                # f·max((v - n)/f, v) in one temporary, the f folded into the bias correction: three passes
-                # (a CPU in fp32 takes the fused C pass instead: _fused_corrected_update)
-                f = float(group["v_floor"])
-                v_hat = torch._foreach_sub(vs, ns)    # one pass, one launch (a copy and an in-place sub: two)
-                if f > 0:
-                    torch._foreach_mul_(v_hat, 1 / f)
-                    torch._foreach_maximum_(v_hat, vs)
-                else:
-                    torch._foreach_clamp_min_(v_hat, 0.0)
-                    f = 1.0
-                if max_exp_avg_sqs is not None:
-                    if f != 1.0:
-                        torch._foreach_mul_(v_hat, f)
-                        f = 1.0
-                    maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
-                    torch._foreach_maximum_(maxs, v_hat)
-                    torch._foreach_copy_(v_hat, maxs)
-                torch._foreach_sqrt_(v_hat)
-                denom = v_hat
-                bias2_sqrt = [b / math.sqrt(f) for b in bias2_sqrt]
-            elif max_exp_avg_sqs is not None:
-                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
-                torch._foreach_maximum_(maxs, vs)
-                denom = torch._foreach_sqrt(maxs)
-            else:
-                denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
+                kernel = self._multi_tensor_kernel(device, dtype, params, grads, states, max_exp_avg_sqs, idx,
+                                                   estimates)
+                if kernel is not None:
+                    self._multi_tensor_update(kernel, group, params, grads, states, max_exp_avg_sqs, idx, estimates,
+                                              b1, b2)
+                    continue
+                if self._fused_cpu(device, dtype, params, grads, states, max_exp_avg_sqs, idx, estimates):
+                    self._fused_corrected_update(group, params, grads, states, max_exp_avg_sqs, idx, estimates, b1,
+                                                 b2)
+                    continue
+            self._foreach_update(group, params, grads, states, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx,
+                                 estimates, refresh, b1, b2)
 
-    def _fused_cpu(self, device, dtype, params, grads, max_exp_avg_sqs, idx, noise_of) -> bool:
+    def _foreach_update(self, group, params, grads, states, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, idx, estimates,
+                        refresh, bias1, bias2_sqrt) -> None:
+        """The update of ``idx`` as foreach ops (every device and dtype; the refresh mode everywhere)."""
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        decoupled = group["decoupled_weight_decay"]
+        corrected = group.get("refresh") is None
+        ps = [_local(params[i]) for i in idx]
+        gs = [_local(grads[i]) for i in idx]
+        ms = [_local(exp_avgs[i]) for i in idx]
+        vs = [_local(exp_avg_sqs[i]) for i in idx]
+        if group["maximize"]:
+            gs = torch._foreach_neg(gs)
+        if wd != 0 and not decoupled:
+            gs = torch._foreach_add(gs, ps, alpha=wd)
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        if refresh:
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+        if corrected:
+            ns = [_local(states[i][NOISE]) for i in idx]
+            torch._foreach_mul_(ns, beta2)
+            got = [(j, estimates.get(i)) for j, i in enumerate(idx)]
+            got = [(j, x) for j, x in got if x is not None]
+            if got:
+                # n += (1 - β2)·noise·(|g|²/|average|² at the exchange): the gradient may have been scaled
+                # since the exchange (clip, unscale), the noise with it squared.  The factors are computed as
+                # one vector on the device (no host sync) and handed out as its 0-d views: a handful of
+                # kernels per step, not five per tensor.  (The gradient as it came, before maximize's sign and
+                # Adam's L2 term.)
+                sq = torch.stack(torch._foreach_norm([_local(grads[idx[j]]) for j, _ in got], 2,
+                                                     dtype=torch.float32))
+                sq = sq * sq
+                at = torch.stack([x.norm for _, x in got])
+                at = at * at
+                factor = (torch.where(at > 0, sq / at, torch.ones_like(sq)) * (1 - beta2)).unbind(0)
+                torch._foreach_addcmul_([ns[j] for j, _ in got],
+                                        [x.noise.view(ns[j].shape).to(ns[j].dtype) for j, x in got], factor)
+        del gs
+        if wd != 0 and decoupled:
+            torch._foreach_mul_(ps, 1 - lr * wd)
+        if corrected:
+            # v_hat = max(v - n, f·v): the ternary noise out, never below the floor f.  Computed as
+            # f·max((v - n)/f, v) in one temporary, the f folded into the bias correction: three passes
+            # (fp32 on a CPU or a GPU takes one fused pass instead: _fused_corrected_update, _multi_tensor_update)
+            f = float(group["v_floor"])
+            v_hat = torch._foreach_sub(vs, ns)    # one pass, one launch (a copy and an in-place sub: two)
+            if f > 0:
+                torch._foreach_mul_(v_hat, 1 / f)
+                torch._foreach_maximum_(v_hat, vs)
+            else:
+                torch._foreach_clamp_min_(v_hat, 0.0)
+                f = 1.0
+            if max_exp_avg_sqs is not None:
+                if f != 1.0:
+                    torch._foreach_mul_(v_hat, f)
+                    f = 1.0
+                maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
+                torch._foreach_maximum_(maxs, v_hat)
+                torch._foreach_copy_(v_hat, maxs)
+            torch._foreach_sqrt_(v_hat)
+            denom = v_hat
+            bias2_sqrt = [b / math.sqrt(f) for b in bias2_sqrt]
+        elif max_exp_avg_sqs is not None:
+            maxs = [_local(max_exp_avg_sqs[i]) for i in idx]
+            torch._foreach_maximum_(maxs, vs)
+            denom = torch._foreach_sqrt(maxs)
+        else:
+            denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, ms, denom, [-lr / b for b in bias1])
+
+    @staticmethod
+    def _fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device) -> bool:
+        """Whether every tensor the fused pass of ``idx`` writes or reads is fp32, contiguous (it walks raw
+        pointers) and on ``device``."""
+        # dtype and device: the parameter's (``by_kind``), which torch holds its gradient and state to
+        for i in idx:
+            st = states[i]
+            ts = (params[i], grads[i], st["exp_avg"], st["exp_avg_sq"], st[NOISE])
+            if max_exp_avg_sqs is not None:
+                ts += (max_exp_avg_sqs[i],)
+            for t in ts:
+                if not _local(t).is_contiguous():
+                    return False
+            got = estimates.get(i)
+            if got is not None and got.noise.device != device:
+                return False
+        return True
+
+    def _multi_tensor_kernel(self, device, dtype, params, grads, states, max_exp_avg_sqs, idx, estimates):
+        """The multi-tensor kernel (backends/cuda_adam.py) for the default mode's update of ``idx``, or None: on
+        CUDA, fp32 and contiguous, where CuPy is installed (``MULTI_TENSOR_KERNEL`` overrides: tests run the host
+        build of the same source on a CPU)."""
+        if dtype != torch.float32:
+            return None
+        kernel = MULTI_TENSOR_KERNEL if MULTI_TENSOR_KERNEL is not None else cuda_adam.kernel_for(device)
+        if kernel is None or kernel.device != device.type:
+            return None
+        ok = self._fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device)
+        return kernel if ok else None
+
+    def _multi_tensor_update(self, kernel, group, params, grads, states, max_exp_avg_sqs, idx, estimates, bias1,
+                             bias2_sqrt) -> None:
+        """The default mode's update of ``idx`` (the foreach ops of ``_foreach_update``, the same formula:
+        tg_adam_corrected's) in one launch of ``kernels/adam.cu``, after one foreach norm of the gradients that
+        came with an estimate; the noise's factor is formed on the device."""
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        decoupled = group["decoupled_weight_decay"]
+        sts = [states[i] for i in idx]
+        gs = [_local(grads[i]) for i in idx]
+        noises, grad_norms, average_norms, need = [], [], [], []
+        for j, i in enumerate(idx):
+            got = estimates.get(i)
+            if got is None:
+                noises.append(None)
+                grad_norms.append(None)
+                average_norms.append(None)
+                continue
+            noise = got.noise
+            noises.append(noise if noise.dtype == torch.float32 and noise.is_contiguous()
+                          else noise.to(torch.float32).contiguous())
+            average_norms.append(got.norm)
+            grad_norms.append(None)
+            need.append(j)
+        if need:
+            for j, nrm in zip(need, torch._foreach_norm([gs[j] for j in need], 2, dtype=torch.float32)):
+                grad_norms[j] = nrm
+        cuda_adam.adam_multi(
+            kernel, [_local(params[i]) for i in idx], [_local(st["exp_avg"]) for st in sts],
+            [_local(st["exp_avg_sq"]) for st in sts], [_local(st[NOISE]) for st in sts], gs, noises,
+            None if max_exp_avg_sqs is None else [_local(max_exp_avg_sqs[i]) for i in idx], grad_norms,
+            average_norms, [lr / b for b in bias1], [1 / b for b in bias2_sqrt], beta1=beta1, beta2=beta2, eps=eps,
+            decay=1 - lr * wd if wd != 0 and decoupled else 1.0, l2=float(wd) if wd != 0 and not decoupled else 0.0,
+            floor=float(group["v_floor"]), maximize=group["maximize"])
+
+    def _fused_cpu(self, device, dtype, params, grads, states, max_exp_avg_sqs, idx, estimates) -> bool:
         """Whether the default mode's update of these parameters can take the fused C pass: CPU, fp32, every
         tensor it writes or reads contiguous (it walks raw pointers), the fused CPU backend loaded."""
         if not FUSED_CPU or device.type != "cpu" or dtype != torch.float32:
@@ -311,19 +430,11 @@ class _RefreshedAdam:
         be = backends.for_device(device)
         if not backends.has_capability(be, backends.ADAM_CORRECTED):
             return False
-        for i in idx:
-            st = self.state[params[i]]
-            ts = [_local(params[i]), _local(grads[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]),
-                  _local(st[NOISE])] + ([_local(max_exp_avg_sqs[i])] if max_exp_avg_sqs is not None else [])
-            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
-                return False
-            got = noise_of.get(i)
-            if got is not None and (got[0].numel() != ts[0].numel() or got[0].device.type != "cpu"):
-                return False
-        return True
+        return self._fused_operands(params, grads, states, max_exp_avg_sqs, idx, estimates, device)
 
-    def _fused_corrected_update(self, group, params, grads, max_exp_avg_sqs, idx, noise_of) -> None:
-        """The default mode's update (the foreach ops of ``_terngrad_update``, the same formula) as one C pass per
+    def _fused_corrected_update(self, group, params, grads, states, max_exp_avg_sqs, idx, estimates, bias1,
+                                bias2_sqrt) -> None:
+        """The default mode's update (the foreach ops of ``_foreach_update``, the same formula) as one C pass per
         tensor: on a CPU the factor |g|²/|average|² is read on the host for free."""
         be = backends.for_device(torch.device("cpu"))
         beta1, beta2 = group["betas"]
@@ -331,26 +442,76 @@ class _RefreshedAdam:
         decoupled = group["decoupled_weight_decay"]
         decay = 1 - lr * wd if wd != 0 and decoupled else 1.0
         l2 = float(wd) if wd != 0 and not decoupled else 0.0
-        for i in idx:
-            param = params[i]
-            st = self.state[param]
-            st["step"] += 1
-            st[V_STEPS] += 1
-            bias1 = 1 - beta1 ** float(st["step"])
-            bias2_sqrt = math.sqrt(1 - beta2 ** float(st[V_STEPS]))
+        floor, maximize = float(group["v_floor"]), group["maximize"]
+        for j, i in enumerate(idx):
+            st = states[i]
             g = _local(grads[i])
-            got = noise_of.get(i)
+            got = estimates.get(i)
             noise, coef = None, 0.0
             if got is not None:
-                noise, at = got
-                at = float(at)
-                factor = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 / at if at > 0 else 1.0
-                noise, coef = noise.to(torch.float32).contiguous(), (1 - beta2) * factor
-            be.adam_corrected(_local(param), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
+                # kernels/adam.cu's arithmetic: the average's square in fp32, the gradient's in double
+                at = float(got.norm.square())
+                gn = float(torch.linalg.vector_norm(g, dtype=torch.float32))
+                factor = (gn * gn) / at if at > 0 else 1.0
+                noise, coef = got.noise.to(torch.float32).contiguous(), (1 - beta2) * factor
+            be.adam_corrected(_local(params[i]), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st[NOISE]),
                               g, noise, _local(max_exp_avg_sqs[i]) if max_exp_avg_sqs is not None else None,
-                              beta1=beta1, beta2=beta2, step=lr / bias1, inv_bias2_sqrt=1 / bias2_sqrt, eps=eps,
-                              decay=decay, l2=l2, noise_coef=coef, floor=float(group["v_floor"]),
-                              maximize=group["maximize"])
+                              beta1=beta1, beta2=beta2, step=lr / bias1[j], inv_bias2_sqrt=1 / bias2_sqrt[j],
+                              eps=eps, decay=decay, l2=l2, noise_coef=coef, floor=floor, maximize=maximize)
+
+
+def _bias_corrections(cs, vcs, beta1: float, beta2: float) -> tuple[list, list]:
+    """(1 - β1^step, sqrt(1 - β2^v_steps)) per tensor from the step counts; computed once per distinct count (a
+    group's tensors mostly share theirs)."""
+    b1 = {c: 1 - beta1 ** c for c in set(cs)}
+    b2 = {c: math.sqrt(1 - beta2 ** c) for c in set(vcs)}
+    return [b1[c] for c in cs], [b2[c] for c in vcs]
+
+
+class _GroupView:
+    """One param group's view of its optimizer's ledger (``_RefreshedAdam._group_view``), and numpy views of its
+    host step counters."""
+
+    __slots__ = ("key", "group", "claims", "ternary", "_counters")
+
+    def __init__(self, key, group, claims):
+        self.key, self.group, self.claims = key, group, claims
+        self.ternary: set = set()     # ids of the parameters on TernGrad's path for good
+        self._counters: dict = {}     # id(counter) -> (counter, its numpy view): the counter kept alive with it
+
+    def _arrays(self, counters) -> list | None:
+        """numpy views of ``counters`` (host 0-d fp32 tensors, as torch's non-capturable Adam keeps ``step``), or
+        None if one is not such a tensor."""
+        cache, out = self._counters, []
+        for t in counters:
+            e = cache.get(id(t))
+            if e is None or e[0] is not t:
+                if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 0 or t.requires_grad:
+                    return None
+                e = cache[id(t)] = (t, t.numpy())
+            out.append(e[1])
+        return out
+
+    def advance(self, counters) -> None:
+        """counter += 1 for each of ``counters``: through the numpy views (a tenth of a CPU scalar op's cost; the
+        same fp32 addition), else one foreach call."""
+        arrays = self._arrays(counters)
+        if arrays is None:
+            torch._foreach_add_(counters, 1)
+            return
+        one = _ONE
+        for a in arrays:
+            np.add(a, one, out=a)
+
+    def read(self, counters) -> list:
+        """The counters' values as Python floats, without an op per tensor."""
+        arrays = self._arrays(counters)
+        if arrays is None:
+            return torch.stack(counters).tolist() if counters else []
+        return [float(a) for a in arrays]
+
+
+_ONE = np.float32(1)
 
 
 class Adam(_RefreshedAdam, torch.optim.Adam):
