@@ -151,3 +151,15 @@ def test_cupy_kernels_match_reference(n, fmt):
     x = torch.cat([got, got])
     h, o = packing.walk(x, 2)
     assert torch.equal(be.decode(x, h, o, 2).cpu(), REFERENCE.decode(x.cpu(), h, o, 2))
+
+
+def test_traffic_counts_the_bytes_each_path_moves_per_element():
+    from horovod_terngrad.backends.cuda import traffic
+    assert traffic("compress") == 8.25                                    # 4 + 4 + 1/4
+    assert traffic("compress", in_bytes=2, fmt="base3") == pytest.approx(4.2)
+    assert traffic("decode", payloads=2) == 4.5
+    assert traffic("decode", fmt="base3", payloads=5) == 5.0
+    with pytest.raises(ValueError, match="op"):
+        traffic("copy")
+    with pytest.raises(ValueError, match="fmt"):
+        traffic("compress", fmt="4bit")

@@ -37,6 +37,23 @@ SIGNATURES = {
 }
 
 
+def traffic(op: str, *, in_bytes: int = 4, fmt: str = "2bit", payloads: int = 1) -> float:
+    """Bytes of device memory each kernel path moves per element (the table in the header of terngrad.cu).
+
+    ``compress``: the statistics pass reads the gradient (``in_bytes`` per element: 4 fp32, 2 bf16), the
+    ternarize pass reads it again and writes 1/4 (2bit) or 1/5 (base3) byte of codes: 8.25 for fp32 2bit.
+    ``decode``: reads ``payloads`` packed codes (1/4 or 1/5 byte each) and writes one fp32.  Per-lane partials,
+    scalers and headers are left out: they are under 1% of the total at a million elements."""
+    if fmt not in FORMATS:
+        raise ValueError(f"traffic: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    code = 1.0 / packing.CODES_PER_BYTE[fmt]
+    if op == "compress":
+        return 2.0 * in_bytes + code
+    if op == "decode":
+        return payloads * code + 4.0
+    raise ValueError(f"traffic: op must be 'compress' or 'decode', got {op!r}")
+
+
 class KernelLauncher(Protocol):
     """A build of ``kernels/terngrad.cu`` whose kernels (``SIGNATURES``) can be launched."""
 
