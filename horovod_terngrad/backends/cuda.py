@@ -27,14 +27,22 @@ SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
 NVCC_OPTIONS = ("--fmad=false", "-std=c++14")
 THREADS = 256
 
-# Argument kinds of every kernel: p = device pointer (a tensor), i64 / u32 / i32 / f32 = scalars.
+# Argument kinds of every kernel: p = device pointer (a tensor, an address as an int, or None for null),
+# i64 / u32 / i32 / f32 / f64 = scalars.
 SIGNATURES = {
-    "tg_stats_lanes": ("p", "i64", "p", "p", "p"),
-    "tg_sum8": ("p", "i64", "p"),
-    "tg_bucket_max": ("p", "i64", "i64", "p"),
-    "tg_ternarize_pack": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
+    "tg_stats_f32": ("p", "i64", "p", "p", "p"),
+    "tg_stats_bf16": ("p", "i64", "p", "p", "p"),
+    "tg_tree": ("p", "p", "p", "i64", "i32", "p", "p", "p", "i64", "f64", "i64", "p", "p"),
+    "tg_bucket_max_f32": ("p", "i64", "i64", "p"),
+    "tg_bucket_max_bf16": ("p", "i64", "i64", "p"),
+    "tg_bucket_scalers": ("p", "i64", "p", "p"),
+    "tg_pack_f32": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
+    "tg_pack_bf16": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
     "tg_decode": ("p", "p", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
 }
+# Gradient dtypes the kernels read as they are (the suffix of their kernels); others are converted to fp32.
+INPUT_KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+OCTETS = STATS_LANES // 8      # threads (of 8 lanes each) per statistics block
 
 
 def traffic(op: str, *, in_bytes: int = 4, fmt: str = "2bit", payloads: int = 1) -> float:
@@ -65,33 +73,71 @@ class KernelLauncher(Protocol):
 
 
 class CupyKernels:
-    """The kernel source compiled by CuPy (NVRTC) for the current CUDA device."""
+    """The kernel source compiled by CuPy (NVRTC) for the current CUDA device.
+
+    A launch costs the host a few microseconds: pointers go to CuPy as numpy integers (no DLPack wrapper per
+    tensor), the argument converters are made once per kernel, and the CuPy view of each torch stream is made
+    once and kept."""
 
     device = "cuda"
 
     def __init__(self):
         import cupy
         import numpy as np
-        self.cupy, self.np = cupy, np
+        self.cupy = cupy
         with open(kernel_source("terngrad.cu")) as f:
             self.module = cupy.RawModule(code=f.read(), options=NVCC_OPTIONS)
         self.functions = {name: self.module.get_function(name) for name in SIGNATURES}
         sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.grid_limit = 32 * sm
 
+        def pointer(a, u64=np.uint64):
+            return u64(a.data_ptr() if isinstance(a, torch.Tensor) else (a or 0))
+        kinds = {"p": pointer, "i64": np.int64, "u32": np.uint32, "i32": np.int32, "f32": np.float32,
+                 "f64": np.float64}
+        self.converters = {name: tuple(kinds[k] for k in sig) for name, sig in SIGNATURES.items()}
+        self.streams: dict = {}
+
+    def _stream(self):
+        handle = torch.cuda.current_stream().cuda_stream
+        stream = self.streams.get(handle)
+        if stream is None:
+            if len(self.streams) >= 64:       # streams made and dropped by the caller: keep the cache bounded
+                self.streams.clear()
+            stream = self.streams[handle] = self.cupy.cuda.ExternalStream(handle)
+        return stream
+
     def launch(self, name: str, work: int, args: list) -> None:
-        np, cupy = self.np, self.cupy
-        scalar = {"i64": np.int64, "u32": np.uint32, "i32": np.int32, "f32": np.float32}
-        conv = [cupy.from_dlpack(a) if kind == "p" else scalar[kind](a)
-                for kind, a in zip(SIGNATURES[name], args)]
+        conv = tuple(c(a) for c, a in zip(self.converters[name], args))
         grid = max(1, min(self.grid_limit, -(-work // THREADS)))
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        with stream:
-            self.functions[name]((grid,), (THREADS,), tuple(conv))
+        with self._stream():
+            self.functions[name]((grid,), (THREADS,), conv)
+
+
+def _levels(m: int) -> int:
+    """Levels of the 8-way tree that reduce m values to one."""
+    levels = 0
+    while m > 1:
+        m, levels = -(-m // 8), levels + 1
+    return levels
+
+
+def tree_plan(m: int) -> list[int]:
+    """Levels per tg_tree launch for m first-level partials: one level while many values are left (a thread per
+    output reads 8), two (a thread reads 64) once few are, the last launch taking the last one or two."""
+    plan, left = [], _levels(m)
+    while left > 2:
+        step = 2 if m <= 4096 else 1
+        plan.append(step)
+        m, left = -(-m // 8 ** step), left - step
+    return plan + [left] if left else plan
 
 
 class KernelBackend:
-    """prepare / encode / decode (the backend interface) on a kernel set."""
+    """prepare / encode / decode (the backend interface) on a kernel set.
+
+    Gradients may be fp32 or bf16 (read as they are: the bytes are those of the fp32 copy); other dtypes are
+    converted to fp32 first."""
 
     capabilities: frozenset[str] = frozenset()
 
@@ -99,48 +145,65 @@ class KernelBackend:
         self.k = kernels
         self.name = "cuda-kernels" if kernels.device == "cuda" else "host-kernels"
 
-    def _tree_total(self, lanes: torch.Tensor) -> torch.Tensor:
-        x = lanes
-        while x.numel() > 1:
-            out = torch.empty(-(-x.numel() // 8), dtype=torch.float64, device=x.device)
-            self.k.launch("tg_sum8", out.numel(), [x, x.numel(), out])
-            x = out
-        return x.reshape(())
-
-    def stats(self, g32: torch.Tensor, bucket_size: int) -> codec.TensorStats:
-        n = g32.numel()
-        dev = g32.device
-        nb = codec.num_buckets(n, bucket_size)
-        if n == 0:
-            z = torch.zeros((), dtype=torch.float64, device=dev)
-            return codec.TensorStats(0, z, z, torch.zeros(1, dtype=torch.float32, device=dev),
-                                     torch.zeros((), dtype=torch.bool, device=dev))
-        nlanes = -(-n // STATS_BLOCK) * STATS_LANES
-        lanes = torch.empty(2, nlanes, dtype=torch.float64, device=dev)
-        maxbits = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.k.launch("tg_stats_lanes", nlanes, [g32, n, lanes[0], lanes[1], maxbits])
-        if nb == 1:
-            maxabs = maxbits.view(torch.float32)
-        else:
-            maxabs = torch.empty(nb, dtype=torch.float32, device=dev)
-            self.k.launch("tg_bucket_max", nb, [g32, n, bucket_size, maxabs])
-        return codec.ternary.stats_from_blocks(n, None, None, maxabs,
-                                               totals=(self._tree_total(lanes[0]), self._tree_total(lanes[1])))
+    @staticmethod
+    def _input(g: torch.Tensor) -> torch.Tensor:
+        g = g.reshape(-1)
+        if g.dtype not in INPUT_KERNELS:
+            g = g.to(torch.float32)
+        return g.contiguous()
 
     def prepare(self, g32: torch.Tensor, bucket_size: int, clip_factor: float) -> codec.Prepared:
-        st = self.stats(g32, bucket_size)
-        thr = codec.clip_threshold(st, clip_factor)
-        s = codec.local_scalers(st, thr)
-        return codec.Prepared(st.numel, thr, torch.where(st.nonfinite, torch.zeros_like(s), s), st.nonfinite)
+        """Statistics (one pass over g), the tree of partials and the threshold and scalers, all on the device:
+        2 + (number of tree launches) kernels, 3 with per-bucket scalers."""
+        g = self._input(g32)
+        n, dev = g.numel(), g.device
+        nb = codec.num_buckets(n, bucket_size)
+        if n == 0:
+            st = codec.TensorStats(0, torch.zeros((), dtype=torch.float64, device=dev),
+                                   torch.zeros((), dtype=torch.float64, device=dev),
+                                   torch.zeros(1, dtype=torch.float32, device=dev),
+                                   torch.zeros((), dtype=torch.bool, device=dev))
+            thr = codec.clip_threshold(st, clip_factor)
+            return codec.Prepared(0, thr, codec.local_scalers(st, thr), st.nonfinite)
+        sfx = INPUT_KERNELS[g.dtype]
+        m = -(-n // STATS_BLOCK) * OCTETS
+        plan = tree_plan(m)
+        sizes = [m]
+        for step in plan:
+            sizes.append(-(-sizes[-1] // 8 ** step))
+        # every level's sums, squares and maxima in one allocation: [sum | sq | max as fp32] per level
+        ws = torch.empty(sum(2 * x + -(-x // 2) for x in sizes), dtype=torch.float64, device=dev)
+        addr, ptrs = ws.data_ptr(), []
+        for x in sizes:
+            ptrs.append((addr, addr + 8 * x, addr + 16 * x))
+            addr += 8 * (2 * x + -(-x // 2))
+        prep = torch.empty(1 + nb, dtype=torch.float32, device=dev)
+        nonfinite = torch.empty((), dtype=torch.bool, device=dev)
+        self.k.launch("tg_stats_" + sfx, m, [g, n, *ptrs[0]])
+        clip = float(clip_factor) if clip_factor > 0 else 0.0
+        for lvl, step in enumerate(plan):
+            last = lvl == len(plan) - 1
+            self.k.launch("tg_tree", sizes[lvl + 1], [*ptrs[lvl], sizes[lvl], step, *ptrs[lvl + 1], n, clip, nb,
+                                                      prep if last else None, nonfinite if last else None])
+        if nb > 1:
+            maxbits = torch.zeros(nb, dtype=torch.int32, device=dev)
+            self.k.launch("tg_bucket_max_" + sfx, -(-n // 16), [g, n, bucket_size, maxbits])
+            self.k.launch("tg_bucket_scalers", nb, [maxbits, nb, nonfinite, prep])
+        return codec.Prepared(n, prep[0], prep[1:], nonfinite)
 
     def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
-        n = g32.numel()
+        g = self._input(g32)
+        n, dev = g.numel(), g.device
         payload, region = packing.new_payload(n, fmt, scalers, bucket_size, flags, shape)
         if n:
-            thr = torch.as_tensor(threshold).to(device=g32.device, dtype=torch.float32).reshape(1)
-            s = scalers.to(device=g32.device, dtype=torch.float32).contiguous()
-            self.k.launch("tg_ternarize_pack", region.numel(),
-                          [g32, n, thr, s, bucket_size, key[0], key[1], FORMATS[fmt], region])
+            thr = threshold
+            if not (isinstance(thr, torch.Tensor) and thr.dtype == torch.float32 and thr.device == dev):
+                thr = torch.as_tensor(threshold).to(device=dev, dtype=torch.float32)
+            s = scalers
+            if not (s.dtype == torch.float32 and s.device == dev and s.is_contiguous()):
+                s = s.to(device=dev, dtype=torch.float32).contiguous()
+            self.k.launch("tg_pack_" + INPUT_KERNELS[g.dtype], -(-region.numel() // 4),
+                          [g, n, thr.reshape(1), s, bucket_size, key[0], key[1], FORMATS[fmt], region])
         return payload
 
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
@@ -157,7 +220,7 @@ class KernelBackend:
         scalers = gathered[idx].view(torch.float32).contiguous()
         shared = (scalers == scalers[0:1]).all().to(torch.int32).reshape(1)
         packed_off = off + hb + 4 * nb
-        self.k.launch("tg_decode", packing.packed_size(n, h0.fmt),
+        self.k.launch("tg_decode", -(-packing.packed_size(n, h0.fmt) // 4),
                       [gathered, packed_off, len(offsets), n, FORMATS[h0.fmt], scalers, nb, h0.bucket_size,
                        shared, float(divisor), out])
         return out
