@@ -163,3 +163,155 @@ def test_traffic_counts_the_bytes_each_path_moves_per_element():
         traffic("copy")
     with pytest.raises(ValueError, match="fmt"):
         traffic("compress", fmt="4bit")
+
+
+def _same_compress(backend, g, bucket, fmt, want_g=None):
+    """backend's prepare + encode of g give the reference's threshold, scalers, NaN flag and payload of want_g
+    (default: g itself)."""
+    want_g = g if want_g is None else want_g
+    a, k = REFERENCE.prepare(want_g, bucket, 2.5), backend.prepare(g, bucket, 2.5)
+    assert torch.equal(a.threshold, k.threshold) and torch.equal(a.scalers, k.scalers)
+    assert bool(a.nonfinite) == bool(k.nonfinite)
+    key = C.stream_key(7, 3, C.tensor_id("w"), 1)
+    want = REFERENCE.encode(want_g, a.threshold, a.scalers, bucket, key, fmt)
+    assert torch.equal(backend.encode(g, k.threshold, k.scalers, bucket, key, fmt), want)
+    return want
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 0), (15, 0), (17, 0), (21, 4), (2049, 0), (4133, 16), (4133, 100),
+                                      (9001, 3)])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_bf16_gradients_give_the_bytes_of_their_fp32_copy(host, n, bucket, fmt):
+    g = sample(n, n).to(torch.bfloat16)
+    _same_compress(host, g, bucket, fmt, want_g=g.float())
+
+
+@pytest.mark.parametrize("dtype,shift", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 1),
+                                         (torch.bfloat16, 2), (torch.bfloat16, 3)])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_gradients_off_the_vector_alignment_take_the_element_path(host, dtype, shift, fmt):
+    """A view starting `shift` elements into its storage is not aligned for 4-element vector loads (16 bytes of
+    fp32, 8 of bf16): the same bytes come out, bucketed or not."""
+    n = 3000
+    buf = sample(n + shift, 11).to(dtype)
+    g = buf[shift:]
+    assert g.data_ptr() % (4 * g.element_size()) != 0
+    for bucket in (0, 50):
+        _same_compress(host, g, bucket, fmt, want_g=g.float())
+
+
+@pytest.mark.parametrize("grid_limit,block", [(1, 1), (2, 3), (1, 64), (5, 7)])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_any_grid_covers_any_size(grid_limit, block, fmt):
+    """Grids of a single thread up to a few odd-sized blocks: every grid-stride loop goes round, and the bytes and
+    the decode are the reference's."""
+    be = KernelBackend(HostKernels(grid_limit=grid_limit, block=block))
+    for n, bucket in ((37, 0), (5003, 0), (5003, 9)):
+        pays = [_same_compress(be, sample(n, r) * (r + 1), bucket, fmt) for r in range(3)]
+        x = torch.cat(pays)
+        h, o = packing.walk(x, 3)
+        assert torch.equal(be.decode(x, h, o, 3), REFERENCE.decode(x, h, o, 3))
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+@pytest.mark.parametrize("bucket", [0, 7, 64])
+def test_decode_of_many_payloads_at_odd_offsets_into_an_unaligned_output(host, fmt, bucket):
+    """Nine payloads of 1001 elements (a packed length that is no multiple of 4: most payloads start at a byte
+    offset that is no multiple of 4, so their words are read byte by byte), per-rank and shared scalers, written
+    into an output view that is not 16-byte aligned."""
+    n, npay = 1001, 9
+    per_rank, shared = [], []
+    for r in range(npay):
+        g = sample(n, 100 + r) * (1 + r % 3)
+        p = REFERENCE.prepare(g, bucket, 2.5)
+        key = C.stream_key(1, 2, 3, r)
+        per_rank.append(REFERENCE.encode(g, p.threshold, p.scalers, bucket, key, fmt))
+        shared.append(REFERENCE.encode(g, p.threshold, p.scalers * 0 + 0.75, bucket, key, fmt))
+    for pays in (per_rank, shared):
+        x = torch.cat(pays)
+        h, o = packing.walk(x, npay)
+        assert any((off + packing.codes_offset(h[0].num_scalers)) % 4 for off in o)
+        want = REFERENCE.decode(x, h, o, npay)
+        buf = torch.full((n + 1,), 5.0)
+        got = host.decode(x, h, o, npay, out=buf[1:])
+        assert got.data_ptr() % 16 != 0 and torch.equal(got, want) and buf[0] == 5.0
+
+
+def test_base3_bytes_above_242_decode_to_zero(host):
+    """No valid base-3 byte exceeds 242 (3^5 - 1); the kernels' decode reads such a byte as five zeros, as the
+    fused CPU decode does."""
+    g = sample(40, 1)
+    p = REFERENCE.prepare(g, 0, 2.5)
+    pay = REFERENCE.encode(g, p.threshold, p.scalers, 0, C.stream_key(0, 0, 0, 0), "base3").clone()
+    start = packing.codes_offset(1)
+    pay[start:start + 8] = torch.arange(243, 251, dtype=torch.uint8)
+    h, o = packing.walk(pay, 1)
+    want = cpu_fused().decode(pay, h, o, 1)
+    assert torch.equal(want[:40], torch.zeros(40)) and torch.equal(host.decode(pay, h, o, 1), want)
+
+
+@pytest.mark.parametrize("case", ["constant", "single", "tiny", "huge", "mixed", "zeros", "inf", "nan_bf16"])
+@pytest.mark.parametrize("clip", [2.5, 0.0, -1.0, 1e-3])
+def test_threshold_and_scalers_are_computed_on_the_device_as_the_codec_does(host, case, clip):
+    """tg_tree's last launch evaluates codec.clip_threshold and local_scalers: the same fp32 bits on inputs where
+    the variance is 0, rounds to 0, overflows to no clipping, or the tensor holds Inf/NaN."""
+    n = 3001
+    g = {"constant": torch.full((n,), 0.3), "single": torch.tensor([-2.0]), "tiny": sample(n, 1) * 1e-30,
+         "huge": sample(n, 2) * 1e36, "mixed": torch.cat([sample(n, 3) * 1e-20, torch.tensor([1e20])]),
+         "zeros": torch.zeros(n), "inf": sample(n, 4).index_fill(0, torch.tensor([9]), float("inf")),
+         "nan_bf16": sample(n, 5).index_fill(0, torch.tensor([2999]), float("nan")).to(torch.bfloat16)}[case]
+    for bucket in (0, 1000):
+        a, k = REFERENCE.prepare(g.float(), bucket, clip), host.prepare(g, bucket, clip)
+        assert torch.equal(a.threshold, k.threshold), (a.threshold, k.threshold)
+        assert torch.equal(a.scalers, k.scalers) and bool(a.nonfinite) == bool(k.nonfinite)
+
+
+@pytest.mark.parametrize("m", [4, 8, 9, 64, 65, 511, 4096, 4097, 40_000, 300_001])
+def test_tree_launches_reduce_partials_in_the_codecs_order(m):
+    """Launch by launch as prepare plans them (one level, or two in one thread), tg_tree gives the sums that
+    codec.ternary.combine_blocks gives level by level, and the max of the maxima."""
+    from horovod_terngrad.backends.cuda import tree_plan
+    k = HostKernels(grid_limit=4, block=16)
+    gen = torch.Generator().manual_seed(m)
+    s, q = torch.randn(m, generator=gen, dtype=torch.float64), torch.rand(m, generator=gen, dtype=torch.float64)
+    mx = torch.rand(m, generator=gen)
+    plan = tree_plan(m)
+    levels, x = 0, m
+    while x > 1:
+        x, levels = -(-x // 8), levels + 1
+    assert sum(plan) == levels and all(step in (1, 2) for step in plan)
+    prep, flag = torch.empty(2), torch.empty((), dtype=torch.bool)
+    for i, step in enumerate(plan):
+        size = -(-s.numel() // 8 ** step)
+        os_, oq, om = torch.empty(size, dtype=torch.float64), torch.empty(size, dtype=torch.float64), torch.empty(size)
+        last = i == len(plan) - 1
+        k.launch("tg_tree", size, [s, q, mx, s.numel(), step, os_, oq, om, 10 ** 9, 2.5, 1,
+                                   prep if last else None, flag if last else None])
+        s, q, mx = os_, oq, om
+    assert s.numel() == 1
+    gen = torch.Generator().manual_seed(m)
+    s0, q0 = torch.randn(m, generator=gen, dtype=torch.float64), torch.rand(m, generator=gen, dtype=torch.float64)
+    mx0 = torch.rand(m, generator=gen)
+    assert torch.equal(s[0], C.ternary.combine_blocks(s0)) and torch.equal(q[0], C.ternary.combine_blocks(q0))
+    assert mx[0] == mx0.max()
+    st = C.TensorStats(10 ** 9, s[0], q[0], mx, torch.tensor(False))
+    thr = C.clip_threshold(st, 2.5)
+    assert torch.equal(prep[0], thr) and torch.equal(prep[1], C.local_scalers(st, thr)[0]) and not flag
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_codes_written_to_an_unaligned_region_are_stored_byte_by_byte(fmt):
+    """tg_pack writes each word of codes with one 32-bit store where the region is 4-byte aligned (a payload's
+    region always is: header and scalers take multiples of 4 bytes) and byte by byte elsewhere: the same bytes."""
+    k = HostKernels()
+    n = 1003
+    g = sample(n, 8)
+    p = REFERENCE.prepare(g, 0, 2.5)
+    key = C.stream_key(3, 1, 4, 1)
+    want = REFERENCE.encode(g, p.threshold, p.scalers, 0, key, fmt)[packing.codes_offset(1):]
+    for shift in (0, 1, 2, 3):
+        buf = torch.full((want.numel() + shift + 1,), 0xAB, dtype=torch.uint8)
+        k.launch("tg_pack_f32", -(-want.numel() // 4), [g, n, p.threshold.reshape(1), p.scalers, 0, key[0], key[1],
+                                                          packing.FORMATS[fmt], buf[shift:]])
+        assert torch.equal(buf[shift:shift + want.numel()], want)
+        assert (buf[:shift] == 0xAB).all() and buf[-1] == 0xAB             # nothing written outside the region
