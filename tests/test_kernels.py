@@ -125,10 +125,10 @@ def test_host_kernels_flag_nonfinite(host):
     assert p.nonfinite.item() and p.scalers.tolist() == [0.0]
 
 
-def test_kernel_backend_declares_no_capabilities(host):
-    from horovod_terngrad.backends import SHARDED_SUMS, Backend, has_capability
+def test_kernel_backend_declares_bf16_input_only(host):
+    from horovod_terngrad.backends import BF16_INPUT, SHARDED_SUMS, Backend, has_capability
     assert isinstance(host, Backend) and host.name == "host-kernels"
-    assert host.capabilities == frozenset() and not has_capability(host, SHARDED_SUMS)
+    assert host.capabilities == frozenset({BF16_INPUT}) and not has_capability(host, SHARDED_SUMS)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -315,3 +315,36 @@ def test_codes_written_to_an_unaligned_region_are_stored_byte_by_byte(fmt):
                                                           packing.FORMATS[fmt], buf[shift:]])
         assert torch.equal(buf[shift:shift + want.numel()], want)
         assert (buf[:shift] == 0xAB).all() and buf[-1] == 0xAB             # nothing written outside the region
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(packing="base3", bucket_size=50), dict(shared_scaler=False)])
+def test_engine_hands_bf16_gradients_to_the_kernels_without_an_fp32_copy(host, monkeypatch, cfg):
+    """bf16 gradients (fused group and alone, 2 thread-ranks) go to a backend with BF16_INPUT as they are: the
+    averages are those of their fp32 copies through the fused CPU backend, in bf16, and no ticket of the default
+    path made an fp32 copy."""
+    import horovod_terngrad.backends as B
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import Engine, run_ranks
+    config = TernGradConfig(seed=9, min_numel=0, **cfg)
+    shapes = [(30, 7), (5,), (333,)]
+
+    def grads(rank, dtype):
+        return [sample(int(torch.Size(s).numel()), 10 * rank + i).reshape(s).to(torch.bfloat16).to(dtype)
+                for i, s in enumerate(shapes)]
+
+    def run(dtype):
+        def body(c):
+            ex = Engine(c, config)
+            tickets = ex.start_group([(g, f"k{i}") for i, g in enumerate(grads(c.rank, dtype))], "grp")
+            outs = [ex.finish(t) for t in tickets]
+            return outs, [t._g32 is None for t in tickets]
+        return run_ranks(2, body)
+
+    want = run(torch.float32)
+    monkeypatch.setattr(B, "for_device", lambda device: host)
+    got = run(torch.bfloat16)
+    monkeypatch.undo()
+    for r in range(2):
+        assert all(o.dtype == torch.bfloat16 for o in got[r][0])
+        assert all(torch.equal(o, w.to(torch.bfloat16)) for o, w in zip(got[r][0], want[r][0]))
+        assert all(got[r][1]), "a ticket converted its bf16 gradient to fp32"

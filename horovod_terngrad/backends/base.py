@@ -19,6 +19,9 @@ Capabilities:
   (codec/requant.py: 4-bit groups and the noise channel's bits) in one pass each (``RequantBackend``), the
   reference's bytes and values exactly.  Only the fused CPU backend has it; elsewhere exchange/requantized.py
   calls codec/requant.py's torch ops.
+* ``BF16_INPUT``: ``prepare`` and ``encode`` read a bf16 gradient as it is, with the bytes its fp32 copy gives (bf16
+  -> fp32 is exact), so the engine hands bf16 gradients over without making an fp32 copy.  The CUDA kernels
+  (``cuda.KernelBackend``) have it; the other backends are given fp32.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
 ADAM_CORRECTED = "adam_corrected"
 REQUANT = "requant"
+BF16_INPUT = "bf16_input"
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
+from .base import BF16_INPUT
 from .compile_cache import KERNEL_DIR, kernel_source
 
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
@@ -139,7 +140,7 @@ class KernelBackend:
     Gradients may be fp32 or bf16 (read as they are: the bytes are those of the fp32 copy); other dtypes are
     converted to fp32 first."""
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities: frozenset[str] = frozenset({BF16_INPUT})
 
     def __init__(self, kernels: KernelLauncher):
         self.k = kernels
