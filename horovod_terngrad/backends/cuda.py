@@ -2,11 +2,14 @@
 
 * ``KernelBackend`` implements the backend interface on any kernel set, i.e. any object with a
   ``device`` and a ``launch(name, work, args)`` (``KernelLauncher``).  It never synchronizes with the
-  device: thresholds and scalers stay device tensors, and the "all payloads share their scalers"
-  decision of the decode is made on the device.
+  device: thresholds and scalers stay device tensors (computed by the last statistics kernel), and the
+  "all payloads share their scalers" decision of the decode is made on the device.  It reads fp32 and
+  bf16 gradients as they are (``BF16_INPUT``).
 * ``CupyKernels`` is the CUDA kernel set: ``cupy.RawModule`` (NVRTC) compiled once per process (CuPy
-  also caches the binary on disk), launched on torch's current CUDA stream, tensors passed zero-copy by
-  DLPack.  CuPy is imported only when one is made.
+  also caches the binary on disk), launched on torch's current CUDA stream, tensors passed as their
+  device addresses.  CuPy is imported only when one is made.
+* ``traffic`` gives the bytes each kernel path moves per element, to turn a measured time into a
+  fraction of the device's bandwidth.
 
 The same source built for the host (``host_build.HostKernels``) runs this driver without a GPU.
 """
