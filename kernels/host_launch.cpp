@@ -35,9 +35,15 @@ void host_tg_pack_bf16(unsigned grid, unsigned block, const tg_u16 *g, tg_i64 n,
                        const float *scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1, int fmt, tg_u8 *out) {
     tg_host_launch(grid, block, [&] { tg_pack_bf16(g, n, thr, scalers, bucket, k0, k1, fmt, out); });
 }
-void host_tg_decode(unsigned grid, unsigned block, const tg_u8 *gathered, const tg_i64 *off, int npay, tg_i64 n,
-                    int fmt, const float *scalers, tg_i64 nb, tg_i64 bucket, const int *shared, float divisor,
-                    float *out) {
-    tg_host_launch(grid, block, [&] { tg_decode(gathered, off, npay, n, fmt, scalers, nb, bucket, shared, divisor, out); });
+void host_tg_decode_scalers(unsigned grid, unsigned block, const tg_u8 *gathered, const tg_i64 *off, tg_i64 at,
+                            int npay, tg_i64 nb, float *scalers, int *shared) {
+    tg_host_launch(grid, block, [&] { tg_decode_scalers(gathered, off, at, npay, nb, scalers, shared); });
+}
+void host_tg_decode(unsigned grid, unsigned block, const tg_u8 *gathered, const tg_i64 *off, tg_i64 codes_at,
+                    int npay, tg_i64 n, int fmt, const float *scalers, tg_i64 nb, tg_i64 bucket, const int *shared,
+                    float divisor, float *out) {
+    tg_host_launch(grid, block, [&] {
+        tg_decode(gathered, off, codes_at, npay, n, fmt, scalers, nb, bucket, shared, divisor, out);
+    });
 }
 }

@@ -347,6 +347,27 @@ TG_EXTERN __global__ void tg_pack_bf16(const tg_u16 *__restrict__ g, tg_i64 n, c
 }
 
 // -- (c) fused unpack + scale + accumulate of npay payloads into the average ---------------------------------------
+// Before tg_decode: the npay·nb scalers, at scalers_at bytes into each payload (any byte offset), into an aligned
+// [npay, nb] fp32 array, and *shared (1 before) set to 0 when any differs from payload 0's, compared as floats
+// (torch.equal: -0 equals +0, NaN equals nothing).  Threads that find a difference all write the same 0.
+TG_EXTERN __global__ void tg_decode_scalers(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off,
+                                            tg_i64 scalers_at, int npay, tg_i64 nb, float *__restrict__ scalers,
+                                            int *__restrict__ shared) {
+    const tg_i64 total = (tg_i64)npay * nb;
+    for (tg_i64 t = tg_tid(); t < total; t += tg_stride()) {
+        const tg_i64 p = t / nb, k = t - p * nb;
+        const tg_u8 *src = gathered + off[p] + scalers_at + 4 * k, *first = gathered + off[0] + scalers_at + 4 * k;
+        tg_u32 a = 0, b = 0;
+        for (int j = 0; j < 4; j++) {
+            a |= (tg_u32)src[j] << (8 * j);
+            b |= (tg_u32)first[j] << (8 * j);
+        }
+        const float s = __uint_as_float(a);
+        scalers[t] = s;
+        if (s != __uint_as_float(b)) *shared = 0;
+    }
+}
+
 // The ternary values of one packed byte: 2bit fields, or the 5 base-3 digits (a byte above 242 is no valid
 // code: all zero).  Division by the constant 3 compiles to a multiply and shift; every digit costs one.
 template <int PER>
@@ -371,12 +392,12 @@ __device__ __forceinline__ void tg_values(tg_u32 byte, int *v) {
 // Buckets started after the word's first element, up to element e.
 __device__ __forceinline__ int tg_dk(tg_u32 steps, int e) { return __popc(steps & ((2u << e) - 1u)); }
 
-// One thread per 32-bit word of codes of every payload: packed[p] = gathered + packed_off[p] (any byte offset:
-// one 32-bit load where the word is aligned, else 4 byte loads); scalers is [npay, nb] fp32; *shared != 0 when
-// every payload carries the same scalers (decided on the device: no host sync).
+// One thread per 32-bit word of codes of every payload: payload p starts at gathered + off[p], its codes codes_at
+// bytes later (any byte offset: one 32-bit load where the word is aligned, else 4 byte loads); scalers is
+// [npay, nb] fp32 and *shared != 0 when every payload carries the same scalers (both from tg_decode_scalers).
 template <int PER>
-__device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathered,
-                                               const tg_i64 *__restrict__ packed_off, int npay, tg_i64 n,
+__device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off,
+                                               tg_i64 codes_at, int npay, tg_i64 n,
                                                const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket,
                                                const int *__restrict__ shared, float divisor,
                                                float *__restrict__ out) {
@@ -402,7 +423,7 @@ __device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathere
         for (int e = 0; e < E; e++) acc[e] = 0.0f;
         const bool whole = 4 * w + 4 <= nbytes;
         for (int p = 0; p < npay; p++) {
-            const tg_u8 *src = gathered + packed_off[p] + 4 * w;
+            const tg_u8 *src = gathered + off[p] + codes_at + 4 * w;
             tg_u32 word = 0;
             if (whole && ((tg_u64)src & 3) == 0) {
                 word = *reinterpret_cast<const tg_u32 *>(src);
@@ -447,9 +468,9 @@ __device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathere
 // At most 80 registers (3 blocks of 256 threads per SM) without spilling: its 16-20 accumulators and the word's
 // bucket steps would otherwise take over 100 and leave fewer threads to keep stores in flight.
 TG_EXTERN __global__ void __launch_bounds__(256, 3)
-tg_decode(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ packed_off, int npay, tg_i64 n, int fmt,
-          const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket, const int *__restrict__ shared, float divisor,
-          float *__restrict__ out) {
-    if (fmt == 1) tg_decode_body<4>(gathered, packed_off, npay, n, scalers, nb, bucket, shared, divisor, out);
-    else tg_decode_body<5>(gathered, packed_off, npay, n, scalers, nb, bucket, shared, divisor, out);
+tg_decode(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off, tg_i64 codes_at, int npay, tg_i64 n,
+          int fmt, const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket, const int *__restrict__ shared,
+          float divisor, float *__restrict__ out) {
+    if (fmt == 1) tg_decode_body<4>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
+    else tg_decode_body<5>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
 }

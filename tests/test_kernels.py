@@ -217,17 +217,22 @@ def test_any_grid_covers_any_size(grid_limit, block, fmt):
 @pytest.mark.parametrize("bucket", [0, 7, 64])
 def test_decode_of_many_payloads_at_odd_offsets_into_an_unaligned_output(host, fmt, bucket):
     """Nine payloads of 1001 elements (a packed length that is no multiple of 4: most payloads start at a byte
-    offset that is no multiple of 4, so their words are read byte by byte), per-rank and shared scalers, written
-    into an output view that is not 16-byte aligned."""
+    offset that is no multiple of 4, so their words are read byte by byte), per-rank and shared scalers (and shared
+    but for the last bucket of one payload, which makes the whole decode per-rank), written into an output view
+    that is not 16-byte aligned."""
     n, npay = 1001, 9
-    per_rank, shared = [], []
+    per_rank, shared, all_but_one = [], [], []
     for r in range(npay):
         g = sample(n, 100 + r) * (1 + r % 3)
         p = REFERENCE.prepare(g, bucket, 2.5)
         key = C.stream_key(1, 2, 3, r)
         per_rank.append(REFERENCE.encode(g, p.threshold, p.scalers, bucket, key, fmt))
         shared.append(REFERENCE.encode(g, p.threshold, p.scalers * 0 + 0.75, bucket, key, fmt))
-    for pays in (per_rank, shared):
+        s = p.scalers * 0 + 0.75
+        if r == 5:
+            s[-1] = 0.5
+        all_but_one.append(REFERENCE.encode(g, p.threshold, s, bucket, key, fmt))
+    for pays in (per_rank, shared, all_but_one):
         x = torch.cat(pays)
         h, o = packing.walk(x, npay)
         assert any((off + packing.codes_offset(h[0].num_scalers)) % 4 for off in o)

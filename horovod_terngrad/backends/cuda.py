@@ -42,7 +42,8 @@ SIGNATURES = {
     "tg_bucket_scalers": ("p", "i64", "p", "p"),
     "tg_pack_f32": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
     "tg_pack_bf16": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
-    "tg_decode": ("p", "p", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
+    "tg_decode_scalers": ("p", "p", "i64", "i32", "i64", "p", "p"),
+    "tg_decode": ("p", "p", "i64", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
 }
 # Gradient dtypes the kernels read as they are (the suffix of their kernels); others are converted to fp32.
 INPUT_KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -217,14 +218,12 @@ class KernelBackend:
         out = torch.empty(n, dtype=torch.float32, device=dev) if out is None else out
         if n == 0:
             return out
-        hb = packing.HEADER_BYTES
+        hb, npay = packing.HEADER_BYTES, len(offsets)
         off = packing.device_constant(offsets, torch.int64, dev)
-        # scalers may sit at any byte offset: gather their bytes into an aligned [N, nb] fp32 tensor
-        idx = off[:, None] + hb + torch.arange(4 * nb, device=dev)[None, :]
-        scalers = gathered[idx].view(torch.float32).contiguous()
-        shared = (scalers == scalers[0:1]).all().to(torch.int32).reshape(1)
-        packed_off = off + hb + 4 * nb
+        scalers = torch.empty(npay * nb, dtype=torch.float32, device=dev)
+        shared = torch.ones(1, dtype=torch.int32, device=dev)
+        self.k.launch("tg_decode_scalers", npay * nb, [gathered, off, hb, npay, nb, scalers, shared])
         self.k.launch("tg_decode", -(-packing.packed_size(n, h0.fmt) // 4),
-                      [gathered, packed_off, len(offsets), n, FORMATS[h0.fmt], scalers, nb, h0.bucket_size,
-                       shared, float(divisor), out])
+                      [gathered, off, hb + 4 * nb, npay, n, FORMATS[h0.fmt], scalers, nb, h0.bucket_size, shared,
+                       float(divisor), out])
         return out
