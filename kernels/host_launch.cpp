@@ -47,3 +47,14 @@ void host_tg_decode(unsigned grid, unsigned block, const tg_u8 *gathered, const 
     });
 }
 }
+
+extern "C" {
+void host_tg_owner_sums(unsigned grid, unsigned block, const tg_u8 *received, tg_i64 nbytes, int npay, tg_i64 m,
+                        int fmt, int bits, tg_u8 *out) {
+    tg_host_launch(grid, block, [&] { tg_owner_sums(received, nbytes, npay, m, fmt, bits, out); });
+}
+void host_tg_decode_sums(unsigned grid, unsigned block, const tg_u8 *data, tg_i64 m, int nranks, int bits,
+                         const float *scalers, tg_i64 bucket, tg_i64 start, float divisor, float *out) {
+    tg_host_launch(grid, block, [&] { tg_decode_sums(data, m, nranks, bits, scalers, bucket, start, divisor, out); });
+}
+}

@@ -474,3 +474,84 @@ tg_decode(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off, tg
     if (fmt == 1) tg_decode_body<4>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
     else tg_decode_body<5>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
 }
+
+// -- (d) the sharded exchange: an owner's sums of N ranks' codes, and the decode of the gathered sums --------------
+// Sums k in [-N, N] travel as k + N in `bits` bits, element j in bits j·bits .. (j+1)·bits - 1 of the stream (least
+// significant first): 8 elements take exactly `bits` bytes, so one thread per 8 elements owns whole bytes.
+template <int PER>
+__device__ __forceinline__ int tg_value_at(const tg_u8 *__restrict__ packed, tg_i64 i) {
+    int v[PER];
+    tg_values<PER>(packed[i / PER], v);
+    const int q = (int)(i % PER);
+    int r = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++) r = j == q ? v[j] : r;
+    return r;
+}
+
+// received: npay chunks of nbytes bytes (rank order), each the m codes of the shard from its first element.
+template <int PER>
+__device__ __forceinline__ void tg_owner_sums_body(const tg_u8 *__restrict__ received, tg_i64 nbytes, int npay,
+                                                   tg_i64 m, int bits, tg_u8 *__restrict__ out) {
+    const tg_i64 groups = (m + 7) / 8;
+    for (tg_i64 grp = tg_tid(); grp < groups; grp += tg_stride()) {
+        const tg_i64 i0 = 8 * grp;
+        const int cnt = m - i0 < 8 ? (int)(m - i0) : 8;
+        int k[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int p = 0; p < npay; p++) {
+            const tg_u8 *src = received + (tg_i64)p * nbytes;
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (e < cnt) k[e] += tg_value_at<PER>(src, i0 + e);
+        }
+        tg_u8 *o = out + grp * bits;
+        tg_u64 acc = 0;
+        int have = 0;
+        for (int e = 0; e < cnt; e++) {
+            acc |= (tg_u64)(tg_u32)(k[e] + npay) << have;
+            have += bits;
+            while (have >= 8) { *o++ = (tg_u8)acc; acc >>= 8; have -= 8; }
+        }
+        if (have > 0) *o = (tg_u8)acc;
+    }
+}
+
+TG_EXTERN __global__ void tg_owner_sums(const tg_u8 *__restrict__ received, tg_i64 nbytes, int npay, tg_i64 m,
+                                        int fmt, int bits, tg_u8 *__restrict__ out) {
+    if (fmt == 1) tg_owner_sums_body<4>(received, nbytes, npay, m, bits, out);
+    else tg_owner_sums_body<5>(received, nbytes, npay, m, bits, out);
+}
+
+// out[i] = ((float)k * s) / divisor for the m sums of a shard that starts at element `start` of its tensor, s the
+// scaler of that element's bucket (scalers[0] with bucket <= 0).
+TG_EXTERN __global__ void tg_decode_sums(const tg_u8 *__restrict__ data, tg_i64 m, int nranks, int bits,
+                                         const float *__restrict__ scalers, tg_i64 bucket, tg_i64 start,
+                                         float divisor, float *__restrict__ out) {
+    const tg_i64 groups = (m + 7) / 8;
+    const tg_u64 mask = (1ULL << bits) - 1;
+    for (tg_i64 grp = tg_tid(); grp < groups; grp += tg_stride()) {
+        const tg_i64 i0 = 8 * grp;
+        const int cnt = m - i0 < 8 ? (int)(m - i0) : 8;
+        const tg_u8 *src = data + grp * bits;
+        tg_i64 k = 0, next = 0;
+        if (bucket > 0) {
+            k = tg_div(start + i0, bucket);
+            next = (k + 1) * bucket;
+        }
+        float s = scalers[k];
+        tg_u64 acc = 0;
+        int have = 0;
+        for (int e = 0; e < cnt; e++) {
+            while (have < bits) { acc |= (tg_u64)*src++ << have; have += 8; }   // only the bytes element e needs
+            const int sum = (int)(acc & mask) - nranks;
+            acc >>= bits;
+            have -= bits;
+            if (bucket > 0 && start + i0 + e >= next) {
+                k++;
+                next += bucket;
+                s = scalers[k];
+            }
+            out[i0 + e] = ((float)sum * s) / divisor;
+        }
+    }
+}

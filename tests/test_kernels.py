@@ -125,10 +125,10 @@ def test_host_kernels_flag_nonfinite(host):
     assert p.nonfinite.item() and p.scalers.tolist() == [0.0]
 
 
-def test_kernel_backend_declares_bf16_input_only(host):
-    from horovod_terngrad.backends import BF16_INPUT, SHARDED_SUMS, Backend, has_capability
-    assert isinstance(host, Backend) and host.name == "host-kernels"
-    assert host.capabilities == frozenset({BF16_INPUT}) and not has_capability(host, SHARDED_SUMS)
+def test_kernel_backend_declares_its_capabilities(host):
+    from horovod_terngrad.backends import BF16_INPUT, REQUANT, SHARDED_SUMS, Backend, ShardedSumsBackend, has_capability
+    assert isinstance(host, Backend) and isinstance(host, ShardedSumsBackend) and host.name == "host-kernels"
+    assert host.capabilities == frozenset({BF16_INPUT, SHARDED_SUMS}) and not has_capability(host, REQUANT)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -353,3 +353,61 @@ def test_engine_hands_bf16_gradients_to_the_kernels_without_an_fp32_copy(host, m
         assert all(o.dtype == torch.bfloat16 for o in got[r][0])
         assert all(torch.equal(o, w.to(torch.bfloat16)) for o, w in zip(got[r][0], want[r][0]))
         assert all(got[r][1]), "a ticket converted its bf16 gradient to fp32"
+
+
+@pytest.mark.parametrize("N", [2, 3, 5, 64, 200])      # sum widths 3, 3, 4, 8 and 9 bits
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 1283])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_host_built_owner_sums_and_their_decode_match_the_fused_cpu(host, N, m, fmt):
+    """tg_owner_sums and tg_decode_sums (SHARDED_SUMS) give the fused CPU codec's bytes and floats, and the torch
+    reference's, for every sum width, shards of any length and bucketed scalers."""
+    from horovod_terngrad.exchange import sharded
+    fused = cpu_fused()
+    gen = torch.Generator().manual_seed(N * 1000 + m)
+    chunks = [C.pack(torch.randint(-1, 2, (m,), generator=gen, dtype=torch.int8), fmt) for _ in range(N)]
+    received = torch.cat(chunks)
+    bits = sharded.sum_bits(N)
+    want = sharded.owner_sums_reference(received, N, m, chunks[0].numel(), fmt)
+    assert torch.equal(fused.owner_sums(received, N, m, fmt, bits), want)
+    assert torch.equal(host.owner_sums(received, N, m, fmt, bits), want)
+    n = N * m - (m // 2)
+    bounds = sharded.shard_bounds(n, N)
+    gathered = torch.cat([sharded.pack_bits(torch.randint(0, 2 * N + 1, (hi - lo,), generator=gen), bits)
+                          for lo, hi in bounds])
+    for scalers, bucket in ((torch.tensor([0.3]), 0), (torch.rand(-(-n // 7), generator=gen) + 0.1, 7),
+                            (torch.rand(-(-n // 1500), generator=gen) + 0.1, 1500)):
+        ref = C.decode_sums(sharded.gathered_sums(gathered, n, N), scalers, bucket, float(N))
+        for be in (fused, host):
+            out, off = torch.full((n,), 9.0), 0
+            for (lo, hi), nbytes in zip(bounds, C.sizes.shard_sum_bytes(n, N)):
+                be.decode_sums(gathered[off:off + nbytes], hi - lo, N, bits, scalers, bucket, lo, float(N), out[lo:hi])
+                off += nbytes
+            assert torch.equal(out, ref), (be.name, bucket)
+
+
+def test_kernel_driver_in_the_sharded_exchange(host, monkeypatch):
+    """exchange="sharded" on 3 thread-ranks with the host-built kernels doing compress, owner sums and the decode
+    of the gathered sums: the fused CPU backend's averages bit for bit (bucketed and not, both packings)."""
+    import horovod_terngrad.backends as B
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import Engine, run_ranks
+    shapes = [(30, 7), (1001,), (333,)]
+    for cfg in (dict(), dict(packing="base3", bucket_size=40)):
+        config = TernGradConfig(seed=2, min_numel=0, exchange="sharded", **cfg)
+
+        def body(c):
+            ex = Engine(c, config)
+            grads = [sample(int(torch.Size(s).numel()), 10 * c.rank + i).reshape(s) for i, s in enumerate(shapes)]
+            return [ex.finish(t) for t in ex.start_group([(g, f"k{i}") for i, g in enumerate(grads)], "grp")]
+
+        want = run_ranks(3, body)
+        launched = []
+        real_launch = host.k.launch
+        monkeypatch.setattr(host.k, "launch", lambda name, work, args: (launched.append(name),
+                                                                        real_launch(name, work, args)))
+        monkeypatch.setattr(B, "for_device", lambda device: host)
+        got = run_ranks(3, body)
+        monkeypatch.undo()
+        assert {"tg_owner_sums", "tg_decode_sums", "tg_pack_f32"} <= set(launched)
+        for r in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(got[r], want[r])), (cfg, r)

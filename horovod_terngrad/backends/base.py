@@ -8,7 +8,7 @@ average of gathered payloads).  Anything beyond that is an optional capability, 
 Capabilities:
 
 * ``SHARDED_SUMS``: the sharded exchange's two kernels, ``owner_sums`` and ``decode_sums``
-  (``ShardedSumsBackend``).  Only the fused CPU backend has them today.
+  (``ShardedSumsBackend``): the fused CPU backend and the CUDA kernels (``cuda.KernelBackend``) have them.
 * ``NOISE_DECODE``: ``decode_noise``, the exchange's noise estimate (1/d^2)·Σ s^2·|t| in the decode's own
   pass over the gathered payloads (``NoiseDecodeBackend``).  Only the fused CPU backend has it; elsewhere
   exchange/allgather.py maps copies of the payloads and calls ``decode``: the same bits.

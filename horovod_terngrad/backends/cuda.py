@@ -24,7 +24,7 @@ from .. import codec
 from ..codec import packing
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
-from .base import BF16_INPUT
+from .base import BF16_INPUT, SHARDED_SUMS
 from .compile_cache import KERNEL_DIR, kernel_source
 
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
@@ -44,6 +44,8 @@ SIGNATURES = {
     "tg_pack_bf16": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
     "tg_decode_scalers": ("p", "p", "i64", "i32", "i64", "p", "p"),
     "tg_decode": ("p", "p", "i64", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
+    "tg_owner_sums": ("p", "i64", "i32", "i64", "i32", "i32", "p"),
+    "tg_decode_sums": ("p", "i64", "i32", "i32", "p", "i64", "i64", "f32", "p"),
 }
 # Gradient dtypes the kernels read as they are (the suffix of their kernels); others are converted to fp32.
 INPUT_KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -142,9 +144,9 @@ class KernelBackend:
     """prepare / encode / decode (the backend interface) on a kernel set.
 
     Gradients may be fp32 or bf16 (read as they are: the bytes are those of the fp32 copy); other dtypes are
-    converted to fp32 first."""
+    converted to fp32 first.  The sharded exchange's owner sums and their decode (``SHARDED_SUMS``) run here too."""
 
-    capabilities: frozenset[str] = frozenset({BF16_INPUT})
+    capabilities: frozenset[str] = frozenset({BF16_INPUT, SHARDED_SUMS})
 
     def __init__(self, kernels: KernelLauncher):
         self.k = kernels
@@ -227,3 +229,23 @@ class KernelBackend:
                       [gathered, off, hb + 4 * nb, npay, n, FORMATS[h0.fmt], scalers, nb, h0.bucket_size, shared,
                        float(divisor), out])
         return out
+
+    # -- SHARDED_SUMS capability ----------------------------------------------------------------------------------
+    def owner_sums(self, received: torch.Tensor, n_ranks: int, m: int, fmt: str, bits: int) -> torch.Tensor:
+        """``ShardedSumsBackend.owner_sums``: one thread per 8 sums (``bits`` whole bytes)."""
+        nbytes = received.numel() // n_ranks if n_ranks else 0
+        out = torch.empty(-(-m * bits // 8), dtype=torch.uint8, device=received.device)
+        if m:
+            self.k.launch("tg_owner_sums", -(-m // 8),
+                          [received.contiguous(), nbytes, n_ranks, m, FORMATS[fmt], bits, out])
+        return out
+
+    def decode_sums(self, data: torch.Tensor, m: int, n_ranks: int, bits: int, scalers: torch.Tensor,
+                    bucket_size: int, start: int, divisor: float, out: torch.Tensor) -> None:
+        """``ShardedSumsBackend.decode_sums`` into ``out`` (a contiguous fp32 view)."""
+        if m:
+            s = scalers
+            if not (s.dtype == torch.float32 and s.device == data.device and s.is_contiguous()):
+                s = s.to(device=data.device, dtype=torch.float32).contiguous()
+            self.k.launch("tg_decode_sums", -(-m // 8),
+                          [data.contiguous(), m, n_ranks, bits, s, bucket_size, start, float(divisor), out])
