@@ -58,3 +58,16 @@ void host_tg_decode_sums(unsigned grid, unsigned block, const tg_u8 *data, tg_i6
     tg_host_launch(grid, block, [&] { tg_decode_sums(data, m, nranks, bits, scalers, bucket, start, divisor, out); });
 }
 }
+
+extern "C" {
+void host_tg_requant_encode(unsigned grid, unsigned block, const float *a, const float *noise, int with_noise,
+                            tg_i64 m, tg_i64 start, tg_u32 ka0, tg_u32 ka1, tg_u32 kn0, tg_u32 kn1, int flags,
+                            tg_u8 *out, tg_i64 total) {
+    tg_host_launch(grid, block, [&] {
+        tg_requant_encode(a, noise, with_noise, m, start, ka0, ka1, kn0, kn1, flags, out, total);
+    });
+}
+void host_tg_requant_decode(unsigned grid, unsigned block, const tg_u8 *buf, tg_i64 m, float *out, float *noise_out) {
+    tg_host_launch(grid, block, [&] { tg_requant_decode(buf, m, out, noise_out); });
+}
+}

@@ -555,3 +555,133 @@ TG_EXTERN __global__ void tg_decode_sums(const tg_u8 *__restrict__ data, tg_i64 
         }
     }
 }
+
+// -- (e) the requantized exchange's owner payload (codec/requant.py; kernels/terngrad_cpu.c tg_requant_encode) ----
+//   8 header bytes: 'R' 'Q' '4', flags (| 0x02 with the noise channel), m as uint32 little-endian;
+//   G = ceil(m/128) fp32 steps, step = max|a| / 7 over the group;
+//   ceil(m/2) bytes of codes c + 7 in 4 bits, low nibble first (an odd m's last high nibble 7, code 0);
+//   with the noise channel: G fp32 maxima νmax of ν = noise + Δ²·f·(1 - f), ceil(m/8) bytes of bits, least
+//   significant first; zeros up to `total` bytes.
+// One thread per group of 128 elements (64 code bytes, 16 bit bytes: whole bytes), which it reads once for the
+// maximum and again for the codes (and twice more for the noise channel): the per-element values are
+// recomputed, the same operations each time, rather than kept.
+#define TG_RQ_GROUP 128
+
+__device__ __forceinline__ tg_u32 tg_u24(tg_i64 i, tg_u32 k0, tg_u32 k1) {
+    return tg_mix32(tg_mix32((tg_u32)((tg_u64)i & 0xFFFFFFFFULL) ^ k0) ^ (tg_u32)((tg_u64)i >> 32) ^ k1) >> 8;
+}
+
+__device__ __forceinline__ void tg_put_f32(tg_u8 *o, float x) {
+    const tg_u32 u = __float_as_uint(x);
+    for (int b = 0; b < 4; b++) o[b] = (tg_u8)(u >> (8 * b));
+}
+
+__device__ __forceinline__ float tg_get_f32(const tg_u8 *s) {
+    tg_u32 u = 0;
+    for (int b = 0; b < 4; b++) u |= (tg_u32)s[b] << (8 * b);
+    return __uint_as_float(u);
+}
+
+// max over a group from 0 (the reference pads a short group with zeros); a NaN makes it the quiet NaN 0x7fc00000,
+// as torch's amax.
+__device__ __forceinline__ float tg_rq_finish_max(float m, bool nan) { return nan ? __uint_as_float(0x7fc00000u) : m; }
+
+// q's integer and fraction parts and the code c + 7 of element value x under step d (the reference's fp32 ops).
+__device__ __forceinline__ float tg_rq_fraction(float x, float d, float &low) {
+    float q = d > 0.0f ? x / d : 0.0f;
+    q = q < -7.0f ? -7.0f : q;
+    q = q > 7.0f ? 7.0f : q;
+    low = floorf(q);
+    return q - low;
+}
+
+TG_EXTERN __global__ void tg_requant_encode(const float *__restrict__ a, const float *__restrict__ noise,
+                                            int with_noise, tg_i64 m, tg_i64 start, tg_u32 ka0, tg_u32 ka1,
+                                            tg_u32 kn0, tg_u32 kn1, int flags, tg_u8 *__restrict__ out,
+                                            tg_i64 total) {
+    const tg_i64 G = (m + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+    tg_u8 *steps_at = out + 8, *codes_at = steps_at + 4 * G;
+    tg_u8 *tops_at = codes_at + (m + 1) / 2, *bits_at = tops_at + 4 * G;
+    const tg_i64 used = with_noise ? (tg_i64)(bits_at - out) + (m + 7) / 8 : (tg_i64)(tops_at - out);
+    if (tg_tid() == 0) {
+        out[0] = 'R'; out[1] = 'Q'; out[2] = '4';
+        out[3] = (tg_u8)(flags | (with_noise ? 0x02 : 0));
+        for (int q = 0; q < 4; q++) out[4 + q] = (tg_u8)((tg_u32)m >> (8 * q));
+        for (tg_i64 b = used; b < total; b++) out[b] = 0;
+    }
+    for (tg_i64 g = tg_tid(); g < G; g += tg_stride()) {
+        const tg_i64 lo = g * TG_RQ_GROUP;
+        const int gc = m - lo < TG_RQ_GROUP ? (int)(m - lo) : TG_RQ_GROUP;
+        const float *ac = a + lo;
+        float mx = 0.0f;
+        bool nan = false;
+        for (int j = 0; j < gc; j++) {
+            const float v = fabsf(ac[j]);
+            nan |= v != v;
+            mx = v > mx ? v : mx;
+        }
+        const float d = tg_rq_finish_max(mx, nan) / 7.0f;
+        tg_put_f32(steps_at + 4 * g, d);
+        tg_u8 *oc = codes_at + lo / 2;
+        tg_u32 pending = 0;
+        for (int j = 0; j < gc; j++) {
+            float low;
+            const float f = tg_rq_fraction(ac[j], d, low);
+            float c = low + ((float)(int)tg_u24(start + lo + j, ka0, ka1) < f * 16777216.0f ? 1.0f : 0.0f);
+            c = c < -7.0f ? -7.0f : c;
+            c = c > 7.0f ? 7.0f : c;
+            const tg_u32 u = (tg_u32)((c == c ? (int)c : 0) + 7);
+            if (j & 1) oc[j / 2] = (tg_u8)(pending | (u << 4));
+            else pending = u;
+        }
+        if (gc & 1) oc[gc / 2] = (tg_u8)(pending | (7u << 4));
+        if (!with_noise) continue;
+        const float *nc = noise + lo;
+        float top = 0.0f;
+        nan = false;
+        for (int j = 0; j < gc; j++) {
+            float low;
+            const float f = tg_rq_fraction(ac[j], d, low);
+            const float v = nc[j] + ((d * d) * f) * (1.0f - f);     // ν, in the reference's order
+            nan |= v != v;
+            top = v > top ? v : top;
+        }
+        top = tg_rq_finish_max(top, nan);
+        tg_put_f32(tops_at + 4 * g, top);
+        tg_u8 *ob = bits_at + lo / 8;
+        tg_u32 byte = 0;
+        for (int j = 0; j < gc; j++) {
+            float low;
+            const float f = tg_rq_fraction(ac[j], d, low);
+            const float v = nc[j] + ((d * d) * f) * (1.0f - f);
+            const float p = top > 0.0f ? v / top : 0.0f;
+            const tg_u32 bit = (float)(int)tg_u24(start + lo + j, kn0, kn1) < p * 16777216.0f ? 1u : 0u;
+            byte |= bit << (j & 7);
+            if ((j & 7) == 7) { ob[j / 8] = (tg_u8)byte; byte = 0; }
+        }
+        if (gc & 7) ob[gc / 8] = (tg_u8)byte;
+    }
+}
+
+// out[i] = ((float)nibble - 7) · step; noise_out (null: not written) [i] = (float)bit · νmax.  buf: any alignment.
+// One thread per 8 elements (4 code bytes, 1 bit byte).
+TG_EXTERN __global__ void tg_requant_decode(const tg_u8 *__restrict__ buf, tg_i64 m, float *__restrict__ out,
+                                            float *__restrict__ noise_out) {
+    const tg_i64 G = (m + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+    const tg_u8 *steps_at = buf + 8, *codes_at = steps_at + 4 * G;
+    const tg_u8 *tops_at = codes_at + (m + 1) / 2, *bits_at = tops_at + 4 * G;
+    const tg_i64 octs = (m + 7) / 8;
+    for (tg_i64 t = tg_tid(); t < octs; t += tg_stride()) {
+        const tg_i64 i0 = 8 * t, g = i0 / TG_RQ_GROUP;       // 8 elements never straddle a group
+        const int cnt = m - i0 < 8 ? (int)(m - i0) : 8;
+        const float d = tg_get_f32(steps_at + 4 * g);
+        for (int e = 0; e < cnt; e++) {
+            const tg_u32 x = codes_at[(i0 + e) / 2];
+            out[i0 + e] = ((float)(((i0 + e) & 1) ? x >> 4 : x & 0x0Fu) - 7.0f) * d;
+        }
+        if (!noise_out) continue;
+        const float top = tg_get_f32(tops_at + 4 * g);
+        const tg_u32 bits = bits_at[t];
+        for (int e = 0; e < cnt; e++) noise_out[i0 + e] = (float)((bits >> e) & 1u) * top;
+    }
+}

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 import torch
 
+from horovod_terngrad import TernGradConfig
 from horovod_terngrad import codec as C
 from horovod_terngrad.backends import REFERENCE, cpu_fused
 from horovod_terngrad.backends.cuda import NVCC_OPTIONS, SIGNATURES, SOURCE, KernelBackend
@@ -128,7 +129,7 @@ def test_host_kernels_flag_nonfinite(host):
 def test_kernel_backend_declares_its_capabilities(host):
     from horovod_terngrad.backends import BF16_INPUT, REQUANT, SHARDED_SUMS, Backend, ShardedSumsBackend, has_capability
     assert isinstance(host, Backend) and isinstance(host, ShardedSumsBackend) and host.name == "host-kernels"
-    assert host.capabilities == frozenset({BF16_INPUT, SHARDED_SUMS}) and not has_capability(host, REQUANT)
+    assert host.capabilities == frozenset({BF16_INPUT, SHARDED_SUMS, REQUANT}) and has_capability(host, REQUANT)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -411,3 +412,78 @@ def test_kernel_driver_in_the_sharded_exchange(host, monkeypatch):
         assert {"tg_owner_sums", "tg_decode_sums", "tg_pack_f32"} <= set(launched)
         for r in range(3):
             assert all(torch.equal(a, b) for a, b in zip(got[r], want[r])), (cfg, r)
+
+
+REQUANT_SIZES = [0, 1, 2, 7, 8, 9, 127, 128, 129, 255, 257, 1023, 1025, 2049, 5000]
+
+
+@pytest.mark.parametrize("m", REQUANT_SIZES)
+@pytest.mark.parametrize("with_noise", [False, True], ids=["plain", "noise"])
+def test_host_built_requant_kernels_give_the_reference_bytes_and_bits(host, m, with_noise):
+    """tg_requant_encode / tg_requant_decode (REQUANT): codec/requant.py's payload and decoded values exactly, for
+    short groups, odd counts, 0 and 1 elements, starts across 2^32, from a buffer at unaligned offsets."""
+    from test_requant_kernel import decode_both, same_bits, shard
+    from horovod_terngrad.codec import requant
+    for seed, start, flags in ((0, 0, 0), (1, 40, 1), (2, (1 << 32) - 700, 0)):
+        a, nu = shard(m, 31 * m + seed)
+        keys = requant.keys(seed, 7 + seed, f"layer{seed}", seed % 3)
+        noise = nu if with_noise else None
+        want = requant.encode(a, keys, start, noise, flags=flags)
+        got = host.requant_encode(a, keys, start, noise, flags=flags)
+        assert torch.equal(got, want), (m, seed, (got != want).nonzero().flatten()[:8].tolist())
+        (ro, rn), (ho, hn) = decode_both(host, want, m, with_noise, pad=1 + seed)
+        assert same_bits(ho, ro) and same_bits(hn, rn)
+
+
+@pytest.mark.parametrize("case", ["inf", "nan", "noise_inf", "noise_nan", "overflow", "all_zero"])
+def test_host_built_requant_kernels_on_non_finite_and_extreme_shards(host, case):
+    from test_requant_kernel import decode_both, same_bits, shard
+    from horovod_terngrad.codec import requant
+    m = 1000
+    a, nu = shard(m, 5)
+    if case == "inf":
+        a[200], a[999] = -float("inf"), float("inf")
+    elif case == "nan":
+        a[130] = float("nan")
+    elif case == "noise_inf":
+        nu[7] = float("inf")
+    elif case == "noise_nan":
+        nu[900] = float("nan")
+    elif case == "overflow":
+        a[:] = 1e38
+        a[3] = 3.4e38
+    else:
+        a.zero_()
+        nu.zero_()
+    keys = requant.keys(1, 2, "x", 0)
+    for noise in (None, nu):
+        want = requant.encode(a, keys, 10, noise)
+        assert torch.equal(host.requant_encode(a, keys, 10, noise), want), case
+        (ro, rn), (ho, hn) = decode_both(host, want, m, noise is not None)
+        assert same_bits(ho, ro) and same_bits(hn, rn), case
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_kernel_driver_in_the_requantized_exchange(host, monkeypatch, N):
+    """exchange="requantized" on thread ranks with the host-built kernels doing every codec step (compress, the
+    owner payload's encode and decode): the payloads, averages and noise estimates of the torch reference."""
+    import horovod_terngrad.backends as B
+    from test_requant_kernel import _run, same_bits
+    from horovod_terngrad.codec import requant
+    cfg = TernGradConfig(exchange="requantized", packing="base3", bucket_size=64, seed=4)
+    calls = []
+    monkeypatch.setattr(requant, "encode", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(B, "for_device", lambda device: host)
+    got = _run(N, cfg)
+    monkeypatch.undo()
+    assert not calls                                       # the kernels took the owner payload
+    monkeypatch.setenv("HOROVOD_TERNGRAD_BACKEND", "torch")
+    want = _run(N, cfg)
+    for r in range(N):
+        assert len(got[r][2]) == len(want[r][2]) > 0
+        assert all(torch.equal(p, q) for p, q in zip(got[r][2], want[r][2]))
+        for step in range(2):
+            for o, w in zip(got[r][0][step], want[r][0][step]):
+                assert same_bits(o, w)
+            for o, w in zip(got[r][1][step], want[r][1][step]):
+                assert (o is None) == (w is None) and (o is None or same_bits(o, w))

@@ -17,8 +17,8 @@ Capabilities:
   optimizer runs foreach ops.
 * ``REQUANT``: ``requant_encode`` and ``requant_decode``, the requantized exchange's owner payload
   (codec/requant.py: 4-bit groups and the noise channel's bits) in one pass each (``RequantBackend``), the
-  reference's bytes and values exactly.  Only the fused CPU backend has it; elsewhere exchange/requantized.py
-  calls codec/requant.py's torch ops.
+  reference's bytes and values exactly.  The fused CPU backend and the CUDA kernels have it; elsewhere (the
+  reference) exchange/requantized.py calls codec/requant.py's torch ops.
 * ``BF16_INPUT``: ``prepare`` and ``encode`` read a bf16 gradient as it is, with the bytes its fp32 copy gives (bf16
   -> fp32 is exact), so the engine hands bf16 gradients over without making an fp32 copy.  The CUDA kernels
   (``cuda.KernelBackend``) have it; the other backends are given fp32.

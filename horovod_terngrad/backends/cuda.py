@@ -21,10 +21,10 @@ from typing import Protocol
 import torch
 
 from .. import codec
-from ..codec import packing
+from ..codec import packing, sizes
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
-from .base import BF16_INPUT, SHARDED_SUMS
+from .base import BF16_INPUT, REQUANT, SHARDED_SUMS
 from .compile_cache import KERNEL_DIR, kernel_source
 
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
@@ -46,6 +46,8 @@ SIGNATURES = {
     "tg_decode": ("p", "p", "i64", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
     "tg_owner_sums": ("p", "i64", "i32", "i64", "i32", "i32", "p"),
     "tg_decode_sums": ("p", "i64", "i32", "i32", "p", "i64", "i64", "f32", "p"),
+    "tg_requant_encode": ("p", "p", "i32", "i64", "i64", "u32", "u32", "u32", "u32", "i32", "p", "i64"),
+    "tg_requant_decode": ("p", "i64", "p", "p"),
 }
 # Gradient dtypes the kernels read as they are (the suffix of their kernels); others are converted to fp32.
 INPUT_KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -144,9 +146,10 @@ class KernelBackend:
     """prepare / encode / decode (the backend interface) on a kernel set.
 
     Gradients may be fp32 or bf16 (read as they are: the bytes are those of the fp32 copy); other dtypes are
-    converted to fp32 first.  The sharded exchange's owner sums and their decode (``SHARDED_SUMS``) run here too."""
+    converted to fp32 first.  The sharded exchange's owner sums and their decode (``SHARDED_SUMS``) and the
+    requantized exchange's owner payload (``REQUANT``) run here too."""
 
-    capabilities: frozenset[str] = frozenset({BF16_INPUT, SHARDED_SUMS})
+    capabilities: frozenset[str] = frozenset({BF16_INPUT, SHARDED_SUMS, REQUANT})
 
     def __init__(self, kernels: KernelLauncher):
         self.k = kernels
@@ -249,3 +252,48 @@ class KernelBackend:
                 s = s.to(device=data.device, dtype=torch.float32).contiguous()
             self.k.launch("tg_decode_sums", -(-m // 8),
                           [data.contiguous(), m, n_ranks, bits, s, bucket_size, start, float(divisor), out])
+
+    # -- REQUANT capability ---------------------------------------------------------------------------------------
+    def requant_encode(self, a: torch.Tensor, keys: tuple, start: int, noise: torch.Tensor | None = None,
+                       flags: int = 0) -> torch.Tensor:
+        """``RequantBackend.requant_encode``: codec/requant.py's ``encode`` (tg_requant_encode), the same bytes."""
+        m = a.numel()
+        if m >= 1 << 32:          # the header holds m in 32 bits (the reference's struct.pack raises too)
+            raise ValueError(f"TernGrad: a requantized shard of {m} elements does not fit its 32-bit header")
+        if start < 0:
+            raise ValueError(f"random stream element words must be >= 0, got {start}")
+        a = a.reshape(-1).to(torch.float32).contiguous()
+        nu = None if noise is None else noise.reshape(-1).to(device=a.device, dtype=torch.float32).contiguous()
+        if nu is not None and nu.numel() != m:
+            raise ValueError(f"TernGrad: noise of {nu.numel()} elements for a shard of {m}")
+        out = torch.empty(sizes.requantized_owner_bytes(m, noise is not None), dtype=torch.uint8, device=a.device)
+        (ka0, ka1), (kn0, kn1) = keys
+        self.k.launch("tg_requant_encode", max(1, -(-m // sizes.REQUANT_GROUP)),
+                      [a, nu, int(nu is not None), m, start, ka0, ka1, kn0, kn1, int(flags) & 0xFF, out, out.numel()])
+        return out
+
+    def requant_decode(self, buf: torch.Tensor, offset: int, m: int, with_noise: bool, out: torch.Tensor,
+                       noise_out: torch.Tensor | None = None) -> None:
+        """``RequantBackend.requant_decode``: codec/requant.py's ``decode`` (tg_requant_decode), the same bits;
+        straight from ``buf`` at any offset, into ``out`` / ``noise_out`` (copied back if they are not contiguous
+        fp32)."""
+        if m == 0:
+            return
+        need = sizes.REQUANT_HEADER_BYTES + 4 * sizes.requant_groups(m) + -(-m // 2)
+        if with_noise:
+            need += 4 * sizes.requant_groups(m) + -(-m // 8)
+        if not buf.is_contiguous() or buf.dtype != torch.uint8 or offset < 0 or offset + need > buf.numel():
+            raise ValueError(f"TernGrad: no requantized payload of {m} elements at byte {offset} of a "
+                             f"{buf.numel()}-byte buffer")
+        if out.numel() != m or (noise_out is not None and noise_out.numel() != m):
+            raise ValueError(f"TernGrad: outputs of {out.numel()} elements for a payload of {m}")
+        dev = buf.device
+        nu = noise_out if with_noise else None
+        o = out if out.is_contiguous() and out.dtype == torch.float32 else torch.empty(m, device=dev)
+        n = (None if nu is None else
+             nu if nu.is_contiguous() and nu.dtype == torch.float32 else torch.empty(m, device=dev))
+        self.k.launch("tg_requant_decode", -(-m // 8), [buf.data_ptr() + offset, m, o, n])
+        if o is not out:
+            out.copy_(o.view(out.shape))
+        if n is not None and n is not nu:
+            nu.copy_(n.view(nu.shape))
