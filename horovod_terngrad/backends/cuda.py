@@ -59,8 +59,9 @@ def traffic(op: str, *, in_bytes: int = 4, fmt: str = "2bit", payloads: int = 1)
 
     ``compress``: the statistics pass reads the gradient (``in_bytes`` per element: 4 fp32, 2 bf16), the
     ternarize pass reads it again and writes 1/4 (2bit) or 1/5 (base3) byte of codes: 8.25 for fp32 2bit.
-    ``decode``: reads ``payloads`` packed codes (1/4 or 1/5 byte each) and writes one fp32.  Per-lane partials,
-    scalers and headers are left out: they are under 1% of the total at a million elements."""
+    ``decode``: reads ``payloads`` packed codes (1/4 or 1/5 byte each) and writes one fp32.  Per-lane partials
+    (20 bytes per 512 elements), scalers and headers are left out: under 1% of the total at a million elements.
+    Per-bucket scalers (bucket_size > 0) read the gradient once more: add ``in_bytes`` to ``compress``."""
     if fmt not in FORMATS:
         raise ValueError(f"traffic: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     code = 1.0 / packing.CODES_PER_BYTE[fmt]
@@ -77,7 +78,8 @@ class KernelLauncher(Protocol):
     device: str   # "cuda" or "cpu": where the tensors passed to ``launch`` live
 
     def launch(self, name: str, work: int, args: list) -> None:
-        """Run kernel ``name`` over ``work`` items (a grid-stride loop) with ``args`` (tensors or scalars)."""
+        """Run kernel ``name`` over ``work`` items (a grid-stride loop) with ``args``: tensors, or device addresses
+        as ints (None: null) for pointers, and scalars."""
         ...
 
 
