@@ -20,7 +20,8 @@ typedef uint8_t tg_u8;
 #define __restrict__ __restrict
 
 struct tg_dim3 { unsigned x, y, z; };
-static tg_dim3 threadIdx, blockIdx, blockDim, gridDim;
+// thread_local: ranks on threads (tests/test_kernels.py) launch host kernels at the same time (ctypes drops the GIL)
+static thread_local tg_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 // CUDA's built-in vector types (only the members the kernels use) and bit casts.
 struct float4 { float x, y, z, w; };
