@@ -26,6 +26,11 @@
 //   tg_pack_*           reads in, writes codes
 //   compress            2·in + codes             (fp32 2bit: 8.25; bucketed: 3·in + codes)
 //   tg_decode           reads payloads·codes, writes 4
+//   tg_owner_sums       reads N·codes, writes bits/8 (bits = ceil(log2(2N+1)))
+//   tg_decode_sums      reads bits/8, writes 4
+//   tg_requant_encode   reads 4 (the group twice, from cache the second time), writes 1/2 (+ the noise channel:
+//                       reads 4 more, writes 1/8)
+//   tg_requant_decode   reads 1/2 (+ 1/8), writes 4 (+ 4)
 //
 // Each thread of the two big kernels handles one 32-bit word of packed codes (16 elements in 2bit, 20 in
 // base3): one bucket division per word, vector loads (float4 for fp32, 8 bytes for bf16) where the tensor
