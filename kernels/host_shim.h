@@ -10,17 +10,27 @@
 typedef int64_t tg_i64;
 typedef uint64_t tg_u64;
 typedef uint32_t tg_u32;
+typedef uint16_t tg_u16;
 typedef uint8_t tg_u8;
 #define TG_EXTERN static
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 
 struct tg_dim3 { unsigned x, y, z; };
-static tg_dim3 threadIdx, blockIdx, blockDim, gridDim;
+// thread_local: ranks on threads (tests/test_kernels.py) launch host kernels at the same time (ctypes drops the GIL)
+static thread_local tg_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
+// CUDA's built-in vector types (only the members the kernels use) and bit casts.
+struct float4 { float x, y, z, w; };
+struct uint2 { tg_u32 x, y; };
 static inline tg_u32 __float_as_uint(float f) { tg_u32 u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(tg_u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline int __popc(tg_u32 x) { return __builtin_popcount(x); }
+static inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
 // Threads run one after another here, so a plain read-modify-write is the atomic operation.
 static inline tg_u32 atomicMax(tg_u32 *addr, tg_u32 v) { tg_u32 old = *addr; if (v > old) *addr = v; return old; }
 

@@ -3,31 +3,56 @@
 //
 // They evaluate exactly the operations the reference codec (horovod_terngrad/codec) specifies, so the
 // bytes are identical to the CPU paths:
-//   statistics   fp64 sums in blocks of 2048 elements, 32 interleaved lanes per block (one warp:
-//                coalesced reads) summed sequentially; all lane partials then reduced level by level,
-//                groups of 8 values combined as ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)) (zero-padded);
-//                max |g| by atomicMax on the bits of non-negative floats (which order like unsigned ints).
+//   statistics   fp64 sums in blocks of 2048 elements, 32 interleaved lanes per block summed sequentially;
+//                all lane partials then reduced level by level, groups of 8 values combined as
+//                ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)) (zero-padded).  One thread sums 8 adjacent lanes (its
+//                reads: 8 consecutive elements per step, 32 bytes of fp32) and writes their group of 8, the
+//                tree's first level, with the max |g| of its elements beside it: no atomics.
+//   threshold    the last tree launch computes c·σ and the scalers as codec.clip_threshold / local_scalers
+//                do, in the same IEEE operations (fp64 mean, variance clamped at 0, sqrt, fp32 rounding).
 //   ternarize    c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24,
 //                h = mix32(mix32(lo ^ k0) ^ hi ^ k1) over the 64-bit element index hi:lo.
 //   pack         code 0 (t = 0), 1 (t = +1), 2 (t = -1); 2bit: 4 codes per byte, code q in bits 2q..2q+1;
 //                base3: 5 codes per byte as sum code_q * 3^q.
 //   decode       shared scalers: ((float)k * s) / divisor, k = sum of ternary values (exact integer);
 //                otherwise (sum over payloads, in order, of v * s_p) / divisor in fp32.
+// bf16 gradients are read as they are (bf16 -> fp32 is exact: the bits shifted up by 16), so a bf16 tensor
+// gives the bytes its fp32 copy gives.
+//
+// Bytes moved per element (backends/cuda.py: traffic), in = 4 (fp32) or 2 (bf16), codes = 1/4 (2bit), 1/5 (base3):
+//   tg_stats_*          reads in                 (+ 20 bytes per 512 elements of partials)
+//   tg_tree             reads and writes the partials: 20 bytes per 512 elements, then 1/8 of that per level
+//   tg_bucket_max_*     reads in                 (bucketed scalers only)
+//   tg_pack_*           reads in, writes codes
+//   compress            2·in + codes             (fp32 2bit: 8.25; bucketed: 3·in + codes)
+//   tg_decode           reads payloads·codes, writes 4
+//   tg_owner_sums       reads N·codes, writes bits/8 (bits = ceil(log2(2N+1)))
+//   tg_decode_sums      reads bits/8, writes 4
+//   tg_requant_encode   reads 4 (the group twice, from cache the second time), writes 1/2 (+ the noise channel:
+//                       reads 4 more, writes 1/8)
+//   tg_requant_decode   reads 1/2 (+ 1/8), writes 4 (+ 4)
+//
+// Each thread of the two big kernels handles one 32-bit word of packed codes (16 elements in 2bit, 20 in
+// base3): one bucket division per word, vector loads (float4 for fp32, 8 bytes for bf16) where the tensor
+// is aligned for them, one 32-bit store of the codes (decode: one 32-bit load per payload, float4 stores).
+// Unaligned pointers and the ragged end take element-wise paths with the same arithmetic.
 // Compile with --fmad=false and without fast math: no contraction may change a rounding.
 // Every kernel uses 64-bit indices and a grid-stride loop, so any grid size covers any n.
-// No shared memory, no __syncthreads and no warp shuffles: each thread is independent, which is what
-// lets the host emulation run the very same source.
+// No shared memory, no __syncthreads and no warp shuffles: each thread is independent (atomics only to
+// combine maxima, which are exact in any order), which is what lets the host emulation run the very same source.
 
 #ifndef TG_HOST_EMULATION
 typedef long long tg_i64;
 typedef unsigned long long tg_u64;
 typedef unsigned int tg_u32;
+typedef unsigned short tg_u16;
 typedef unsigned char tg_u8;
 #define TG_EXTERN extern "C"
 #endif
 
 #define TG_STATS_BLOCK 2048
 #define TG_LANES 32
+#define TG_OCTETS (TG_LANES / 8)   // groups of 8 lanes per block: one thread each
 
 __device__ __forceinline__ tg_u32 tg_mix32(tg_u32 x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -37,58 +62,221 @@ __device__ __forceinline__ tg_u32 tg_mix32(tg_u32 x) {
 __device__ __forceinline__ tg_i64 tg_tid() { return (tg_i64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ tg_i64 tg_stride() { return (tg_i64)gridDim.x * blockDim.x; }
 
-// (a) statistics, stage 1: per (block, lane) sequential fp64 sums; whole-tensor max |g| bits.
-TG_EXTERN __global__ void tg_stats_lanes(const float *__restrict__ g, tg_i64 n, double *__restrict__ lane_sum,
-                                         double *__restrict__ lane_sq, tg_u32 *__restrict__ maxbits) {
-    const tg_i64 nlanes = ((n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK) * TG_LANES;
-    for (tg_i64 t = tg_tid(); t < nlanes; t += tg_stride()) {
-        const tg_i64 base = (t / TG_LANES) * TG_STATS_BLOCK + (t % TG_LANES);
-        double s = 0.0, q = 0.0;
+// a / b for a >= 0, b > 0: 32-bit division (a short sequence on a GPU) whenever both fit, which is always
+// below 2^32 elements; 64-bit division otherwise.
+__device__ __forceinline__ tg_i64 tg_div(tg_i64 a, tg_i64 b) {
+    if ((((tg_u64)a | (tg_u64)b) >> 32) == 0) return (tg_i64)((tg_u32)a / (tg_u32)b);
+    return a / b;
+}
+
+__device__ __forceinline__ double tg_sum8(const double *x) {
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+__device__ __forceinline__ float tg_maxf(float a, float b) { return b > a ? b : a; }
+
+// -- element loads: fp32 or bf16 (uint16 bits) into fp32 -----------------------------------------------------------
+__device__ __forceinline__ float tg_ld(const float *__restrict__ g, tg_i64 i) { return g[i]; }
+__device__ __forceinline__ float tg_ld(const tg_u16 *__restrict__ g, tg_i64 i) {
+    return __uint_as_float((tg_u32)g[i] << 16);
+}
+
+__device__ __forceinline__ void tg_unpack4(const float4 &x, float *v) {
+    v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+}
+__device__ __forceinline__ void tg_unpack4(const uint2 &x, float *v) {   // 4 bf16, element 0 in the low half
+    v[0] = __uint_as_float(x.x << 16); v[1] = __uint_as_float(x.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(x.y << 16); v[3] = __uint_as_float(x.y & 0xFFFF0000u);
+}
+
+template <typename T> struct tg_vec4;                         // the vector type of 4 elements
+template <> struct tg_vec4<float> { typedef float4 type; };    // 16 bytes
+template <> struct tg_vec4<tg_u16> { typedef uint2 type; };    // 8 bytes
+
+// Whether g may be read 4 elements at a time from every index that is a multiple of 4.
+template <typename T> __device__ __forceinline__ bool tg_vec_aligned(const T *g) {
+    return ((tg_u64)g & (tg_u64)(4 * sizeof(T) - 1)) == 0;
+}
+
+// v[0..CNT) = g[i0 .. i0+CNT), 0 past n.  i0 and CNT are multiples of 4.
+template <typename T, int CNT>
+__device__ __forceinline__ void tg_load(const T *__restrict__ g, tg_i64 n, tg_i64 i0, bool aligned, float *v) {
+    if (aligned && i0 + CNT <= n) {
+        const typename tg_vec4<T>::type *p = reinterpret_cast<const typename tg_vec4<T>::type *>(g + i0);
+#pragma unroll
+        for (int j = 0; j < CNT / 4; j++) tg_unpack4(p[j], v + 4 * j);
+    } else {
+#pragma unroll
+        for (int j = 0; j < CNT; j++) v[j] = i0 + j < n ? tg_ld(g, i0 + j) : 0.0f;
+    }
+}
+
+// -- (a) statistics --------------------------------------------------------------------------------------------------
+// Thread t: lanes 8u..8u+7 (u = t mod 4) of block t / 4.  Each lane is summed sequentially from +0 (a zero past
+// n adds nothing: the sum never is -0), then the 8 lane partials are combined by the tree's rule: output t is
+// level 1 of the tree.  om[t]: max |g| over the 8 lanes (NaN is ignored here; the NaN/Inf flag comes from the sums).
+template <typename T>
+__device__ __forceinline__ void tg_stats_body(const T *__restrict__ g, tg_i64 n, double *__restrict__ os,
+                                              double *__restrict__ oq, float *__restrict__ om) {
+    const tg_i64 groups = ((n + TG_STATS_BLOCK - 1) / TG_STATS_BLOCK) * TG_OCTETS;
+    const bool aligned = tg_vec_aligned(g);
+    for (tg_i64 t = tg_tid(); t < groups; t += tg_stride()) {
+        const tg_i64 base = (t / TG_OCTETS) * TG_STATS_BLOCK + (t % TG_OCTETS) * 8;
+        double s[8], q[8];
         float m = 0.0f;
+#pragma unroll
+        for (int l = 0; l < 8; l++) { s[l] = 0.0; q[l] = 0.0; }
         for (int j = 0; j < TG_STATS_BLOCK / TG_LANES; j++) {
             const tg_i64 i = base + (tg_i64)j * TG_LANES;
             if (i >= n) break;
-            const float a = g[i];
-            const double v = (double)a;
-            s += v;
-            q += v * v;
-            const float fa = fabsf(a);
-            m = fa > m ? fa : m;
+            float v[8];
+            tg_load<T, 8>(g, n, i, aligned, v);
+#pragma unroll
+            for (int l = 0; l < 8; l++) {
+                const double d = (double)v[l];
+                s[l] += d;
+                q[l] += d * d;
+                m = tg_maxf(m, fabsf(v[l]));
+            }
         }
-        lane_sum[t] = s;
-        lane_sq[t] = q;
-        atomicMax(maxbits, __float_as_uint(m));
+        os[t] = tg_sum8(s);
+        oq[t] = tg_sum8(q);
+        om[t] = m;
     }
 }
 
-// (a) statistics, stage 2 (run level by level): out[k] = sum8(in[8k .. 8k+7]), zero-padded.
-TG_EXTERN __global__ void tg_sum8(const double *__restrict__ in, tg_i64 m, double *__restrict__ out) {
-    const tg_i64 groups = (m + 7) / 8;
-    for (tg_i64 k = tg_tid(); k < groups; k += tg_stride()) {
-        double x[8];
-        for (int j = 0; j < 8; j++) x[j] = 8 * k + j < m ? in[8 * k + j] : 0.0;
-        out[k] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+TG_EXTERN __global__ void tg_stats_f32(const float *__restrict__ g, tg_i64 n, double *__restrict__ os,
+                                       double *__restrict__ oq, float *__restrict__ om) {
+    tg_stats_body(g, n, os, oq, om);
+}
+
+TG_EXTERN __global__ void tg_stats_bf16(const tg_u16 *__restrict__ g, tg_i64 n, double *__restrict__ os,
+                                        double *__restrict__ oq, float *__restrict__ om) {
+    tg_stats_body(g, n, os, oq, om);
+}
+
+__device__ __forceinline__ bool tg_finite(double x) {
+    return ((tg_u64)__double_as_longlong(x) & 0x7FF0000000000000ULL) != 0x7FF0000000000000ULL;
+}
+
+// s = min(max|g|, thr) as torch.minimum (neither is NaN here), 0 where the tensor held NaN/Inf.
+__device__ __forceinline__ float tg_scaler(float maxabs, float thr, bool bad) {
+    return bad ? 0.0f : (thr < maxabs ? thr : maxabs);
+}
+
+// One group of 8 partials (zero-padded past m): sums, squares, max.
+__device__ __forceinline__ void tg_group8(const double *__restrict__ is, const double *__restrict__ iq,
+                                          const float *__restrict__ im, tg_i64 m, tg_i64 first, double &s,
+                                          double &q, float &mx) {
+    double a[8], b[8];
+    float c = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const bool in = first + j < m;
+        a[j] = in ? is[first + j] : 0.0;
+        b[j] = in ? iq[first + j] : 0.0;
+        if (in) c = tg_maxf(c, im[first + j]);
+    }
+    s = tg_sum8(a);
+    q = tg_sum8(b);
+    mx = c;
+}
+
+// (a) statistics, the tree: `levels` (1 or 2) levels of it for sums, squares and max together.  Two levels in one
+// thread give what two launches give: a group of the second level whose inputs all lie past the first level's end
+// sums zero-padding to +0, the value the padding has.  When `prep` is not null the output is the single total, and
+// this thread also writes the clip threshold prep[0], the NaN/Inf flag and (one scaler per tensor) prep[1].
+TG_EXTERN __global__ void tg_tree(const double *__restrict__ is, const double *__restrict__ iq,
+                                  const float *__restrict__ im, tg_i64 m, int levels, double *__restrict__ os,
+                                  double *__restrict__ oq, float *__restrict__ om, tg_i64 n, double clip,
+                                  tg_i64 nb, float *__restrict__ prep, tg_u8 *__restrict__ nonfinite) {
+    const tg_i64 span = levels == 2 ? 64 : 8;
+    const tg_i64 outs = (m + span - 1) / span;
+    for (tg_i64 k = tg_tid(); k < outs; k += tg_stride()) {
+        double s, q;
+        float mx;
+        if (levels == 2) {
+            double a[8], b[8];
+            mx = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                float c;
+                tg_group8(is, iq, im, m, 64 * k + 8 * j, a[j], b[j], c);
+                mx = tg_maxf(mx, c);
+            }
+            s = tg_sum8(a);
+            q = tg_sum8(b);
+        } else {
+            tg_group8(is, iq, im, m, 8 * k, s, q, mx);
+        }
+        os[k] = s;
+        oq[k] = q;
+        om[k] = mx;
+        if (prep) {   // codec.clip_threshold, operation by operation
+            float thr = __int_as_float(0x7f800000);
+            if (clip > 0.0) {
+                const double mean = s / (double)n;
+                double var = q / (double)n - mean * mean;
+                var = var < 0.0 ? 0.0 : var;                 // torch.clamp(min=0): NaN stays NaN
+                const float t = (float)(clip * sqrt(var));
+                thr = t > 0.0f ? t : thr;                    // 0 or NaN: no clipping
+            }
+            const bool bad = !(tg_finite(s) && tg_finite(q));
+            prep[0] = thr;
+            *nonfinite = bad ? 1 : 0;
+            if (nb == 1) prep[1] = tg_scaler(mx, thr, bad);
+        }
     }
 }
 
-// (a) statistics, optional: max |g| per bucket of `bucket` elements.
-TG_EXTERN __global__ void tg_bucket_max(const float *__restrict__ g, tg_i64 n, tg_i64 bucket,
-                                        float *__restrict__ maxabs) {
-    const tg_i64 nb = (n + bucket - 1) / bucket;
-    for (tg_i64 k = tg_tid(); k < nb; k += tg_stride()) {
-        const tg_i64 lo = k * bucket, hi = lo + bucket < n ? lo + bucket : n;
+// (a) statistics, bucketed scalers: max |g| per bucket of `bucket` elements into maxbits (zeroed before), as the
+// bits of non-negative floats, which order like unsigned ints.  A thread reads 16 elements and combines one
+// maximum per bucket it touches with atomicMax (exact in any order).
+template <typename T>
+__device__ __forceinline__ void tg_bucket_max_body(const T *__restrict__ g, tg_i64 n, tg_i64 bucket,
+                                                   tg_u32 *__restrict__ maxbits) {
+    const tg_i64 chunks = (n + 15) / 16;
+    const bool aligned = tg_vec_aligned(g);
+    for (tg_i64 c = tg_tid(); c < chunks; c += tg_stride()) {
+        const tg_i64 i0 = 16 * c;
+        float v[16];
+        tg_load<T, 16>(g, n, i0, aligned, v);
+        tg_i64 k = tg_div(i0, bucket), next = (k + 1) * bucket;
         float m = 0.0f;
-        for (tg_i64 i = lo; i < hi; i++) {
-            const float a = fabsf(g[i]);
-            m = a > m ? a : m;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            if (i0 + j >= n) break;
+            if (i0 + j >= next) {               // at most one boundary per element
+                atomicMax(maxbits + k, __float_as_uint(m));
+                k++;
+                next += bucket;
+                m = 0.0f;
+            }
+            m = tg_maxf(m, fabsf(v[j]));
         }
-        maxabs[k] = m;
+        atomicMax(maxbits + k, __float_as_uint(m));
     }
 }
 
-__device__ __forceinline__ tg_u32 tg_code(const float *__restrict__ g, tg_i64 i, float thr, float s,
-                                          tg_u32 k0, tg_u32 k1) {
-    float c = g[i];
+TG_EXTERN __global__ void tg_bucket_max_f32(const float *__restrict__ g, tg_i64 n, tg_i64 bucket,
+                                            tg_u32 *__restrict__ maxbits) {
+    tg_bucket_max_body(g, n, bucket, maxbits);
+}
+
+TG_EXTERN __global__ void tg_bucket_max_bf16(const tg_u16 *__restrict__ g, tg_i64 n, tg_i64 bucket,
+                                             tg_u32 *__restrict__ maxbits) {
+    tg_bucket_max_body(g, n, bucket, maxbits);
+}
+
+// prep[1 + k] = the scaler of bucket k, from its max and the threshold and flag tg_tree wrote.
+TG_EXTERN __global__ void tg_bucket_scalers(const tg_u32 *__restrict__ maxbits, tg_i64 nb,
+                                            const tg_u8 *__restrict__ nonfinite, float *__restrict__ prep) {
+    const float thr = prep[0];
+    const bool bad = *nonfinite != 0;
+    for (tg_i64 k = tg_tid(); k < nb; k += tg_stride()) prep[1 + k] = tg_scaler(__uint_as_float(maxbits[k]), thr, bad);
+}
+
+// -- (b) fused clip + stochastic ternarize + pack ------------------------------------------------------------------
+__device__ __forceinline__ tg_u32 tg_code(float c, tg_i64 i, float thr, float s, tg_u32 k0, tg_u32 k1) {
     c = c > thr ? thr : c;
     c = c < -thr ? -thr : c;
     const tg_u32 h = tg_mix32(tg_mix32((tg_u32)((tg_u64)i & 0xFFFFFFFFULL) ^ k0) ^ (tg_u32)((tg_u64)i >> 32) ^ k1);
@@ -97,85 +285,408 @@ __device__ __forceinline__ tg_u32 tg_code(const float *__restrict__ g, tg_i64 i,
     return keep ? (c > 0.0f ? 1u : (c < 0.0f ? 2u : 0u)) : 0u;
 }
 
-// Bucket index of every element of packed byte b: one 64-bit division per byte, then steps.  64-bit division
-// is a long instruction sequence on a GPU; it used to run per element, and per payload in the decode (not yet
-// timed on a GPU).  With bucket <= 0 (one scaler per tensor) every index is 0.
-__device__ __forceinline__ void tg_bucket_of(tg_i64 b, int per, tg_i64 bucket, tg_i64 *__restrict__ kq) {
-    if (bucket <= 0) {
-        for (int q = 0; q < per; q++) kq[q] = 0;
-        return;
-    }
-    tg_i64 i = b * per, k = i / bucket, next = (k + 1) * bucket;
-    for (int q = 0; q < per; q++, i++) {
-        if (i >= next) { k++; next += bucket; }     // i moves by one: at most one boundary per element
-        kq[q] = k;
-    }
-}
-
-// (b) fused clip + stochastic ternarize + pack. thr and scalers live in device memory (no host sync).
-TG_EXTERN __global__ void tg_ternarize_pack(const float *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
-                                            const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
-                                            int fmt, tg_u8 *__restrict__ out) {
-    const int per = fmt == 1 ? 4 : 5;
-    const tg_i64 nbytes = (n + per - 1) / per;
+// One thread per 32-bit word of codes (4 bytes: 4·PER elements).  thr and scalers live in device memory (no
+// host sync).  The bucket of the word's first element takes one division; later elements step across
+// boundaries (at most one per element).  With bucket <= 0 (one scaler per tensor) every element uses scalers[0].
+template <typename T, int PER>
+__device__ __forceinline__ void tg_pack_body(const T *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
+                                             const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0,
+                                             tg_u32 k1, tg_u8 *__restrict__ out) {
+    const int E = 4 * PER;
+    const tg_i64 nbytes = (n + PER - 1) / PER, words = (nbytes + 3) / 4;
     const float thr = *thr_p;
-    for (tg_i64 b = tg_tid(); b < nbytes; b += tg_stride()) {
-        tg_u32 byte = 0, mul = 1;
-        tg_i64 kq[5];
-        tg_bucket_of(b, per, bucket, kq);
-        for (int q = 0; q < per; q++) {
-            const tg_i64 i = b * per + q;
-            tg_u32 code = 0;
-            if (i < n) code = tg_code(g, i, thr, scalers[kq[q]], k0, k1);
-            if (fmt == 1) byte |= code << (2 * q);
-            else { byte += code * mul; mul *= 3; }
+    const bool aligned = tg_vec_aligned(g), out_aligned = ((tg_u64)out & 3) == 0;
+    for (tg_i64 w = tg_tid(); w < words; w += tg_stride()) {
+        const tg_i64 i0 = w * E;
+        float v[E];
+        tg_load<T, E>(g, n, i0, aligned, v);
+        tg_i64 k = 0, next = 0;
+        if (bucket > 0) {
+            k = tg_div(i0, bucket);
+            next = (k + 1) * bucket;
         }
-        out[b] = (tg_u8)byte;
+        float s = scalers[k];
+        tg_u32 word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            tg_u32 byte = 0, mul = 1;
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                const tg_i64 i = i0 + b * PER + q;
+                if (i < n) {
+                    if (bucket > 0 && i >= next) {
+                        k++;
+                        next += bucket;
+                        s = scalers[k];
+                    }
+                    const tg_u32 code = tg_code(v[b * PER + q], i, thr, s, k0, k1);
+                    if (PER == 4) byte |= code << (2 * q);
+                    else byte += code * mul;
+                }
+                mul *= 3;
+            }
+            word |= byte << (8 * b);
+        }
+        if (out_aligned && 4 * w + 4 <= nbytes) {
+            *reinterpret_cast<tg_u32 *>(out + 4 * w) = word;
+        } else {
+            for (int b = 0; b < 4; b++)
+                if (4 * w + b < nbytes) out[4 * w + b] = (tg_u8)(word >> (8 * b));
+        }
     }
 }
 
-__device__ __forceinline__ int tg_value(tg_u32 byte, int q, int fmt) {
-    tg_u32 code;
-    if (fmt == 1) code = (byte >> (2 * q)) & 3u;
-    else {
-        if (byte > 242u) return 0;
-        tg_u32 x = byte;
-        for (int r = 0; r < q; r++) x /= 3u;
-        code = x % 3u;
-    }
-    return code == 1u ? 1 : (code == 2u ? -1 : 0);
+// fmt: 1 = 2bit, otherwise base3 (codec.packing.FORMATS).
+TG_EXTERN __global__ void tg_pack_f32(const float *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
+                                      const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
+                                      int fmt, tg_u8 *__restrict__ out) {
+    if (fmt == 1) tg_pack_body<float, 4>(g, n, thr_p, scalers, bucket, k0, k1, out);
+    else tg_pack_body<float, 5>(g, n, thr_p, scalers, bucket, k0, k1, out);
 }
 
-// (c) fused unpack + scale + accumulate of npay payloads into the average.
-//     packed[p] = gathered + packed_off[p]; scalers is [npay, nb] fp32; *shared != 0 when every
-//     payload carries the same scalers (decided on the device: no host sync).
-TG_EXTERN __global__ void tg_decode(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ packed_off,
-                                    int npay, tg_i64 n, int fmt, const float *__restrict__ scalers, tg_i64 nb,
-                                    tg_i64 bucket, const int *__restrict__ shared, float divisor,
-                                    float *__restrict__ out) {
-    const int per = fmt == 1 ? 4 : 5;
-    const tg_i64 nbytes = (n + per - 1) / per;
+TG_EXTERN __global__ void tg_pack_bf16(const tg_u16 *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
+                                       const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
+                                       int fmt, tg_u8 *__restrict__ out) {
+    if (fmt == 1) tg_pack_body<tg_u16, 4>(g, n, thr_p, scalers, bucket, k0, k1, out);
+    else tg_pack_body<tg_u16, 5>(g, n, thr_p, scalers, bucket, k0, k1, out);
+}
+
+// -- (c) fused unpack + scale + accumulate of npay payloads into the average ---------------------------------------
+// Before tg_decode: the npay·nb scalers, at scalers_at bytes into each payload (any byte offset), into an aligned
+// [npay, nb] fp32 array, and *shared (1 before) set to 0 when any differs from payload 0's, compared as floats
+// (torch.equal: -0 equals +0, NaN equals nothing).  Threads that find a difference all write the same 0.
+TG_EXTERN __global__ void tg_decode_scalers(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off,
+                                            tg_i64 scalers_at, int npay, tg_i64 nb, float *__restrict__ scalers,
+                                            int *__restrict__ shared) {
+    const tg_i64 total = (tg_i64)npay * nb;
+    for (tg_i64 t = tg_tid(); t < total; t += tg_stride()) {
+        const tg_i64 p = t / nb, k = t - p * nb;
+        const tg_u8 *src = gathered + off[p] + scalers_at + 4 * k, *first = gathered + off[0] + scalers_at + 4 * k;
+        tg_u32 a = 0, b = 0;
+        for (int j = 0; j < 4; j++) {
+            a |= (tg_u32)src[j] << (8 * j);
+            b |= (tg_u32)first[j] << (8 * j);
+        }
+        const float s = __uint_as_float(a);
+        scalers[t] = s;
+        if (s != __uint_as_float(b)) *shared = 0;
+    }
+}
+
+// The ternary values of one packed byte: 2bit fields, or the 5 base-3 digits (a byte above 242 is no valid
+// code: all zero).  Division by the constant 3 compiles to a multiply and shift; every digit costs one.
+template <int PER>
+__device__ __forceinline__ void tg_values(tg_u32 byte, int *v) {
+    if (PER == 4) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const tg_u32 c = (byte >> (2 * q)) & 3u;
+            v[q] = c == 1u ? 1 : (c == 2u ? -1 : 0);
+        }
+    } else {
+        tg_u32 x = byte > 242u ? 0u : byte;
+#pragma unroll
+        for (int q = 0; q < PER; q++) {
+            const tg_u32 d = x / 3u, c = x - 3u * d;
+            v[q] = c == 1u ? 1 : (c == 2u ? -1 : 0);
+            x = d;
+        }
+    }
+}
+
+// Buckets started after the word's first element, up to element e.
+__device__ __forceinline__ int tg_dk(tg_u32 steps, int e) { return __popc(steps & ((2u << e) - 1u)); }
+
+// One thread per 32-bit word of codes of every payload: payload p starts at gathered + off[p], its codes codes_at
+// bytes later (any byte offset: one 32-bit load where the word is aligned, else 4 byte loads); scalers is
+// [npay, nb] fp32 and *shared != 0 when every payload carries the same scalers (both from tg_decode_scalers).
+template <int PER>
+__device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off,
+                                               tg_i64 codes_at, int npay, tg_i64 n,
+                                               const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket,
+                                               const int *__restrict__ shared, float divisor,
+                                               float *__restrict__ out) {
+    const int E = 4 * PER;
+    const tg_i64 nbytes = (n + PER - 1) / PER, words = (nbytes + 3) / 4;
     const bool same = *shared != 0;
-    for (tg_i64 b = tg_tid(); b < nbytes; b += tg_stride()) {
-        int k[5] = {0, 0, 0, 0, 0};
-        float acc[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        tg_i64 kq[5];
-        tg_bucket_of(b, per, bucket, kq);    // past the end (i >= n) an index may be nb: never read below
+    const bool out_aligned = ((tg_u64)out & 15) == 0;
+    for (tg_i64 w = tg_tid(); w < words; w += tg_stride()) {
+        const tg_i64 i0 = w * E;
+        tg_i64 k0 = 0;
+        tg_u32 steps = 0;              // bit e: a bucket starts at element i0 + e (e > 0); its bucket: k0 + dk(e)
+        if (bucket > 0) {
+            k0 = tg_div(i0, bucket);
+            tg_i64 next = (k0 + 1) * bucket;
+#pragma unroll
+            for (int e = 1; e < E; e++) {
+                if (i0 + e >= next) { steps |= 1u << e; next += bucket; }
+            }
+        }
+        // acc: the sum of the ternary values (exact integers) when the scalers are shared, else of v·s_p
+        float acc[E];
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[e] = 0.0f;
+        const bool whole = 4 * w + 4 <= nbytes;
         for (int p = 0; p < npay; p++) {
-            const tg_u32 byte = gathered[packed_off[p] + b];
-            for (int q = 0; q < per; q++) {
-                const int v = tg_value(byte, q, fmt);
-                if (same) k[q] += v;
-                else if (b * per + q < n) {
-                    acc[q] = acc[q] + (float)v * scalers[(tg_i64)p * nb + kq[q]];
+            const tg_u8 *src = gathered + off[p] + codes_at + 4 * w;
+            tg_u32 word = 0;
+            if (whole && ((tg_u64)src & 3) == 0) {
+                word = *reinterpret_cast<const tg_u32 *>(src);
+            } else {
+                for (int b = 0; b < 4; b++)
+                    if (4 * w + b < nbytes) word |= (tg_u32)src[b] << (8 * b);
+            }
+            const float *sp = scalers + (tg_i64)p * nb + k0;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                int v[PER];
+                tg_values<PER>((word >> (8 * b)) & 255u, v);
+#pragma unroll
+                for (int q = 0; q < PER; q++) {
+                    const int e = b * PER + q;
+                    if (same) acc[e] += (float)v[q];
+                    else if (i0 + e < n) acc[e] = acc[e] + (float)v[q] * sp[tg_dk(steps, e)];
                 }
             }
         }
-        for (int q = 0; q < per; q++) {
-            const tg_i64 i = b * per + q;
-            if (i >= n) break;
-            const float s0 = scalers[kq[q]];
-            out[i] = same ? ((float)k[q] * s0) / divisor : acc[q] / divisor;
+        float r[E];
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            r[e] = 0.0f;
+            if (i0 + e < n) r[e] = same ? (acc[e] * scalers[k0 + tg_dk(steps, e)]) / divisor : acc[e] / divisor;
         }
+        if (out_aligned && i0 + E <= n) {
+            float4 *o = reinterpret_cast<float4 *>(out + i0);
+#pragma unroll
+            for (int j = 0; j < E / 4; j++) {
+                float4 x;
+                x.x = r[4 * j]; x.y = r[4 * j + 1]; x.z = r[4 * j + 2]; x.w = r[4 * j + 3];
+                o[j] = x;
+            }
+        } else {
+            for (int e = 0; e < E; e++)
+                if (i0 + e < n) out[i0 + e] = r[e];
+        }
+    }
+}
+
+// At most 80 registers (3 blocks of 256 threads per SM) without spilling: its 16-20 accumulators and the word's
+// bucket steps would otherwise take over 100 and leave fewer threads to keep stores in flight.
+TG_EXTERN __global__ void __launch_bounds__(256, 3)
+tg_decode(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off, tg_i64 codes_at, int npay, tg_i64 n,
+          int fmt, const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket, const int *__restrict__ shared,
+          float divisor, float *__restrict__ out) {
+    if (fmt == 1) tg_decode_body<4>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
+    else tg_decode_body<5>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
+}
+
+// -- (d) the sharded exchange: an owner's sums of N ranks' codes, and the decode of the gathered sums --------------
+// Sums k in [-N, N] travel as k + N in `bits` bits, element j in bits j·bits .. (j+1)·bits - 1 of the stream (least
+// significant first): 8 elements take exactly `bits` bytes, so one thread per 8 elements owns whole bytes.
+template <int PER>
+__device__ __forceinline__ int tg_value_at(const tg_u8 *__restrict__ packed, tg_i64 i) {
+    int v[PER];
+    tg_values<PER>(packed[i / PER], v);
+    const int q = (int)(i % PER);
+    int r = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++) r = j == q ? v[j] : r;
+    return r;
+}
+
+// received: npay chunks of nbytes bytes (rank order), each the m codes of the shard from its first element.
+template <int PER>
+__device__ __forceinline__ void tg_owner_sums_body(const tg_u8 *__restrict__ received, tg_i64 nbytes, int npay,
+                                                   tg_i64 m, int bits, tg_u8 *__restrict__ out) {
+    const tg_i64 groups = (m + 7) / 8;
+    for (tg_i64 grp = tg_tid(); grp < groups; grp += tg_stride()) {
+        const tg_i64 i0 = 8 * grp;
+        const int cnt = m - i0 < 8 ? (int)(m - i0) : 8;
+        int k[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int p = 0; p < npay; p++) {
+            const tg_u8 *src = received + (tg_i64)p * nbytes;
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (e < cnt) k[e] += tg_value_at<PER>(src, i0 + e);
+        }
+        tg_u8 *o = out + grp * bits;
+        tg_u64 acc = 0;
+        int have = 0;
+        for (int e = 0; e < cnt; e++) {
+            acc |= (tg_u64)(tg_u32)(k[e] + npay) << have;
+            have += bits;
+            while (have >= 8) { *o++ = (tg_u8)acc; acc >>= 8; have -= 8; }
+        }
+        if (have > 0) *o = (tg_u8)acc;
+    }
+}
+
+TG_EXTERN __global__ void tg_owner_sums(const tg_u8 *__restrict__ received, tg_i64 nbytes, int npay, tg_i64 m,
+                                        int fmt, int bits, tg_u8 *__restrict__ out) {
+    if (fmt == 1) tg_owner_sums_body<4>(received, nbytes, npay, m, bits, out);
+    else tg_owner_sums_body<5>(received, nbytes, npay, m, bits, out);
+}
+
+// out[i] = ((float)k * s) / divisor for the m sums of a shard that starts at element `start` of its tensor, s the
+// scaler of that element's bucket (scalers[0] with bucket <= 0).
+TG_EXTERN __global__ void tg_decode_sums(const tg_u8 *__restrict__ data, tg_i64 m, int nranks, int bits,
+                                         const float *__restrict__ scalers, tg_i64 bucket, tg_i64 start,
+                                         float divisor, float *__restrict__ out) {
+    const tg_i64 groups = (m + 7) / 8;
+    const tg_u64 mask = (1ULL << bits) - 1;
+    for (tg_i64 grp = tg_tid(); grp < groups; grp += tg_stride()) {
+        const tg_i64 i0 = 8 * grp;
+        const int cnt = m - i0 < 8 ? (int)(m - i0) : 8;
+        const tg_u8 *src = data + grp * bits;
+        tg_i64 k = 0, next = 0;
+        if (bucket > 0) {
+            k = tg_div(start + i0, bucket);
+            next = (k + 1) * bucket;
+        }
+        float s = scalers[k];
+        tg_u64 acc = 0;
+        int have = 0;
+        for (int e = 0; e < cnt; e++) {
+            while (have < bits) { acc |= (tg_u64)*src++ << have; have += 8; }   // only the bytes element e needs
+            const int sum = (int)(acc & mask) - nranks;
+            acc >>= bits;
+            have -= bits;
+            if (bucket > 0 && start + i0 + e >= next) {
+                k++;
+                next += bucket;
+                s = scalers[k];
+            }
+            out[i0 + e] = ((float)sum * s) / divisor;
+        }
+    }
+}
+
+// -- (e) the requantized exchange's owner payload (codec/requant.py; kernels/terngrad_cpu.c tg_requant_encode) ----
+//   8 header bytes: 'R' 'Q' '4', flags (| 0x02 with the noise channel), m as uint32 little-endian;
+//   G = ceil(m/128) fp32 steps, step = max|a| / 7 over the group;
+//   ceil(m/2) bytes of codes c + 7 in 4 bits, low nibble first (an odd m's last high nibble 7, code 0);
+//   with the noise channel: G fp32 maxima νmax of ν = noise + Δ²·f·(1 - f), ceil(m/8) bytes of bits, least
+//   significant first; zeros up to `total` bytes.
+// One thread per group of 128 elements (64 code bytes, 16 bit bytes: whole bytes), which it reads once for the
+// maximum and again for the codes (and twice more for the noise channel): the per-element values are
+// recomputed, the same operations each time, rather than kept.
+#define TG_RQ_GROUP 128
+
+__device__ __forceinline__ tg_u32 tg_u24(tg_i64 i, tg_u32 k0, tg_u32 k1) {
+    return tg_mix32(tg_mix32((tg_u32)((tg_u64)i & 0xFFFFFFFFULL) ^ k0) ^ (tg_u32)((tg_u64)i >> 32) ^ k1) >> 8;
+}
+
+__device__ __forceinline__ void tg_put_f32(tg_u8 *o, float x) {
+    const tg_u32 u = __float_as_uint(x);
+    for (int b = 0; b < 4; b++) o[b] = (tg_u8)(u >> (8 * b));
+}
+
+__device__ __forceinline__ float tg_get_f32(const tg_u8 *s) {
+    tg_u32 u = 0;
+    for (int b = 0; b < 4; b++) u |= (tg_u32)s[b] << (8 * b);
+    return __uint_as_float(u);
+}
+
+// max over a group from 0 (the reference pads a short group with zeros); a NaN makes it the quiet NaN 0x7fc00000,
+// as torch's amax.
+__device__ __forceinline__ float tg_rq_finish_max(float m, bool nan) { return nan ? __uint_as_float(0x7fc00000u) : m; }
+
+// q's integer and fraction parts and the code c + 7 of element value x under step d (the reference's fp32 ops).
+__device__ __forceinline__ float tg_rq_fraction(float x, float d, float &low) {
+    float q = d > 0.0f ? x / d : 0.0f;
+    q = q < -7.0f ? -7.0f : q;
+    q = q > 7.0f ? 7.0f : q;
+    low = floorf(q);
+    return q - low;
+}
+
+TG_EXTERN __global__ void tg_requant_encode(const float *__restrict__ a, const float *__restrict__ noise,
+                                            int with_noise, tg_i64 m, tg_i64 start, tg_u32 ka0, tg_u32 ka1,
+                                            tg_u32 kn0, tg_u32 kn1, int flags, tg_u8 *__restrict__ out,
+                                            tg_i64 total) {
+    const tg_i64 G = (m + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+    tg_u8 *steps_at = out + 8, *codes_at = steps_at + 4 * G;
+    tg_u8 *tops_at = codes_at + (m + 1) / 2, *bits_at = tops_at + 4 * G;
+    const tg_i64 used = with_noise ? (tg_i64)(bits_at - out) + (m + 7) / 8 : (tg_i64)(tops_at - out);
+    if (tg_tid() == 0) {
+        out[0] = 'R'; out[1] = 'Q'; out[2] = '4';
+        out[3] = (tg_u8)(flags | (with_noise ? 0x02 : 0));
+        for (int q = 0; q < 4; q++) out[4 + q] = (tg_u8)((tg_u32)m >> (8 * q));
+        for (tg_i64 b = used; b < total; b++) out[b] = 0;
+    }
+    for (tg_i64 g = tg_tid(); g < G; g += tg_stride()) {
+        const tg_i64 lo = g * TG_RQ_GROUP;
+        const int gc = m - lo < TG_RQ_GROUP ? (int)(m - lo) : TG_RQ_GROUP;
+        const float *ac = a + lo;
+        float mx = 0.0f;
+        bool nan = false;
+        for (int j = 0; j < gc; j++) {
+            const float v = fabsf(ac[j]);
+            nan |= v != v;
+            mx = v > mx ? v : mx;
+        }
+        const float d = tg_rq_finish_max(mx, nan) / 7.0f;
+        tg_put_f32(steps_at + 4 * g, d);
+        tg_u8 *oc = codes_at + lo / 2;
+        tg_u32 pending = 0;
+        for (int j = 0; j < gc; j++) {
+            float low;
+            const float f = tg_rq_fraction(ac[j], d, low);
+            float c = low + ((float)(int)tg_u24(start + lo + j, ka0, ka1) < f * 16777216.0f ? 1.0f : 0.0f);
+            c = c < -7.0f ? -7.0f : c;
+            c = c > 7.0f ? 7.0f : c;
+            const tg_u32 u = (tg_u32)((c == c ? (int)c : 0) + 7);
+            if (j & 1) oc[j / 2] = (tg_u8)(pending | (u << 4));
+            else pending = u;
+        }
+        if (gc & 1) oc[gc / 2] = (tg_u8)(pending | (7u << 4));
+        if (!with_noise) continue;
+        const float *nc = noise + lo;
+        float top = 0.0f;
+        nan = false;
+        for (int j = 0; j < gc; j++) {
+            float low;
+            const float f = tg_rq_fraction(ac[j], d, low);
+            const float v = nc[j] + ((d * d) * f) * (1.0f - f);     // ν, in the reference's order
+            nan |= v != v;
+            top = v > top ? v : top;
+        }
+        top = tg_rq_finish_max(top, nan);
+        tg_put_f32(tops_at + 4 * g, top);
+        tg_u8 *ob = bits_at + lo / 8;
+        tg_u32 byte = 0;
+        for (int j = 0; j < gc; j++) {
+            float low;
+            const float f = tg_rq_fraction(ac[j], d, low);
+            const float v = nc[j] + ((d * d) * f) * (1.0f - f);
+            const float p = top > 0.0f ? v / top : 0.0f;
+            const tg_u32 bit = (float)(int)tg_u24(start + lo + j, kn0, kn1) < p * 16777216.0f ? 1u : 0u;
+            byte |= bit << (j & 7);
+            if ((j & 7) == 7) { ob[j / 8] = (tg_u8)byte; byte = 0; }
+        }
+        if (gc & 7) ob[gc / 8] = (tg_u8)byte;
+    }
+}
+
+// out[i] = ((float)nibble - 7) · step; noise_out (null: not written) [i] = (float)bit · νmax.  buf: any alignment.
+// One thread per 8 elements (4 code bytes, 1 bit byte).
+TG_EXTERN __global__ void tg_requant_decode(const tg_u8 *__restrict__ buf, tg_i64 m, float *__restrict__ out,
+                                            float *__restrict__ noise_out) {
+    const tg_i64 G = (m + TG_RQ_GROUP - 1) / TG_RQ_GROUP;
+    const tg_u8 *steps_at = buf + 8, *codes_at = steps_at + 4 * G;
+    const tg_u8 *tops_at = codes_at + (m + 1) / 2, *bits_at = tops_at + 4 * G;
+    const tg_i64 octs = (m + 7) / 8;
+    for (tg_i64 t = tg_tid(); t < octs; t += tg_stride()) {
+        const tg_i64 i0 = 8 * t, g = i0 / TG_RQ_GROUP;       // 8 elements never straddle a group
+        const int cnt = m - i0 < 8 ? (int)(m - i0) : 8;
+        const float d = tg_get_f32(steps_at + 4 * g);
+        for (int e = 0; e < cnt; e++) {
+            const tg_u32 x = codes_at[(i0 + e) / 2];
+            out[i0 + e] = ((float)(((i0 + e) & 1) ? x >> 4 : x & 0x0Fu) - 7.0f) * d;
+        }
+        if (!noise_out) continue;
+        const float top = tg_get_f32(tops_at + 4 * g);
+        const tg_u32 bits = bits_at[t];
+        for (int e = 0; e < cnt; e++) noise_out[i0 + e] = (float)((bits >> e) & 1u) * top;
     }
 }

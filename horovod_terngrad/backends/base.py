@@ -8,7 +8,7 @@ average of gathered payloads).  Anything beyond that is an optional capability, 
 Capabilities:
 
 * ``SHARDED_SUMS``: the sharded exchange's two kernels, ``owner_sums`` and ``decode_sums``
-  (``ShardedSumsBackend``).  Only the fused CPU backend has them today.
+  (``ShardedSumsBackend``): the fused CPU backend and the CUDA kernels (``cuda.KernelBackend``) have them.
 * ``NOISE_DECODE``: ``decode_noise``, the exchange's noise estimate (1/d^2)·Σ s^2·|t| in the decode's own
   pass over the gathered payloads (``NoiseDecodeBackend``).  Only the fused CPU backend has it; elsewhere
   exchange/allgather.py maps copies of the payloads and calls ``decode``: the same bits.
@@ -17,8 +17,11 @@ Capabilities:
   optimizer runs foreach ops.
 * ``REQUANT``: ``requant_encode`` and ``requant_decode``, the requantized exchange's owner payload
   (codec/requant.py: 4-bit groups and the noise channel's bits) in one pass each (``RequantBackend``), the
-  reference's bytes and values exactly.  Only the fused CPU backend has it; elsewhere exchange/requantized.py
-  calls codec/requant.py's torch ops.
+  reference's bytes and values exactly.  The fused CPU backend and the CUDA kernels have it; elsewhere (the
+  reference) exchange/requantized.py calls codec/requant.py's torch ops.
+* ``BF16_INPUT``: ``prepare`` and ``encode`` read a bf16 gradient as it is, with the bytes its fp32 copy gives (bf16
+  -> fp32 is exact), so the engine hands bf16 gradients over without making an fp32 copy.  The CUDA kernels
+  (``cuda.KernelBackend``) have it; the other backends are given fp32.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
 ADAM_CORRECTED = "adam_corrected"
 REQUANT = "requant"
+BF16_INPUT = "bf16_input"
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import torch
 from .compile_cache import compile_cached, kernel_source
 from .cuda import SIGNATURES
 
-HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
+HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared"]
 
 
 def build_host(cxx: str | None = None) -> str:
@@ -37,7 +37,7 @@ class HostKernels:
         self.grid_limit, self.block = grid_limit, block
         self.lib = ctypes.CDLL(build_host())
         kinds = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "i32": ctypes.c_int,
-                 "f32": ctypes.c_float}
+                 "f32": ctypes.c_float, "f64": ctypes.c_double}
         for name, sig in SIGNATURES.items():
             fn = getattr(self.lib, "host_" + name)
             fn.argtypes = [ctypes.c_uint, ctypes.c_uint] + [kinds[k] for k in sig]

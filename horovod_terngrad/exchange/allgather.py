@@ -91,7 +91,7 @@ def receive(ex, tk) -> torch.Tensor | None:
         except codec.PayloadError as e:
             raise TernGradError(f"TernGrad: {e}") from e
     headers, offsets = grp.walked[0][tk.slot::m], grp.walked[1][tk.slot::m]
-    if any(h.numel != tk.g32.numel() for h in headers):
+    if any(h.numel != tk.source.numel() for h in headers):
         raise RankMismatchError(
             f"TernGrad: ranks disagree on gradient '{tk.name}': element counts "
             f"{[h.numel for h in headers]} by rank")
@@ -134,7 +134,7 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor | None:
     first = sum(period[:tk.slot])
     offsets = [r * block + first for r in range(N)]
     cfg = ex.config
-    n = tk.g32.numel()
+    n = tk.source.numel()
     header = codec.packing.Header(cfg.packing, 0, tk.bucket, n)
     flags = buf[codec.packing.device_constant([o + 3 for o in offsets], torch.int64, buf.device)]
     flagged = (flags & codec.packing.FLAG_NONFINITE).ne(0)

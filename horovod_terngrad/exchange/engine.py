@@ -92,15 +92,18 @@ def settle_full_precision(out: torch.Tensor, name: str, config: TernGradConfig, 
 class Ticket:
     """One tensor in flight: what ``start`` fixed about it, then how its exchange went."""
 
-    __slots__ = ("engine", "group", "name", "shape", "dtype", "g32", "threshold", "key", "nb", "average",
+    __slots__ = ("engine", "group", "name", "shape", "dtype", "source", "_g32", "threshold", "key", "nb", "average",
                  "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished",
                  "want_noise", "noise", "noise_out", "route", "step", "bucket")
 
-    def __init__(self, engine, name, shape, dtype, g32, threshold, key, nb, average, in_place, step=0, bucket=0):
+    def __init__(self, engine, name, shape, dtype, flat, threshold, key, nb, average, in_place, step=0, bucket=0):
         self.engine, self.group = engine, None
         self.step = step           # the step word of its random streams
         self.bucket = bucket       # the bucket size it is ternarized with (the re-ternarized exchange: per shard)
-        self.name, self.shape, self.dtype, self.g32 = name, shape, dtype, g32
+        self.name, self.shape, self.dtype = name, shape, dtype
+        # the flat gradient as the backend reads it: fp32, or bf16 where the backend reads bf16 (BF16_INPUT)
+        self.source = flat
+        self._g32 = flat if flat.dtype == torch.float32 else None
         self.threshold, self.key, self.nb = threshold, key, nb
         self.average = average
         self.in_place = in_place   # the average may be written into the input's memory (fp32 contiguous)
@@ -116,6 +119,14 @@ class Ticket:
         self.noise = None          # ... and gets it here, when the transport has every rank's payload
         self.noise_out = None      # where the transport writes it (fp32, the tensor's size); None: a fresh tensor
         self.route = None          # precision.Route: what the optimizer's ledger decided and wants (precision.py)
+
+    @property
+    def g32(self) -> torch.Tensor:
+        """The flat fp32 gradient; from a bf16 ``source``, converted when a path first asks for it (the default
+        path, encode and decode, never does)."""
+        if self._g32 is None:
+            self._g32 = self.source.to(torch.float32)
+        return self._g32
 
 
 def follow_routes(tickets: list, routes: list | None) -> None:
@@ -255,17 +266,20 @@ class Engine:
             check_gradient(tensor, name)
             step = self.steps.get(name, 0)
             self.steps[name] = step + 1
-            g32 = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-            if g32.device != device:
-                raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({g32.device} for '{name}')")
-            bucket = (reternarized.encode_bucket(self, g32.numel(), buckets) if mode in SHARDED_FIRST_STAGE
+            flat = tensor.detach().reshape(-1)
+            if not (flat.dtype == torch.bfloat16 and backends.has_capability(backend, backends.BF16_INPUT)):
+                flat = flat.to(torch.float32)
+            flat = flat.contiguous()
+            if flat.device != device:
+                raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({flat.device} for '{name}')")
+            bucket = (reternarized.encode_bucket(self, flat.numel(), buckets) if mode in SHARDED_FIRST_STAGE
                       else buckets)
-            prep = backend.prepare(g32, bucket, cfg.clip_factor)
-            tk = Ticket(self, name, tensor.shape, tensor.dtype, g32, prep.threshold,
+            prep = backend.prepare(flat, bucket, cfg.clip_factor)
+            tk = Ticket(self, name, tensor.shape, tensor.dtype, flat, prep.threshold,
                         codec.stream_key(cfg.seed, step, codec.tensor_id(name),
                                          self.coll.rank if self.stream_rank is None else self.stream_rank),
                         prep.scalers.numel(),
-                        average, in_place and g32.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
+                        average, in_place and flat.data_ptr() == tensor.data_ptr() and tensor.dtype == torch.float32,
                         step, bucket)
             tk.prep = prep
             tickets.append(tk)
@@ -307,8 +321,8 @@ class Engine:
         finally:
             self._release(tk)
         if out is None:   # agreed empty, zeroed by on_nonfinite='zero', or NaN by 'propagate'
-            out = torch.full((tk.g32.numel(),), float("nan") if tk.poisoned else 0.0, dtype=torch.float32,
-                             device=tk.g32.device)
+            out = torch.full((tk.source.numel(),), float("nan") if tk.poisoned else 0.0, dtype=torch.float32,
+                             device=tk.source.device)
         self.inspection.record_average(tk.name, out)
         return out.view(tk.shape).to(tk.dtype)
 
@@ -411,11 +425,11 @@ class Engine:
         """Encode every member with its own scalers (NaN flag in the header) and allgather the payloads."""
         t0 = time.perf_counter()
         cfg, sends = self.config, []
-        backend = backends.for_device(grp.members[0].g32.device)
+        backend = backends.for_device(grp.members[0].source.device)
         for tk in grp.members:
             prep = tk.prep
             on_host = prep.nonfinite.device.type == "cpu"
-            payload = backend.encode(tk.g32, prep.threshold, prep.scalers, tk.bucket, tk.key, cfg.packing,
+            payload = backend.encode(tk.source, prep.threshold, prep.scalers, tk.bucket, tk.key, cfg.packing,
                                      flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
             if not on_host:          # the flag byte, written on the device (no host synchronization)
                 payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
@@ -509,19 +523,19 @@ class Engine:
         if member.first_bad >= 0:
             self.nonfinite(tk, NonFiniteGradientError.describe(tk.name, tk.shape, member.first_bad, member.last_bad))
             return None
-        if tk.g32.numel() == 0:
+        if tk.source.numel() == 0:
             tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor
             return None
         cfg = self.config
-        tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.g32.device)
-        payload = backends.for_device(tk.g32.device).encode(
-            tk.g32, tk.threshold, tk.shared, tk.bucket, tk.key, cfg.packing, shape=tk.shape)
+        tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.source.device)
+        payload = backends.for_device(tk.source.device).encode(
+            tk.source, tk.threshold, tk.shared, tk.bucket, tk.key, cfg.packing, shape=tk.shape)
         self._record(tk, payload, tk.shared)
         return payload
 
     def _record(self, tk: Ticket, payload: torch.Tensor, scalers: torch.Tensor) -> None:
         self.stats.tensors += 1
-        self.stats.elements += tk.g32.numel()
+        self.stats.elements += tk.source.numel()
         if self.inspection.wants(tk.name):
             self.inspection.record(tk.name, tk.g32, tk.threshold, payload, scalers, self.config.packing,
                                    tk.bucket)
