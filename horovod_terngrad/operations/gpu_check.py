@@ -335,10 +335,11 @@ def model_target(label: str, shapes) -> Target:
 
 
 def reads_bf16(backend) -> bool:
-    """Whether ``backend`` declares that it reads bf16 gradients itself (a capability naming bf16); otherwise
-    the engine casts them to fp32 first, and so does the table.  Never probed with a bf16 tensor: a kernel that
-    reads fp32 would run past the tensor's end."""
-    return any("bf16" in c or "bfloat16" in c for c in getattr(backend, "capabilities", ()))
+    """Whether ``backend`` reads bf16 gradients itself (``BF16_INPUT``); otherwise the engine casts them to fp32
+    first, and so does the table.  Never probed with a bf16 tensor: a kernel that reads fp32 would run past the
+    tensor's end."""
+    from .. import backends
+    return backends.has_capability(backend, backends.BF16_INPUT)
 
 
 def kernel_rows(backend, device, targets, timer: Timer, copy_gbs: float, repeat: int, budget_s: float,
