@@ -9,20 +9,27 @@ running after that long on this rank writes ``OUTDIR/<scenario>.rank<R>.stall.tx
   thread is waiting on (``HorovodCollectives`` is wrapped for this; Horovod's own ops, e.g. the optimizer's
   placeholder allreduces, are not listed: the stacks show a wait in ``DistributedOptimizer.synchronize``);
 * every thread's Python stack (``faulthandler``);
+* where gdb is installed, every thread's native stack (``gdb -p``, to the file only): Horovod's background thread
+  shows which operation or negotiation step it is in (``PerformOperation``/``gloo::alltoallv``, or the
+  controller's ``ComputeResponseList``), which the Python stacks cannot;
 
-then waits ``GRACE_S`` so that the other ranks, which started the scenario at about the same time, write theirs,
-and exits with code 3 (the launcher then ends the job).  Comparing the ranks' files tells a collective some rank
-never posted (TernGrad: ranks disagree on what they issue) from ranks that all wait on collectives every rank
-posted (Horovod or Gloo stuck below TernGrad).  A C-level backstop (``faulthandler.dump_traceback_later``) dumps
-the stacks and exits where the watchdog thread cannot run (a main thread holding the GIL).
+then waits until ``GDB_TIMEOUT_S + GRACE_S`` after it began, so that the other ranks, which started the
+scenario at about the same time, write theirs, and exits with code 3 (the launcher then ends the job).
+Comparing the ranks' files tells a collective some rank never posted (TernGrad: ranks disagree on what they
+issue) from ranks that all wait on collectives every rank posted (Horovod or Gloo stuck below TernGrad).  A
+C-level backstop (``faulthandler.dump_traceback_later``) dumps the stacks and exits where the watchdog thread
+cannot run (a main thread holding the GIL).
 """
 import faulthandler
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
 
 GRACE_S = 10.0
+GDB_TIMEOUT_S = 30.0
 _lock = threading.Lock()
 _posted: dict = {}        # Horovod handle -> (seconds since the watch began, kind, name)
 _waiting: list = []       # the handle the main thread synchronizes, if any
@@ -86,6 +93,7 @@ class watch:
         self.outdir, self.scenario, self.rank = outdir, scenario, rank
         self.limit = limit_s()
         self.timer = None
+        self.fired = threading.Event()
 
     def __enter__(self):
         if self.limit > 0:
@@ -93,16 +101,20 @@ class watch:
             self.timer = threading.Timer(self.limit, self._stalled)
             self.timer.daemon = True
             self.timer.start()
-            faulthandler.dump_traceback_later(self.limit + GRACE_S + 20, exit=True)
+            faulthandler.dump_traceback_later(self.limit + GDB_TIMEOUT_S + GRACE_S + 20, exit=True)
         return self
 
     def __exit__(self, *exc):
         if self.timer is not None:
             self.timer.cancel()
+            if self.fired.is_set():       # over the limit after all: the report ends this rank, as it would a hung one
+                time.sleep(GDB_TIMEOUT_S + GRACE_S + 60)
             faulthandler.cancel_dump_traceback_later()
         return False
 
     def _stalled(self) -> None:
+        self.fired.set()
+        leave_at = time.monotonic() + GDB_TIMEOUT_S + GRACE_S   # every rank's gdb done, whatever each one took
         path = os.path.join(self.outdir, f"{self.scenario}.rank{self.rank}.stall.txt")
         head = (f"rank {self.rank}: scenario {self.scenario} still running after {self.limit:.0f} s "
                 f"(HVD_TEST_STALL_S); stopping this rank before Gloo's timeout.\n"
@@ -115,5 +127,26 @@ class watch:
         sys.stderr.write(head)
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        time.sleep(GRACE_S)           # the other ranks write theirs
+        native = _native_stacks()
+        with open(path, "a") as f:
+            f.write(f"\nNative stacks (gdb):\n{native}\n")
+        sys.stderr.write(f"rank {self.rank}: native stacks (gdb) in {path}\n")
+        sys.stderr.flush()
+        time.sleep(max(0.0, leave_at - time.monotonic()))      # the other ranks write theirs
         os._exit(3)
+
+
+def _native_stacks() -> str:
+    """Every thread's native stack of this process, by gdb (which may be absent or not allowed to attach).  Symbols
+    of Horovod's library (Gloo is linked into it) and libc only: all of torch's take minutes to load on busy cores."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "  (gdb not installed)"
+    cmd = [gdb, "-p", str(os.getpid()), "-batch", "-nx", "-iex", "set auto-load off", "-iex", "set auto-solib-add off",
+           "-ex", "sharedlibrary mpi_lib", "-ex", "sharedlibrary libc", "-ex", "thread apply all bt 25"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"  (gdb failed: {e})"
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("Thread ", "#"))]
+    return "\n".join(lines) or f"  (gdb gave no stack: {p.stderr.strip()[-500:]})"
