@@ -18,15 +18,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_hier.py")
 
 
-# a scenario still running after this long on a rank writes where that rank waits (the TernGrad collectives it
-# posted and has not synchronized, every thread's stack) and stops the job (workers/stall_watch.py): well under
-# Gloo's 120 s timeout (test_horovod.launcher), which ends a stuck job without a word on where; the longest
-# scenario here takes under 20 s on 2 shared, busy cores
+# a scenario still running after this long on a rank writes where that rank is (the TernGrad collectives it
+# posted and has not synchronized, every thread's Python and native stack; workers/stall_watch.py), and a failed
+# launch shows those reports: well under Gloo's 120 s timeout (test_horovod.launcher), which ends a stuck job
+# without a word on where.  It only reports: a long scenario is not a failure (imports alone took over a minute on
+# 2 overloaded cores), the launch still ends as it would
 STALL_S = 60
 
 
 def stall_reports(tmp_path) -> str:
-    """What stopped ranks wrote (workers/stall_watch.py), rank by rank."""
+    """What ranks whose scenario ran long wrote (workers/stall_watch.py), rank by rank."""
     return "\n".join(f.read_text() for f in sorted(tmp_path.glob("*.stall.txt")))
 
 

@@ -1,9 +1,10 @@
-"""A launched Horovod worker whose scenario stops making progress says where, before Gloo's timeout ends the job.
+"""A launched Horovod worker whose scenario runs long says where each rank is, before Gloo's timeout ends the job.
 
 When ranks stop exchanging, Gloo's per-operation timeout (the launch's ``--gloo-timeout-seconds``, 120 s in the
 tests) ends every rank with "Application timeout caused pair closure" and nothing about what each rank was doing.
 With ``HVD_TEST_STALL_S`` set (seconds; the launching test sets it well under Gloo's timeout), a scenario still
-running after that long on this rank writes ``OUTDIR/<scenario>.rank<R>.stall.txt`` (and the same to stderr):
+running after that long on this rank writes ``OUTDIR/<scenario>.rank<R>.stall.txt`` (and the Python part to
+stderr), and the launching test shows those files when the launch fails:
 
 * the collectives TernGrad posted on this rank and has not synchronized yet, oldest first, and the one its main
   thread is waiting on (``HorovodCollectives`` is wrapped for this; Horovod's own ops, e.g. the optimizer's
@@ -11,14 +12,12 @@ running after that long on this rank writes ``OUTDIR/<scenario>.rank<R>.stall.tx
 * every thread's Python stack (``faulthandler``);
 * where gdb is installed, every thread's native stack (``gdb -p``, to the file only): Horovod's background thread
   shows which operation or negotiation step it is in (``PerformOperation``/``gloo::alltoallv``, or the
-  controller's ``ComputeResponseList``), which the Python stacks cannot;
+  controller's ``ComputeResponseList``), which the Python stacks cannot.
 
-then waits until ``GDB_TIMEOUT_S + GRACE_S`` after it began, so that the other ranks, which started the
-scenario at about the same time, write theirs, and exits with code 3 (the launcher then ends the job).
-Comparing the ranks' files tells a collective some rank never posted (TernGrad: ranks disagree on what they
-issue) from ranks that all wait on collectives every rank posted (Horovod or Gloo stuck below TernGrad).  A
-C-level backstop (``faulthandler.dump_traceback_later``) dumps the stacks and exits where the watchdog thread
-cannot run (a main thread holding the GIL).
+The rank then goes on: a long scenario is not a failure by itself (on 2 shared, busy cores a first scenario's
+imports alone took over a minute), the job ends as it would have (done, or Gloo's timeout).  Comparing the
+ranks' files tells a collective some rank never posted (TernGrad: ranks disagree on what they issue) from ranks
+that all wait on collectives every rank posted (Horovod or Gloo stuck below TernGrad).
 """
 import faulthandler
 import os
@@ -28,10 +27,9 @@ import sys
 import threading
 import time
 
-GRACE_S = 10.0
 GDB_TIMEOUT_S = 30.0
 _lock = threading.Lock()
-_posted: dict = {}        # Horovod handle -> (seconds since the watch began, kind, name)
+_posted: dict = {}        # Horovod handle -> (seconds since this module was imported, kind, name)
 _waiting: list = []       # the handle the main thread synchronizes, if any
 _t0 = time.monotonic()
 
@@ -93,33 +91,24 @@ class watch:
         self.outdir, self.scenario, self.rank = outdir, scenario, rank
         self.limit = limit_s()
         self.timer = None
-        self.fired = threading.Event()
 
     def __enter__(self):
         if self.limit > 0:
-            self.started = time.monotonic()
-            self.timer = threading.Timer(self.limit, self._stalled)
+            self.timer = threading.Timer(self.limit, self._report)
             self.timer.daemon = True
             self.timer.start()
-            faulthandler.dump_traceback_later(self.limit + GDB_TIMEOUT_S + GRACE_S + 20, exit=True)
         return self
 
     def __exit__(self, *exc):
         if self.timer is not None:
             self.timer.cancel()
-            if self.fired.is_set():       # over the limit after all: the report ends this rank, as it would a hung one
-                time.sleep(GDB_TIMEOUT_S + GRACE_S + 60)
-            faulthandler.cancel_dump_traceback_later()
         return False
 
-    def _stalled(self) -> None:
-        self.fired.set()
-        leave_at = time.monotonic() + GDB_TIMEOUT_S + GRACE_S   # every rank's gdb done, whatever each one took
+    def _report(self) -> None:
         path = os.path.join(self.outdir, f"{self.scenario}.rank{self.rank}.stall.txt")
         head = (f"rank {self.rank}: scenario {self.scenario} still running after {self.limit:.0f} s "
-                f"(HVD_TEST_STALL_S); stopping this rank before Gloo's timeout.\n"
-                f"TernGrad collectives posted on this rank and not synchronized (times since the worker "
-                f"started):\n{_in_flight()}\nEvery thread's stack:\n")
+                f"(HVD_TEST_STALL_S).\nTernGrad collectives posted on this rank and not synchronized (times since "
+                f"the worker's start):\n{_in_flight()}\nEvery thread's stack:\n")
         with open(path, "w") as f:
             f.write(head)
             f.flush()
@@ -132,13 +121,12 @@ class watch:
             f.write(f"\nNative stacks (gdb):\n{native}\n")
         sys.stderr.write(f"rank {self.rank}: native stacks (gdb) in {path}\n")
         sys.stderr.flush()
-        time.sleep(max(0.0, leave_at - time.monotonic()))      # the other ranks write theirs
-        os._exit(3)
 
 
 def _native_stacks() -> str:
     """Every thread's native stack of this process, by gdb (which may be absent or not allowed to attach).  Symbols
-    of Horovod's library (Gloo is linked into it) and libc only: all of torch's take minutes to load on busy cores."""
+    of Horovod's library (Gloo is linked into it) and libc only: all of torch's take minutes to load on busy cores
+    (and while gdb is attached this process, the timeout's clock included, stands still)."""
     gdb = shutil.which("gdb")
     if gdb is None:
         return "  (gdb not installed)"
