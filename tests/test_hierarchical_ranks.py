@@ -18,16 +18,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_hier.py")
 
 
+# a scenario still running after this long on a rank writes where that rank is (the TernGrad collectives it
+# posted and has not synchronized, every thread's Python and native stack; workers/stall_watch.py), and a failed
+# launch shows those reports: well under Gloo's 120 s timeout (test_horovod.launcher), which ends a stuck job
+# without a word on where.  It only reports: a long scenario is not a failure (imports alone took over a minute on
+# 2 overloaded cores), the launch still ends as it would
+STALL_S = 60
+
+
+def stall_reports(tmp_path) -> str:
+    """What ranks whose scenario ran long wrote (workers/stall_watch.py), rank by rank."""
+    return "\n".join(f.read_text() for f in sorted(tmp_path.glob("*.stall.txt")))
+
+
 def launch(tmp_path, kind, hosts, scenarios, np_=4, env=None):
     # process sets may be added (the sharded exchange across nodes needs them); tests of their absence say "0"
-    env = dict({"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, **(env or {}))
+    env = dict({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HVD_TEST_STALL_S": str(STALL_S)}, **(env or {}))
     forward = [a for k in env for a in ("-x", k)] if kind == "mpirun" else []
     cmd = launcher(kind, np_) + forward + [sys.executable, WORKER, str(tmp_path), hosts] + scenarios
     try:
         p = subprocess.run(cmd, env=dict(rank_env(), **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{kind} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
-    assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+        pytest.fail(f"{kind} hung for {LAUNCH_TIMEOUT}s:\n{stall_reports(tmp_path)}\n{e.stdout}\n{e.stderr}")
+    assert p.returncode == 0, (f"{' '.join(cmd)}\n{stall_reports(tmp_path)}\nstdout:\n{p.stdout[-4000:]}\n"
+                               f"stderr:\n{p.stderr[-4000:]}")
     return {sc: load_results(tmp_path, sc, np_) for sc in scenarios}, p
 
 

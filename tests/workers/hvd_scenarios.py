@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad import TernGradCompressor as LibraryCompressor  # noqa: E402
 from helpers import link_codec_cost, mlp  # noqa: E402,F401 (the test model; hvd_usage and hvd_elastic import it from here)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stall_watch  # noqa: E402
 
 
 class TernGradCompressor(LibraryCompressor):
@@ -279,12 +281,16 @@ def run(name):
 
 def run_all(outdir, names, run_one, tag=""):
     """Run every scenario and save each rank's result (a crash is a result too) as
-    OUTDIR/<name><tag>.rank<R>.pt; then shut Horovod down."""
+    OUTDIR/<name><tag>.rank<R>.pt; then shut Horovod down.  With HVD_TEST_STALL_S set, a scenario that runs
+    longer says where every rank is waiting and stops the job (stall_watch.py)."""
     torch.set_num_threads(1)
+    if stall_watch.limit_s() > 0:
+        stall_watch.install()
     for name in names:
         started = time.perf_counter()
         try:
-            res = run_one(name)
+            with stall_watch.watch(outdir, f"{name}{tag}", hvd.rank()):
+                res = run_one(name)
         except Exception:
             res = {"crash": traceback.format_exc()}
         res["size"] = hvd.size()
