@@ -39,9 +39,9 @@ def dry_run(tmp_path, *args, driver=None, nvcc=None, nccl=None, smi_fails=False)
     if driver is not None:
         _script(fake / "nvidia-smi", f"cat <<'EOF'\n{SMI_HEADER.format(cuda=driver)}EOF\n")
     elif smi_fails:
-        _script(fake / "nvidia-smi", "echo 'NVIDIA-SMI has failed because it couldn'\"'\"'t communicate with the "
-                                     "NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.'\n"
-                                     "exit 9\n")
+        _script(fake / "nvidia-smi", "echo 'NVIDIA-SMI has failed because it couldn'\"'\"'t communicate with "
+                                     "the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and "
+                                     "running.'\nexit 9\n")
     cuda_home = tmp_path / "cuda"
     if nvcc is not None:
         (cuda_home / "bin").mkdir(parents=True)
