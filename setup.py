@@ -42,6 +42,10 @@ setup(
     # optimizers run on torch alone (tests/test_packaging.py checks it).
     install_requires=["numpy", "tqdm"],
     extras_require={
+        # CuPy for the CUDA codec, one extra per CUDA major: match torch's build (torch.version.cuda); setup.sh
+        # --cuda picks it from the driver.  [cuda] is CUDA 12's, which runs on a CUDA 12 or 13 driver.
+        "cuda12": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
         "cuda": ["cupy-cuda12x"],
         # Horovod 0.28.1's sdist must be built against the installed torch (and, for torch >= 2.1, with C++17:
         # scripts/setup.sh builds and caches that wheel); a wheel already in pip's find-links is used as is.
@@ -66,6 +70,7 @@ setup(
         "Programming Language :: Python :: 3.11",
         "Programming Language :: C",
         "Environment :: GPU :: NVIDIA CUDA :: 12",
+        "Environment :: GPU :: NVIDIA CUDA :: 13",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
         "Topic :: System :: Distributed Computing",
     ],

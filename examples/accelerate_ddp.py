@@ -5,6 +5,7 @@ with ``accelerator.prepare`` and the hook registered on the prepared model.
     torchrun --standalone --nproc_per_node 2 examples/accelerate_ddp.py --dynamo eager    # torch.compile'd
     accelerate launch --cpu --num_processes 2 examples/accelerate_ddp.py                  # Accelerate's launcher
     torchrun --standalone --nproc_per_node 2 examples/accelerate_ddp.py --log-jsonl tg.jsonl   # figures per step
+    torchrun --standalone --nproc_per_node 8 examples/accelerate_ddp.py --device cuda          # 8 GPUs, NCCL
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its enum of PyTorch's built-in hooks
 (a callable is ignored), so the hook goes on the model ``prepare`` returns: a ``DistributedDataParallel``, or,
@@ -70,7 +71,10 @@ def main(argv=None):
     p.add_argument("--optim", choices=["tg-adamw", "adamw"], default="tg-adamw",
                    help="horovod_terngrad.optim.AdamW (default) or torch.optim.AdamW")
     p.add_argument("--log-jsonl", default=None, help="log TernGrad's figures per step to this file (a tracker)")
+    from horovod_terngrad.operations.devices import add_device_argument, setup_device
+    add_device_argument(p)
     args = p.parse_args(argv)
+    placement = setup_device(args.device)   # Accelerate then takes cuda:LOCAL_RANK with NCCL, or the CPU with gloo
     torch.set_num_threads(1)
 
     from accelerate import Accelerator
@@ -80,7 +84,7 @@ def main(argv=None):
     from horovod_terngrad.integrations.accelerate import TernGradAccelerateLogger
     from horovod_terngrad.optim import AdamW
 
-    accelerator = Accelerator(cpu=True, dynamo_backend=args.dynamo,
+    accelerator = Accelerator(cpu=not placement.is_cuda, dynamo_backend=args.dynamo,
                               log_with=[jsonl_tracker(args.log_jsonl)] if args.log_jsonl else None)
     if args.log_jsonl:
         accelerator.init_trackers("terngrad")
@@ -94,7 +98,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(100 + accelerator.process_index)
     losses = []
     for step in range(args.steps):
-        x = windows(train, args.batch_size, args.seq_len, gen)
+        x = windows(train, args.batch_size, args.seq_len, gen).to(accelerator.device)
         opt.zero_grad()
         loss = model(input_ids=x, labels=x).loss
         accelerator.backward(loss)

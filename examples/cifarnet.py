@@ -25,6 +25,9 @@ crop at test), same flips and jitter.  In that case every line printed and every
 Each rank trains on its 1/N shard of the training images.  Per epoch rank 0 prints test accuracy,
 throughput (training images/s over all ranks), and what the compressor reports: bytes sent per step on
 the wire beside fp32 ring-allreduce, bits per element, and TernGrad's codec and wait times.
+
+``--device auto`` (the default) trains on each rank's local GPU, ``cuda:hvd.local_rank()``, when torch sees one and
+Horovod was built with CUDA (``scripts/setup.sh --cuda``), else on the CPU; batches are augmented on the CPU.
 """
 from __future__ import annotations
 
@@ -200,6 +203,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default="", help="write per-epoch metrics of rank 0 to this file")
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
     return p.parse_args(argv)
 
 
@@ -214,9 +219,12 @@ def main(argv=None):
 
     from horovod_terngrad import TernGrad
     from horovod_terngrad.operations.datasets import load_cifar10, load_fashion_mnist
+    from horovod_terngrad.operations.devices import setup_device
     from horovod_terngrad.operations.metrics import epoch_report, wire_bytes
 
     hvd.init()
+    placement = setup_device(args.device, hvd.local_rank(), horovod=hvd)     # cuda:local_rank, or the CPU
+    device = placement.device
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
     if args.cifar10:
@@ -237,7 +245,7 @@ def main(argv=None):
     channels = xtr.shape[1]
 
     torch.manual_seed(args.seed)          # identical initial weights on every rank
-    model = CifarNet(in_channels=channels, dropout_keep_prob=args.dropout_keep)
+    model = CifarNet(in_channels=channels, dropout_keep_prob=args.dropout_keep).to(device)
     nparams = sum(p.numel() for p in model.parameters())
     opt = model.adam(args.lr, args.weight_decay)
     compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed),
@@ -252,6 +260,8 @@ def main(argv=None):
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     if steps_per_epoch < 1:
         raise SystemExit(f"{len(xtr)} training images per rank are fewer than one batch of {args.batch_size}")
+    if placement.note:
+        say(placement.note)
     say(f"CifarNet ({nparams} parameters, {channels} input channel{'s' if channels > 1 else ''}, "
         f"{CROP}x{CROP} crops) on {'CIFAR-10' if args.cifar10 else 'Fashion-MNIST'}: {len(data['train'][0])} train / {len(xte)} test images, "
         f"{size} ranks, batch {args.batch_size}/rank, Adam lr {args.lr}, "
@@ -267,9 +277,9 @@ def main(argv=None):
         losses = []
         for step in range(steps_per_epoch):
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
-            xb = augment(xtr[idx], g)
+            xb = augment(xtr[idx], g).to(device)      # augmented on the CPU (its generator), trained on the device
             opt.zero_grad()
-            loss = F.cross_entropy(model(xb), ytr[idx])
+            loss = F.cross_entropy(model(xb), ytr[idx].to(device))
             loss.backward()
             opt.step()
             if ema is not None:

@@ -91,8 +91,10 @@ def worker(argv):
     p.add_argument("--link-counters", default="", metavar="IFACE",
                    help="bytes through this interface of each host per timed step, per configuration")
     p.add_argument("--json", default="")
-    args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
+    from horovod_terngrad.operations.devices import add_device_argument, setup_device
+    add_device_argument(p)
+    args = p.parse_args(argv)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -100,7 +102,13 @@ def worker(argv):
     from horovod_terngrad.operations import ddp_hooks, models
     from horovod_terngrad.operations.bench import _iface_bytes, link_bytes_per_host
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    placement = setup_device(args.device)          # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+    dist.init_process_group(placement.backend)
+
+    def sync():           # on a GPU, a step's phases end when their kernels do, not when they are launched
+        if placement.is_cuda:
+            torch.cuda.synchronize(placement.device)
+
     rank, size = dist.get_rank(), dist.get_world_size()
     warmup = max(args.warmup, POWERSGD_START + 1)
     setups = []
@@ -110,8 +118,10 @@ def worker(argv):
         row_optim = kw.pop("optim", None)     # a row's own Adam (terngrad-tgadamw), only with --optim adamw
         optim = row_optim if row_optim and args.optim == "adamw" else args.optim
         module, x = models.make(args.model, args.batch, image=args.image, context=args.context)
-        model = module if hook is None else DDP(module, **({} if args.bucket_cap_mb is None else
-                                                           {"bucket_cap_mb": args.bucket_cap_mb}))
+        module, x = module.to(placement.device), x.to(placement.device)
+        model = module if hook is None else DDP(module, device_ids=placement.device_ids,
+                                                **({} if args.bucket_cap_mb is None else
+                                                   {"bucket_cap_mb": args.bucket_cap_mb}))
         state = None if hook is None else ddp_hooks.install(model, hook, powersgd_start=POWERSGD_START, **kw)
         nparams = sum(q.numel() for q in module.parameters())
         bits = {"none": 32.0, "fp16": 16.0}.get(hook)
@@ -126,8 +136,10 @@ def worker(argv):
         t = time.perf_counter()
         su["opt"].zero_grad()
         su["model"](su["x"]).square().mean().backward()
+        sync()
         t_backward = time.perf_counter()
         su["opt"].step()
+        sync()
         if su["hook"] is None:
             # the local row is the floor of a synchronous step: it ends when every rank's compute has, as a DDP
             # step does.  Unsynchronized, rank 0's steps measured its own share of the shared cores, which swung
@@ -197,7 +209,7 @@ def worker(argv):
             st.close()
         rows.append(row)
     if rank == 0:
-        print(f"DDP step benchmark: {described}, batch {args.batch}, {size} ranks (gloo), median of {args.steps} "
+        print(f"DDP step benchmark: {described}, batch {args.batch}, {size} ranks ({placement.backend}), median of {args.steps} "
               f"steps x {args.rounds} interleaved rounds", flush=True)
         for row in rows:
             print(f"  {row['label']:26s} {row['step_ms']:8.1f} ms/step  rounds: "
@@ -313,7 +325,7 @@ def run_case(model: str, hosts: int, rate: str, args) -> dict:
            "worker", "--model", model, "--batch", str(args.batch), "--image", str(args.image),
            "--context", str(args.context), "--configs", args.configs, "--steps", str(args.steps),
            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--optim", args.optim, "--json", out,
-           "--link-counters", "eth0"]
+           "--link-counters", "eth0", "--device", getattr(args, "device", "auto")]
     if args.profile:
         cmd.append("--profile")
     if args.bucket_cap_mb is not None:
@@ -508,6 +520,8 @@ def main(argv=None):
     p.add_argument("--prefix", default=PREFIX, help="name prefix of the emulated hosts' namespaces (two benchmarks "
                    "at once need two)")
     p.add_argument("--out", default="docs/ddp")
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("ddp_benchmark: needs root (network namespaces)")

@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
     p.add_argument("--json", default="", help="write rank 0's result to this file")
     mixed_precision.add_arguments(p)
     return p.parse_args(argv)
@@ -105,13 +106,12 @@ def main(argv=None):
     from horovod_terngrad.operations.datasets import load_mnist
     from horovod_terngrad.operations.metrics import accuracy
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    from horovod_terngrad.operations.devices import setup_device
+
+    placement = setup_device(args.device)        # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+    dist.init_process_group(placement.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = placement.device
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)                # identical initial weights (DDP also broadcasts rank 0's)
 
@@ -124,7 +124,7 @@ def main(argv=None):
 
     module = LeNet().to(device)
     nparams = sum(p.numel() for p in module.parameters())
-    model = nn.parallel.DistributedDataParallel(module, device_ids=[local_rank] if use_cuda else None)
+    model = nn.parallel.DistributedDataParallel(module, device_ids=placement.device_ids)
     state = ddp_hooks.install(model, args.hook, powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
                               seed=args.seed, **({"packing": args.packing, "exchange": args.exchange}
                                                  | ({"on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {})

@@ -96,31 +96,37 @@ def add_model_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--seed", type=int, default=0)
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
 
 
 def _median(v):
     return statistics.median(v) if v else float("nan")
 
 
-def fresh_model(args):
-    """The GPT-2 of every configuration: the same seed, so the same initial weights."""
+def fresh_model(args, device="cpu"):
+    """The GPT-2 of every configuration: the same seed, so the same initial weights (drawn on the CPU, then moved
+    to ``device``)."""
     import torch
 
     from transformers_lm import make_model
     torch.manual_seed(args.seed)
-    return make_model(model_args(args))
+    return make_model(model_args(args)).to(device)
 
 
-def batch_of(args, rank: int):
+def batch_of(args, rank: int, device="cpu"):
     import torch
     gen = torch.Generator().manual_seed(1000 + args.seed + rank)
-    return torch.randint(0, 256, (args.batch, args.seq_len), generator=gen)
+    return torch.randint(0, 256, (args.batch, args.seq_len), generator=gen).to(device)
 
 
 def train_step(model, opt, x) -> None:
     opt.zero_grad(set_to_none=True)
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
+    if x.is_cuda:
+        import torch
+        torch.cuda.synchronize(x.device)      # a step's time is its kernels', not their launch
 
 
 # -- one rank's compute alone (the regime's yardstick) ------------------------------------------------------------
@@ -130,10 +136,13 @@ def compute(argv) -> dict:
     p.add_argument("--steps", type=int, default=7)
     args = p.parse_args(argv)
     import torch
+
+    from horovod_terngrad.operations.devices import setup_device
     torch.set_num_threads(1)
-    model = fresh_model(args)
+    device = setup_device(args.device).device
+    model = fresh_model(args, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x = batch_of(args, 0)
+    x = batch_of(args, 0, device)
     for _ in range(2):
         train_step(model, opt, x)
     times = []
@@ -164,13 +173,13 @@ def check_mesh(mesh, hosts: list) -> dict:
     return {"shard_ranks": shard, "replicate_ranks": rep, "ok": ok}
 
 
-def build(key: str, args, mesh):
+def build(key: str, args, mesh, device="cpu"):
     """A fresh model set up as configuration ``key``: (module, TernGrad state or None)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from horovod_terngrad import fsdp as tg_fsdp
-    model = fresh_model(args)
+    model = fresh_model(args, device)
     if key == "local":
         return model, None
     kw = {"mesh": mesh["shard"] if key == "hsdp-terngrad" else mesh}
@@ -207,6 +216,7 @@ def _time_hook(state) -> None:
 
 
 def worker(argv):
+    sys.path.insert(0, ROOT)
     p = argparse.ArgumentParser(prog="fsdp_benchmark.py worker")
     add_model_arguments(p)
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -215,33 +225,35 @@ def worker(argv):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
-    sys.path.insert(0, ROOT)
     import socket
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from horovod_terngrad.operations.devices import setup_device
     from transformers_lm import checksum
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    placement = setup_device(args.device)          # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+    device = placement.device
+    dist.init_process_group(placement.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
     G = int(os.environ["LOCAL_WORLD_SIZE"])
     local0 = int(os.environ["LOCAL_RANK"]) == 0
     hosts = [None] * size
     dist.all_gather_object(hosts, socket.gethostname())
-    mesh = init_device_mesh("cpu", (size // G, G), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device.type, (size // G, G), mesh_dim_names=("replicate", "shard"))
     mesh_check = check_mesh(mesh, hosts)
     checks = [None] * size
     dist.all_gather_object(checks, mesh_check)
     if not all(c["ok"] for c in checks):
         raise SystemExit(f"fsdp_benchmark: the mesh's shard groups are not intra-host: {checks} on hosts {hosts}")
-    x = batch_of(args, rank)
+    x = batch_of(args, rank, device)
     setups = []
     for key in args.configs.split(","):
         if key not in CONFIGS:
             raise SystemExit(f"fsdp_benchmark: unknown configuration {key!r} (known: {', '.join(CONFIGS)})")
-        model, state = build(key, args, mesh)
+        model, state = build(key, args, mesh, device)
         if state is not None:
             _time_hook(state)
         setups.append({"key": key, "model": model, "state": state, "times": [], "link": [0, 0], "tg": None,
@@ -314,7 +326,8 @@ def worker(argv):
         rows.append(row)
     if rank == 0:
         print(f"HSDP step benchmark: GPT-2 {args.n_layer} layers x {args.n_embd}, {nparams} parameters in {ntensors} "
-              f"tensors, batch {args.batch} x {args.seq_len} per rank, {size} ranks ({size // G} hosts x {G}), gloo; "
+              f"tensors, batch {args.batch} x {args.seq_len} per rank, {size} ranks ({size // G} hosts x {G}), "
+              f"{placement.backend}; "
               f"median of {args.steps} steps x {args.rounds} interleaved rounds", flush=True)
         for row in rows:
             mb = sum(sum(v) for v in row["link_bytes_per_step"].values()) / max(1, len(row["link_bytes_per_step"])) / 1e6
@@ -343,7 +356,7 @@ def compute_alone(args, processes: int = 1) -> dict:
     the slowest process's median, and every process's)."""
     argv = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
             "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--seed", str(args.seed),
-            "--steps", str(args.compute_steps)]
+            "--steps", str(args.compute_steps), "--device", args.device]
     key = (" ".join(argv), processes)
     if key not in _ALONE:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -380,7 +393,7 @@ def run_case(ratio: float, args) -> dict:
     cmd = [DDP_TORCHRUN, "--netns", args.prefix, "--nproc", str(args.ranks_per_host), "--port", str(args.port), "--",
            os.path.abspath(__file__), "worker", "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
            "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-           "--seed", str(args.seed), "--configs", args.configs, "--steps", str(args.steps),
+           "--seed", str(args.seed), "--device", args.device, "--configs", args.configs, "--steps", str(args.steps),
            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", out]
     t0 = time.time()
     print(f"fsdp_benchmark: regime {ratio:g}: one rank's compute alone {alone['compute_ms']:.0f} ms, "

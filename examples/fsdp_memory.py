@@ -11,7 +11,9 @@ it (uneven first dimensions give the lower shards a row more).  Beside it, the t
 forward and backward: one unit's parameters all-gathered (and its unsharded gradients), bounded by the largest
 unit (two, with FSDP's prefetch of the next); TernGrad adds its fp32 copy of one unit's shard and its payloads
 while it exchanges that unit (a few percent of the shard).  Peak = persistent + transient, computed from the
-units' sizes; the table shows both.  The CPU has no allocator counters to read a measured peak from.
+units' sizes; the table shows both.  The CPU has no allocator counters to read a measured peak from; on GPUs
+(``--device auto``, the default, takes each rank's local GPU with NCCL when torch sees one) every rank's record
+also holds ``cuda_peak_allocated``, the CUDA allocator's peak for that configuration.
 """
 from __future__ import annotations
 
@@ -39,18 +41,18 @@ def held(model, opt) -> dict:
     return {"params": params, "grads": grads, "optimizer": state, "persistent": params + grads + state}
 
 
-def build(kind, args, mesh):
+def build(kind, args, mesh, placement):
     from torch.distributed.fsdp import fully_shard
 
     from horovod_terngrad import ddp as tg_ddp
     from horovod_terngrad import fsdp as tg_fsdp
     torch.manual_seed(0)
-    model = make_model(args)
+    model = make_model(args).to(placement.device)
     units = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
     root = sum(p.numel() for p in model.parameters()) - sum(units)
     state = None
     if kind == "ddp-terngrad":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=placement.device_ids)
         state = tg_ddp.register(model)
         transient = 0
     else:
@@ -84,24 +86,32 @@ def main(argv=None):
                    help="horovod_terngrad.optim.AdamW (default: one more state tensor, the noise estimate's running "
                         "mean, beside every parameter, ternarized or not) or torch.optim.AdamW")
     p.add_argument("--json", default="")
+    from horovod_terngrad.operations.devices import add_device_argument, setup_device
+    add_device_argument(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    placement = setup_device(args.device)          # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+    dist.init_process_group(placement.backend)
     from torch.distributed.device_mesh import init_device_mesh
     rank, world = dist.get_rank(), dist.get_world_size()
     G = world // args.replicas
-    mesh = init_device_mesh("cpu", (args.replicas, G), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(placement.device.type, (args.replicas, G), mesh_dim_names=("replicate", "shard"))
     rows = []
     for kind in ("ddp-terngrad", "hsdp-fp32", "hsdp-terngrad"):
-        model, transient, state = build(kind, args, mesh)
+        if placement.is_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(placement.device)
+        model, transient, state = build(kind, args, mesh, placement)
         opt = make_optimizer(args, model)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(args.steps):
-            x = torch.randint(0, 256, (4, args.seq_len), generator=gen)
+            x = torch.randint(0, 256, (4, args.seq_len), generator=gen).to(placement.device)
             opt.zero_grad()
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
         mine = held(model, opt)
+        if placement.is_cuda:        # on a GPU the allocator's own peak, beside the computed one
+            mine["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(placement.device)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         sent = (state.stats.bytes_sent, state.stats.elements) if state is not None else None

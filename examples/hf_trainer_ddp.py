@@ -4,6 +4,7 @@ and model).
 
     torchrun --standalone --nproc_per_node 2 examples/hf_trainer_ddp.py
     torchrun --standalone --nproc_per_node 2 examples/hf_trainer_ddp.py --packing base3 --max-steps 100
+    torchrun --standalone --nproc_per_node 8 examples/hf_trainer_ddp.py --device cuda     # 8 GPUs, NCCL
 
 The Trainer has no option for a communication hook, and its callbacks are handed the unwrapped model; the DDP
 object is ``trainer.model_wrapped`` once training has begun.  So ``TernGradCallback`` keeps the trainer and, at
@@ -86,7 +87,10 @@ def main(argv=None):
     p.add_argument("--logging-steps", type=int, default=5)
     p.add_argument("--report-to", default="none", help="the Trainer's report_to (tensorboard, wandb, ...)")
     p.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary one)")
+    from horovod_terngrad.operations.devices import add_device_argument, setup_device
+    add_device_argument(p)
     args = p.parse_args(argv)
+    placement = setup_device(args.device)   # the Trainer then takes cuda:LOCAL_RANK with NCCL, or the CPU with gloo
     torch.set_num_threads(1)
     torch.manual_seed(0)                          # the same initial weights on every rank
     train, _, what = load_corpus()
@@ -95,7 +99,8 @@ def main(argv=None):
     targs = TrainingArguments(output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
                               learning_rate=2e-3, logging_steps=args.logging_steps, save_strategy="no",
                               report_to=args.report_to,
-                              use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+                              use_cpu=not placement.is_cuda, ddp_backend=placement.backend, disable_tqdm=True,
+                              seed=0, dataloader_num_workers=0)
     losses = Losses()
     optimizer = None
     if args.optim == "tg-adamw":       # the Trainer's adamw_torch settings, TernGrad's AdamW

@@ -4,6 +4,7 @@
     python examples/lightning_ddp.py                          # 2 CPU processes, Lightning's spawn launcher
     python examples/lightning_ddp.py --start-method popen     # Lightning's default launcher (re-runs this script)
     python examples/lightning_ddp.py --log-dir logs           # TernGrad's figures per step in logs/.../metrics.csv
+    python examples/lightning_ddp.py --device cuda --devices 8  # 8 GPUs, NCCL (--device auto: GPUs when present)
 
 The state is built before the Trainer starts its processes (no process group exists yet: TernGradState makes
 its groups at the first bucket), and the spawn launcher pickles it with the strategy, the callback and the model
@@ -33,6 +34,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from horovod_terngrad import ddp as tg_ddp
 from horovod_terngrad.integrations.lightning import TernGradLoggingCallback
+from horovod_terngrad.operations.devices import add_device_argument, resolve_device
 
 
 class RegisterOnCPU(pl.Callback):
@@ -113,18 +115,23 @@ def main(argv=None):
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--out", default="lightning_terngrad")
     p.add_argument("--log-dir", default=None, help="a CSVLogger here (metrics.csv under it); default: no logger")
+    add_device_argument(p)
     args = p.parse_args(argv)
+    # Lightning starts the ranks and sets each one's GPU itself: decided here once, for the highest local rank,
+    # so that --device cuda with more --devices than GPUs fails before anything starts
+    placement = resolve_device(args.device, local_rank=args.devices - 1)
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     model = Classifier()
     state = tg_ddp.TernGradState(model, seed=1)       # no process group yet; names are the LightningModule's
     strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=tg_ddp.terngrad_hook,
-                           start_method=args.start_method, process_group_backend="gloo")
+                           start_method=args.start_method, process_group_backend=placement.backend)
     logger = False
     if args.log_dir:
         from lightning.pytorch.loggers import CSVLogger
         logger = CSVLogger(args.log_dir, name="terngrad")
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+    trainer = pl.Trainer(accelerator=placement.accelerator, devices=args.devices, strategy=strategy,
+                         max_steps=args.max_steps,
                          callbacks=[RegisterOnCPU(state), TernGradLoggingCallback(), Report(state, args.out)],
                          logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)

@@ -14,6 +14,9 @@ collectives.
 ``--amp fp16`` runs forward and loss under ``torch.autocast`` in fp16 with a ``torch.amp.GradScaler`` and Horovod's
 AMP recipe (examples/mixed_precision.py); each epoch's line then also shows the steps the scaler skipped so far and
 the loss scale.  ``--amp bf16``: autocast in bf16, no scaler.
+
+``--device auto`` (the default) trains on each rank's local GPU, ``cuda:hvd.local_rank()``, when torch sees one and
+Horovod was built with CUDA (``scripts/setup.sh --cuda``), else on the CPU; ``--device cpu`` / ``cuda`` force it.
 """
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ def parse_args(argv=None):
                         "stderr is a terminal)")
     p.add_argument("--tensorboard", default="", help="log scalars and gradient histograms here (needs tensorboard)")
     mixed_precision.add_arguments(p)
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
     return p.parse_args(argv)
 
 
@@ -84,9 +89,12 @@ def main(argv=None):
 
     from horovod_terngrad import TernGrad
     from horovod_terngrad.operations.datasets import load_mnist
+    from horovod_terngrad.operations.devices import setup_device
     from horovod_terngrad.operations.metrics import epoch_report, wire_bytes
 
     hvd.init()
+    placement = setup_device(args.device, hvd.local_rank(), horovod=hvd)     # cuda:local_rank, or the CPU
+    device = placement.device
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)          # identical initial weights on every rank
     rank, size = hvd.rank(), hvd.size()
@@ -95,9 +103,9 @@ def main(argv=None):
     xte, yte = data["test"]
     if args.test_limit:
         xte, yte = xte[:args.test_limit], yte[:args.test_limit]
-    xtr, ytr = xtr[rank::size], ytr[rank::size]
+    xtr, ytr = xtr[rank::size].to(device), ytr[rank::size].to(device)
 
-    model = LeNet()
+    model = LeNet().to(device)
     nparams = sum(p.numel() for p in model.parameters())
     opt = optimizers.make(args, model.parameters())
     nonfinite = {"on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
@@ -105,12 +113,14 @@ def main(argv=None):
                   "none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    amp = mixed_precision.MixedPrecision(args.amp, "cpu", args.init_scale, horovod=True)
+    amp = mixed_precision.MixedPrecision(args.amp, device.type, args.init_scale, horovod=True)
 
     fp32_ring_bytes = wire_bytes(size, 0, 0, nparams)
     steps_per_epoch = len(xtr) // args.batch_size
     if args.max_steps:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
+    if rank == 0 and placement.note:
+        print(placement.note, flush=True)
     if rank == 0:
         print(f"LeNet ({nparams} parameters) on MNIST, {size} ranks, batch {args.batch_size}/rank, "
               f"compression={args.compression}" + (f" ({args.packing})" if args.compression == "terngrad" else "")
@@ -126,7 +136,7 @@ def main(argv=None):
         if args.tensorboard and rank == 0:
             writer = tensorboard_writer(args.tensorboard)
     for epoch in range(1, args.epochs + 1):
-        perm = torch.randperm(len(xtr), generator=g)
+        perm = torch.randperm(len(xtr), generator=g).to(device)
         if args.compression == "terngrad":
             compressor.stats.reset()
         t0 = time.perf_counter()

@@ -28,6 +28,9 @@ figures measure compute + gradient exchange only.  Each iteration runs --num-bat
 per iteration rank 0 prints img/s of one rank, then the mean +- 1.96 std over iterations, the total over
 all ranks, the loss at the first and last step (it falls as the model memorizes the batch), and for
 TernGrad the bits per element it handed to collectives.
+
+``--device auto`` (the default) runs each rank on its local GPU, ``cuda:hvd.local_rank()``, when torch sees one and
+Horovod was built with CUDA (``scripts/setup.sh --cuda``), else on the CPU.
 """
 from __future__ import annotations
 
@@ -198,6 +201,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--json", default="", help="write the results of rank 0 to this file")
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
     return p.parse_args(argv)
 
 
@@ -206,8 +211,10 @@ def main(argv=None):
     import horovod.torch as hvd
 
     from horovod_terngrad import TernGrad
+    from horovod_terngrad.operations.devices import setup_device
 
     hvd.init()
+    placement = setup_device(args.device, hvd.local_rank(), horovod=hvd)     # cuda:local_rank, or the CPU
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
     batch = args.batch_size or DEFAULT_BATCH[args.model]
@@ -219,6 +226,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = MODELS[args.model](num_classes=args.num_classes)
     prof = profile(model)
+    model.to(placement.device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     fusion = {} if args.fusion_numel is None else {"fusion_numel": args.fusion_numel}
     compressor = {"terngrad": TernGrad.configure(packing=args.packing, seed=args.seed, **fusion),
@@ -228,8 +236,8 @@ def main(argv=None):
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
     g = torch.Generator().manual_seed(args.seed + rank)       # each rank its own (fixed) batch
-    data = torch.randn(batch, 3, IMAGE, IMAGE, generator=g)
-    target = torch.randint(0, args.num_classes, (batch,), generator=g)
+    data = torch.randn(batch, 3, IMAGE, IMAGE, generator=g).to(placement.device)
+    target = torch.randint(0, args.num_classes, (batch,), generator=g).to(placement.device)
     losses = []
 
     def benchmark_step():
@@ -240,6 +248,8 @@ def main(argv=None):
         losses.append(loss.item())
 
     pp = PAPER_PROFILES[args.model]
+    if placement.note:
+        log(placement.note)
     log(f"Model: {args.model}-like, {prof['params']:,} parameters in {prof['tensors']} tensors, "
         f"{100 * prof['fc_share']:.1f}% in Linear layers, largest tensor {prof['largest']} "
         f"({100 * prof['largest_share']:.1f}%), {prof['macs'] / 1e6:.1f}M multiply-adds per {IMAGE}x{IMAGE} image "
@@ -248,7 +258,8 @@ def main(argv=None):
         f"{100 * pp['fc_share']:.1f}% in fc layers, {pp['macs'] / 1e9:.2f}G multiply-adds per 224x224 image "
         f"({pp['params'] / pp['macs']:.3f} parameters per multiply-add)")
     log(f"Batch size: {batch} per rank, {size} ranks, compression={args.compression}"
-        + (f" ({args.packing})" if args.compression == "terngrad" else "") + f", {args.threads} thread(s) per rank")
+        + (f" ({args.packing})" if args.compression == "terngrad" else "")
+        + (f", on {placement.device}" if placement.is_cuda else f", {args.threads} thread(s) per rank"))
 
     log("Running warmup...")
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)

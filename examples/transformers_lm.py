@@ -35,6 +35,10 @@ frontend's recipe (Horovod: ``synchronize``, ``unscale_``, ``step`` under ``skip
 examples/mixed_precision.py); the log lines then show the steps the scaler skipped so far and the loss scale
 (``--init-scale`` sets its first one), and the result gives both and every rank's count.  ``--amp bf16``: autocast
 in bf16, no scaler.  ``--compression none`` takes them too (the baseline).  The held-out loss is computed in fp32.
+
+``--device auto`` (the default) runs each rank on its local GPU when torch sees one: ``cuda:LOCAL_RANK`` with NCCL
+for DDP and FSDP (the mesh on CUDA), ``cuda:hvd.local_rank()`` for Horovod (built with CUDA: ``scripts/setup.sh
+--cuda``); else the CPU with gloo.  ``--device cpu`` / ``cuda`` force it.
 """
 from __future__ import annotations
 
@@ -105,6 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
     mixed_precision.add_arguments(p)
+    from horovod_terngrad.operations.devices import add_device_argument
+    add_device_argument(p)
     args = p.parse_args(argv)
     recipe = RECIPES[args.recipe]
     for k, v in recipe.items():
@@ -195,10 +201,11 @@ def held_out_loss(model, held_out: torch.Tensor, seq_len: int, batch: int = 64) 
     """Mean loss over every non-overlapping window of the held-out bytes (the same on every rank and run)."""
     n = len(held_out) // seq_len
     data = held_out[:n * seq_len].view(n, seq_len).long()
+    device = next(model.parameters()).device
     total = 0.0
     with torch.no_grad():
         for i in range(0, n, batch):
-            w = data[i:i + batch]
+            w = data[i:i + batch].to(device)
             total += model(input_ids=w, labels=w).loss.item() * len(w)
     return total / n
 
@@ -225,7 +232,9 @@ class Frontend:
     """Horovod's DistributedOptimizer with TernGrad, or DDP with TernGrad's hook: rank, size, the module to call,
     the optimizer, the compressor's counters, and a way to compare every rank's checksum."""
 
-    def __init__(self, args, model):
+    def __init__(self, args, model, placement=None):
+        from horovod_terngrad.operations.devices import resolve_device
+        self.placement = placement or resolve_device("cpu")
         self.kind = args.frontend
         self.counters = None
         if self.kind == "fsdp":
@@ -254,7 +263,8 @@ class Frontend:
             from horovod_terngrad import ddp as tg_ddp
             self.dist = dist
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
-            self.forward = torch.nn.parallel.DistributedDataParallel(model)    # broadcasts rank 0's weights
+            self.forward = torch.nn.parallel.DistributedDataParallel(   # broadcasts rank 0's weights
+                model, device_ids=self.placement.device_ids)
             if args.compression == "terngrad":
                 self.counters = tg_ddp.register(self.forward, **terngrad_settings(args))
             elif args.compression in ("fp16", "powersgd"):
@@ -275,7 +285,8 @@ class Frontend:
         replicas = args.replicas or self.size // int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
         if replicas < 1 or self.size % replicas:
             raise SystemExit(f"--replicas {replicas} does not divide the {self.size} ranks")
-        self.mesh = init_device_mesh("cpu", (replicas, self.size // replicas), mesh_dim_names=("replicate", "shard"))
+        self.mesh = init_device_mesh(self.placement.device.type, (replicas, self.size // replicas),
+                                     mesh_dim_names=("replicate", "shard"))
         kw = {"mesh": self.mesh["shard"] if args.compression == "terngrad" else self.mesh}
         if args.compression == "bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
@@ -318,11 +329,14 @@ def bits(front, args=None, model=None, steps: int = 0) -> tuple[float, float]:
     return st.bits_per_element(), (8.0 * st.bytes_sent + 32.0 * plain) / total if total else 0.0
 
 
-def train_step(args, step: int, forward, opt, amp, clip, train: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One training step of the recipe: a batch of random windows, the step's lr, forward (under ``amp``'s
-    autocast), backward, ``clip``, the optimizer's step (``amp.step``: with --amp fp16, GradScaler's recipe).
-    Returns the loss.  Also examples/time_to_quality.py's compute-alone step."""
+def train_step(args, step: int, forward, opt, amp, clip, train: torch.Tensor, gen: torch.Generator,
+               device: torch.device | None = None) -> torch.Tensor:
+    """One training step of the recipe: a batch of random windows (drawn on the CPU, moved to ``device``), the
+    step's lr, forward (under ``amp``'s autocast), backward, ``clip``, the optimizer's step (``amp.step``: with
+    --amp fp16, GradScaler's recipe).  Returns the loss.  Also examples/time_to_quality.py's compute-alone step."""
     x = windows(train, args.batch_size, args.seq_len, gen)
+    if device is not None:
+        x = x.to(device)
     for group in opt.param_groups:
         group["lr"] = lr_at(args, step)
     opt.zero_grad()
@@ -334,23 +348,29 @@ def train_step(args, step: int, forward, opt, amp, clip, train: torch.Tensor, ge
 
 def main(argv=None):
     args = parse_args(argv)
+    from horovod_terngrad.operations.devices import setup_device
     torch.set_num_threads(args.threads)
     if args.frontend == "horovod":
         import horovod.torch as hvd
         hvd.init()
+        placement = setup_device(args.device, hvd.local_rank(), horovod=hvd)   # cuda:local_rank, or the CPU
     else:      # ddp, fsdp
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        placement = setup_device(args.device)       # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+        dist.init_process_group(placement.backend)
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
     train, held_out, what = load_corpus(args.corpus)
-    model = make_model(args)
-    front = Frontend(args, model)
-    amp = mixed_precision.MixedPrecision(args.amp, "cpu", args.init_scale, horovod=args.frontend == "horovod")
+    model = make_model(args).to(placement.device)
+    front = Frontend(args, model, placement)
+    amp = mixed_precision.MixedPrecision(args.amp, placement.device.type, args.init_scale,
+                                         horovod=args.frontend == "horovod")
     rank, size = front.rank, front.size
     # rank 0 shows TernGrad's one-time INFO lines: the links it measured and the exchange the defaults chose
     logging.basicConfig(format="%(message)s")
     logging.getLogger("horovod_terngrad").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     nparams = sum(p.numel() for p in model.parameters())
+    if rank == 0 and placement.note:
+        print(placement.note, flush=True)
     if rank == 0:
         print(f"GPT-2 ({args.n_layer} layers, {args.n_embd} wide, {nparams} parameters, byte vocabulary) on {what}; "
               f"{size} ranks, {args.frontend} frontend, compression={args.compression}"
@@ -367,7 +387,7 @@ def main(argv=None):
     curve, eval_s = [], 0.0          # --eval-every: the learning curve; seconds spent evaluating so far
     model.train()
     for step in range(1, args.steps + 1):
-        loss = train_step(args, step, front.forward, front.opt, amp, clip, train, gen)
+        loss = train_step(args, step, front.forward, front.opt, amp, clip, train, gen, placement.device)
         losses.append(loss.item())
         if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()

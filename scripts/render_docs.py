@@ -946,6 +946,11 @@ ENV_MEANING = {
     "HOROVOD_TERNGRAD_INTRA_LINKS": "links from each GPU to its peers inside a node (3: four GPUs fully connected "
                                     "by NVLink; 1: one PCIe port)",
     "HOROVOD_TERNGRAD_NETWORK": "set by `terngrad-launch` to the network profile it chose; the preflight prints it",
+    "HOROVOD_TERNGRAD_NCCL_PREFIXES": "`scripts/setup.sh --cuda`: the system prefixes searched for NCCL (`include/nccl.h`"
+                                      " and `lib*/libnccl.so*`), besides `HOROVOD_NCCL_HOME`, the CUDA toolkit and "
+                                      "the venv's nvidia-nccl wheel (default `/usr /usr/local`; empty: none)",
+    "HOROVOD_TERNGRAD_TORCH_INDEX": "`scripts/setup.sh --cuda`: the base URL of the wheel index the CUDA torch comes "
+                                    "from, `<base>/cu130` etc. (default `https://download.pytorch.org/whl`)",
     "HOROVOD_TERNGRAD_VENV": "`scripts/setup.sh`: where to create the virtual environment (default `.venv`)",
 }
 
@@ -1188,10 +1193,12 @@ WARNING_ADVICE = [
     ("horovod_terngrad/backends/cpu.py", "TernGrad: fused CPU codec unavailable",
      "no C compiler or the build failed: the torch reference codec runs (same bytes, slower)", "install gcc, or set `CC`"),
     ("horovod_terngrad/backends/__init__.py", "TernGrad: CUDA kernels unavailable",
-     "CuPy missing: CUDA tensors use the torch reference path (correct, slower)", "`pip install cupy-cuda12x`"),
+     "CuPy missing: CUDA tensors use the torch reference path (correct, slower)",
+     "`bash scripts/setup.sh --cuda`, or `pip install cupy-cuda12x` / `cupy-cuda13x` (torch's CUDA major, "
+     "`torch.version.cuda`)"),
     ("horovod_terngrad/backends/cuda_adam.py", "horovod_terngrad.optim: kernels/adam.cu did not build",
      "NVRTC or the driver refused the optimizer's kernel: its foreach ops run (correct, slower)",
-     "report the error; check that CuPy matches the driver's CUDA"),
+     "report the error; check that CuPy matches the driver's CUDA (`bash scripts/setup.sh --cuda`)"),
     ("horovod_terngrad/frontends/cpu_threads.py", "TernGrad: … rank(s) on this host each run",
      "the ranks of a host run more threads than it has cores; on CPU that, not the network, sets the step time",
      "`OMP_NUM_THREADS=1` (or cores / ranks) for every rank, or `torch.set_num_threads`"),

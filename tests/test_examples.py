@@ -1024,3 +1024,42 @@ def test_docs_examples_has_an_entry_with_a_command_for_every_example():
     assert sorted(entries) == scripts
     for name, text in entries.items():
         assert "Imported, not run." in text or f"examples/{name}" in text.split("```")[1], name
+
+
+# -- --device: every example a user runs takes it, and decides it the same way (operations/devices.py) ------------
+DEVICE_EXAMPLES = {"mnist_lenet.py": None, "ddp_mnist.py": None, "lightning_ddp.py": "lightning",
+                   "accelerate_ddp.py": None, "hf_trainer_ddp.py": "transformers", "transformers_lm.py": None,
+                   "fsdp_memory.py": None, "synthetic_benchmark.py": None, "cifarnet.py": None,
+                   "fsdp_benchmark.py": None, "fsdp_benchmark.py worker": None, "fsdp_benchmark.py compute": None,
+                   "ddp_benchmark.py": None, "ddp_benchmark.py worker": None}
+
+
+@pytest.mark.parametrize("command", sorted(DEVICE_EXAMPLES))
+def test_every_example_a_user_runs_takes_device(command):
+    """``--help`` of each example (and of the benchmarks' worker and compute commands) offers --device
+    auto|cpu|cuda: the README's main job, the DDP / Lightning / Accelerate / Trainer / FSDP2 recipes, the
+    benchmarks.  (examples/mixed_precision.py is the examples' helper: it takes the device type they chose.)"""
+    if DEVICE_EXAMPLES[command]:
+        pytest.importorskip(DEVICE_EXAMPLES[command])
+    script, *sub = command.split()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *sub, "--help"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "--device {auto,cpu,cuda}" in p.stdout, p.stdout[-2000:]
+
+
+def test_ddp_example_on_device_auto_runs_on_the_cpu_with_gloo_here():
+    """No GPU here: --device auto is the CPU and gloo (the header names the backend), and trains."""
+    log = _launch_ranks(_torchrun_cmd("ddp_mnist.py", "--device", "auto", "--max-steps", 4, "--test-limit", 100,
+                                      "--epochs", 1, "--log-every", 2), "ddp_mnist.py --device auto")
+    assert "DDP (gloo), 2 ranks" in log and _result_lines(log)[-1]["params_identical"]
+
+
+def test_device_cuda_without_a_gpu_stops_with_the_reason():
+    """--device cuda on a machine without CUDA fails before any process group, naming what is missing."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ddp_mnist.py"), "--device", "cuda"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0
+    assert "DeviceError: --device cuda: no CUDA device: torch.cuda.is_available() is False" in p.stderr, p.stderr[-2000:]

@@ -102,7 +102,7 @@ def test_metadata_states_licence_python_floor_extras_and_entry_point(venv):
             "'scripts': [e.value for e in d.entry_points if e.group == 'console_scripts']}))")
     meta = json.loads(run([py, "-c", code], "metadata", cwd="/", env=clean_env()).stdout)
     assert meta["license"] == "Apache-2.0" and meta["requires_python"] == ">=3.10"
-    assert {"cuda", "horovod", "lightning", "transformers", "test"} <= set(meta["extras"])
+    assert {"cuda", "cuda12", "cuda13", "horovod", "lightning", "transformers", "test"} <= set(meta["extras"])
     assert meta["scripts"] == ["horovod_terngrad.operations.launcher:main"]
     assert "Programming Language :: Python :: 3.11" in meta["classifiers"]
     assert any(f.endswith("licenses/LICENSE") for f in meta["files"]) and any(f.endswith("NOTICE") for f in meta["files"])

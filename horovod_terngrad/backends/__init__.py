@@ -51,7 +51,8 @@ def cuda_kernels() -> Backend | None:
                 _cache["cuda"] = KernelBackend(CupyKernels())
             except Exception as e:  # noqa: BLE001 - ImportError, no driver, NVRTC failure: all mean fallback
                 log.warning("TernGrad: CUDA kernels unavailable (%s: %s); CUDA tensors use the torch "
-                            "reference path (correct, slower). pip install cupy-cuda12x to enable them.",
+                            "reference path (correct, slower). bash scripts/setup.sh --cuda, or pip install "
+                            "cupy-cuda12x / cupy-cuda13x (torch's CUDA major), enables them.",
                             type(e).__name__, e)
                 _cache["cuda"] = None
         return _cache["cuda"]
