@@ -163,7 +163,8 @@ SETTING_NAMES = {"default", "auto"}
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "horovod_terngrad"
 OWNERS = {"exchange/policy.py", "config.py"}
 # comparisons with the same words that are no exchange or hierarchical setting: the launcher's network profile
-NOT_SETTINGS = {("operations/launcher.py", "profile == 'auto'")}
+# the same words naming other choices: the launcher's network profile and the examples' --device
+NOT_SETTINGS = {("operations/launcher.py", "profile == 'auto'"), ("operations/devices.py", "choice == 'auto'")}
 
 
 def _names(node) -> list:
