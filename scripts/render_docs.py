@@ -189,9 +189,11 @@ def block_headline(m: dict, mod: dict) -> str:
         "fp32's payload takes 8x one rank's compute. Accuracy: on CPUs, and up to 64 workers in a simulator that runs "
         "the real exchange engine. Every speed at more than 4 ranks and every GPU-cluster figure is **modelled** (the "
         "alpha-beta performance model, `horovod_terngrad.modelling`, on the TernGrad paper's clusters). One H100 ran "
-        "the GPU check ([gpu](DOCS/gpu.md)): the CUDA codec is byte-identical to the CPU's on GPT-2's and ResNet-50's "
-        "shapes and on every exchange's golden pins. **Not measured**: a training step's time on a GPU, NCCL, more "
-        "than one GPU. Details: [what is measured where](DOCS/performance.md).",
+        "the GPU check on the kernels of 2026-11-27 ([gpu](DOCS/gpu.md)): that CUDA codec was byte-identical to the "
+        "CPU's on GPT-2's and ResNet-50's shapes and on every exchange's golden pins. The kernels shipped now "
+        "(rewritten for memory bandwidth, bf16 read directly, the optimizer's multi-tensor kernel) are checked byte "
+        "for byte through their host build only. **Not measured**: a training step's time on a GPU, the current "
+        "kernels on a GPU, NCCL, more than one GPU. Details: [what is measured where](DOCS/performance.md).",
         "",
         "Measured (CPUs, emulated links):",
         "",
