@@ -6,7 +6,8 @@
 Steps, each one row of the table:
 
 1. ``tests``: the CUDA tests of the checkout (tests/test_kernels.py, tests/test_backends.py,
-   tests/test_cuda_nosync.py, and tests/test_golden.py's CUDA tests: every exchange's pinned bytes and averages
+   tests/test_cuda_nosync.py, tests/test_adam_kernel.py (the optimizer's kernel against its host build), and
+   tests/test_golden.py's CUDA tests: every exchange's pinned bytes and averages
    from CUDA tensors, and the default above 4 ranks against the CPU) under pytest.  Dry run: test_kernels.py (its
    CUDA sources built for the host) and test_cuda_nosync.py, whose CUDA tests skip.
 2. ``identity <model>``: byte identity of the device backend against a CPU backend on a model's real tensor
@@ -54,7 +55,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_TEST_FILES = ("tests/test_kernels.py", "tests/test_backends.py", "tests/test_cuda_nosync.py",
-                  "tests/test_golden.py::test_cuda_tensors_reproduce_the_pins",
+                  "tests/test_adam_kernel.py", "tests/test_golden.py::test_cuda_tensors_reproduce_the_pins",
                   "tests/test_golden.py::test_cuda_default_above_4_ranks_matches_the_cpu")
 DRY_RUN_TEST_FILES = ("tests/test_kernels.py", "tests/test_cuda_nosync.py")
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
