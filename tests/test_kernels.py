@@ -50,6 +50,46 @@ def test_nvcc_compiles_every_kernel(tmp_path, arch):
         assert k in names
 
 
+
+def _nvrtc():
+    """libnvrtc (what CuPy compiles with): $NVRTC_LIBRARY, the nvidia-cuda-nvrtc wheels' copies, or the system's."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import site
+    found = [os.environ.get("NVRTC_LIBRARY", "")]
+    for d in site.getsitepackages():
+        found += sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so*")))
+    found.append(ctypes.util.find_library("nvrtc") or "")
+    for path in filter(None, found):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    pytest.skip("libnvrtc not found (CuPy's compiler; set NVRTC_LIBRARY or pip install nvidia-cuda-nvrtc)")
+
+
+@pytest.mark.parametrize("source", ["terngrad.cu", "adam.cu"])
+def test_nvrtc_compiles_every_kernel_with_cupys_options(source):
+    """CuPy builds the kernels with NVRTC, not nvcc: no host headers, and the options CuPy is given."""
+    import ctypes
+    from horovod_terngrad.backends import cuda_adam
+    lib = _nvrtc()
+    opts = {"terngrad.cu": NVCC_OPTIONS, "adam.cu": cuda_adam.NVCC_OPTIONS}[source]
+    path = os.path.join(os.path.dirname(SOURCE), source)
+    for arch in ("compute_80", "compute_90"):
+        prog = ctypes.c_void_p()
+        with open(path, "rb") as f:
+            assert lib.nvrtcCreateProgram(ctypes.byref(prog), f.read(), source.encode(), 0, None, None) == 0
+        args = [o.encode() for o in (*opts, f"--gpu-architecture={arch}")]
+        rc = lib.nvrtcCompileProgram(prog, len(args), (ctypes.c_char_p * len(args))(*args))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert rc == 0, f"{source} for {arch}: {log.value.decode(errors='replace')}"
+
 def sample(n, seed):
     g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     if n > 20:
