@@ -600,6 +600,13 @@ __device__ __forceinline__ float tg_rq_fraction(float x, float d, float &low) {
     return q - low;
 }
 
+// ν of an element: its noise estimate plus the rounding's own variance d^2·f·(1 - f), in the reference's order.
+__device__ __forceinline__ float tg_rq_nu(float noise, float x, float d) {
+    float low;
+    const float f = tg_rq_fraction(x, d, low);
+    return noise + ((d * d) * f) * (1.0f - f);
+}
+
 TG_EXTERN __global__ void tg_requant_encode(const float *__restrict__ a, const float *__restrict__ noise,
                                             int with_noise, tg_i64 m, tg_i64 start, tg_u32 ka0, tg_u32 ka1,
                                             tg_u32 kn0, tg_u32 kn1, int flags, tg_u8 *__restrict__ out,
@@ -645,9 +652,7 @@ TG_EXTERN __global__ void tg_requant_encode(const float *__restrict__ a, const f
         float top = 0.0f;
         nan = false;
         for (int j = 0; j < gc; j++) {
-            float low;
-            const float f = tg_rq_fraction(ac[j], d, low);
-            const float v = nc[j] + ((d * d) * f) * (1.0f - f);     // ν, in the reference's order
+            const float v = tg_rq_nu(nc[j], ac[j], d);
             nan |= v != v;
             top = v > top ? v : top;
         }
@@ -656,9 +661,7 @@ TG_EXTERN __global__ void tg_requant_encode(const float *__restrict__ a, const f
         tg_u8 *ob = bits_at + lo / 8;
         tg_u32 byte = 0;
         for (int j = 0; j < gc; j++) {
-            float low;
-            const float f = tg_rq_fraction(ac[j], d, low);
-            const float v = nc[j] + ((d * d) * f) * (1.0f - f);
+            const float v = tg_rq_nu(nc[j], ac[j], d);
             const float p = top > 0.0f ? v / top : 0.0f;
             const tg_u32 bit = (float)(int)tg_u24(start + lo + j, kn0, kn1) < p * 16777216.0f ? 1u : 0u;
             byte |= bit << (j & 7);

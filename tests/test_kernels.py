@@ -14,6 +14,7 @@ from horovod_terngrad.backends import REFERENCE, cpu_fused
 from horovod_terngrad.backends.cuda import NVCC_OPTIONS, SIGNATURES, SOURCE, KernelBackend
 from horovod_terngrad.backends.host_build import HostKernels
 from horovod_terngrad.codec import packing
+from test_requant_kernel import EXTREME_CASES, check_extreme_shard
 
 ARCHS = ["sm_75", "sm_80", "sm_90"]   # CUDA 13 (installed here) no longer builds sm_70
 SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 255, 256, 257, 2047, 2048, 2049, 65535, 65537, (1 << 22) + 1]
@@ -477,32 +478,9 @@ def test_host_built_requant_kernels_give_the_reference_bytes_and_bits(host, m, w
         assert same_bits(ho, ro) and same_bits(hn, rn)
 
 
-@pytest.mark.parametrize("case", ["inf", "nan", "noise_inf", "noise_nan", "overflow", "all_zero"])
+@pytest.mark.parametrize("case", EXTREME_CASES)
 def test_host_built_requant_kernels_on_non_finite_and_extreme_shards(host, case):
-    from test_requant_kernel import decode_both, same_bits, shard
-    from horovod_terngrad.codec import requant
-    m = 1000
-    a, nu = shard(m, 5)
-    if case == "inf":
-        a[200], a[999] = -float("inf"), float("inf")
-    elif case == "nan":
-        a[130] = float("nan")
-    elif case == "noise_inf":
-        nu[7] = float("inf")
-    elif case == "noise_nan":
-        nu[900] = float("nan")
-    elif case == "overflow":
-        a[:] = 1e38
-        a[3] = 3.4e38
-    else:
-        a.zero_()
-        nu.zero_()
-    keys = requant.keys(1, 2, "x", 0)
-    for noise in (None, nu):
-        want = requant.encode(a, keys, 10, noise)
-        assert torch.equal(host.requant_encode(a, keys, 10, noise), want), case
-        (ro, rn), (ho, hn) = decode_both(host, want, m, noise is not None)
-        assert same_bits(ho, ro) and same_bits(hn, rn), case
+    check_extreme_shard(host, case)
 
 
 @pytest.mark.parametrize("N", [2, 3])

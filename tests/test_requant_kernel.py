@@ -64,12 +64,11 @@ def test_encode_gives_the_reference_bytes_and_decode_its_bits(fused, m, with_noi
         assert same_bits(fo, ro) and same_bits(fn, rn)
 
 
-@pytest.mark.parametrize("case", ["inf", "-inf", "nan", "noise_inf", "noise_nan", "overflow", "all_zero"])
-def test_non_finite_and_extreme_shards_give_the_reference_bytes(fused, case):
-    """Which the exchange can meet: an average that overflowed to ±Inf, a noise estimate whose squares did, steps
-    whose squares do (their variance Inf or NaN); and NaN, which the reference also defines (amax's NaN is
-    0x7fc00000, a NaN code casts to 0 on x86)."""
-    m = 1000
+EXTREME_CASES = ["inf", "-inf", "nan", "noise_inf", "noise_nan", "overflow", "all_zero"]
+
+
+def extreme_shard(case, m=1000):
+    """A shard and noise estimate of ``m`` elements made extreme as ``case`` (one of ``EXTREME_CASES``) says."""
     a, nu = shard(m, 5)
     if case == "inf":
         a[3] = INF
@@ -87,12 +86,27 @@ def test_non_finite_and_extreme_shards_give_the_reference_bytes(fused, case):
     else:
         a.zero_()
         nu.zero_()
+    return a, nu
+
+
+def check_extreme_shard(backend, case):
+    """``backend``'s requant encode gives the reference's bytes and its decode the reference's bits on
+    ``extreme_shard(case)``, with and without the noise channel."""
+    a, nu = extreme_shard(case)
     keys = requant.keys(1, 2, "x", 0)
     for noise in (None, nu):
         want = requant.encode(a, keys, 10, noise)
-        assert torch.equal(fused.requant_encode(a, keys, 10, noise), want), case
-        (ro, rn), (fo, fn) = decode_both(fused, want, m, noise is not None)
-        assert same_bits(fo, ro) and same_bits(fn, rn), case
+        assert torch.equal(backend.requant_encode(a, keys, 10, noise), want), case
+        (ro, rn), (go, gn) = decode_both(backend, want, a.numel(), noise is not None)
+        assert same_bits(go, ro) and same_bits(gn, rn), case
+
+
+@pytest.mark.parametrize("case", EXTREME_CASES)
+def test_non_finite_and_extreme_shards_give_the_reference_bytes(fused, case):
+    """Which the exchange can meet: an average that overflowed to ±Inf, a noise estimate whose squares did, steps
+    whose squares do (their variance Inf or NaN); and NaN, which the reference also defines (amax's NaN is
+    0x7fc00000, a NaN code casts to 0 on x86)."""
+    check_extreme_shard(fused, case)
 
 
 def test_threads_change_no_byte(fused):

@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .. import codec
+from ..codec import sizes
 
 SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
@@ -124,3 +125,50 @@ class RequantBackend(Backend, Protocol):
 def has_capability(backend: Backend, capability: str) -> bool:
     """Whether ``backend`` declares ``capability`` (one of the constants of this module)."""
     return capability in backend.capabilities
+
+
+def requant_encode_inputs(a: torch.Tensor, noise: torch.Tensor | None, start: int):
+    """What every ``RequantBackend.requant_encode`` checks and reads: the shard ``a`` and the ``noise`` estimate as
+    flat contiguous fp32 on ``a``'s device (noise None without the noise channel)."""
+    m = a.numel()
+    if m >= 1 << 32:          # the header holds m in 32 bits (the reference's struct.pack raises too)
+        raise ValueError(f"TernGrad: a requantized shard of {m} elements does not fit its 32-bit header")
+    if start < 0:
+        raise ValueError(f"random stream element words must be >= 0, got {start}")
+    a = a.reshape(-1).to(torch.float32).contiguous()
+    nu = None if noise is None else noise.reshape(-1).to(device=a.device, dtype=torch.float32).contiguous()
+    if nu is not None and nu.numel() != m:
+        raise ValueError(f"TernGrad: noise of {nu.numel()} elements for a shard of {m}")
+    return a, nu
+
+
+class RequantDecodeTargets:
+    """What every ``RequantBackend.requant_decode`` checks and writes into: ``buf`` must hold a payload of ``m``
+    elements at ``offset``; ``out`` / ``noise`` are contiguous fp32 the kernel writes (the caller's tensors, or
+    scratch copied back by ``finish`` where those are not contiguous fp32)."""
+
+    def __init__(self, buf: torch.Tensor, offset: int, m: int, with_noise: bool, out: torch.Tensor,
+                 noise_out: torch.Tensor | None):
+        need = sizes.REQUANT_HEADER_BYTES + 4 * sizes.requant_groups(m) + -(-m // 2)
+        if with_noise:
+            need += 4 * sizes.requant_groups(m) + -(-m // 8)
+        if not buf.is_contiguous() or buf.dtype != torch.uint8 or offset < 0 or offset + need > buf.numel():
+            raise ValueError(f"TernGrad: no requantized payload of {m} elements at byte {offset} of a "
+                             f"{buf.numel()}-byte buffer")
+        if out.numel() != m or (noise_out is not None and noise_out.numel() != m):
+            raise ValueError(f"TernGrad: outputs of {out.numel()} elements for a payload of {m}")
+        self.given_out, self.given_noise = out, noise_out if with_noise else None
+        self.out, self.noise = self._fp32(out, m, buf.device), None
+        if self.given_noise is not None:
+            self.noise = self._fp32(self.given_noise, m, buf.device)
+
+    @staticmethod
+    def _fp32(t: torch.Tensor, m: int, device) -> torch.Tensor:
+        return t if t.is_contiguous() and t.dtype == torch.float32 else torch.empty(m, device=device)
+
+    def finish(self) -> None:
+        """Copies scratch outputs back into the caller's tensors."""
+        if self.out is not self.given_out:
+            self.given_out.copy_(self.out.view(self.given_out.shape))
+        if self.noise is not None and self.noise is not self.given_noise:
+            self.given_noise.copy_(self.noise.view(self.given_noise.shape))

@@ -22,7 +22,8 @@ import torch
 from .. import codec
 from ..codec import packing, sizes
 from ..codec.packing import FORMATS
-from .base import ADAM_CORRECTED, NOISE_DECODE, REQUANT, SHARDED_SUMS
+from .base import (ADAM_CORRECTED, NOISE_DECODE, REQUANT, SHARDED_SUMS, RequantDecodeTargets,
+                   requant_encode_inputs)
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
 log = logging.getLogger("horovod_terngrad")
@@ -204,15 +205,8 @@ class FusedCPUBackend:
                        flags: int = 0) -> torch.Tensor:
         """``RequantBackend.requant_encode``: codec/requant.py's ``encode`` in one pass (kernels/terngrad_cpu.c,
         tg_requant_encode), the same bytes."""
+        a, nu = requant_encode_inputs(a, noise, start)
         m = a.numel()
-        if m >= 1 << 32:          # the header holds m in 32 bits (the reference's struct.pack raises too)
-            raise ValueError(f"TernGrad: a requantized shard of {m} elements does not fit its 32-bit header")
-        if start < 0:
-            raise ValueError(f"random stream element words must be >= 0, got {start}")
-        a = a.to(torch.float32).contiguous()
-        nu = None if noise is None else noise.to(torch.float32).contiguous()
-        if nu is not None and nu.numel() != m:
-            raise ValueError(f"TernGrad: noise of {nu.numel()} elements for a shard of {m}")
         out = torch.empty(sizes.requantized_owner_bytes(m, noise is not None), dtype=torch.uint8)
         (ka0, ka1), (kn0, kn1) = keys
         self.lib.tg_requant_encode(_ptr(a), None if nu is None else _ptr(nu), int(nu is not None), m, start, ka0, ka1,
@@ -226,24 +220,10 @@ class FusedCPUBackend:
         contiguous fp32)."""
         if m == 0:
             return
-        need = sizes.REQUANT_HEADER_BYTES + 4 * sizes.requant_groups(m) + -(-m // 2)
-        if with_noise:
-            need += 4 * sizes.requant_groups(m) + -(-m // 8)
-        if not buf.is_contiguous() or buf.dtype != torch.uint8 or offset < 0 or offset + need > buf.numel():
-            raise ValueError(f"TernGrad: no requantized payload of {m} elements at byte {offset} of a "
-                             f"{buf.numel()}-byte buffer")
-        if out.numel() != m or (noise_out is not None and noise_out.numel() != m):
-            raise ValueError(f"TernGrad: outputs of {out.numel()} elements for a payload of {m}")
-        nu = noise_out if with_noise else None
-        o = out if out.is_contiguous() and out.dtype == torch.float32 else torch.empty(m, dtype=torch.float32)
-        n = (None if nu is None else
-             nu if nu.is_contiguous() and nu.dtype == torch.float32 else torch.empty(m, dtype=torch.float32))
-        self.lib.tg_requant_decode(buf.data_ptr() + offset, m, _ptr(o), None if n is None else _ptr(n),
+        t = RequantDecodeTargets(buf, offset, m, with_noise, out, noise_out)
+        self.lib.tg_requant_decode(buf.data_ptr() + offset, m, _ptr(t.out), None if t.noise is None else _ptr(t.noise),
                                    self._threads())
-        if o is not out:
-            out.copy_(o.view(out.shape))
-        if n is not None and n is not nu:
-            nu.copy_(n.view(nu.shape))
+        t.finish()
 
 
 def load() -> FusedCPUBackend | None:

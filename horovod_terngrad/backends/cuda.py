@@ -24,7 +24,7 @@ from .. import codec
 from ..codec import packing, sizes
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
-from .base import BF16_INPUT, REQUANT, SHARDED_SUMS
+from .base import BF16_INPUT, REQUANT, SHARDED_SUMS, RequantDecodeTargets, requant_encode_inputs
 from .compile_cache import KERNEL_DIR, kernel_source
 
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
@@ -83,6 +83,25 @@ class KernelLauncher(Protocol):
         ...
 
 
+class CupyStreams:
+    """CuPy's view of each torch CUDA stream, made once and kept (making one per launch costs the host)."""
+
+    LIMIT = 64      # streams made and dropped by the caller: keep the cache bounded
+
+    def __init__(self, cupy):
+        self.cupy, self.streams = cupy, {}
+
+    def current(self, device=None):
+        """CuPy's view of torch's current stream (of ``device``, else of the current device)."""
+        handle = torch.cuda.current_stream(device).cuda_stream
+        stream = self.streams.get(handle)
+        if stream is None:
+            if len(self.streams) >= self.LIMIT:
+                self.streams.clear()
+            stream = self.streams[handle] = self.cupy.cuda.ExternalStream(handle)
+        return stream
+
+
 class CupyKernels:
     """The kernel source compiled by CuPy (NVRTC) for the current CUDA device.
 
@@ -107,21 +126,12 @@ class CupyKernels:
         kinds = {"p": pointer, "i64": np.int64, "u32": np.uint32, "i32": np.int32, "f32": np.float32,
                  "f64": np.float64}
         self.converters = {name: tuple(kinds[k] for k in sig) for name, sig in SIGNATURES.items()}
-        self.streams: dict = {}
-
-    def _stream(self):
-        handle = torch.cuda.current_stream().cuda_stream
-        stream = self.streams.get(handle)
-        if stream is None:
-            if len(self.streams) >= 64:       # streams made and dropped by the caller: keep the cache bounded
-                self.streams.clear()
-            stream = self.streams[handle] = self.cupy.cuda.ExternalStream(handle)
-        return stream
+        self.streams = CupyStreams(cupy)
 
     def launch(self, name: str, work: int, args: list) -> None:
         conv = tuple(c(a) for c, a in zip(self.converters[name], args))
         grid = max(1, min(self.grid_limit, -(-work // THREADS)))
-        with self._stream():
+        with self.streams.current():
             self.functions[name]((grid,), (THREADS,), conv)
 
 
@@ -259,15 +269,8 @@ class KernelBackend:
     def requant_encode(self, a: torch.Tensor, keys: tuple, start: int, noise: torch.Tensor | None = None,
                        flags: int = 0) -> torch.Tensor:
         """``RequantBackend.requant_encode``: codec/requant.py's ``encode`` (tg_requant_encode), the same bytes."""
+        a, nu = requant_encode_inputs(a, noise, start)
         m = a.numel()
-        if m >= 1 << 32:          # the header holds m in 32 bits (the reference's struct.pack raises too)
-            raise ValueError(f"TernGrad: a requantized shard of {m} elements does not fit its 32-bit header")
-        if start < 0:
-            raise ValueError(f"random stream element words must be >= 0, got {start}")
-        a = a.reshape(-1).to(torch.float32).contiguous()
-        nu = None if noise is None else noise.reshape(-1).to(device=a.device, dtype=torch.float32).contiguous()
-        if nu is not None and nu.numel() != m:
-            raise ValueError(f"TernGrad: noise of {nu.numel()} elements for a shard of {m}")
         out = torch.empty(sizes.requantized_owner_bytes(m, noise is not None), dtype=torch.uint8, device=a.device)
         (ka0, ka1), (kn0, kn1) = keys
         self.k.launch("tg_requant_encode", max(1, -(-m // sizes.REQUANT_GROUP)),
@@ -281,21 +284,6 @@ class KernelBackend:
         fp32)."""
         if m == 0:
             return
-        need = sizes.REQUANT_HEADER_BYTES + 4 * sizes.requant_groups(m) + -(-m // 2)
-        if with_noise:
-            need += 4 * sizes.requant_groups(m) + -(-m // 8)
-        if not buf.is_contiguous() or buf.dtype != torch.uint8 or offset < 0 or offset + need > buf.numel():
-            raise ValueError(f"TernGrad: no requantized payload of {m} elements at byte {offset} of a "
-                             f"{buf.numel()}-byte buffer")
-        if out.numel() != m or (noise_out is not None and noise_out.numel() != m):
-            raise ValueError(f"TernGrad: outputs of {out.numel()} elements for a payload of {m}")
-        dev = buf.device
-        nu = noise_out if with_noise else None
-        o = out if out.is_contiguous() and out.dtype == torch.float32 else torch.empty(m, device=dev)
-        n = (None if nu is None else
-             nu if nu.is_contiguous() and nu.dtype == torch.float32 else torch.empty(m, device=dev))
-        self.k.launch("tg_requant_decode", -(-m // 8), [buf.data_ptr() + offset, m, o, n])
-        if o is not out:
-            out.copy_(o.view(out.shape))
-        if n is not None and n is not nu:
-            nu.copy_(n.view(nu.shape))
+        t = RequantDecodeTargets(buf, offset, m, with_noise, out, noise_out)
+        self.k.launch("tg_requant_decode", -(-m // 8), [buf.data_ptr() + offset, m, t.out, t.noise])
+        t.finish()

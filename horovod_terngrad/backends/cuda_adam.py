@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
 
 import numpy as np
 import torch
 
-from .compile_cache import compile_cached, kernel_source
+from .compile_cache import kernel_source
+from .cuda import NVCC_OPTIONS, CupyStreams
+from .host_build import build_host
 
 log = logging.getLogger("horovod_terngrad")
 
-NVCC_OPTIONS = ("--fmad=false", "-std=c++14")
-HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
 THREADS = 256
 CHUNK = 32768          # elements per block: kernels/adam.cu's TG_ADAM_CHUNK
 FIELDS = 12            # int64 words per tensor in the table: TG_ADAM_FIELDS
@@ -42,21 +40,12 @@ class CupyAdamKernel:
         with open(kernel_source("adam.cu")) as f:
             module = cupy.RawModule(code=f.read(), options=NVCC_OPTIONS)
         self.function = module.get_function("tg_adam_multi")
+        self.streams = CupyStreams(cupy)
 
     def launch(self, nchunks: int, buf: torch.Tensor, args: tuple) -> None:
-        cupy = self.cupy
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(buf.device).cuda_stream)
-        with stream:
-            self.function((nchunks,), (THREADS,), (cupy.from_dlpack(buf), *args))
-
-
-def build_host(cxx: str | None = None) -> str:
-    """Compile ``kernels/adam_host.cpp`` into a cached shared object; returns its path."""
-    cxx = cxx or os.environ.get("CXX") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    srcs = [kernel_source(f) for f in ("adam_host.cpp", "host_shim.h", "adam.cu")]
-    return compile_cached(cxx, HOST_CXXFLAGS, srcs[0], srcs, "adam_hostkernel")
+        # the table's address as a numpy integer, as CupyKernels passes pointers: no DLPack wrapper per launch
+        with self.streams.current(buf.device):
+            self.function((nchunks,), (THREADS,), (np.uint64(buf.data_ptr()), *args))
 
 
 class HostAdamKernel:
@@ -66,7 +55,7 @@ class HostAdamKernel:
 
     def __init__(self, block: int = 32):
         self.block = block        # a small block makes every block-stride loop go round many times
-        self.lib = ctypes.CDLL(build_host())
+        self.lib = ctypes.CDLL(build_host(launcher="adam_host.cpp", source="adam.cu", name="adam_hostkernel"))
         f = ctypes.c_float
         self.lib.host_tg_adam_multi.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int, f, f, f,
                                                 ctypes.c_double, f, f, f, f, ctypes.c_int]

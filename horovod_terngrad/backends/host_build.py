@@ -18,13 +18,15 @@ from .cuda import SIGNATURES
 HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared"]
 
 
-def build_host(cxx: str | None = None) -> str:
-    """Compile ``kernels/host_launch.cpp`` into a cached shared object; returns its path."""
+def build_host(cxx: str | None = None, launcher: str = "host_launch.cpp", source: str = "terngrad.cu",
+               name: str = "terngrad_hostkernels") -> str:
+    """Compile ``kernels/<launcher>`` (which includes ``host_shim.h`` and ``kernels/<source>``) into a cached shared
+    object named after ``name``; returns its path."""
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    srcs = [kernel_source(f) for f in ("host_launch.cpp", "host_shim.h", "terngrad.cu")]
-    return compile_cached(cxx, HOST_CXXFLAGS, srcs[0], srcs, "terngrad_hostkernels")
+    srcs = [kernel_source(f) for f in (launcher, "host_shim.h", source)]
+    return compile_cached(cxx, HOST_CXXFLAGS, srcs[0], srcs, name)
 
 
 class HostKernels:
