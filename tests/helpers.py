@@ -102,7 +102,8 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
             segs = [v[a:a + p.numel] for v in node_vals]
             if cfg.exchange in ("reternarized", "requantized"):
                 want, nu = expected_reternarized(segs, pname, step, cfg, average=average, ranks=list(cross), noise=True,
-                                                 second="requant" if cfg.exchange == "requantized" else "ternary")
+                                                 second="requant" if cfg.exchange == "requantized" else "ternary",
+                                                 squares=noise and cfg.exchange == "requantized")
                 noises[p.member][p.start:p.stop] = wire(nu)
             else:
                 if noise:
@@ -158,8 +159,24 @@ def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     return expected_average(grads, name, step, cfg, ranks=ranks)[0]
 
 
+def ordered_sum(x64: torch.Tensor) -> torch.Tensor:
+    """The codec's defined summation order of a flat fp64 tensor (codec.ternary's block sums, then its tree)."""
+    return C.ternary.combine_blocks(C.ternary.block_sums(x64))
+
+
+def minibatch_share_out(nu: torch.Tensor, clipped: list, divisor: float) -> torch.Tensor:
+    """``nu`` with the minibatch's share taken out (codec/squares.py) as written out here: each sender's Σ f(g)²
+    of its slice ``clipped[r]`` in the defined order, sent as fp32; Q = their sum / divisor²; the factor
+    max(0, 1 - Q / Σ nu), in fp64, applied in fp32."""
+    sent = torch.stack([ordered_sum(c.to(torch.float64) ** 2).to(torch.float32) for c in clipped])
+    q = ordered_sum(sent.to(torch.float64)) / divisor ** 2
+    total = ordered_sum(nu.to(torch.float64))
+    factor = torch.clamp(1.0 - q / total, min=0.0, max=1.0) if float(total) > 0 else torch.ones((), dtype=torch.float64)
+    return nu * factor.to(torch.float32)
+
+
 def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None,
-                          second="ternary"):
+                          second="ternary", squares=False):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
     reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
     average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
@@ -171,7 +188,9 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
     ``second="requant"``: the requantized exchange (exchange/requantized.py) instead, which shares the first
     stage: the owner's average a in 4-bit groups (codec.requant.quantize, the streams of '<name>#rq4'), and its
     noise channel: the first stage's (1/N^2)·Σ_r s_r^2·|t_r| (in the decode's order: integer sums times the
-    shared scaler squared, else rank by rank) plus the rounding's variance, one stochastic bit per element."""
+    shared scaler squared, else rank by rank) plus the rounding's variance, one stochastic bit per element.
+    ``squares``: the first stage's estimate with the minibatch's share taken out by the senders' squares
+    (codec/squares.py, ``minibatch_share_out``)."""
     from horovod_terngrad.codec import requant, sizes
     N = len(grads)
     ranks = list(range(N)) if ranks is None else list(ranks)
@@ -215,6 +234,9 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
                 for r in range(N):
                     acc = acc + ternary[r][lo:hi].abs().to(torch.float32) * (sc[r] * sc[r])
                 nu1 = acc / (divisor * divisor)
+            if squares:
+                nu1 = minibatch_share_out(nu1, [torch.minimum(torch.maximum(flat[r][lo:hi], -thrs[r]), thrs[r])
+                                                for r in range(N)], divisor)
             k_avg, k_noise = requant.keys(cfg.seed, step, name, ranks[o])
             steps, codes, var = requant.quantize(a, k_avg, lo)
             per = steps.repeat_interleave(requant.GROUP)[:hi - lo]

@@ -26,11 +26,10 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from ..codec import requant, sizes
+from ..codec import requant, sizes, squares
 from ..codec.packing import FLAG_NONFINITE, Header, device_constant
 from . import allgather, reternarized
 
-send = reternarized.send
 encode_bucket = reternarized.encode_bucket
 
 
@@ -39,6 +38,7 @@ class RequantizedStage:
 
     label = "requantized exchange"
     settings_hint = " (or on whether their optimizers asked for the noise estimate: every rank must use the same one)"
+    takes_squares = True       # the senders' squares take the minibatch's share out of the owner's estimate
 
     @staticmethod
     def owner_chunks(ex, tk) -> list:
@@ -58,6 +58,9 @@ class RequantizedStage:
         noise = None
         if tk.want_noise:
             noise = allgather.noise_estimate(received, [head] * N, offsets, divisor)
+            if tk.squares:
+                size = sizes.payload_size(m, cfg.packing, tk.group.bucket_size, squares=True)
+                squares.take_out_minibatch_share(noise, squares.read(received, [o + size for o in offsets]), divisor)
         _zero_if(bad, avg, noise)                  # a flagged shard is NaN anyway: keep it finite
         keys = requant.keys(cfg.seed, tk.step, tk.name, ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
         if backends.has_capability(backend, backends.REQUANT):
@@ -86,6 +89,10 @@ def _zero_if(bad: torch.Tensor, *tensors) -> None:
     for t in tensors:
         if t is not None:
             t.masked_fill_(bad, 0.0)
+
+
+def send(ex, grp, sends: list) -> None:
+    reternarized.send(ex, grp, sends, RequantizedStage)
 
 
 def after_alltoall(ex, grp) -> None:
