@@ -1008,14 +1008,14 @@ def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
 @pytest.mark.parametrize("N", [3, 5])
 def test_requantized_cost_charges_exactly_codec_sizes_bytes(N):
     """exchange.cost.terngrad_requantized_cost (and so the plan, the HSDP rows and the schedule) charges c = the
-    re-ternarized shard payload to each peer and P = the owner's 4-bit payload with the noise channel
-    (codec.sizes); the engine on thread ranks receives exactly (N-1)·(c + P) of them (without the noise channel:
-    no optimizer asked for it there)."""
+    re-ternarized shard payload to each peer (with the noise channel, carrying the sender's squares) and P = the
+    owner's 4-bit payload with the noise channel (codec.sizes); the engine on thread ranks receives exactly
+    (N-1)·(c + P) of them (without the noise channel: no optimizer asked for it there)."""
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Engine, cost, run_ranks
     from horovod_terngrad.modelling import timeline as tl
     for noise in (True, False):
-        c = max(sum(sizes.reternarized_chunk_bytes(n, N, "2bit")[r] for n in AWKWARD) for r in range(N))
+        c = max(sum(sizes.reternarized_chunk_bytes(n, N, "2bit", squares=noise)[r] for n in AWKWARD) for r in range(N))
         P = max(sum(sizes.requantized_owner_chunk_bytes(n, N, noise)[r] for n in AWKWARD) for r in range(N))
         assert cost.requantized_bytes(AWKWARD, N, noise=noise) == (c, P)
         model = cost.terngrad_requantized_cost(AWKWARD, N, RING, noise=noise)

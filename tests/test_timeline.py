@@ -231,12 +231,14 @@ def test_one_worker_is_compute_only_and_bad_arguments_are_refused():
 
 def test_measured_codec_rates_are_positive_and_decode_grows_with_payloads():
     r = measure_codec_rates(numel=400_000, repeat=1)
-    for name in ("prepare", "encode", "decode_base", "owner_sum", "decode_sums", "cast"):
+    for name in ("prepare", "encode", "owner_sum", "decode_sums", "cast"):
         assert 0 < getattr(r, name) < 1e-4, name          # seconds per element, not per 1000 (a loose bound: timed on a busy machine)
-    assert r.decode_per_payload >= 0
+    # the decode's two terms are a two-point fit, each clamped at 0: on a busy machine either may come out 0
+    assert 0 <= r.decode_base < 1e-4 and 0 <= r.decode_per_payload < 1e-4
+    assert r.decode_base + r.decode_per_payload > 0
     assert r.slowed(2.0).encode == pytest.approx(2 * r.encode)
     m = measure_codec_rates(numel=400_000, repeat=3, statistic="median")     # what a calibration uses
-    assert all(0 < getattr(m, f) < 1e-4 for f in ("prepare", "encode", "decode_base", "owner_sum"))
+    assert all(0 < getattr(m, f) < 1e-4 for f in ("prepare", "encode", "owner_sum"))
     with pytest.raises(ValueError, match="statistic"):
         measure_codec_rates(numel=1000, statistic="mean")
 
