@@ -51,8 +51,7 @@ def clipped_square_sums(g: torch.Tensor, threshold: torch.Tensor, bounds: list) 
     """fp32 [len(bounds)]: Σ f(g_i)² over each [lo, hi) of the flat gradient ``g`` (fp32 or bf16), f the clip at
     ``threshold`` (0-d fp32, +inf: none); an empty range sums to 0.  Equal-length ranges (a tensor's full shards)
     are summed as rows of one view."""
-    x = g.to(torch.float32)
-    x = torch.minimum(torch.maximum(x, -threshold), threshold).to(torch.float64)
+    x = torch.clamp(g.to(torch.float32), min=-threshold, max=threshold).to(torch.float64)
     x = x * x                                                    # exact: an fp32 square fits fp64
     out = torch.zeros(len(bounds), dtype=torch.float64, device=g.device)
     i = 0

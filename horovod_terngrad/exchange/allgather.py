@@ -5,7 +5,8 @@ every rank's, so rank r's block is the members' payloads in member order.  Decod
 headers (checked to agree: element count, shape, packing, buckets; NaN/Inf flags with per-rank scalers),
 then the backend's decode of the member's N payloads: (float(k)·s)/N with a shared scaler, else
 (Σ_r s_r·t_r)/N in fp32 in rank order.  Every rank decodes the same bytes in the same order, so all get
-identical bits.  Cost per rank and tensor: sends payload_size(n) bytes, receives N-1 times that.
+identical bits.  Cost per rank and tensor: sends payload_size(n) bytes, receives N-1 times that (4 more per
+payload where the optimizer asked for the noise estimate: the sender's squares, codec/squares.py).
 """
 from __future__ import annotations
 
