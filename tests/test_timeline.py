@@ -4,7 +4,7 @@ import pytest
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.codec import sizes
 from horovod_terngrad.exchange import cost
-from horovod_terngrad.modelling import perfmodel as pm
+from horovod_terngrad.modelling import hsdp, perfmodel as pm
 from horovod_terngrad.modelling.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
 
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)      # alpha 1 ms, 1 MB/s
@@ -533,13 +533,13 @@ def test_scheduled_scaling_is_timeline_step_with_the_negotiation_wait():
 def test_scheduled_hsdp_charges_the_additive_models_busy_times_and_overlaps_them():
     """The scheduled HSDP step keeps the additive model's link busy times (same bytes and latencies) and is never
     longer than their sum with compute; on one node there is no cross-node time."""
-    model = pm.GPTConfig("tiny GPT", 2, 256, 1000, 128)
+    model = hsdp.GPTConfig("tiny GPT", 2, 256, 1000, 128)
     for key in ("ethernet", "infiniband"):
         net = pm.CLUSTERS[key].network
-        for method in (pm.HSDP_BF16, pm.HSDP_TERNGRAD, pm.HSDP_TERNGRAD_RETERNARIZED):
+        for method in (hsdp.HSDP_BF16, hsdp.HSDP_TERNGRAD, hsdp.HSDP_TERNGRAD_RETERNARIZED):
             for N in (4, 16):
-                s = pm.scheduled_hsdp_step(model, N, net, method, compute_s=0.05)
-                a = pm.predict_hsdp_step(model, N, net, method, compute_s=0.05)
+                s = hsdp.scheduled_hsdp_step(model, N, net, method, compute_s=0.05)
+                a = hsdp.predict_hsdp_step(model, N, net, method, compute_s=0.05)
                 assert s.intra_s == pytest.approx(a.intra_s) and s.cross_s == pytest.approx(a.cross_s)
                 assert max(s.compute_s, s.cross_s) <= s.step_s <= a.step_s + 1e-12
                 assert s.limit_s == pytest.approx(a.limit_s)
