@@ -159,20 +159,26 @@ def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     return expected_average(grads, name, step, cfg, ranks=ranks)[0]
 
 
-def ordered_sum(x64: torch.Tensor) -> torch.Tensor:
-    """The codec's defined summation order of a flat fp64 tensor (codec.ternary's block sums, then its tree)."""
-    return C.ternary.combine_blocks(C.ternary.block_sums(x64))
+def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+    """codec/squares.py's summation order written out in numpy float32 (each addition one IEEE operation): level by
+    level, 8 equal contiguous parts of the zero-padded values as ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)); 0-d fp32."""
+    import numpy as np
+    y = x.detach().reshape(-1).to(torch.float32).numpy()
+    while y.size > 1:
+        p = np.concatenate([y, np.zeros((-y.size) % 8, np.float32)]).reshape(8, -1)
+        y = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    return torch.tensor(y.reshape(()), dtype=torch.float32)
 
 
 def minibatch_share_out(nu: torch.Tensor, clipped: list, divisor: float) -> torch.Tensor:
     """``nu`` with the minibatch's share taken out (codec/squares.py) as written out here: each sender's Σ f(g)²
-    of its slice ``clipped[r]`` in the defined order, sent as fp32; Q = their sum / divisor²; the factor
-    max(0, 1 - Q / Σ nu), in fp64, applied in fp32."""
-    sent = torch.stack([ordered_sum(c.to(torch.float64) ** 2).to(torch.float32) for c in clipped])
-    q = ordered_sum(sent.to(torch.float64)) / divisor ** 2
-    total = ordered_sum(nu.to(torch.float64))
-    factor = torch.clamp(1.0 - q / total, min=0.0, max=1.0) if float(total) > 0 else torch.ones((), dtype=torch.float64)
-    return nu * factor.to(torch.float32)
+    of its slice ``clipped[r]`` (fp32 squares, ``ordered_sum``), sent as fp32; Q = their sum / divisor²; the factor
+    max(0, 1 - Q / Σ nu) in fp64, applied in fp32."""
+    sent = torch.stack([ordered_sum(c.to(torch.float32) * c.to(torch.float32)) for c in clipped])
+    q = float(ordered_sum(sent)) / divisor ** 2
+    total = float(ordered_sum(nu))
+    factor = min(max(1.0 - q / total, 0.0), 1.0) if total > 0 else 1.0
+    return nu * torch.tensor(factor, dtype=torch.float64).to(torch.float32)
 
 
 def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None,
