@@ -63,6 +63,7 @@ def adam_gap(runs: dict, tag: str, baseline: str) -> tuple[float, int]:
     return 100 * (mean / base - 1), len(runs[tag])
 
 
+@functools.lru_cache(maxsize=None)
 def measured() -> dict:
     """Every measured figure a rendered block shows, computed from the JSON once."""
     m: dict = {}
@@ -115,6 +116,7 @@ def _cluster(key: str, G: int):
     return replace(cl, network=replace(cl.network, ranks_per_node=G))
 
 
+@functools.lru_cache(maxsize=None)
 def modelled() -> dict:
     """Data-parallel (Horovod, DDP) and HSDP predictions for the choosing-settings table: per network, GPUs per
     node G and node count M, the speedup over fp32 of TernGrad with ``exchange="auto"`` (node-aware where it is
@@ -149,6 +151,7 @@ def modelled() -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def hsdp_break_even(key: str = "ethernet", G: int = 4) -> dict:
     """Where HSDP + TernGrad's allgather stops beating bf16 HSDP on the paper cluster (docs/perfmodel.md's table)."""
     from horovod_terngrad.modelling import hsdp, perfmodel as pm
@@ -175,6 +178,12 @@ def _pct(v: float) -> str:
 
 def _pct2(v: float) -> str:
     return f"{v:+.2f}%"
+
+
+@functools.lru_cache(maxsize=None)
+def headline() -> str:
+    """README's and the home page's headline (``DOCS/`` stands for the docs folder), computed once per process."""
+    return block_headline(measured(), modelled())
 
 
 def block_headline(m: dict, mod: dict) -> str:
@@ -1772,60 +1781,68 @@ def block_gpu_codec_512(d: dict) -> str:
     return "\n".join(lines)
 
 
+def block_makers() -> dict:
+    """(page, block name) -> the function that renders the block; the figures the blocks share (``measured()``,
+    ``modelled()``, ``hsdp_break_even()``, ``headline()``) are computed once per process.  tests/test_docs.py
+    renders the blocks made from the performance model's predictions apart from the others."""
+    def gpu():
+        return gpu_checks()[-1]
+
+    return {
+        ("docs/gpu.md", "gpu-goals"): lambda: block_gpu_goals(gpu()),
+        ("docs/gpu.md", "gpu-steps"): lambda: block_gpu_steps(gpu()),
+        ("docs/gpu.md", "gpu-kernels"): lambda: block_gpu_kernels(gpu()),
+        ("docs/gpu.md", "gpu-train-step"): lambda: block_gpu_train_step(gpu()),
+        ("docs/perfmodel.md", "gpu-codec-512"): lambda: block_gpu_codec_512(gpu()),
+        ("README.md", "headline"): lambda: headline().replace("DOCS/", "docs/"),
+        ("docs/index.md", "headline"): lambda: headline().replace("DOCS/", ""),
+        ("docs/choosing.md", "choosing"): lambda: block_choosing(modelled(), measured()),
+        ("docs/choosing.md", "whole-run"): lambda: block_whole_run(whole_runs()),
+        ("docs/scale.md", "whole-run"): lambda: block_whole_run(whole_runs()),
+        ("docs/ddp.md", "ddp-status"): lambda: block_ddp_status(measured()),
+        ("docs/quickstart.md", "adam"): lambda: block_adam(measured()),
+        ("docs/fsdp.md", "fsdp-scale"): lambda: block_fsdp_scale(hsdp_break_even(), modelled()),
+        ("docs/troubleshooting.md", "inventory"): block_inventory,
+        ("docs/troubleshooting.md", "warnings"): block_warnings,
+        ("docs/perfmodel.md", "paper-vs-model"): lambda: block_paper_vs_model(paper_vs_model()),
+        ("docs/adam.md", "adam-tables"): block_adam_tables,
+        ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm,
+        ("docs/scale.md", "bf16-intra"): block_bf16_intra,
+        ("docs/perfmodel.md", "goals-512"): block_goals_512,
+        ("docs/perfmodel.md", "goal-budget"): block_goal_budget,
+        ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed,
+        ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory,
+        ("docs/cluster.md", "cluster-released"): block_cluster_released,
+        ("docs/cluster.md", "cluster-released-n4"): block_cluster_released_n4,
+        ("docs/cluster.md", "cluster-workload"): lambda: block_cluster_workload(CLUSTER_WORKLOAD),
+        ("docs/cluster.md", "cluster-workload-fixed"):
+            lambda: block_cluster_workload(CLUSTER_WORKLOAD_FIXED, rounds=True),
+        ("docs/cluster.md", "cluster-regime-mlp"): lambda: block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
+        ("docs/cluster.md", "cluster-regime-resnet50"): lambda: block_cluster_regime("resnet50", ("", "r2"), "flat"),
+        ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2,
+        ("docs/ddp.md", "ddp-mlp"): lambda: block_ddp_bench("docs/ddp/mlp-n2-1gbit.json", True),
+        ("docs/ddp.md", "ddp-resnet50"): lambda: block_ddp_bench("docs/ddp/resnet50-n2-1gbit.json", False),
+        ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile,
+        ("docs/cluster.md", "link-measurement"): block_link_measurement,
+        ("docs/mixed_precision.md", "mp-fp16"): block_mp_fp16,
+        ("docs/mixed_precision.md", "mp-bf16"): block_mp_bf16,
+        ("docs/realshapes.md", "realshapes"): block_realshapes,
+        ("docs/realshapes.md", "realshapes-repeats"): block_realshapes_repeats,
+        ("docs/ddp.md", "ddp-side-by-side"): block_ddp_side_by_side,
+        ("docs/ddp.md", "ddp-accuracy-steps"): block_ddp_accuracy_steps,
+        ("docs/ddp.md", "ddp-accuracy-wallclock"): block_ddp_accuracy_wallclock,
+        ("docs/ddp.md", "ddp-cifarnet-long"):
+            lambda: block_ddp_cifarnet_long("docs/ddp/cifarnet-long/study_cifarnet.json", "bits"),
+        ("docs/ddp.md", "ddp-cifarnet-ema"): block_ddp_cifarnet_ema,
+        ("docs/ddp.md", "ddp-cifarnet-lr3e-4"):
+            lambda: block_ddp_cifarnet_long("docs/ddp/cifarnet-lr3e-4/study_cifarnet.json", "lr2e-4"),
+    }
+
+
 @functools.lru_cache(maxsize=None)
 def blocks() -> dict:
     """(page, block name) -> the block's text; computed once per process."""
-    m, be, mod = measured(), hsdp_break_even(), modelled()
-    head = block_headline(m, mod)
-    gpu = gpu_checks()[-1]
-    return {
-        ("docs/gpu.md", "gpu-goals"): block_gpu_goals(gpu),
-        ("docs/gpu.md", "gpu-steps"): block_gpu_steps(gpu),
-        ("docs/gpu.md", "gpu-kernels"): block_gpu_kernels(gpu),
-        ("docs/gpu.md", "gpu-train-step"): block_gpu_train_step(gpu),
-        ("docs/perfmodel.md", "gpu-codec-512"): block_gpu_codec_512(gpu),
-        ("README.md", "headline"): head.replace("DOCS/", "docs/"),
-        ("docs/index.md", "headline"): head.replace("DOCS/", ""),
-        ("docs/choosing.md", "choosing"): block_choosing(mod, m),
-        ("docs/choosing.md", "whole-run"): block_whole_run(whole_runs()),
-        ("docs/scale.md", "whole-run"): block_whole_run(whole_runs()),
-        ("docs/ddp.md", "ddp-status"): block_ddp_status(m),
-        ("docs/quickstart.md", "adam"): block_adam(m),
-        ("docs/fsdp.md", "fsdp-scale"): block_fsdp_scale(be, mod),
-        ("docs/troubleshooting.md", "inventory"): block_inventory(),
-        ("docs/troubleshooting.md", "warnings"): block_warnings(),
-        ("docs/perfmodel.md", "paper-vs-model"): block_paper_vs_model(paper_vs_model()),
-        ("docs/adam.md", "adam-tables"): block_adam_tables(),
-        ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm(),
-        ("docs/scale.md", "bf16-intra"): block_bf16_intra(),
-        ("docs/perfmodel.md", "goals-512"): block_goals_512(),
-        ("docs/perfmodel.md", "goal-budget"): block_goal_budget(),
-        ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed(),
-        ("docs/fsdp.md", "fsdp-memory"): block_fsdp_memory(),
-        ("docs/cluster.md", "cluster-released"): block_cluster_released(),
-        ("docs/cluster.md", "cluster-released-n4"): block_cluster_released_n4(),
-        ("docs/cluster.md", "cluster-workload"): block_cluster_workload(CLUSTER_WORKLOAD),
-        ("docs/cluster.md", "cluster-workload-fixed"): block_cluster_workload(CLUSTER_WORKLOAD_FIXED, rounds=True),
-        ("docs/cluster.md", "cluster-regime-mlp"): block_cluster_regime("mlp", ("r3", "r4", "r5"), "limit"),
-        ("docs/cluster.md", "cluster-regime-resnet50"): block_cluster_regime("resnet50", ("", "r2"), "flat"),
-        ("docs/ddp.md", "ddp-gpt2"): block_ddp_gpt2(),
-        ("docs/ddp.md", "ddp-mlp"): block_ddp_bench("docs/ddp/mlp-n2-1gbit.json", True),
-        ("docs/ddp.md", "ddp-resnet50"): block_ddp_bench("docs/ddp/resnet50-n2-1gbit.json", False),
-        ("docs/ddp.md", "ddp-gpt2-profile"): block_ddp_gpt2_profile(),
-        ("docs/cluster.md", "link-measurement"): block_link_measurement(),
-        ("docs/mixed_precision.md", "mp-fp16"): block_mp_fp16(),
-        ("docs/mixed_precision.md", "mp-bf16"): block_mp_bf16(),
-        ("docs/realshapes.md", "realshapes"): block_realshapes(),
-        ("docs/realshapes.md", "realshapes-repeats"): block_realshapes_repeats(),
-        ("docs/ddp.md", "ddp-side-by-side"): block_ddp_side_by_side(),
-        ("docs/ddp.md", "ddp-accuracy-steps"): block_ddp_accuracy_steps(),
-        ("docs/ddp.md", "ddp-accuracy-wallclock"): block_ddp_accuracy_wallclock(),
-        ("docs/ddp.md", "ddp-cifarnet-long"): block_ddp_cifarnet_long("docs/ddp/cifarnet-long/study_cifarnet.json",
-                                                                       "bits"),
-        ("docs/ddp.md", "ddp-cifarnet-ema"): block_ddp_cifarnet_ema(),
-        ("docs/ddp.md", "ddp-cifarnet-lr3e-4"): block_ddp_cifarnet_long("docs/ddp/cifarnet-lr3e-4/study_cifarnet.json",
-                                                                         "lr2e-4"),
-    }
+    return {key: make() for key, make in block_makers().items()}
 
 
 def _modelling_output(argv: list) -> str:
@@ -1840,29 +1857,39 @@ def _modelling_output(argv: list) -> str:
     return out.getvalue()
 
 
+def page_makers() -> dict:
+    """rel path -> the function that renders a page generated whole."""
+    return {"docs/reference.md": reference_md,
+            "docs/adam/scale-table.md": lambda: _adam_table("ddp4-fp32", ADAM_SCALE_TAGS) + "\n\n",
+            # the model's tables perfmodel.md includes (scripts/perfmodel_tables.sh writes the rest of docs/perfmodel/)
+            "docs/perfmodel/fig5-tables.txt": lambda: _modelling_output([]),
+            "docs/perfmodel/reternarized-hsdp.md": lambda: _modelling_output(["hsdp", "--markdown"])}
+
+
+def insert_block(text: str, rel: str, name: str, body: str) -> str:
+    """``text`` (the page ``rel``) with ``body`` between the markers of block ``name``."""
+    b, e = BEGIN.format(name=name), END.format(name=name)
+    if b not in text or e not in text:
+        raise SystemExit(f"render_docs: {rel} lacks the markers of block {name!r}:\n{b}\n{e}")
+    pre, rest = text.split(b, 1)
+    _, post = rest.split(e, 1)
+    # a block inside a list item keeps the item's indentation: the BEGIN marker's
+    indent = pre[pre.rfind("\n") + 1:]
+    if indent.strip():
+        raise SystemExit(f"render_docs: {rel}: the BEGIN marker of block {name!r} must start its line")
+    body = "\n".join(indent + line if line else line for line in body.split("\n"))
+    return pre + b + "\n" + body + "\n" + indent + e + post
+
+
 def rendered_pages() -> dict:
     """rel path -> the page's text as this script renders it."""
-    pages = {"docs/reference.md": reference_md(),
-             "docs/adam/scale-table.md": _adam_table("ddp4-fp32", ADAM_SCALE_TAGS) + "\n\n",
-             # the model's tables perfmodel.md includes (scripts/perfmodel_tables.sh writes the rest of docs/perfmodel/)
-             "docs/perfmodel/fig5-tables.txt": _modelling_output([]),
-             "docs/perfmodel/reternarized-hsdp.md": _modelling_output(["hsdp", "--markdown"])}
+    pages = {rel: make() for rel, make in page_makers().items()}
     for (rel, name), body in blocks().items():
         text = pages.get(rel)
         if text is None:
             with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
                 text = f.read()
-        b, e = BEGIN.format(name=name), END.format(name=name)
-        if b not in text or e not in text:
-            raise SystemExit(f"render_docs: {rel} lacks the markers of block {name!r}:\n{b}\n{e}")
-        pre, rest = text.split(b, 1)
-        _, post = rest.split(e, 1)
-        # a block inside a list item keeps the item's indentation: the BEGIN marker's
-        indent = pre[pre.rfind("\n") + 1:]
-        if indent.strip():
-            raise SystemExit(f"render_docs: {rel}: the BEGIN marker of block {name!r} must start its line")
-        body = "\n".join(indent + line if line else line for line in body.split("\n"))
-        pages[rel] = pre + b + "\n" + body + "\n" + indent + e + post
+        pages[rel] = insert_block(text, rel, name, body)
     return pages
 
 

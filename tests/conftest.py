@@ -6,6 +6,11 @@ memory varies from run to run, and with it which groups go node-aware, so a test
 nodes would assert something timing decides.  They price the configured link instead (1 Gbit/s, the rate used
 before links were measured); the measurement itself is tested on thread ranks
 (test_hierarchical.py::test_hierarchical_auto_measures_the_links_once_agrees_and_says_so), which lift this.
+
+The ``slow`` marker (pytest.ini) splits the suite into two tiers: ``-m "not slow"`` runs what needs no launcher, no
+spawned training and no compiler or installer subprocess.  A module marks its slow tests with ``pytest.mark.slow``
+(or ``pytestmark``), and names in ``SLOW_FIXTURES`` the module fixtures that launch ranks: every test that uses one
+is marked here, so a new test on a launch is slow without a mark of its own.
 """
 import os
 
@@ -21,3 +26,10 @@ def fused():
     be = cpu_fused()
     assert be is not None, "the fused CPU codec did not build (gcc is installed by scripts/setup.sh)"
     return be
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        slow_fixtures = getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())
+        if slow_fixtures and set(item.fixturenames) & set(slow_fixtures):
+            item.add_marker(pytest.mark.slow)

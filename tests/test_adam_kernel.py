@@ -36,6 +36,7 @@ def test_the_launchers_constants_are_the_sources():
     assert int(re.search(r"#define TG_ADAM_FIELDS (\d+)", src).group(1)) == cuda_adam.FIELDS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_the_kernel_without_contractions(tmp_path, arch):
     nvcc = shutil.which("nvcc")

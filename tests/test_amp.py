@@ -25,6 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, "workers"))            # amp_common: the schedule the workers run
 from amp_common import INIT_SCALE, SMALL_NAN_STEP, SPIKE_STEP, STEPS, TERN_INF_STEP  # noqa: E402
 
+pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, torchrun)
+
 HVD_WORKER = os.path.join(HERE, "workers", "amp_hvd.py")
 DDP_WORKER = os.path.join(HERE, "workers", "amp_ddp.py")
 INJECTED = [SPIKE_STEP, TERN_INF_STEP, SMALL_NAN_STEP]

@@ -11,7 +11,9 @@ from horovod_terngrad.backends import (ADAM_CORRECTED, NOISE_DECODE, REFERENCE, 
 from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
-SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 1279, 1280, 1281, 2047, 2048, 2049, 4097, 65537, 1 << 20, (1 << 21) + 3]
+# the sizes above a million elements take seconds each on the reference codec: the slow tier
+SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 1279, 1280, 1281, 2047, 2048, 2049, 4097, 65537,
+         pytest.param(1 << 20, marks=pytest.mark.slow), pytest.param((1 << 21) + 3, marks=pytest.mark.slow)]
 
 
 def sample(n, seed):

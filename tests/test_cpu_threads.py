@@ -73,6 +73,7 @@ print("DONE", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_horovod_frontend_warns_under_horovodrun_only_when_threads_oversubscribe(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)

@@ -51,6 +51,10 @@ def load(folder, scenario, nproc=NP):
     return ranks
 
 
+# a test that uses one of these launches (module fixtures) is slow (conftest.py)
+SLOW_FIXTURES = ("ddp2", "hvd2")
+
+
 @pytest.fixture(scope="module")
 def ddp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp2")
@@ -338,6 +342,7 @@ def test_ranks_with_different_settings_fail_together(ddp2):
 
 
 # -- without ranks -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_package_loads_the_ddp_frontend_lazily():
     code = ("import sys, horovod_terngrad as tg\n"
             "assert 'horovod_terngrad.frontends.ddp' not in sys.modules\n"
@@ -350,6 +355,7 @@ def test_package_loads_the_ddp_frontend_lazily():
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("statement", ["import horovod_terngrad.ddp as m",
                                        "from horovod_terngrad.ddp import register, TernGradState, terngrad_hook"])
 def test_horovod_terngrad_ddp_is_a_module_path(statement):
@@ -377,6 +383,7 @@ def run_example(tmp_path, hook, steps=60, extra=()):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_torchrun_example_trains_lenet_with_terngrad(tmp_path):
     res = run_example(tmp_path, "terngrad")
     assert res["ranks"] == NP and res["steps"] == 60 and res["params_identical"]
@@ -389,6 +396,7 @@ def test_torchrun_example_trains_lenet_with_terngrad(tmp_path):
     assert 2.0 <= tg["bits_per_element"] < 2.01
 
 
+@pytest.mark.slow
 def test_torchrun_example_powersgd_on_gloo_runs_past_its_start(tmp_path):
     """powerSGD_hook on gloo issues collectives from gloo's callback threads; ops/ddp_hooks.py serializes the
     buckets so every rank issues them in one order (unserialized, this run aborts or hangs)."""

@@ -49,24 +49,56 @@ def test_readme_links_resolve():
     assert not missing, missing
 
 
-def test_generated_pages_equal_the_render_scripts_output():
-    """docs/reference.md, docs/adam/scale-table.md and every rendered block (README's and the home page's headline,
-    the choosing tables, the whole-run table, ddp.md's status, adam.md's tables, the quickstart's Adam figures,
-    fsdp.md's scale text, perfmodel.md's comparison with the paper, the troubleshooting inventory) as
-    scripts/render_docs.py writes them from the code, the benchmarks' JSON and the performance model."""
-    stale = []
-    for rel, text in render_docs.rendered_pages().items():
+# What scripts/render_docs.py makes from the performance model's predictions at scale (render_docs.modelled(), the
+# modelling command line's tables, the goals at 512 GPUs): most of the render's minute, so checked in the slow tier.
+MODEL_PAGES = {"docs/perfmodel/fig5-tables.txt", "docs/perfmodel/reternarized-hsdp.md"}
+MODEL_BLOCKS = {("README.md", "headline"), ("docs/index.md", "headline"), ("docs/choosing.md", "choosing"),
+                ("docs/fsdp.md", "fsdp-scale"), ("docs/perfmodel.md", "goals-512")}
+
+
+def _stale(pages: dict, blocks: dict) -> list:
+    """Diffs between the committed files and what render_docs makes of ``pages`` (rel -> the function rendering the
+    whole page) and ``blocks`` ((rel, name) -> the function rendering the block), a block checked as its page with
+    that block rendered in: the page and every block equal is the page equal to render_docs.rendered_pages()'s."""
+    def committed(rel):
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
-            old = f.read()
+            return f.read()
+
+    got = [(rel, committed(rel), make()) for rel, make in pages.items()]
+    for (rel, name), make in blocks.items():
+        old = committed(rel)
+        got.append((f"{rel} ({name})", old, render_docs.insert_block(old, rel, name, make())))
+    stale = []
+    for label, old, text in got:
         if old != text:
-            diff = "".join(difflib.unified_diff(old.splitlines(True), text.splitlines(True), rel, "rendered", n=1))
+            diff = "".join(difflib.unified_diff(old.splitlines(True), text.splitlines(True), label, "rendered", n=1))
             stale.append(diff[:3000])
+    return stale
+
+
+def test_generated_pages_equal_the_render_scripts_output():
+    """docs/reference.md, docs/adam/scale-table.md and every rendered block (ddp.md's status, adam.md's tables, the
+    quickstart's Adam figures, the whole-run table, the troubleshooting inventory, ...) as scripts/render_docs.py
+    writes them from the code and the benchmarks' JSON; those made from the performance model: the next test."""
+    pages, blocks = render_docs.page_makers(), render_docs.block_makers()
+    assert MODEL_PAGES <= set(pages) and MODEL_BLOCKS <= set(blocks), "render_docs renamed a page or block"
+    stale = _stale({rel: make for rel, make in pages.items() if rel not in MODEL_PAGES},
+                   {key: make for key, make in blocks.items() if key not in MODEL_BLOCKS})
+    assert not stale, "run .venv/bin/python scripts/render_docs.py\n" + "\n".join(stale)
+
+
+@pytest.mark.slow
+def test_the_performance_models_pages_and_blocks_equal_the_render_scripts_output():
+    """README's and the home page's headline, the choosing tables, fsdp.md's scale text, perfmodel.md's goals at 512
+    GPUs and the modelling command line's tables, as scripts/render_docs.py writes them from the performance model."""
+    pages, blocks = render_docs.page_makers(), render_docs.block_makers()
+    stale = _stale({rel: pages[rel] for rel in MODEL_PAGES}, {key: blocks[key] for key in MODEL_BLOCKS})
     assert not stale, "run .venv/bin/python scripts/render_docs.py\n" + "\n".join(stale)
 
 
 def test_every_rendered_marker_has_its_block():
     """A ``BEGIN rendered:NAME`` marker in any page is one of render_docs.blocks(): none is left unrendered."""
-    known = set(render_docs.blocks())
+    known = set(render_docs.block_makers())
     orphans = []
     for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True) + [os.path.join(ROOT, "README.md")]:
         rel = os.path.relpath(path, ROOT)
@@ -77,9 +109,10 @@ def test_every_rendered_marker_has_its_block():
     assert not orphans, orphans
 
 
+@pytest.mark.slow
 def test_headline_figures_are_the_same_in_readme_and_on_the_home_page():
-    blocks = render_docs.blocks()
-    assert blocks[("README.md", "headline")].replace("docs/", "") == blocks[("docs/index.md", "headline")]
+    blocks = render_docs.block_makers()
+    assert blocks[("README.md", "headline")]().replace("docs/", "") == blocks[("docs/index.md", "headline")]()
 
 
 def test_the_usage_pages_settings_table_has_every_setting_with_its_default():
@@ -234,6 +267,7 @@ def test_quickstart_scripts_parse_and_import_what_exists(path):
         assert f'--8<-- "snippets/{os.path.basename(path)}"' in f.read()
 
 
+@pytest.mark.slow
 def test_mkdocs_site_builds_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs", reason="bash scripts/setup.sh --test installs mkdocs and mkdocs-material")
     pytest.importorskip("material", reason="bash scripts/setup.sh --test installs mkdocs-material")

@@ -85,6 +85,10 @@ def test_register_refuses_what_holds_no_ddp_model():
 SCENARIOS = ["pickled_before_init", "unnamed_direct", "exclude_needs_names", "wrappers"]
 
 
+# a test that uses one of these launches (module fixtures) is slow (conftest.py)
+SLOW_FIXTURES = ("eco",)
+
+
 @pytest.fixture(scope="module")
 def eco(tmp_path_factory):
     out = tmp_path_factory.mktemp("eco")
@@ -131,6 +135,7 @@ def test_register_finds_ddp_in_wrappers_and_refuses_a_second_hook(eco):
 
 
 # -- the recipes, launched as users launch them ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_lightning_ddp_strategy_with_the_spawn_launcher_runs_the_hook(tmp_path):
     """Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=terngrad_hook, start_method="spawn"),
     accelerator="cpu", devices=2): the state, built before any process group, is pickled into both processes;
@@ -151,6 +156,7 @@ def test_lightning_ddp_strategy_with_the_spawn_launcher_runs_the_hook(tmp_path):
     assert "rank 0: 20 steps" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamo", ["no", "eager"])
 def test_accelerate_prepared_model_with_the_hook(dynamo):
     pytest.importorskip("accelerate")
@@ -166,6 +172,7 @@ def test_accelerate_prepared_model_with_the_hook(dynamo):
     assert r0["checksum"] == r1["checksum"]
 
 
+@pytest.mark.slow
 def test_transformers_trainer_with_the_callback():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -179,6 +186,7 @@ def test_transformers_trainer_with_the_callback():
     assert r0["checksum"] == r1["checksum"]
 
 
+@pytest.mark.slow
 def test_transformers_lm_example_on_both_frontends(tmp_path):
     """examples/transformers_lm.py briefly with the DDP hook (torchrun) and with Horovod (horovodrun --gloo), with
     horovod_terngrad.optim.AdamW and the nanoGPT recipe (weight decay on matrices, warm-up, cosine, gradient-norm

@@ -49,6 +49,7 @@ def run_elastic(tmp_path, scenario, compression):
     return workers, p.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["terngrad", "none"])
 def test_elastic_grow_from_one_to_two_workers(tmp_path, compression):
     workers, out = run_elastic(tmp_path, "grow", compression)
@@ -63,6 +64,7 @@ def test_elastic_grow_from_one_to_two_workers(tmp_path, compression):
         assert late["stats"]["collectives"] > 0 and late["stats"]["elements"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["terngrad", "none"])
 def test_elastic_shrink_when_a_worker_dies(tmp_path, compression):
     workers, out = run_elastic(tmp_path, "shrink", compression)
@@ -73,6 +75,7 @@ def test_elastic_shrink_when_a_worker_dies(tmp_path, compression):
     assert sizes == sorted(sizes, reverse=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,exchange", [("gloo", ""), ("mpi", ""), ("gloo", "requantized")])
 def test_peer_loss_ends_the_job_with_an_error_not_a_hang(tmp_path, kind, exchange):
     """Also on the requantized exchange (the default beyond 4 ranks or nodes): its alltoall and allgather

@@ -223,6 +223,7 @@ def horovodrun(script, args, timeout=300):
     return p.stdout
 
 
+@pytest.mark.slow
 @needs_fashion
 def test_cifarnet_substitute_two_ranks_terngrad(tmp_path):
     out = tmp_path / "cifarnet.json"
@@ -272,6 +273,7 @@ def test_parameter_ema_follows_tensorflows_warm_up_and_restores_raw_weights():
         cifarnet.ParameterEMA(model, 1.0)
 
 
+@pytest.mark.slow
 def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
     out = tmp_path / "bench.json"
     log = horovodrun("synthetic_benchmark.py", ["--model", "alexnet", "--compression", "terngrad",
@@ -286,6 +288,7 @@ def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
     assert res["loss_last"] < res["loss_first"], res           # memorizing the fixed batch
 
 
+@pytest.mark.slow
 def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
     out = tmp_path / "bench.json"
     horovodrun("synthetic_benchmark.py", ["--model", "googlenet", "--compression", "terngrad",
@@ -297,6 +300,7 @@ def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
     #                                                  step 1 runs unfused, step 2 plans the groups)
 
 
+@pytest.mark.slow
 def test_bench_codec_prints_every_stage_with_scaler_buckets():
     """bench codec --bucket-size: the fused backend's bucketed path runs end to end (statistics, encode,
     decode at N = 2 and 8) for both packings, and says which scaler layout it timed."""
@@ -308,6 +312,7 @@ def test_bench_codec_prints_every_stage_with_scaler_buckets():
         assert sum(f" {fmt} " in line and "decompress N=" in line for line in out.splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     """bench step --calibrate on 2 real ranks, then the emulated-cluster benchmark's prediction code
     on that result: calibrated efficiencies, a scheduled-model prediction for every configuration, and the
@@ -410,6 +415,7 @@ def test_calibrated_regime_rate_from_a_measured_compute_time():
     assert "| terngrad-hier | 100 | 100 | 320.0 | 4.00x | 6.00x | h0 3.0 / 2.5, h1 2.5 / 3.0 | 0.07x | 80 = 50 + 10 + 20 | 1.25x | yes |" in table
 
 
+@pytest.mark.slow
 def test_calibrated_regime_on_two_emulated_hosts_of_two_ranks(tmp_path):
     """A tiny --regime 8 run on 2 emulated hosts x 2 ranks (mpirun by slot): every configuration's bytes
     through both host links; fp32 puts at most one ring payload on a host's link (its ranks' own traffic
@@ -470,6 +476,7 @@ def test_cifarnet_learning_curves_table_and_plot(tmp_path):
         study_cifarnet.write_curves(str(tmp_path / "empty"))
 
 
+@pytest.mark.slow
 def test_adam_second_moment_ratio_of_terngrad(tmp_path):
     """study_adam_variance: along an fp32 trajectory, TernGrad's average has a larger second moment than the
     fp32 average of the same per-worker gradients (E[t^2] = s|g| >= g^2), so every layer's median ratio is
@@ -496,6 +503,7 @@ def test_adam_second_moment_ratio_of_terngrad(tmp_path):
     assert json.load(open(tmp_path / "adam_variance.json"))["results"]["2"] == rows
 
 
+@pytest.mark.slow
 def test_node_aware_variance_study(tmp_path):
     """study_node_variance: the mean of the draws' errors is far below one draw's error (unbiased up to the
     clipping), the node-aware one ternarizes once per node, so with ranks of a node holding the same gradient its
@@ -523,6 +531,7 @@ def test_node_aware_variance_study(tmp_path):
     assert "| 0 | 8 | 2 x 4 |" in md and f"{got['ratio']:.2f}x" in md
 
 
+@pytest.mark.slow
 def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
     """study_lm_scale: ``reternarized@b128`` is the re-ternarized exchange with one scaler per 128 elements in both
     stages (bucket_size=128): the same bytes of codes as without buckets plus a scaler per bucket, so more bits
@@ -545,6 +554,7 @@ def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
     assert "reternarized@b128" in sls.table(rows)
 
 
+@pytest.mark.slow
 def test_whole_run_study_records_curves_resumes_and_finds_each_methods_best_lr(tmp_path):
     """study_lm_scale over whole runs: ``--steps 0`` is ``--epochs`` of the corpus at the global batch; each run
     records its held-out curve (the last point at the last step); ``/torch`` runs an exchange with torch's AdamW;
@@ -580,6 +590,7 @@ def test_whole_run_study_records_curves_resumes_and_finds_each_methods_best_lr(t
         sls.load_corpus(str(corpus), max_mb=0.05)
 
 
+@pytest.mark.slow
 def test_adam_floor_study_finds_the_reternarized_estimate_pins_v_at_the_floor(tmp_path):
     """study_adam_floor: with the re-ternarized exchange the optimizer's noise estimate is the received value's own
     square, so its corrected second moment sits at the floor for (nearly) every element, where the allgather
@@ -628,6 +639,7 @@ def _tiny_image_data(n_train=256, n_test=64):
                      torch.randint(0, 10, (n_test,), generator=g))}
 
 
+@pytest.mark.slow
 def test_cifarnet_study_checkpoint_resumes_the_same_run(tmp_path):
     """A run stopped after 1 epoch and resumed (or extended) to 2 from its checkpoint takes exactly the steps
     of an uninterrupted 2-epoch run: same parameters, Adam state, EMA, random streams, curve; a checkpoint of
@@ -659,6 +671,7 @@ def test_cifarnet_study_checkpoint_resumes_the_same_run(tmp_path):
         study_cifarnet.train(data, 2, "terngrad", 1, seed=3, checkpoint=str(tmp_path / "part.pt"), **kw)
 
 
+@pytest.mark.slow
 def test_cifarnet_study_main_resumes_curve_files(tmp_path, monkeypatch):
     """study_cifarnet's command line with --checkpoint-dir: extending a run continues its curve file without
     duplicates, lines a killed run wrote after its last checkpoint are dropped, and a checkpoint of another
@@ -705,6 +718,7 @@ def private_loopback():
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
+@pytest.mark.slow
 def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
     """examples/ddp_benchmark.py: its worker under torchrun (2 ranks, loopback) times every configuration and
     counts TernGrad's bits; Horovod's rows are read from emulated_cluster_benchmark's cell (a saved one
@@ -763,6 +777,7 @@ def test_ddp_benchmark_worker_horovod_rows_and_plot(tmp_path, monkeypatch):
     assert (tmp_path / "steps.png").stat().st_size > 5000 and "steps.png" in footer[-1]
 
 
+@pytest.mark.slow
 def test_ddp_benchmark_profile_breaks_a_terngrad_step_down(tmp_path):
     """--profile: TernGradState.trace records the hook's spans and the worker breaks TernGrad's step down
     (forward/backward to the last bucket, tail, optimizer; the worker's spans) for both AdamW rows; every row
@@ -911,6 +926,7 @@ def test_mixed_precision_helper_counts_skipped_steps_and_parses_scales():
     assert mp.MixedPrecision().summary() == "" and mp.MixedPrecision().record() == {"amp": "off"}
 
 
+@pytest.mark.slow
 def test_mnist_lenet_amp_fp16_terngrad_skips_the_steps_compression_none_skips(tmp_path):
     """Horovod frontend (examples/mnist_lenet.py): with --amp fp16 and a huge initial scale, TernGrad (defaults)
     and Compression.none skip the same number of steps, on both ranks, and the scale comes down."""
@@ -930,6 +946,7 @@ def test_mnist_lenet_amp_fp16_terngrad_skips_the_steps_compression_none_skips(tm
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
 
 
+@pytest.mark.slow
 def test_ddp_mnist_amp_fp16_terngrad_hook_skips_the_steps_plain_ddp_skips(tmp_path):
     """DDP hook (examples/ddp_mnist.py): --amp fp16 with a huge initial scale: the TernGrad hook and no hook skip
     the same number of steps, on both ranks, and every rank ends with the same parameters."""
@@ -948,6 +965,7 @@ def test_ddp_mnist_amp_fp16_terngrad_hook_skips_the_steps_plain_ddp_skips(tmp_pa
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["horovod", "ddp"])
 def test_transformers_lm_amp_fp16_terngrad_skips_the_steps_the_baseline_skips(frontend):
     """examples/transformers_lm.py on either frontend, --amp fp16 with a huge initial scale: TernGrad and the
@@ -969,6 +987,7 @@ def test_transformers_lm_amp_fp16_terngrad_skips_the_steps_the_baseline_skips(fr
     assert recs["terngrad"]["loss_scale"] == recs["none"]["loss_scale"]
 
 
+@pytest.mark.slow
 def test_mnist_lenet_amp_bf16_terngrad_trains(tmp_path):
     """--amp bf16 (autocast, no scaler) with TernGrad on Horovod: completes with a finite, falling loss."""
     out = tmp_path / "bf16.json"
@@ -980,6 +999,7 @@ def test_mnist_lenet_amp_bf16_terngrad_trains(tmp_path):
     assert "amp bf16" in log
 
 
+@pytest.mark.slow
 def test_transformers_lm_eval_every_writes_a_learning_curve(tmp_path):
     """examples/transformers_lm.py --eval-every 3 over 7 steps (DDP, 2 ranks): a curve at steps 3, 6 and the last,
     7, its training time growing, its last point the run's held-out loss, and ranks still in step (identical)."""
@@ -998,6 +1018,7 @@ def test_transformers_lm_eval_every_writes_a_learning_curve(tmp_path):
     assert log.count("eval step ") == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ddp_mnist.py", "mnist_lenet.py"])
 def test_mnist_examples_take_optim_tg_adamw(script):
     """--optim tg-adamw on the MNIST examples (DDP hook, Horovod): trains, ranks identical."""
@@ -1034,6 +1055,7 @@ DEVICE_EXAMPLES = {"mnist_lenet.py": None, "ddp_mnist.py": None, "lightning_ddp.
                    "ddp_benchmark.py": None, "ddp_benchmark.py worker": None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(DEVICE_EXAMPLES))
 def test_every_example_a_user_runs_takes_device(command):
     """``--help`` of each example (and of the benchmarks' worker and compute commands) offers --device
@@ -1048,6 +1070,7 @@ def test_every_example_a_user_runs_takes_device(command):
     assert "--device {auto,cpu,cuda}" in p.stdout, p.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_ddp_example_on_device_auto_runs_on_the_cpu_with_gloo_here():
     """No GPU here: --device auto is the CPU and gloo (the header names the backend), and trains."""
     log = _launch_ranks(_torchrun_cmd("ddp_mnist.py", "--device", "auto", "--max-steps", 4, "--test-limit", 100,
@@ -1055,6 +1078,7 @@ def test_ddp_example_on_device_auto_runs_on_the_cpu_with_gloo_here():
     assert "DDP (gloo), 2 ranks" in log and _result_lines(log)[-1]["params_identical"]
 
 
+@pytest.mark.slow
 def test_device_cuda_without_a_gpu_stops_with_the_reason():
     """--device cuda on a machine without CUDA fails before any process group, naming what is missing."""
     if torch.cuda.is_available():

@@ -17,6 +17,7 @@ from helpers import expected_exchange
 from test_ddp import load, run_launch
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
+pytestmark = pytest.mark.slow       # every test here launches ranks (torchrun)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fsdp_scenarios.py")
 EXACT = ["exact", "exact_sharded", "exact_reternarized", "exact_requantized", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]

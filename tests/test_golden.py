@@ -2,8 +2,8 @@
 of tensors, settings, exchanges, fusion and rank counts, over two steps (stream keys advance).
 
 The pinned digests must not change:
-a refactor of how payloads travel may move code, never a bit.  Regenerate only for an intended change
-of the wire format or the arithmetic: ``TERNGRAD_GOLDEN_WRITE=1 pytest tests/test_golden.py``.
+a refactor of how payloads travel may move code, never a bit.  Re-pin only for an intended change
+of the wire format or the arithmetic: ``.venv/bin/python scripts/write_golden.py`` (it runs ``_run`` below).
 """
 import hashlib
 import json
@@ -16,7 +16,6 @@ from horovod_terngrad import TernGradConfig
 from horovod_terngrad.exchange import Engine, run_ranks
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "exchange.json")
-WRITE = os.environ.get("TERNGRAD_GOLDEN_WRITE") == "1"
 
 SHAPES = [(0,), (1,), (7,), (3, 5), (1000,), (64, 33), (20011,)]
 CASES = {
@@ -130,25 +129,18 @@ def _load():
         return json.load(f)
 
 
-if WRITE:
-    def test_write_golden():
-        torch.set_num_threads(1)
-        pins = {f"{c}/{n}/{f}": _run(c, n, f) for c, n, f in _all_keys()}
-        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-        with open(GOLDEN, "w") as f:
-            json.dump(pins, f, indent=0, sort_keys=True)
-else:
-    @pytest.mark.parametrize("case,n_ranks,fused", _all_keys())
-    def test_bytes_and_averages_match_the_pinned_digests(case, n_ranks, fused):
-        torch.set_num_threads(1)
-        want = _load()[f"{case}/{n_ranks}/{fused}"]
-        got = _run(case, n_ranks, fused)
-        assert got["outs"] == want["outs"], "decoded averages changed"
-        for r in range(n_ranks):
-            assert got["logs"][r] == want["logs"][r], f"rank {r}: collectives or their bytes changed"
+@pytest.mark.parametrize("case,n_ranks,fused", _all_keys())
+def test_bytes_and_averages_match_the_pinned_digests(case, n_ranks, fused):
+    torch.set_num_threads(1)
+    want = _load()[f"{case}/{n_ranks}/{fused}"]
+    got = _run(case, n_ranks, fused)
+    assert got["outs"] == want["outs"], "decoded averages changed"
+    for r in range(n_ranks):
+        assert got["logs"][r] == want["logs"][r], f"rank {r}: collectives or their bytes changed"
 
-    def test_the_pins_cover_every_case():
-        assert sorted(_load()) == sorted(f"{c}/{n}/{f}" for c, n, f in _all_keys())
+
+def test_the_pins_cover_every_case():
+    assert sorted(_load()) == sorted(f"{c}/{n}/{f}" for c, n, f in _all_keys())
 
 
 # -- the same pins on a GPU ------------------------------------------------------------------------------------------

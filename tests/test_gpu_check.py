@@ -167,6 +167,7 @@ def test_identity_counts_the_cases_that_agree_and_names_those_that_do_not():
     assert (same, total) == (2, 6) and differ == ["big 2bit", "big base3", "odd 2bit"]
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_prints_the_table(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)      # this interpreter: torch is there
     env.pop("PYTHONPATH", None)                           # the script puts its own checkout first

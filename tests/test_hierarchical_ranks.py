@@ -14,6 +14,8 @@ from helpers import expected_hierarchical
 from horovod_terngrad.exchange.topology import Topology
 from test_horovod import LAUNCH_TIMEOUT, by_name_and_step, launcher, load_results, rank_env
 
+pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, mpirun, torchrun)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_hier.py")
 

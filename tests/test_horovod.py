@@ -15,6 +15,8 @@ import torch
 
 from helpers import expected_average, expected_exchange
 
+pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, mpirun)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_scenarios.py")
 BIN = os.path.dirname(sys.executable)

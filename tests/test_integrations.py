@@ -151,6 +151,7 @@ def plausible(row, elements_per_step=None):
         assert row["terngrad/bytes_sent"] == pytest.approx(bits * elements_per_step / 8, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_lightning_callback_logs_every_step_to_the_csv_logger(tmp_path):
     pytest.importorskip("lightning")
     steps = 8
@@ -172,6 +173,7 @@ def test_lightning_callback_logs_every_step_to_the_csv_logger(tmp_path):
     assert "bytes saved" in stdout and "16.0x fewer" in stdout
 
 
+@pytest.mark.slow
 def test_trainer_callback_fills_log_history_and_the_callbacks_after_it():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -190,6 +192,7 @@ def test_trainer_callback_fills_log_history_and_the_callbacks_after_it():
     print(json.dumps(r0["log_history"][:2], indent=1))
 
 
+@pytest.mark.slow
 def test_accelerate_logger_hands_the_figures_to_the_trackers(tmp_path):
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")

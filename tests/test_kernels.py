@@ -34,6 +34,7 @@ def _nvcc():
     return nvcc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_every_kernel(tmp_path, arch):
     nvcc = _nvcc()
@@ -70,6 +71,7 @@ def _nvrtc():
     pytest.skip("libnvrtc not found (CuPy's compiler; set NVRTC_LIBRARY or pip install nvidia-cuda-nvrtc)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["terngrad.cu", "adam.cu"])
 def test_nvrtc_compiles_every_kernel_with_cupys_options(source):
     """CuPy builds the kernels with NVRTC, not nvcc: no host headers, and the options CuPy is given."""

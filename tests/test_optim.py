@@ -332,6 +332,10 @@ def _agrees(steps, sched, ternarized, plain):
             assert s["before"][name][0] == precision.FULL and v_after == step_after, (k, name)
 
 
+# a test that uses one of these launches (module fixtures) is slow (conftest.py)
+SLOW_FIXTURES = ("ddp_runs", "hvd_runs", "fsdp_runs")
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_ddp")

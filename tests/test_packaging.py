@@ -41,6 +41,10 @@ def clean_env():
     return env
 
 
+# a test that uses the clean venv (pip installs torch and this package into it) is slow (conftest.py)
+SLOW_FIXTURES = ("venv",)
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
     """(venv folder, its python): torch at this environment's version, then this package, non-editable."""

@@ -13,6 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
 
 
+@pytest.mark.slow
 def test_simulator_matches_two_real_horovod_ranks_bit_for_bit(tmp_path):
     import hvd_scenarios as W
     from test_horovod import launch
@@ -136,6 +137,7 @@ def test_batches_and_slices():
                                                             F.cross_entropy)
 
 
+@pytest.mark.slow
 def test_reduced_fig3_study_terngrad_within_margin_of_fp32(tmp_path):
     """The Fig. 3 study at 300 iterations (the paper runs 10,000): TernGrad with 8 simulated workers
     reaches the fp32 run's test accuracy within 2 points, with both optimizers, and the study writes its

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(ROOT, "examples", "study_ddp.py")
@@ -13,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import study_ddp  # noqa: E402
 
 
+@pytest.mark.slow
 def test_study_ddp_runs_every_hook_for_the_same_steps_and_terngrad_changes_the_curve(tmp_path):
     hooks = ["fp32", "terngrad", "powersgd4"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

@@ -14,6 +14,8 @@ import torch
 from helpers import expected_average
 from test_horovod import HERE, by_name_and_step, check_exact, launcher, rank_env
 
+pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, mpirun)
+
 WORKER = os.path.join(HERE, "workers", "hvd_usage.py")
 LAUNCH_TIMEOUT = 180        # a launch takes ~10 s; a hang must fail, not stall CI
 # join runs after the others: in Horovod 0.28.1 a direct hvd.grouped_allreduce after hvd.join() hangs, with
