@@ -39,6 +39,14 @@ CASES = {
     "requantized": dict(exchange="requantized"),
     "requantized-base3-buckets": dict(exchange="requantized", packing="base3", bucket_size=50),
 }
+# the settings again with the noise estimate asked for (as horovod_terngrad.optim's default asks): the payloads carry
+# the senders' squares (codec/squares.py) and the estimate's digest is pinned beside the average's
+NOISE_CASES = {
+    "per-rank-noise": dict(shared_scaler=False),
+    "requantized-noise": dict(exchange="requantized"),
+    "requantized-base3-buckets-noise": dict(exchange="requantized", packing="base3", bucket_size=50),
+}
+CASES.update(NOISE_CASES)
 RANKS = (1, 2, 3, 4)
 FUSED = ("alone", "fused")
 
@@ -101,6 +109,15 @@ def _run(case: str, n_ranks: int, fused: str, device: str = "cpu", settings: dic
         for step in range(2):
             grads = [(_grad(s, c.rank, i, step, nan=(case.endswith("zero-nonfinite") and c.rank == n_ranks - 1 and i == 4)
                             ).to(device), f"layer{i}") for i, s in enumerate(SHAPES)]
+            if case in NOISE_CASES:   # asked before the payloads leave, as the optimizer's routes ask
+                if fused == "fused":
+                    tickets = (ex.start_group(grads[:4], "g0", want_noise=[True] * 4)
+                               + ex.start_group(grads[4:], "g1", want_noise=[True] * (len(grads) - 4)))
+                else:
+                    tickets = [ex.start_group([(g, name)], name, want_noise=[True])[0] for g, name in grads]
+                outs.append([_digest(ex.finish(t)) for t in tickets]
+                            + [None if t.noise is None else _digest(t.noise) for t in tickets])
+                continue
             if fused == "fused":      # two groups, as the frontend cuts them: small tensors, then the rest
                 tickets = ex.start_group(grads[:4], "g0") + ex.start_group(grads[4:], "g1")
             else:
