@@ -7,10 +7,18 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-.venv/bin/python}
 D=docs/study/whole_run
-for w in llama-perlpod gpt2-copyright llama-perlpod-squares; do
+for w in llama-perlpod gpt2-copyright; do
   [ -f "$D/$w/runs.jsonl" ] || continue
   $PY examples/study_lm_scale.py --table "$D/$w" --write "$D/table-$w.md" --plot "$D/curves-$w.png" > /dev/null
 done
+# the runs with the senders' squares, beside the same workload's fp32 runs (the same batches per seed)
+if [ -f "$D/llama-perlpod-squares/runs.jsonl" ]; then
+  tmp=$(mktemp -d)
+  grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" > "$tmp/runs.jsonl"
+  cat "$D/llama-perlpod-squares/runs.jsonl" >> "$tmp/runs.jsonl"
+  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-squares.md" > /dev/null
+  rm -r "$tmp"
+fi
 $PY - <<'PYEOF'
 import glob, json, os, re, statistics
 D = "docs/study/whole_run"
