@@ -10,7 +10,8 @@ before links were measured); the measurement itself is tested on thread ranks
 The ``slow`` marker (pytest.ini) splits the suite into two tiers: ``-m "not slow"`` runs what needs no launcher, no
 spawned training and no compiler or installer subprocess.  A module marks its slow tests with ``pytest.mark.slow``
 (or ``pytestmark``), and names in ``SLOW_FIXTURES`` the module fixtures that launch ranks: every test that uses one
-is marked here, so a new test on a launch is slow without a mark of its own.
+is marked here, so a new test on a launch is slow without a mark of its own.  pytest.ini runs the suite on a
+pytest-xdist worker per core; the slow tests all go to one of them, in order (below).
 """
 import os
 
@@ -33,3 +34,7 @@ def pytest_collection_modifyitems(config, items):
         slow_fixtures = getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())
         if slow_fixtures and set(item.fixturenames) & set(slow_fixtures):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow"):
+            # pytest-xdist (pytest.ini: --dist loadgroup) runs one group on one worker in order: one launch at a
+            # time, each module's launch fixtures once, while the other workers take the fast tests
+            item.add_marker(pytest.mark.xdist_group("slow"))

@@ -230,12 +230,19 @@ def test_one_worker_is_compute_only_and_bad_arguments_are_refused():
 
 
 def test_measured_codec_rates_are_positive_and_decode_grows_with_payloads():
-    r = measure_codec_rates(numel=400_000, repeat=1)
-    for name in ("prepare", "encode", "decode_base", "owner_sum", "decode_sums", "cast"):
+    # timed beside other work (the suite's other workers, other jobs): a disturbed run can make 8 payloads' decode
+    # take more than 8 times one payload's, which floors decode_base (one decode less the per-payload part) at 0;
+    # such a measurement is taken again, at most 3 times in all
+    stages = ("prepare", "encode", "decode_base", "owner_sum", "decode_sums", "cast")
+    for _ in range(3):
+        r = measure_codec_rates(numel=400_000, repeat=1)
+        m = measure_codec_rates(numel=400_000, repeat=3, statistic="median")     # what a calibration uses
+        if all(getattr(x, name) > 0 for x in (r, m) for name in stages):
+            break
+    for name in stages:
         assert 0 < getattr(r, name) < 1e-4, name          # seconds per element, not per 1000 (a loose bound: timed on a busy machine)
     assert r.decode_per_payload >= 0
     assert r.slowed(2.0).encode == pytest.approx(2 * r.encode)
-    m = measure_codec_rates(numel=400_000, repeat=3, statistic="median")     # what a calibration uses
     assert all(0 < getattr(m, f) < 1e-4 for f in ("prepare", "encode", "decode_base", "owner_sum"))
     with pytest.raises(ValueError, match="statistic"):
         measure_codec_rates(numel=1000, statistic="mean")
