@@ -220,6 +220,8 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
             "lr": lr, "steps": steps, "batch": args.batch, "seq_len": args.seq_len, "held_out": loss,
             "curve": curve, "exchange": sim.engines[0].config.exchange if method != "none" else "none",
             "seconds": time.perf_counter() - t0,
+            # optim.AdamW's noise estimate: its minibatch share taken out by the senders' squares (codec/squares.py)
+            "estimate": "squares" if method != "none" and optimizer == "terngrad" else None,
             # rank 0's bits received per ternarized element (node-aware: across nodes only)
             "bits_received": 8 * sim.stats.bytes_received / max(1, sim.stats.elements) if method != "none" else 32.0}
 

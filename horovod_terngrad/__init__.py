@@ -22,15 +22,37 @@ __version__ = "0.1.0"
 #: exchange, shared with the sharded one; tensors under 4096 elements at full precision).
 TernGrad = TernGradCompressor()
 
-_compressors: dict = {}    # config -> the compressor (its state) behind the functional API
+#: config -> the compressor (its state: engines, step counters) behind the functional API, least recently used
+#: first; at most MAX_FUNCTIONAL_CONFIGS, so a loop that makes a new config per call cannot grow it without bound
+_compressors: dict = {}
+MAX_FUNCTIONAL_CONFIGS = 16
+
+
+def _compressor_for(config: TernGradConfig | None) -> TernGradCompressor:
+    """The functional API's compressor of ``config`` (the ready ``TernGrad`` for the defaults).  Past
+    MAX_FUNCTIONAL_CONFIGS distinct configs the least recently used one is dropped, said once: its step counters
+    go with it, so its random streams would start again at step 0 if it came back."""
+    if config is None or config == TernGrad.config:
+        return TernGrad
+    comp = _compressors.pop(config, None) or TernGradCompressor(config)
+    _compressors[config] = comp
+    if len(_compressors) > MAX_FUNCTIONAL_CONFIGS:
+        dropped = next(iter(_compressors))
+        del _compressors[dropped]
+        if not _compressor_for.warned:
+            _compressor_for.warned = True
+            import logging
+            logging.getLogger("horovod_terngrad").warning(
+                "TernGrad: more than %d distinct configs passed to allreduce(); the least recently used one's state "
+                "(its step counters) is dropped. Keep one TernGradConfig per use.", MAX_FUNCTIONAL_CONFIGS)
+    return comp
+
+
+_compressor_for.warned = False
 
 
 def _functional_engine(config: TernGradConfig | None, process_set=None):
-    if config is None or config == TernGrad.config:
-        comp = TernGrad
-    else:
-        comp = _compressors.get(config) or _compressors.setdefault(config, TernGradCompressor(config))
-    return comp.engine(process_set)
+    return _compressor_for(config).engine(process_set)
 
 
 def allreduce_async(tensor, name: str, config: TernGradConfig | None = None, average: bool = True,

@@ -111,7 +111,7 @@ SCALING_MODELS = ("alexnet", "googlenet")
 
 
 def _cluster(key: str, G: int):
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     cl = pm.CLUSTERS[key]
     return replace(cl, network=replace(cl.network, ranks_per_node=G))
 
@@ -122,7 +122,7 @@ def modelled() -> dict:
     node G and node count M, the speedup over fp32 of TernGrad with ``exchange="auto"`` (node-aware where it is
     cheaper), of the flat allgather (what keeps horovod_terngrad.optim's noise estimate) and of fp16; and for
     HSDP (GPT-3 1.3B) TernGrad's allgather and sharded exchanges against bf16 HSDP."""
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     out: dict = {"dp": {}, "hsdp": {}}
     for key in ("ethernet", "infiniband"):
         for G in (4, 8):
@@ -143,23 +143,23 @@ def modelled() -> dict:
                         "exchanges": sorted(set(row[pm.TERNGRAD_BEST].exchanges)),
                     }
             W = [M * G for M in NODES if M > 1]
-            rows = pm.predict_hsdp(pm.GPT3_1P3B, cl, W, methods=(pm.HSDP_BF16, pm.HSDP_TERNGRAD_DEFAULT,
-                                                                  pm.HSDP_TERNGRAD_SHARDED))
+            rows = hsdp.predict_hsdp(hsdp.GPT3_1P3B, cl, W, methods=(hsdp.HSDP_BF16, hsdp.HSDP_TERNGRAD_DEFAULT,
+                                                                  hsdp.HSDP_TERNGRAD_SHARDED))
             for M, r in zip([M for M in NODES if M > 1], rows):
-                out["hsdp"][(key, G, M)] = {"default": r[pm.HSDP_TERNGRAD_DEFAULT].speedup_vs_bf16,
-                                           "sharded": r[pm.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16}
+                out["hsdp"][(key, G, M)] = {"default": r[hsdp.HSDP_TERNGRAD_DEFAULT].speedup_vs_bf16,
+                                           "sharded": r[hsdp.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16}
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def hsdp_break_even(key: str = "ethernet", G: int = 4) -> dict:
     """Where HSDP + TernGrad's allgather stops beating bf16 HSDP on the paper cluster (docs/perfmodel.md's table)."""
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     cl = pm.CLUSTERS[key]
-    rows = pm.predict_hsdp(pm.GPT3_1P3B, cl, pm.HSDP_WORKERS, methods=(pm.HSDP_BF16, pm.HSDP_TERNGRAD,
-                                                                       pm.HSDP_TERNGRAD_SHARDED))
-    sp = [(r[pm.HSDP_TERNGRAD].workers // G, r[pm.HSDP_TERNGRAD].speedup_vs_bf16,
-           r[pm.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16) for r in rows]
+    rows = hsdp.predict_hsdp(hsdp.GPT3_1P3B, cl, hsdp.HSDP_WORKERS, methods=(hsdp.HSDP_BF16, hsdp.HSDP_TERNGRAD,
+                                                                       hsdp.HSDP_TERNGRAD_SHARDED))
+    sp = [(r[hsdp.HSDP_TERNGRAD].workers // G, r[hsdp.HSDP_TERNGRAD].speedup_vs_bf16,
+           r[hsdp.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16) for r in rows]
     wins = [n for n, s, _ in sp if s > 1.0]
     return {"rows": sp, "last_win_nodes": max(wins) if wins else 0,
             "first": sp[0], "at16": next(x for x in sp if x[0] == 16), "last": sp[-1]}
@@ -217,9 +217,10 @@ def block_headline(m: dict, mod: dict) -> str:
         f"| HSDP + TernGrad vs HSDP bf16, 2 hosts x 2 ranks: step time (run / repeat), host-link bytes "
         f"| {_x(m['hsdp_step_vs_bf16'])} / {_x(m['hsdp_step_vs_bf16_r2'])}, {m['hsdp_bytes_vs_bf16']:.3f}x "
         f"| [fsdp](DOCS/fsdp.md) |",
-        f"| held-out loss vs fp32 AdamW, `horovod_terngrad.optim.AdamW` + TernGrad: DDP / HSDP 2x2 (3 seeds), "
-        f"Horovod (1 seed) | {_pct(m['adam_ddp'])} / {_pct(m['adam_hsdp'])} / {_pct(m['adam_hvd'])} "
-        f"| [adam](DOCS/adam.md) |",
+        whole_run_headline(whole_runs()),
+        f"| held-out loss vs fp32 AdamW, both at the recipe's lr (not fp32's best), `horovod_terngrad.optim.AdamW` "
+        f"with the noise estimate's whole sum (no senders' squares) + TernGrad: DDP / HSDP 2x2 (3 seeds), Horovod "
+        f"(1 seed) | {_pct(m['adam_ddp'])} / {_pct(m['adam_hsdp'])} / {_pct(m['adam_hvd'])} | [adam](DOCS/adam.md) |",
         f"| the same with torch's AdamW (the gap the recipe closes) | {_pct(m['adam_plain'])} | [adam](DOCS/adam.md) |",
         "",
         "Modelled (the paper's clusters, 4 GPUs per node; never measured):",
@@ -327,10 +328,39 @@ def whole_runs() -> list:
 def runs_the_default(r: dict) -> bool:
     """Whether a study row ran what ``TernGradConfig()`` runs at its N and topology: the exchange
     ``policy.default_transport(·)`` picks among the N ranks (flat) or the N / G nodes (node-aware, bf16 inside
-    the node), with horovod_terngrad.optim.AdamW."""
+    the node), with horovod_terngrad.optim.AdamW and its noise estimate as the exchanges form it now (the senders'
+    squares take the minibatch's share out: ``"estimate": "squares"``; rows without it ran the whole sum)."""
     from horovod_terngrad.exchange import policy
     among = r["N"] // r["G"] if r["G"] > 1 else r["N"]
-    return r["optimizer"] == "terngrad" and r["method"] == policy.default_transport(among)
+    return (r["optimizer"] == "terngrad" and r["method"] == policy.default_transport(among)
+            and r.get("estimate") == "squares")
+
+
+def whole_run_headline(rows: list) -> str:
+    """The headline's accuracy row: the defaults against fp32 AdamW at fp32's best lr (the same lr for both), at the
+    end of whole runs, on the first workload with an fp32 sweep and a cell of the defaults at that lr."""
+    for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
+        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
+        by: dict = {}
+        for r in mine:
+            if r["method"] == "none":
+                by.setdefault(r["lr"], []).append(r["held_out"])
+        fp32 = {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
+        if len(fp32) < 2:
+            continue
+        best = min(fp32, key=fp32.get)
+        cells: dict = {}
+        for r in mine:
+            if r["lr"] == best and runs_the_default(r):
+                cells.setdefault((r["G"], r["N"]), []).append(r["held_out"])
+        for (G, N), vals in sorted(cells.items()):
+            if len(vals) >= 3:
+                gap = 100 * (statistics.mean(vals) / fp32[best] - 1)
+                worst = 100 * (max(vals) / fp32[best] - 1)
+                return (f"| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr ({best:g}, the same "
+                        f"for both): TernGrad's defaults with `horovod_terngrad.optim.AdamW`, {name}, N = {N}, "
+                        f"{len(vals)} seeds: mean (worst seed) | {_pct2(gap)} ({_pct2(worst)}) | [scale](DOCS/scale.md) |")
+    return "| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr | not measured | [scale](DOCS/scale.md) |"
 
 
 def block_whole_run(rows: list) -> str:
@@ -401,7 +431,7 @@ def block_adam(m: dict) -> str:
 def paper_vs_model() -> dict:
     """The model's figures for the paper's two headline cases (perfmodel.md's table): per case, {method: prediction}
     with the node-aware default and, flat (``hierarchical=False``), "auto" and the allgather exchange."""
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     out = {}
     for mk, ck, N in (("alexnet", "ethernet", 8), ("vgga", "infiniband", 512)):
         model, cl = pm.MODELS[mk], pm.CLUSTERS[ck]
@@ -496,7 +526,7 @@ def block_bf16_intra() -> str:
     default), additive model; fraction of linear scaling at 512 GPUs on InfiniBand, and AlexNet's speedup over
     fp32 at 8 GPUs on Ethernet."""
     from horovod_terngrad.config import TernGradConfig
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
 
     def row(mk, key, G, N, dtype):
         model, cl = pm.MODELS[mk], _cluster(key, G)
@@ -516,7 +546,7 @@ def block_bf16_intra() -> str:
 
 def block_goals_512() -> str:
     """perfmodel.md's goals at 512 GPUs for the default: additive / scheduled model, nodes of 4 (of 8 in brackets)."""
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     from horovod_terngrad.modelling import timeline as tl
     fig: dict = {}
     for G in (4, 8):
@@ -529,9 +559,9 @@ def block_goals_512() -> str:
             fig[(mk, G)] = (add, sch)
         for key in ("ethernet", "infiniband"):
             cl = _cluster(key, G)
-            meth = (pm.HSDP_BF16, pm.HSDP_TERNGRAD_DEFAULT)
-            a = pm.predict_hsdp(pm.GPT3_1P3B, cl, [512], methods=meth)[0][pm.HSDP_TERNGRAD_DEFAULT]
-            b = pm.scheduled_hsdp(pm.GPT3_1P3B, cl, [512], methods=meth)[0][pm.HSDP_TERNGRAD_DEFAULT]
+            meth = (hsdp.HSDP_BF16, hsdp.HSDP_TERNGRAD_DEFAULT)
+            a = hsdp.predict_hsdp(hsdp.GPT3_1P3B, cl, [512], methods=meth)[0][hsdp.HSDP_TERNGRAD_DEFAULT]
+            b = hsdp.scheduled_hsdp(hsdp.GPT3_1P3B, cl, [512], methods=meth)[0][hsdp.HSDP_TERNGRAD_DEFAULT]
             fig[("hsdp", key, G)] = (a.speedup_vs_bf16, b.speedup_vs_bf16, a.step_s / a.limit_s, b.step_s / b.limit_s)
 
     def met(pairs):   # pairs: (additive ok, scheduled ok) for nodes of 4 and of 8
@@ -560,7 +590,7 @@ def block_goal_budget() -> str:
     """perfmodel.md's "what dominates": for Horovod VGG-A and AlexNet at 512 GPUs on InfiniBand (nodes of 4, the
     default's additive plan), the communication the 0.90 goal leaves, the node-aware groups and the latency their
     cross-node exchanges pay before any byte (2·(M-1) per-message latencies each, M nodes)."""
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     G, N = 4, 512
     M = N // G
     lines = [f"| Horovod, {N} GPUs ({M} nodes x {G}), InfiniBand | compute ms | left for communication at 0.90 ms "
@@ -1717,7 +1747,7 @@ def block_gpu_train_step(d: dict) -> str:
 def block_gpu_codec_512(d: dict) -> str:
     """perfmodel.md: the 512-GPU goal rows (additive model, nodes of 4) with the codec free and charged at the GPU
     profile of the current gpu_check JSON."""
-    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
     from horovod_terngrad.modelling.gpu_profile import GpuCodecProfile
     prof = GpuCodecProfile.from_check(d)
     rate, G, N = prof.codec_elements_per_s, 4, 512
@@ -1725,9 +1755,9 @@ def block_gpu_codec_512(d: dict) -> str:
              "per step |", "|---|---|---|---|"]
     for key, name in (("ethernet", "Ethernet"), ("infiniband", "InfiniBand")):
         cl = _cluster(key, G)
-        c = pm.hsdp_compute_s(pm.GPT3_1P3B, cl.gpu)
-        bf16 = pm.predict_hsdp_step(pm.GPT3_1P3B, N, cl.network, pm.HSDP_BF16, compute_s=c)
-        free, paid = (pm.predict_hsdp_step(pm.GPT3_1P3B, N, cl.network, pm.HSDP_TERNGRAD_DEFAULT, compute_s=c,
+        c = hsdp.hsdp_compute_s(hsdp.GPT3_1P3B, cl.gpu)
+        bf16 = hsdp.predict_hsdp_step(hsdp.GPT3_1P3B, N, cl.network, hsdp.HSDP_BF16, compute_s=c)
+        free, paid = (hsdp.predict_hsdp_step(hsdp.GPT3_1P3B, N, cl.network, hsdp.HSDP_TERNGRAD_DEFAULT, compute_s=c,
                                            codec_elements_per_s=r) for r in (None, rate))
         if key == "ethernet":
             lines.append(f"| HSDP GPT-3 1.3B, {name}: x bf16 HSDP | {_x(bf16.step_s / free.step_s)} "

@@ -102,7 +102,8 @@ def expected_hierarchical(per_rank: list, names: list, topo: Topology, cfg: Tern
             segs = [v[a:a + p.numel] for v in node_vals]
             if cfg.exchange in ("reternarized", "requantized"):
                 want, nu = expected_reternarized(segs, pname, step, cfg, average=average, ranks=list(cross), noise=True,
-                                                 second="requant" if cfg.exchange == "requantized" else "ternary")
+                                                 second="requant" if cfg.exchange == "requantized" else "ternary",
+                                                 squares=noise and cfg.exchange == "requantized")
                 noises[p.member][p.start:p.stop] = wire(nu)
             else:
                 if noise:
@@ -158,8 +159,30 @@ def expected_exchange(grads, name, step, cfg: TernGradConfig, ranks=None):
     return expected_average(grads, name, step, cfg, ranks=ranks)[0]
 
 
+def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+    """codec/squares.py's summation order written out in numpy float32 (each addition one IEEE operation): level by
+    level, 8 equal contiguous parts of the zero-padded values as ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)); 0-d fp32."""
+    import numpy as np
+    y = x.detach().reshape(-1).to(torch.float32).numpy()
+    while y.size > 1:
+        p = np.concatenate([y, np.zeros((-y.size) % 8, np.float32)]).reshape(8, -1)
+        y = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    return torch.tensor(y.reshape(()), dtype=torch.float32)
+
+
+def minibatch_share_out(nu: torch.Tensor, clipped: list, divisor: float) -> torch.Tensor:
+    """``nu`` with the minibatch's share taken out (codec/squares.py) as written out here: each sender's Σ f(g)²
+    of its slice ``clipped[r]`` (fp32 squares, ``ordered_sum``), sent as fp32; Q = their sum / divisor²; the factor
+    max(0, 1 - Q / Σ nu) in fp64, applied in fp32."""
+    sent = torch.stack([ordered_sum(c.to(torch.float32) * c.to(torch.float32)) for c in clipped])
+    q = float(ordered_sum(sent)) / divisor ** 2
+    total = float(ordered_sum(nu))
+    factor = min(max(1.0 - q / total, 0.0), 1.0) if total > 0 else 1.0
+    return nu * torch.tensor(factor, dtype=torch.float64).to(torch.float32)
+
+
 def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, noise=False, ranks=None,
-                          second="ternary"):
+                          second="ternary", squares=False):
     """What the re-ternarized exchange (exchange/reternarized.py) must give every rank, written out from the
     reference codec: each rank's ternary vector with one scaler per shard (or the user's buckets); per shard, the
     average of the N ranks' values (the allgather exchange's decode formula on the shard); that average
@@ -171,7 +194,9 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
     ``second="requant"``: the requantized exchange (exchange/requantized.py) instead, which shares the first
     stage: the owner's average a in 4-bit groups (codec.requant.quantize, the streams of '<name>#rq4'), and its
     noise channel: the first stage's (1/N^2)·Σ_r s_r^2·|t_r| (in the decode's order: integer sums times the
-    shared scaler squared, else rank by rank) plus the rounding's variance, one stochastic bit per element."""
+    shared scaler squared, else rank by rank) plus the rounding's variance, one stochastic bit per element.
+    ``squares``: the first stage's estimate with the minibatch's share taken out by the senders' squares
+    (codec/squares.py, ``minibatch_share_out``)."""
     from horovod_terngrad.codec import requant, sizes
     N = len(grads)
     ranks = list(range(N)) if ranks is None else list(ranks)
@@ -215,6 +240,9 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
                 for r in range(N):
                     acc = acc + ternary[r][lo:hi].abs().to(torch.float32) * (sc[r] * sc[r])
                 nu1 = acc / (divisor * divisor)
+            if squares:
+                nu1 = minibatch_share_out(nu1, [torch.minimum(torch.maximum(flat[r][lo:hi], -thrs[r]), thrs[r])
+                                                for r in range(N)], divisor)
             k_avg, k_noise = requant.keys(cfg.seed, step, name, ranks[o])
             steps, codes, var = requant.quantize(a, k_avg, lo)
             per = steps.repeat_interleave(requant.GROUP)[:hi - lo]

@@ -8,7 +8,7 @@ from torch import nn
 from horovod_terngrad import TernGradConfig
 from horovod_terngrad.codec import sizes
 from horovod_terngrad.exchange import policy
-from horovod_terngrad.modelling import cli, perfmodel as pm
+from horovod_terngrad.modelling import cli, hsdp, perfmodel as pm
 
 # A flat network with round numbers: alpha = 1 ms, beta = 1 us/byte (1 MB/s), one rank per NIC.
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)
@@ -826,7 +826,7 @@ def test_node_aware_figures_at_512_gpus_as_the_model_states_them():
 
 
 # ---------------------------------------------------------------- HSDP
-GPT = pm.GPT3_1P3B
+GPT = hsdp.GPT3_1P3B
 G4 = 4
 
 
@@ -844,23 +844,23 @@ def test_gpt_1p3b_tensors_and_parameter_count():
     assert len(units) == 25 and sum(len(p) for _, p in units) == 292
     # FSDP2's dim-0 shards: ceil(50257/4) = 12565 rows, the last local rank gets 12562; a short tensor
     # leaves the last ranks empty; padding is ceil(d0/G) rows on every rank
-    assert [pm.fsdp_shard_numel((50257, 2048), G4, j) // 2048 for j in range(4)] == [12565] * 3 + [12562]
-    assert [pm.fsdp_shard_numel((5, 3), G4, j) for j in range(4)] == [6, 6, 3, 0]
-    assert pm.fsdp_padded_numel((5, 3), G4) == 6
-    assert sum(pm.fsdp_padded_numel(s, G4) for _, s in tensors) * G4 >= GPT.parameters
+    assert [hsdp.fsdp_shard_numel((50257, 2048), G4, j) // 2048 for j in range(4)] == [12565] * 3 + [12562]
+    assert [hsdp.fsdp_shard_numel((5, 3), G4, j) for j in range(4)] == [6, 6, 3, 0]
+    assert hsdp.fsdp_padded_numel((5, 3), G4) == 6
+    assert sum(hsdp.fsdp_padded_numel(s, G4) for _, s in tensors) * G4 >= GPT.parameters
 
 
 def test_hsdp_unit_shards_cut_as_the_frontend():
-    block, root = pm.hsdp_unit_shards(GPT, G4, 0)[0], pm.hsdp_unit_shards(GPT, G4, 0)[-1]
+    block, root = hsdp.hsdp_unit_shards(GPT, G4, 0)[0], hsdp.hsdp_unit_shards(GPT, G4, 0)[-1]
     # a block's shard: LayerNorms and biases under 4096 elements at fp32; the four weights fused up to 4M
     assert block.groups == ((512 * 6144, 512 * 2048), (512 * 8192,), (2048 * 2048,))
     assert block.plain == (4 * 2048 + 6144 + 2048 + 8192 + 2048) // 4
     assert block.padded == 50_358_272 // 4 and not block.root
     assert root.root and root.groups == ((12565 * 2048,), (512 * 2048,)) and root.plain == 1024
-    last = pm.hsdp_unit_shards(GPT, G4, 3)[-1]
+    last = hsdp.hsdp_unit_shards(GPT, G4, 3)[-1]
     assert last.groups == ((12562 * 2048,), (512 * 2048,)) and last.padded == root.padded
     # min_numel 0: every real part compressed (as the paper: LayerNorms too)
-    assert all(u.plain == 0 for u in pm.hsdp_unit_shards(GPT, G4, 0, pm.TernGradConfig(min_numel=0)))
+    assert all(u.plain == 0 for u in hsdp.hsdp_unit_shards(GPT, G4, 0, pm.TernGradConfig(min_numel=0)))
 
 
 def _ring(cluster):
@@ -874,17 +874,17 @@ def test_hsdp_cross_bytes_are_codec_sizes(cluster, workers):
     net = _ring(cluster)
     R = workers // G4
     cfg = pm.TernGradConfig()
-    units = pm.hsdp_unit_shards(GPT, G4, 0, cfg)
+    units = hsdp.hsdp_unit_shards(GPT, G4, 0, cfg)
     payload = sum(sizes.payload_size(x, "2bit") for u in units for g in u.groups for x in g)
     # by hand: 24 blocks of (3145728+1048576, 4194304, 4194304) codes at 4 a byte, root 25733120 + 1048576,
     # 20 + 4 bytes of header and scaler per tensor
     assert payload == 24 * (4 * 24 + (3145728 + 1048576 + 2 * 4194304) // 4) + 2 * 24 + (25733120 + 1048576) // 4
     plain = sum(u.plain for u in units)
-    tg = pm.predict_hsdp_step(GPT, workers, net, pm.HSDP_TERNGRAD, compute_s=1.0)
+    tg = hsdp.predict_hsdp_step(GPT, workers, net, hsdp.HSDP_TERNGRAD, compute_s=1.0)
     assert tg.payload_bytes == payload
     assert tg.cross_bytes == pytest.approx((R - 1) * payload + 2 * (R - 1) / R * 4 * plain)
-    f32 = pm.predict_hsdp_step(GPT, workers, net, pm.HSDP_FP32, compute_s=1.0)
-    bf = pm.predict_hsdp_step(GPT, workers, net, pm.HSDP_BF16, compute_s=1.0)
+    f32 = hsdp.predict_hsdp_step(GPT, workers, net, hsdp.HSDP_FP32, compute_s=1.0)
+    bf = hsdp.predict_hsdp_step(GPT, workers, net, hsdp.HSDP_BF16, compute_s=1.0)
     shard = sum(u.padded for u in units)
     assert f32.cross_bytes == pytest.approx(2 * (R - 1) / R * 4 * shard)
     assert bf.cross_bytes == pytest.approx(f32.cross_bytes / 2)
@@ -898,63 +898,63 @@ def test_hsdp_cross_bytes_are_codec_sizes(cluster, workers):
 def test_hsdp_scaling_with_nodes_follows_the_formulas():
     net = _ring("ethernet")
     cfg = pm.TernGradConfig(min_numel=0)          # every tensor compressed: bytes = (R-1)·P exactly
-    steps = {N: pm.predict_hsdp_step(GPT, N, net, pm.HSDP_TERNGRAD, compute_s=1.0, config=cfg) for N in (8, 64, 512)}
+    steps = {N: hsdp.predict_hsdp_step(GPT, N, net, hsdp.HSDP_TERNGRAD, compute_s=1.0, config=cfg) for N in (8, 64, 512)}
     P = steps[8].payload_bytes
     for N, s in steps.items():
         R = N // G4
         assert s.payload_bytes == P                      # the shard does not shrink with N: n/G
         assert s.cross_bytes == (R - 1) * P              # allgather: grows as R-1
         assert s.intra_s == steps[8].intra_s             # the node's work does not depend on R
-    f32 = {N: pm.predict_hsdp_step(GPT, N, net, pm.HSDP_FP32, compute_s=1.0).cross_bytes for N in (8, 512)}
+    f32 = {N: hsdp.predict_hsdp_step(GPT, N, net, hsdp.HSDP_FP32, compute_s=1.0).cross_bytes for N in (8, 512)}
     assert f32[512] / f32[8] == pytest.approx((2 * 127 / 128) / (2 * 1 / 2))  # ring: 2(R-1)/R
     # TernGrad's 2(R-1) bits per element equal bf16's ring 2(R-1)/R·16 at R = 16, fp32's 2(R-1)/R·32 at R = 32
-    bf16_64 = pm.predict_hsdp_step(GPT, 64, net, pm.HSDP_BF16, compute_s=1.0).cross_bytes
+    bf16_64 = hsdp.predict_hsdp_step(GPT, 64, net, hsdp.HSDP_BF16, compute_s=1.0).cross_bytes
     assert steps[64].cross_bytes == pytest.approx(bf16_64, rel=0.005)
-    f32_128 = pm.predict_hsdp_step(GPT, 128, net, pm.HSDP_FP32, compute_s=1.0).cross_bytes
-    tg_128 = pm.predict_hsdp_step(GPT, 128, net, pm.HSDP_TERNGRAD, compute_s=1.0, config=cfg).cross_bytes
+    f32_128 = hsdp.predict_hsdp_step(GPT, 128, net, hsdp.HSDP_FP32, compute_s=1.0).cross_bytes
+    tg_128 = hsdp.predict_hsdp_step(GPT, 128, net, hsdp.HSDP_TERNGRAD, compute_s=1.0, config=cfg).cross_bytes
     assert tg_128 == pytest.approx(f32_128, rel=0.005)
     # the sharded exchange: (R-1)/R·(b + L) bits per element, L = sum_bits(R) (3 at R = 2, 9 at R = 128)
-    sh = {N: pm.predict_hsdp_step(GPT, N, net, pm.HSDP_TERNGRAD_SHARDED, compute_s=1.0).cross_bytes for N in (8, 512)}
+    sh = {N: hsdp.predict_hsdp_step(GPT, N, net, hsdp.HSDP_TERNGRAD_SHARDED, compute_s=1.0).cross_bytes for N in (8, 512)}
     assert sh[512] / sh[8] == pytest.approx((127 / 128 * (2 + sizes.sum_bits(128))) / (1 / 2 * (2 + sizes.sum_bits(2))),
                                             rel=0.01)
 
 
 def test_hsdp_step_times_where_communication_dominates():
     eth, ib = pm.CLUSTERS["ethernet"], pm.CLUSTERS["infiniband"]
-    rows = pm.predict_hsdp(GPT, eth, (8, 512))
+    rows = hsdp.predict_hsdp(GPT, eth, (8, 512))
     small, large = rows[0], rows[1]
     # 1 Gbit/s, 2 nodes: the bf16 all-reduce dominates; TernGrad's 2 bits per element win
-    assert small[pm.HSDP_TERNGRAD].speedup_vs_bf16 > 3
-    assert small[pm.HSDP_TERNGRAD].step_s < small[pm.HSDP_BF16].step_s < small[pm.HSDP_FP32].step_s
+    assert small[hsdp.HSDP_TERNGRAD].speedup_vs_bf16 > 3
+    assert small[hsdp.HSDP_TERNGRAD].step_s < small[hsdp.HSDP_BF16].step_s < small[hsdp.HSDP_FP32].step_s
     # 128 nodes: the allgather receives 127 payloads and loses; the sharded exchange still wins
-    assert large[pm.HSDP_TERNGRAD].speedup_vs_bf16 < 0.5
-    assert large[pm.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16 > 2
+    assert large[hsdp.HSDP_TERNGRAD].speedup_vs_bf16 < 0.5
+    assert large[hsdp.HSDP_TERNGRAD_SHARDED].speedup_vs_bf16 > 2
     for r in rows:
         for m, s in r.items():
             exposed = s.intra_s + s.cross_s + s.codec_s
             assert s.step_s == pytest.approx(s.compute_s + exposed)          # overlap 0: nothing hidden
             assert s.tokens_per_s == pytest.approx(s.workers * 2048 / s.step_s)
     # compute: the Megatron count over the FLOP rate of the model's own VGG-A time
-    assert pm.vgga_forward_macs() == 7_609_090_048
-    assert pm.achieved_flops("p100") / pm.achieved_flops("gtx1080") == pytest.approx(pm.P100_OVER_GTX1080)
+    assert hsdp.vgga_forward_macs() == 7_609_090_048
+    assert hsdp.achieved_flops("p100") / hsdp.achieved_flops("gtx1080") == pytest.approx(pm.P100_OVER_GTX1080)
     l, h, s, V = 24, 2048, 2048, 50257
     assert GPT.flops_per_sequence() == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
     assert GPT.flops_per_sequence() == pytest.approx(6 * GPT.parameters * s, rel=0.2)
-    c = pm.hsdp_compute_s(GPT, "p100")
-    assert small[pm.HSDP_BF16].compute_s == pytest.approx(pm.hsdp_compute_s(GPT, "gtx1080"))
+    c = hsdp.hsdp_compute_s(GPT, "p100")
+    assert small[hsdp.HSDP_BF16].compute_s == pytest.approx(hsdp.hsdp_compute_s(GPT, "gtx1080"))
     # InfiniBand: compute-bound at 2 nodes, TernGrad within a few percent of bf16; overlap 1 hides it all
-    ib_row = pm.predict_hsdp(GPT, ib, (8,))[0]
-    assert 1.0 < ib_row[pm.HSDP_TERNGRAD].speedup_vs_bf16 < 1.2
-    full = pm.predict_hsdp_step(GPT, 8, ib.network, pm.HSDP_TERNGRAD, compute_s=c, overlap=1.0)
+    ib_row = hsdp.predict_hsdp(GPT, ib, (8,))[0]
+    assert 1.0 < ib_row[hsdp.HSDP_TERNGRAD].speedup_vs_bf16 < 1.2
+    full = hsdp.predict_hsdp_step(GPT, 8, ib.network, hsdp.HSDP_TERNGRAD, compute_s=c, overlap=1.0)
     assert full.step_s == pytest.approx(max(c, full.intra_s + full.cross_s))
     # intra-node: bf16 reduce-scatters half the bytes; the parameter all-gathers are the same
-    assert ib_row[pm.HSDP_BF16].intra_s < ib_row[pm.HSDP_FP32].intra_s == ib_row[pm.HSDP_TERNGRAD].intra_s
+    assert ib_row[hsdp.HSDP_BF16].intra_s < ib_row[hsdp.HSDP_FP32].intra_s == ib_row[hsdp.HSDP_TERNGRAD].intra_s
     # the codec, when a rate is given: n_c·(1 + R) element operations for the allgather
-    cod = pm.predict_hsdp_step(GPT, 8, ib.network, pm.HSDP_TERNGRAD, compute_s=c, codec_elements_per_s=1e11)
-    n_c = sum(u.compressed for u in pm.hsdp_unit_shards(GPT, G4, 0))
+    cod = hsdp.predict_hsdp_step(GPT, 8, ib.network, hsdp.HSDP_TERNGRAD, compute_s=c, codec_elements_per_s=1e11)
+    n_c = sum(u.compressed for u in hsdp.hsdp_unit_shards(GPT, G4, 0))
     assert cod.codec_s == pytest.approx(n_c * 3 / 1e11)
     with pytest.raises(ValueError):
-        pm.predict_hsdp_step(GPT, 6, ib.network, compute_s=c)
+        hsdp.predict_hsdp_step(GPT, 6, ib.network, compute_s=c)
 
 
 def test_hsdp_cli(capsys):
@@ -1000,8 +1000,8 @@ def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
     big = [25_000_000]
     assert (cost.terngrad_reternarized_cost(big, 512, net).time_s
             < cost.terngrad_sharded_cost(big, 512, net).time_s)
-    rows = pm.predict_hsdp(pm.GPT_MODELS["gpt3-1.3b"], pm.CLUSTERS["infiniband"], [512])
-    rt = rows[0][pm.HSDP_TERNGRAD_RETERNARIZED]
+    rows = hsdp.predict_hsdp(hsdp.GPT_MODELS["gpt3-1.3b"], pm.CLUSTERS["infiniband"], [512])
+    rt = rows[0][hsdp.HSDP_TERNGRAD_RETERNARIZED]
     assert rt.limit_s <= rt.step_s <= 1.1 * rt.limit_s
 
 
@@ -1009,14 +1009,14 @@ def test_reternarized_exchange_is_priced_flat_in_n_and_beats_sharded_at_scale():
 @pytest.mark.parametrize("N", [3, 5])
 def test_requantized_cost_charges_exactly_codec_sizes_bytes(N):
     """exchange.cost.terngrad_requantized_cost (and so the plan, the HSDP rows and the schedule) charges c = the
-    re-ternarized shard payload to each peer and P = the owner's 4-bit payload with the noise channel
-    (codec.sizes); the engine on thread ranks receives exactly (N-1)·(c + P) of them (without the noise channel:
-    no optimizer asked for it there)."""
+    re-ternarized shard payload to each peer (with the noise channel, carrying the sender's squares) and P = the
+    owner's 4-bit payload with the noise channel (codec.sizes); the engine on thread ranks receives exactly
+    (N-1)·(c + P) of them (without the noise channel: no optimizer asked for it there)."""
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Engine, cost, run_ranks
     from horovod_terngrad.modelling import timeline as tl
     for noise in (True, False):
-        c = max(sum(sizes.reternarized_chunk_bytes(n, N, "2bit")[r] for n in AWKWARD) for r in range(N))
+        c = max(sum(sizes.reternarized_chunk_bytes(n, N, "2bit", squares=noise)[r] for n in AWKWARD) for r in range(N))
         P = max(sum(sizes.requantized_owner_chunk_bytes(n, N, noise)[r] for n in AWKWARD) for r in range(N))
         assert cost.requantized_bytes(AWKWARD, N, noise=noise) == (c, P)
         model = cost.terngrad_requantized_cost(AWKWARD, N, RING, noise=noise)
@@ -1086,11 +1086,11 @@ def test_default_method_is_allgather_up_to_4_ranks_and_requantized_above():
     # HSDP: policy.default_transport(R)
     for N in (8, 16, 20, 512):
         R = N // 4
-        want = pm.HSDP_TERNGRAD if R <= 4 else pm.HSDP_TERNGRAD_REQUANTIZED
-        d = pm.predict_hsdp_step(GPT, N, ib, pm.HSDP_TERNGRAD_DEFAULT, compute_s=1.0)
-        w = pm.predict_hsdp_step(GPT, N, ib, want, compute_s=1.0)
+        want = hsdp.HSDP_TERNGRAD if R <= 4 else hsdp.HSDP_TERNGRAD_REQUANTIZED
+        d = hsdp.predict_hsdp_step(GPT, N, ib, hsdp.HSDP_TERNGRAD_DEFAULT, compute_s=1.0)
+        w = hsdp.predict_hsdp_step(GPT, N, ib, want, compute_s=1.0)
         assert (d.step_s, d.cross_bytes, d.payload_bytes) == (w.step_s, w.cross_bytes, w.payload_bytes)
-        assert pm.hsdp_exchange(pm.HSDP_TERNGRAD_DEFAULT, R) == ("terngrad_allgather" if R <= 4
+        assert hsdp.hsdp_exchange(hsdp.HSDP_TERNGRAD_DEFAULT, R) == ("terngrad_allgather" if R <= 4
                                                                  else "terngrad_requantized")
 
 

@@ -105,18 +105,22 @@ def test_every_rank_gets_the_reference_bit_for_bit_with_and_without_noise(N, cfg
                 for i, tk in enumerate(tickets):
                     tk.want_noise = (i + step) % 2 == 0
             outs.append([ex.finish(t) for t in reversed(tickets)][::-1])
-            noises.append([t.noise for t in tickets])
+            noises.append([(t.noise, t.squares) for t in tickets])
         return outs, noises
 
     res = run_ranks(N, body)
     for step in range(2):
         for i, s in enumerate(SHAPES):
+            # the senders' squares go with a request made before the payloads left (with the shared scaler's
+            # handshake here; the frontends' routes always are): every rank made the same choice
+            sent = {res[r][1][step][i][1] for r in range(N)}
+            assert len(sent) == 1
             want, want_nu = expected_reternarized([grad(s, r, i + 10 * step) for r in range(N)], f"layer{i}", step,
-                                                  cfg, noise=True, second="requant")
+                                                  cfg, noise=True, second="requant", squares=sent.pop())
             for r in range(N):
                 assert res[r][0][step][i].shape == s
                 assert torch.equal(res[r][0][step][i], want), (step, i, r)
-                nu = res[r][1][step][i]
+                nu = res[r][1][step][i][0]
                 if s == (0,):       # nothing to estimate (with the shared scaler, agreed empty: nothing sent)
                     assert nu is None or nu.numel() == 0
                 elif (i + step) % 2 == 0:

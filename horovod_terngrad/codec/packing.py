@@ -12,12 +12,14 @@ Payload (little-endian, uint8):
     0       1     magic 0x54 ('T')
     1       1     version (1)
     2       1     format (1 = 2bit, 2 = base3)
-    3       1     flags (bit 0: the sender's tensor held NaN/Inf; its codes are then all zero)
+    3       1     flags (bit 0: the sender's tensor held NaN/Inf; its codes are then all zero;
+                        bit 1: a 4-byte squares trailer follows the codes, codec/squares.py)
     4       4     bucket size k (uint32; 0 = one scaler for the whole tensor)
     8       8     element count n (uint64)
     16      4     shape code (uint32, CRC-32 of the tensor's shape; lets receivers check agreement)
     20      4·B   scalers, fp32, B = 1 or ceil(n/k)
     20+4B   ...   packed codes, ceil(n/4) or ceil(n/5) bytes
+    ...     4     with flag bit 1: the sender's Σ f(g_i)² over the payload's elements, fp32 (codec/squares.py)
 
 Decoding N payloads gives the average in fp32, by one of two exactly specified formulas, so every rank
 and every device gets the same bits:
@@ -41,6 +43,7 @@ MAGIC = 0x54
 VERSION = 1
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 FLAG_NONFINITE = 1
+FLAG_SQUARES = 2                       #: a squares trailer follows the codes
 
 
 class PayloadError(ValueError):
@@ -65,7 +68,7 @@ class Header:
 
     @property
     def total_bytes(self) -> int:
-        return payload_size(self.numel, self.fmt, self.bucket_size)
+        return payload_size(self.numel, self.fmt, self.bucket_size, bool(self.flags & FLAG_SQUARES))
 
 
 def _codes(t: torch.Tensor) -> torch.Tensor:
@@ -279,7 +282,7 @@ def split(payload: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tensor]
     """(scalers fp32 [B], packed codes uint8) views of a payload whose header is ``h``."""
     nb = h.num_scalers
     scalers = payload[HEADER_BYTES:codes_offset(nb)].clone().view(torch.float32)
-    return scalers, payload[codes_offset(nb):]
+    return scalers, payload[codes_offset(nb):codes_offset(nb) + h.packed_bytes]
 
 
 def decode_sums(k: torch.Tensor, scalers: torch.Tensor, bucket_size: int, divisor: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ CODES_PER_BYTE = {"2bit": 4, "base3": 5}
 BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
 HEADER_BYTES = 20                          #: payload header (magic, version, format, flags, k, n, shape)
 SCALER_BYTES = 4                           #: one fp32 scaler
+SQUARES_BYTES = 4                          #: a payload's trailer: the sender's Σ f(g)², fp32 (codec/squares.py)
 SHARD_ALIGN = 20                           #: lcm of 4 and 5: shards start on a byte in both packings
 SLOT_BYTES = 8                             #: one fp64 handshake slot
 SINGLE_HANDSHAKE_FIXED = 8                 #: a lone tensor: bad rank, -bad, n, -n, shape, -shape, dtype, -dtype
@@ -40,9 +41,9 @@ def packed_size(numel: int, fmt: str) -> int:
     return -(-int(numel) // CODES_PER_BYTE[check_format(fmt)])
 
 
-def payload_size(numel: int, fmt: str, bucket_size: int = 0) -> int:
-    """One tensor's payload: header + fp32 scalers + packed codes."""
-    return codes_offset(num_buckets(numel, bucket_size)) + packed_size(numel, fmt)
+def payload_size(numel: int, fmt: str, bucket_size: int = 0, squares: bool = False) -> int:
+    """One tensor's payload: header + fp32 scalers + packed codes (+ the squares trailer, where flagged)."""
+    return codes_offset(num_buckets(numel, bucket_size)) + packed_size(numel, fmt) + (SQUARES_BYTES if squares else 0)
 
 
 def codes_offset(num_scalers: int) -> int:
@@ -103,7 +104,7 @@ def shard_sum_bytes(numel: int, n_ranks: int) -> list[int]:
     return [sums_size(hi - lo, n_ranks) for lo, hi in shard_bounds(numel, n_ranks)]
 
 
-__all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SHARD_ALIGN",
+__all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SQUARES_BYTES", "SHARD_ALIGN",
            "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
@@ -135,14 +136,15 @@ def reternarized_encode_bucket(numel: int, n_ranks: int, bucket_size: int = 0) -
     return max(reternarized_shard(numel, n_ranks, 0), 1)
 
 
-def reternarized_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: int = 0) -> list[int]:
+def reternarized_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: int = 0,
+                             squares: bool = False) -> list[int]:
     """Bytes of the payload of each shard of one tensor: what a rank sends each owner in the alltoall, and what
-    each owner adds to the allgather (header, the shard's scalers, its packed codes: the same size both ways).
-    An empty shard (past the end of a tensor smaller than N shards) travels as nothing: every rank knows from
+    each owner adds to the allgather (header, the shard's scalers, its packed codes: the same size both ways;
+    ``squares``: the alltoall's shards carry the sender's squares trailer, codec/squares.py).  An empty shard (past the end of a tensor smaller than N shards) travels as nothing: every rank knows from
     the sizes which are empty.  Why: a header and a scaler (24 bytes) per empty shard and member were most of
     the bytes of small tensors at large N (a 4096-element tensor among 512 ranks: 7 shards of 640 elements,
     505 empty)."""
-    return [payload_size(hi - lo, fmt, bucket_size) if hi > lo else 0
+    return [payload_size(hi - lo, fmt, bucket_size, squares) if hi > lo else 0
             for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
 
 

@@ -5,7 +5,8 @@ every rank's, so rank r's block is the members' payloads in member order.  Decod
 headers (checked to agree: element count, shape, packing, buckets; NaN/Inf flags with per-rank scalers),
 then the backend's decode of the member's N payloads: (float(k)·s)/N with a shared scaler, else
 (Σ_r s_r·t_r)/N in fp32 in rank order.  Every rank decodes the same bytes in the same order, so all get
-identical bits.  Cost per rank and tensor: sends payload_size(n) bytes, receives N-1 times that.
+identical bits.  Cost per rank and tensor: sends payload_size(n) bytes, receives N-1 times that (4 more per
+payload where the optimizer asked for the noise estimate: the sender's squares, codec/squares.py).
 """
 from __future__ import annotations
 
@@ -111,7 +112,11 @@ def receive(ex, tk) -> torch.Tensor | None:
     out = backends.for_device(buf.device).decode(buf, headers, offsets, len(headers) if tk.average else 1,
                                                  out=tk.g32 if tk.in_place else None)
     if tk.want_noise:
-        tk.noise = noise_estimate(buf, headers, offsets, len(headers) if tk.average else 1, out=tk.noise_out)
+        divisor = len(headers) if tk.average else 1
+        tk.noise = noise_estimate(buf, headers, offsets, divisor, out=tk.noise_out)
+        if all(h.flags & codec.packing.FLAG_SQUARES for h in headers):
+            ends = [o + h.total_bytes for h, o in zip(headers, offsets)]
+            codec.squares.take_out_minibatch_share(tk.noise, codec.squares.read(buf, ends), divisor)
     ex.stats.codec_s += time.perf_counter() - t0
     return out
 
@@ -157,6 +162,10 @@ def receive_known_layout(ex, tk, buf: torch.Tensor) -> torch.Tensor | None:
         out.masked_fill_(bad, 0.0 if cfg.on_nonfinite == "zero" else float("nan"))
     if tk.want_noise:
         tk.noise = noise_estimate(buf, [header] * N, offsets, N if tk.average else 1, out=tk.noise_out)
+        own = period[tk.slot]                        # this member's payload, the squares trailer included
+        if own > header.total_bytes:                 # every rank's carries one (the layout is every rank's)
+            codec.squares.take_out_minibatch_share(
+                tk.noise, codec.squares.read(buf, [o + own for o in offsets]), N if tk.average else 1)
         if bad is not None:
             tk.noise.masked_fill_(bad, 0.0)
     ex.stats.codec_s += time.perf_counter() - t0
@@ -167,8 +176,8 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Per element, (1/divisor^2)·Σ_r (s_r·t_r)^2 = (1/divisor^2)·Σ_r s_r^2·|t_r| from every rank's payload: an
     unbiased estimate of (1/N^2)·Σ_r s_r·|g_r|, which bounds the variance the ternary rounding adds to the average
-    (it exceeds it by (1/N^2)·Σ_r g_r^2).  horovod_terngrad.optim subtracts its running mean from Adam's second
-    moment.  No extra bytes: every rank holds every payload.
+    (it exceeds it by (1/N^2)·Σ_r g_r^2; the callers take that share out with the senders' squares,
+    codec/squares.py).  horovod_terngrad.optim subtracts its running mean from Adam's second moment.
 
     How: each payload is copied with its scalers squared and its codes mapped to |t| (2-bit: two bit operations on
     the packed bytes in place; base-3: a 256-entry table), and the backend's own decode (fused C, CUDA or the reference) averages those with divisor^2:

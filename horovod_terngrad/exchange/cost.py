@@ -475,10 +475,11 @@ def terngrad_reternarized_cost(sizes: int | Sequence[int], workers: int, network
 def requantized_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit", bucket_size: int = 0,
                       noise: bool = True) -> tuple[int, int]:
     """(c, P): the most bytes of one group any owner receives from one peer in the alltoall (the re-ternarized
-    exchange's first stage), and the most any owner hands the allgather (its shard of every member in 4-bit groups,
-    with the noise channel if ``noise``: codec.sizes.requantized_owner_chunk_bytes)."""
+    exchange's first stage; with ``noise``, each shard with the sender's squares, codec/squares.py), and the most
+    any owner hands the allgather (its shard of every member in 4-bit groups, with the noise channel if ``noise``:
+    codec.sizes.requantized_owner_chunk_bytes)."""
     N = int(workers)
-    up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size) for x in sizes]
+    up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size, squares=noise) for x in sizes]
     down = [wire.requantized_owner_chunk_bytes(x, N, noise, bucket_size) for x in sizes]
     return (max((sum(m[r] for m in up) for r in range(N)), default=0),
             max((sum(m[r] for m in down) for r in range(N)), default=0))

@@ -94,7 +94,7 @@ class Ticket:
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "source", "_g32", "threshold", "key", "nb", "average",
                  "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished",
-                 "want_noise", "noise", "noise_out", "route", "step", "bucket")
+                 "want_noise", "noise", "noise_out", "route", "step", "bucket", "squares")
 
     def __init__(self, engine, name, shape, dtype, flat, threshold, key, nb, average, in_place, step=0, bucket=0):
         self.engine, self.group = engine, None
@@ -119,6 +119,7 @@ class Ticket:
         self.noise = None          # ... and gets it here, when the transport has every rank's payload
         self.noise_out = None      # where the transport writes it (fp32, the tensor's size); None: a fresh tensor
         self.route = None          # precision.Route: what the optimizer's ledger decided and wants (precision.py)
+        self.squares = False       # its payloads carry the sender's squares (codec/squares.py), decided at the send
 
     @property
     def g32(self) -> torch.Tensor:
@@ -248,13 +249,14 @@ class Engine:
         return self.start_group([(tensor, name)], name, average, in_place, routes=[route])[0]
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
-                    mode: str | None = None, routes: list | None = None) -> list:
+                    mode: str | None = None, routes: list | None = None, want_noise: list | None = None) -> list:
         """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one exchange
         named after ``group`` (tensor fusion; every rank must form the same groups, in the same member
         order).  Results are bit-identical to starting each tensor alone.  The transport is the one
         policy.py plans for the whole group (``mode``: a caller that decided already, the hierarchical
-        exchange).  ``routes``: one ``precision.Route`` (or None) per item.  Returns one ticket per item, each
-        finished with ``finish``."""
+        exchange).  ``routes``: one ``precision.Route`` (or None) per item; ``want_noise``: or, without a route,
+        whether each item asks for the noise estimate (the node-aware exchange's pieces).  Returns one ticket per
+        item, each finished with ``finish``."""
         cfg = self.config
         t0 = time.perf_counter()
         tickets = []
@@ -284,6 +286,8 @@ class Engine:
             tk.prep = prep
             tickets.append(tk)
         follow_routes(tickets, routes)
+        for tk, wanted in zip(tickets, want_noise or ()):
+            tk.want_noise = bool(wanted)
         grp = Group(group, tickets, mode, buckets)
         for tk in tickets:
             tk.group = grp
@@ -433,6 +437,7 @@ class Engine:
                                      flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
             if not on_host:          # the flag byte, written on the device (no host synchronization)
                 payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
+            payload = self._with_squares(tk, grp, payload)
             self._record(tk, payload, prep.scalers)
             sends.append((tk, payload))
         self.stats.codec_s += time.perf_counter() - t0
@@ -530,8 +535,20 @@ class Engine:
         tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.source.device)
         payload = backends.for_device(tk.source.device).encode(
             tk.source, tk.threshold, tk.shared, tk.bucket, tk.key, cfg.packing, shape=tk.shape)
+        payload = self._with_squares(tk, tk.group, payload)
         self._record(tk, payload, tk.shared)
         return payload
+
+    @staticmethod
+    def _with_squares(tk: Ticket, grp: Group, payload: torch.Tensor) -> torch.Tensor:
+        """The allgather transport's payload of a member whose optimizer asked for the noise estimate carries the
+        sender's squares (codec/squares.py: the estimate's minibatch share is taken out with them).  The
+        two-stage transports attach them per shard (reternarized.send)."""
+        tk.squares = tk.want_noise and grp.mode == "allgather"
+        if not tk.squares:
+            return payload
+        return codec.squares.attach(payload, codec.squares.clipped_square_sums(
+            tk.source, tk.threshold, [(0, tk.source.numel())]))
 
     def _record(self, tk: Ticket, payload: torch.Tensor, scalers: torch.Tensor) -> None:
         self.stats.tensors += 1

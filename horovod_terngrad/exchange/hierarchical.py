@@ -406,11 +406,12 @@ class HierarchicalEngine:
                                       self.spans_world)
         self.stats.codec_s += time.perf_counter() - t0
         tag = "x" if self.spans_world else f"x{j}"
-        grp.pieces = self.cross_engine.start_group(items, f"{grp.name}.{tag}", grp.average, in_place=True,
-                                                   mode=mode) if items else []
+        # asked before the payloads leave: they carry the senders' squares where the estimate is wanted
+        grp.pieces = self.cross_engine.start_group(
+            items, f"{grp.name}.{tag}", grp.average, in_place=True, mode=mode,
+            want_noise=[grp.members[p.member].want_noise for p in pieces]) if items else []
         at = shard
         for ptk, p in zip(grp.pieces, pieces):
-            ptk.want_noise = grp.members[p.member].want_noise
             if grp.noisy and ptk.want_noise:     # the estimate straight into its place in the allgather's buffer
                 ptk.noise_out = grp.outbox[at:at + p.numel]
             at += p.numel

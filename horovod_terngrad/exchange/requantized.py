@@ -10,7 +10,9 @@
    estimate (horovod_terngrad.optim), the owner also sends, per element, one unbiased stochastic bit of
    ν = (1/N²)·Σ_r s_r²·|t_r| + Δ²·f·(1 - f): the first stage's estimate, which only the owner can form since
    only it holds every rank's payload of the shard (the same estimate the allgather exchange forms on every
-   rank), plus the second rounding's exact variance.  The owners' payloads go to every rank by one allgather.
+   rank; with the minibatch's share taken out by the senders' squares, which ride with each shard:
+   codec/squares.py), plus the second rounding's exact variance.  The owners' payloads go to every rank by one
+   allgather.
 3. Every rank decodes every owner's payload into its shard; every rank decodes the same bytes, so every result
    (and noise estimate) is identical on every rank.
 
@@ -18,7 +20,8 @@ Unbiased: E[out | a] = a and E[a] = mean_r clip(g_r).  The noise channel's bit i
 optimizer keeps a running mean of it, which averages the bit's own variance away.
 
 Traffic per rank and element (b = 2 bits, 1.6 with base-3): sends and receives (N-1)/N·b in the alltoall and
-(N-1)/N·(4.25 [+ 1.25]) in the allgather, plus headers: at most 2 + 4.25 + 1.25 = 7.5 bits at any N (the
+(N-1)/N·(4.25 [+ 1.25]) in the allgather, plus headers (and, with the noise channel, a 4-byte squares trailer
+per shard): at most 2 + 4.25 + 1.25 = 7.5 bits at any N (the
 allgather exchange receives (N-1)·b; the sharded one (N-1)/N·(b + ceil(log2(2N+1)))).
 """
 from __future__ import annotations
@@ -26,11 +29,10 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from ..codec import requant, sizes
+from ..codec import requant, sizes, squares
 from ..codec.packing import FLAG_NONFINITE, Header, device_constant
 from . import allgather, reternarized
 
-send = reternarized.send
 encode_bucket = reternarized.encode_bucket
 
 
@@ -39,6 +41,7 @@ class RequantizedStage:
 
     label = "requantized exchange"
     settings_hint = " (or on whether their optimizers asked for the noise estimate: every rank must use the same one)"
+    takes_squares = True       # the senders' squares take the minibatch's share out of the owner's estimate
 
     @staticmethod
     def owner_chunks(ex, tk) -> list:
@@ -58,6 +61,9 @@ class RequantizedStage:
         noise = None
         if tk.want_noise:
             noise = allgather.noise_estimate(received, [head] * N, offsets, divisor)
+            if tk.squares:
+                size = sizes.payload_size(m, cfg.packing, tk.group.bucket_size, squares=True)
+                squares.take_out_minibatch_share(noise, squares.read(received, [o + size for o in offsets]), divisor)
         _zero_if(bad, avg, noise)                  # a flagged shard is NaN anyway: keep it finite
         keys = requant.keys(cfg.seed, tk.step, tk.name, ex.coll.rank if ex.stream_rank is None else ex.stream_rank)
         if backends.has_capability(backend, backends.REQUANT):
@@ -86,6 +92,10 @@ def _zero_if(bad: torch.Tensor, *tensors) -> None:
     for t in tensors:
         if t is not None:
             t.masked_fill_(bad, 0.0)
+
+
+def send(ex, grp, sends: list) -> None:
+    reternarized.send(ex, grp, sends, RequantizedStage)
 
 
 def after_alltoall(ex, grp) -> None:

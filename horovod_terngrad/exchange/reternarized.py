@@ -82,38 +82,53 @@ def shard_payload(payload: torch.Tensor, numel: int, lo: int, hi: int, encode_bu
 
 
 def shard_payloads(payload: torch.Tensor, numel: int, n_ranks: int, encode_bucket_size: int, fmt: str,
-                   bucket_size: int) -> list:
-    """Every shard's payload (``shard_payload`` of each owner, the same bytes).  The full-size shards, all but the
-    last one or few, are laid out by four copies into one [shards, bytes] block (one header, the flag byte from
-    the sender's, the scalers and codes, which tile the payload), its rows handed out as views: a rank sends N
-    shards per tensor, and one small tensor op per shard cost about 70 us each (0.7 s per step at 64 ranks on
-    a ResNet-50's 161 tensors)."""
+                   bucket_size: int, square_sums: torch.Tensor | None = None) -> list:
+    """Every shard's payload (``shard_payload`` of each owner, the same bytes; with ``square_sums``, fp32 [N],
+    each non-empty shard carries its own in a squares trailer, codec/squares.py).  The full-size shards, all but
+    the last one or few, are laid out by a few copies into one [shards, bytes] block (one header, the flag byte
+    from the sender's, the scalers and codes, which tile the payload, the trailers), its rows handed out as views:
+    a rank sends N shards per tensor, and one small tensor op per shard cost about 70 us each (0.7 s per step at
+    64 ranks on a ResNet-50's 161 tensors)."""
     bounds = sizes.reternarized_bounds(numel, n_ranks, bucket_size)
     full = sizes.reternarized_shard(numel, n_ranks, bucket_size)
     count = sum(1 for lo, hi in bounds if hi - lo == full) if full else 0
+
+    def one(r, lo, hi):
+        out = shard_payload(payload, numel, lo, hi, encode_bucket_size, fmt, bucket_size)
+        return out if square_sums is None or hi <= lo else codec.squares.attach(out, square_sums[r])
     if count < 2:
-        return [shard_payload(payload, numel, lo, hi, encode_bucket_size, fmt, bucket_size) for lo, hi in bounds]
+        return [one(r, lo, hi) for r, (lo, hi) in enumerate(bounds)]
     per_scalers = -(-full // encode_bucket_size) * sizes.SCALER_BYTES
     per_codes = sizes.code_byte_range(0, full, fmt)[1]
     nb = sizes.num_buckets(numel, encode_bucket_size)
     at = sizes.codes_offset(nb)
-    width = sizes.HEADER_BYTES + per_scalers + per_codes
+    trailer = 0 if square_sums is None else sizes.SQUARES_BYTES
+    width = sizes.HEADER_BYTES + per_scalers + per_codes + trailer
     block = torch.empty((count, width), dtype=torch.uint8, device=payload.device)
     block[:, :sizes.HEADER_BYTES] = codec.packing.header_tensor(full, fmt, bucket_size, payload.device)
-    block[:, 3] = payload[3]
+    block[:, 3] = payload[3] if square_sums is None else payload[3] | codec.packing.FLAG_SQUARES
     block[:, sizes.HEADER_BYTES:sizes.HEADER_BYTES + per_scalers] = \
         payload[sizes.HEADER_BYTES:sizes.HEADER_BYTES + count * per_scalers].view(count, per_scalers)
-    block[:, sizes.HEADER_BYTES + per_scalers:] = payload[at:at + count * per_codes].view(count, per_codes)
-    return list(block.unbind(0)) + [shard_payload(payload, numel, lo, hi, encode_bucket_size, fmt, bucket_size)
-                                    for lo, hi in bounds[count:]]
+    block[:, sizes.HEADER_BYTES + per_scalers:width - trailer] = payload[at:at + count * per_codes].view(count, per_codes)
+    if trailer:
+        block[:, width - trailer:] = square_sums[:count].contiguous().view(torch.uint8).view(count, trailer)
+    return list(block.unbind(0)) + [one(count + r, lo, hi) for r, (lo, hi) in enumerate(bounds[count:])]
 
 
-def send(ex, grp, sends: list) -> None:
-    """Alltoall: to rank o, the payload of shard o of every member (members in order)."""
+def send(ex, grp, sends: list, stage=None) -> None:
+    """Alltoall: to rank o, the payload of shard o of every member (members in order), with the sender's
+    squares of the shard (codec/squares.py) where ``stage`` (this exchange's second stage by default) forms the
+    noise estimate the optimizer asked for (``takes_squares``), which they correct; recorded in ``tk.squares``."""
     N, cfg = ex.coll.size, ex.config
+    stage = stage or TernaryStage
     to_rank = [[] for _ in range(N)]
     for tk, payload in sends:
-        for o, chunk in enumerate(shard_payloads(payload, tk.g32.numel(), N, tk.bucket, cfg.packing, grp.bucket_size)):
+        n = tk.source.numel()
+        tk.squares = stage.takes_squares and tk.want_noise
+        sums = (codec.squares.clipped_square_sums(tk.source, tk.threshold,
+                                                  sizes.reternarized_bounds(n, N, grp.bucket_size))
+                if tk.squares else None)
+        for o, chunk in enumerate(shard_payloads(payload, n, N, tk.bucket, cfg.packing, grp.bucket_size, sums)):
             to_rank[o].append(chunk)
     sharded.launch_alltoall(ex, grp, [tk for tk, _ in sends], torch.cat([c for chunks in to_rank for c in chunks]),
                             [sum(c.numel() for c in chunks) for chunks in to_rank], f"terngrad.rt.{grp.name}")
@@ -126,6 +141,7 @@ class TernaryStage:
 
     label = "re-ternarized exchange"
     settings_hint = ""
+    takes_squares = False      # its estimate is the owner's rounding's alone (module docstring)
 
     @staticmethod
     def owner_chunks(ex, tk) -> list:
@@ -155,7 +171,8 @@ def after_alltoall(ex, grp, stage=TernaryStage) -> None:
     N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
     members = grp.sent
     bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, grp.bucket_size)[me] for tk in members]
-    chunks = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, grp.bucket_size) for tk in members]
+    chunks = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, grp.bucket_size, tk.squares)
+              for tk in members]
     nbytes = [c[me] for c in chunks]
     block = sum(nbytes)
     if received.numel() != N * block:

@@ -1,7 +1,8 @@
 """Layer 4.7, modelling: the models of a training step, in one place, built on the runtime's own plans and sizes.
 
-* ``perfmodel``: the analytic step model (alpha-beta, the paper's Fig. 5 clusters; HSDP), pricing each exchange
-  with ``exchange.cost`` (the runtime cost model, which stays beside the engine that decides with it);
+* ``perfmodel``: the analytic step model (alpha-beta, the paper's Fig. 5 clusters), pricing each exchange with
+  ``exchange.cost`` (the runtime cost model, which stays beside the engine that decides with it);
+* ``hsdp``: the same for FSDP2 sharded inside a node with each shard averaged across nodes (a GPT's step);
 * ``timeline``: the scheduled step model (the engine's collectives in the order it issues them, overlap with
   backward, measured codec rates);
 * ``gpu_profile``: the codec's rates measured on a GPU (``scripts/gpu_check.sh``'s JSON), for ``perfmodel``;

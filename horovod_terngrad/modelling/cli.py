@@ -10,10 +10,11 @@ from typing import Sequence
 
 from ..config import TernGradConfig
 from ..exchange import policy
-from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP16, FP32, Cluster, GPT_MODELS,
-                        HOROVOD_FUSION_BYTES, HSDP_WORKERS, MODELS, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_DEFAULT,
+from .hsdp import GPT_MODELS, HSDP_WORKERS, format_hsdp_table, predict_hsdp, scheduled_hsdp
+from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP16, FP32, Cluster,
+                        HOROVOD_FUSION_BYTES, MODELS, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_DEFAULT,
                         TERNGRAD_FUSION_NUMEL, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, Network,
-                        format_hsdp_table, format_table, predict_hsdp, predict_scaling, scheduled_hsdp, worker_counts)
+                        format_table, predict_scaling, worker_counts)
 
 #: the column each method of the tables is headed by: ``default`` is what ``TernGradConfig()`` picks
 #: (exchange="default", hierarchical="auto"), ``auto`` is exchange="auto"
@@ -55,7 +56,7 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
                    help="codec rate in 10^9 elements/s (default: codec not modelled)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     p.add_argument("--scheduled", action="store_true",
-                   help="the scheduled step model (perfmodel.scheduled_hsdp_step: FSDP2's all-gathers, "
+                   help="the scheduled step model (hsdp.scheduled_hsdp_step: FSDP2's all-gathers, "
                         "reduce-scatters and cross-node exchanges overlapping compute unit by unit) instead of "
                         "the additive one")
     a = p.parse_args(argv)

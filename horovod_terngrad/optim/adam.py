@@ -14,12 +14,15 @@ Two ways to keep the noise out of v, both measured (docs/adam.md); the first is 
 
       v_hat = max(v - n, v_floor·v) / (1 - β2^step)
 
-  nu over-estimates the ternary variance by (1/N^2)·Σ_r g_r^2 (one draw per rank cannot tell g_r^2 apart), so
-  v - n is smaller than fp32's v by up to the minibatch's own share; the floor (``v_floor``, default 0.1: at
-  most sqrt(10) ≈ 3.2x longer steps than plain v) keeps elements whose estimate is all noise finite.  A norm clip
-  or a GradScaler's unscale between the exchange and the step scales nu by the same factor squared (recovered
-  from the two norms).  Late in training, where the minibatch's noise dominates the squared gradient, that share
-  is most of v: the steps are then longer than fp32 AdamW's (docs/scale.md, "Whole runs").  The requantized
+  That sum over-estimates the ternary variance by (1/N^2)·Σ_r g_r^2, which holds the minibatch's own noise (one
+  draw per rank cannot tell g_r^2 apart per element); left in, v - n would lose the share of fp32's v that is
+  minibatch noise and the steps would grow longer than fp32 AdamW's (1.8x at the end of a whole run).  So every
+  sender also carries its exact Σ g_r^2 (4 bytes per payload, codec/squares.py), and the exchange scales nu so
+  that its total is the rounding's variance alone: v - n then follows fp32 AdamW's v, and fp32's learning rate
+  carries over (docs/scale.md, "Where Adam's corrected second moment sits").  The floor (``v_floor``, default
+  0.1: at most sqrt(10) ≈ 3.2x longer steps than plain v) keeps elements whose estimate is all noise finite.  A
+  norm clip or a GradScaler's unscale between the exchange and the step scales nu by the same factor squared
+  (recovered from the two norms).  The requantized
   exchange (the default above 4 ranks) gives the estimate too (the owner's, of both its stages, one stochastic
   unbiased bit per element), and so does the node-aware exchange (its cross-node stage's, carried by the
   intra-node allgather).  The re-ternarized exchange gives s'^2·|t'|, the received value's own square: v - n is

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers import expected_average  # noqa: E402
+from helpers import expected_average, minibatch_share_out  # noqa: E402
 
 from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad import codec as C  # noqa: E402
@@ -155,16 +155,20 @@ def ddp_train(dist, rank, micro="one"):
 
 
 def expected_noise(grads, name, step, cfg):
-    """(1/N^2)·Σ_r (s_r·t_r)^2 written out again from every rank's gradient (per-rank scalers, rank order)."""
+    """(1/N^2)·Σ_r (s_r·t_r)^2 written out again from every rank's gradient (per-rank scalers, rank order), with
+    the minibatch's share taken out by the senders' squares (codec/squares.py)."""
     _, ternary = expected_average(grads, name, step, cfg)
-    acc = None
+    acc, clipped = None, []
     for g, t in zip(grads, ternary):
         flat = g.detach().reshape(-1).float()
         st = C.tensor_stats(flat, cfg.bucket_size)
-        s = C.local_scalers(st, C.clip_threshold(st, cfg.clip_factor))
+        thr = C.clip_threshold(st, cfg.clip_factor)
+        s = C.local_scalers(st, thr)
         x = (t.float() * s) * (t.float() * s)
         acc = x if acc is None else acc + x
-    return (acc / len(grads) ** 2).view_as(grads[0])
+        clipped.append(torch.minimum(torch.maximum(flat, -thr), thr))
+    nu = (acc / len(grads) ** 2).reshape(-1)
+    return minibatch_share_out(nu, clipped, len(grads)).view_as(grads[0])
 
 
 def ddp_corrected(dist, rank):

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-.venv/bin/python}
 D=docs/study/whole_run
-for w in llama-perlpod gpt2-copyright; do
+for w in llama-perlpod gpt2-copyright llama-perlpod-squares; do
   [ -f "$D/$w/runs.jsonl" ] || continue
   $PY examples/study_lm_scale.py --table "$D/$w" --write "$D/table-$w.md" --plot "$D/curves-$w.png" > /dev/null
 done
@@ -36,16 +36,19 @@ if runs:
                      f"{' / '.join(f'{v:.4f}' for v in vals)} | {mean:.4f} | {max(vals) - min(vals):.4f} | {gap} | "
                      f"{worst} | {bits} | {same} |")
     open(os.path.join(D, "real.md"), "w").write("\n".join(lines) + "\n")
-floor = os.path.join(D, "adam_floor.jsonl")
-if os.path.exists(floor):
-    rows = [json.loads(line) for line in open(floor) if line.strip()]
-    lines = ["| exchange | N | steps | lr | share of elements at the floor | median (v - n) / v | median step vs fp32 "
-             "AdamW's: optim.AdamW | the same with torch's AdamW (no estimate) | held-out |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['N']} | {r['steps']} | {r['lr']:g} | {100 * r['share_at_floor']:.0f}% | "
-                     f"{r['median_v_minus_n_over_v']:.2f} | {r['median_step_vs_fp32_adamw']:.2f}x | "
-                     f"{r['median_step_vs_fp32_adamw_torch_adamw']:.2f}x | {r['held_out']:.4f} |")
+# adam_floor.jsonl: the estimate's whole sum (no senders' squares); adam_floor_squares.jsonl: with them
+floors = [(os.path.join(D, f), what) for f, what in (("adam_floor_squares.jsonl", "with the senders' squares"),
+                                                      ("adam_floor.jsonl", "whole sum, no squares"))]
+if any(os.path.exists(f) for f, _ in floors):
+    lines = ["| exchange | noise estimate | N | steps | lr | share of elements at the floor | median (v - n) / v "
+             "| median step vs fp32 AdamW's: optim.AdamW | the same with torch's AdamW (no estimate) | held-out |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for floor, what in floors:
+        for r in ([json.loads(line) for line in open(floor) if line.strip()] if os.path.exists(floor) else []):
+            lines.append(f"| {r['method']} | {what} | {r['N']} | {r['steps']} | {r['lr']:g} | "
+                         f"{100 * r['share_at_floor']:.0f}% | {r['median_v_minus_n_over_v']:.2f} | "
+                         f"{r['median_step_vs_fp32_adamw']:.2f}x | {r['median_step_vs_fp32_adamw_torch_adamw']:.2f}x | "
+                         f"{r['held_out']:.4f} |")
     open(os.path.join(D, "adam_floor.md"), "w").write("\n".join(lines) + "\n")
 PYEOF
 echo "wrote $D/table-*.md, curves-*.png, real.md"
