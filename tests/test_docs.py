@@ -162,9 +162,9 @@ HISTORY_ALLOWED: set = set()
 
 
 def _history_scanned_files() -> list[str]:
-    """docs/ (pages, rendered tables, the study scripts), README.md, mkdocs.yml, scripts/, examples/, tests/ and
-    the package's docstrings and comments; CHANGELOG.md is where history goes."""
-    pats = ["docs/**/*.md", "docs/**/*.sh", "docs/**/*.py", "README.md", "mkdocs.yml", "scripts/*",
+    """docs/ (pages, rendered tables, the study scripts), README.md, CONTRIBUTING.md, mkdocs.yml, scripts/, examples/,
+    tests/ and the package's docstrings and comments; CHANGELOG.md is where history goes."""
+    pats = ["docs/**/*.md", "docs/**/*.sh", "docs/**/*.py", "README.md", "CONTRIBUTING.md", "mkdocs.yml", "scripts/*",
             "examples/**/*.py", "tests/**/*.py", "horovod_terngrad/**/*.py", "launch/*", "slurm/*"]
     files = {os.path.relpath(f, ROOT) for pat in pats for f in glob.glob(os.path.join(ROOT, pat), recursive=True)
              if os.path.isfile(f)}
