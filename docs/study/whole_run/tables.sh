@@ -53,7 +53,8 @@ if any(os.path.exists(f) for f, _ in floors):
              "|---|---|---|---|---|---|---|---|---|---|"]
     for floor, what in floors:
         for r in ([json.loads(line) for line in open(floor) if line.strip()] if os.path.exists(floor) else []):
-            lines.append(f"| {r['method']} | {what} | {r['N']} | {r['steps']} | {r['lr']:g} | "
+            est = "the owner's s'²·\\|t'\\|" if r["method"].startswith("reternarized") else what
+            lines.append(f"| {r['method']} | {est} | {r['N']} | {r['steps']} | {r['lr']:g} | "
                          f"{100 * r['share_at_floor']:.0f}% | {r['median_v_minus_n_over_v']:.2f} | "
                          f"{r['median_step_vs_fp32_adamw']:.2f}x | {r['median_step_vs_fp32_adamw_torch_adamw']:.2f}x | "
                          f"{r['held_out']:.4f} |")
