@@ -26,6 +26,7 @@ TernGrad = TernGradCompressor()
 #: first; at most MAX_FUNCTIONAL_CONFIGS, so a loop that makes a new config per call cannot grow it without bound
 _compressors: dict = {}
 MAX_FUNCTIONAL_CONFIGS = 16
+_said_dropped = False      # the drop is said once per process
 
 
 def _compressor_for(config: TernGradConfig | None) -> TernGradCompressor:
@@ -39,16 +40,15 @@ def _compressor_for(config: TernGradConfig | None) -> TernGradCompressor:
     if len(_compressors) > MAX_FUNCTIONAL_CONFIGS:
         dropped = next(iter(_compressors))
         del _compressors[dropped]
-        if not _compressor_for.warned:
-            _compressor_for.warned = True
+        global _said_dropped
+        if not _said_dropped:
+            _said_dropped = True
             import logging
             logging.getLogger("horovod_terngrad").warning(
                 "TernGrad: more than %d distinct configs passed to allreduce(); the least recently used one's state "
                 "(its step counters) is dropped. Keep one TernGradConfig per use.", MAX_FUNCTIONAL_CONFIGS)
     return comp
 
-
-_compressor_for.warned = False
 
 
 def _functional_engine(config: TernGradConfig | None, process_set=None):

@@ -336,16 +336,20 @@ def runs_the_default(r: dict) -> bool:
             and r.get("estimate") == "squares")
 
 
+def _mean_by_lr(rows: list) -> dict:
+    """{lr: mean held-out loss} of the study rows, for each lr with at least 3 seeds."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r["lr"], []).append(r["held_out"])
+    return {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
+
+
 def whole_run_headline(rows: list) -> str:
     """The headline's accuracy row: the defaults against fp32 AdamW at fp32's best lr (the same lr for both), at the
     end of whole runs, on the first workload with an fp32 sweep and a cell of the defaults at that lr."""
     for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
         mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
-        by: dict = {}
-        for r in mine:
-            if r["method"] == "none":
-                by.setdefault(r["lr"], []).append(r["held_out"])
-        fp32 = {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
+        fp32 = _mean_by_lr([r for r in mine if r["method"] == "none"])
         if len(fp32) < 2:
             continue
         best = min(fp32, key=fp32.get)
@@ -372,18 +376,12 @@ def block_whole_run(rows: list) -> str:
              "mean (worst seed) | both at the recipe's lr (2e-3) | each at its own best lr |",
              "|---|---|---|---|---|---|---|---|"]
 
-    def mean_by_lr(rs):
-        by: dict = {}
-        for r in rs:
-            by.setdefault(r["lr"], []).append(r["held_out"])
-        return {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
-
     def gap(vals, ref):
         return f"{_pct2(100 * (statistics.mean(vals) / ref - 1))} ({_pct2(100 * (max(vals) / ref - 1))})"
 
     for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
         mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
-        fp32_lr = mean_by_lr([r for r in mine if r["method"] == "none"])
+        fp32_lr = _mean_by_lr([r for r in mine if r["method"] == "none"])
         if not fp32_lr:
             continue
         best_lr = min(fp32_lr, key=fp32_lr.get) if len(fp32_lr) >= 2 else None
@@ -400,7 +398,7 @@ def block_whole_run(rows: list) -> str:
             ex = policy.default_transport(among)
             topo = "flat" if G <= 1 else f"nodes of {G} (bf16 inside)"
             what = ex if G <= 1 else f"node-aware, {ex} across {among} nodes"
-            best = mean_by_lr(rs)
+            best = _mean_by_lr(rs)
             sweep = (f"{_pct2(100 * (min(best.values()) / min(fp32_lr.values()) - 1))} (lr {min(best, key=best.get):g} "
                      f"vs {best_lr:g})") if len(best) >= 2 and best_lr is not None else "-"
             first = (f"{gap(at_best, fp32_lr[best_lr])} (lr {best_lr:g})" if len(at_best) >= 2

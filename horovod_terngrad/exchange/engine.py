@@ -122,6 +122,11 @@ class Ticket:
         self.squares = False       # its payloads carry the sender's squares (codec/squares.py), decided at the send
 
     @property
+    def numel(self) -> int:
+        """The gradient's element count (read from ``source``: asking ``g32`` for it would convert a bf16 gradient)."""
+        return self.source.numel()
+
+    @property
     def g32(self) -> torch.Tensor:
         """The flat fp32 gradient; from a bf16 ``source``, converted when a path first asks for it (the default
         path, encode and decode, never does)."""
@@ -497,7 +502,7 @@ class Engine:
                 tk.error = e.detailed(
                     (f"TernGrad: ranks disagree on gradient '{tk.name}'" if mismatch else
                      f"TernGrad: the handshake of gradient '{tk.name}' failed")
-                    + f" (shape {tuple(tk.shape)}, {tk.g32.numel()} elements on rank {self.coll.rank}"
+                    + f" (shape {tuple(tk.shape)}, {tk.numel} elements on rank {self.coll.rank}"
                     + (f", fused in group '{grp.name}'" if grp.fused else "") + ")",
                     RankMismatchError if mismatch else None)
             return

@@ -400,7 +400,7 @@ class HierarchicalEngine:
         items, at = [], 0
         for p in pieces:
             member = grp.members[p.member]
-            items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.g32.numel())))
+            items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.numel)))
             at += p.numel
         mode = policy.cross_transport(self.config, [p.numel for p in pieces], self.M, self.G, self._links,
                                       self.spans_world)
@@ -440,7 +440,7 @@ class HierarchicalEngine:
                     if grp.noisy:
                         if ptk.noise is not None:
                             if ptk.noise.data_ptr() != grp.outbox[at:].data_ptr():      # (else written there)
-                                grp.outbox[at:at + ptk.g32.numel()] = ptk.noise.reshape(-1)
+                                grp.outbox[at:at + ptk.numel] = ptk.noise.reshape(-1)
                         elif ptk.want_noise:
                             status[i] += STATUS_NO_NOISE
                     finished.append(i)
@@ -452,7 +452,7 @@ class HierarchicalEngine:
                     status[i] = STATUS_FAILED
                     grp.error = grp.error or e
                 finally:
-                    at += ptk.g32.numel()        # the next piece's noise goes to its own place, whatever this one did
+                    at += ptk.numel        # the next piece's noise goes to its own place, whatever this one did
             if grp.local_mismatch:
                 status, finished = [STATUS_MISMATCH] * len(pieces), []
         data, grp.outbox = grp.outbox, None
@@ -463,7 +463,7 @@ class HierarchicalEngine:
             # step), and a piece the cross exchange flagged NaN/Inf (NaN-filled there: nonfinite_on_device) adds
             # STATUS_NONFINITE from its first element, on the device
             data[tail:] = device_constant(status, torch.float32, data.device)
-            told = [i for i in finished if grp.pieces[i].g32.numel() > 0]
+            told = [i for i in finished if grp.pieces[i].numel > 0]
             if told:
                 firsts = torch.stack([grp.pieces[i].g32.reshape(-1)[0] for i in told])
                 data.index_add_(0, device_constant([tail + i for i in told], torch.int64, data.device),

@@ -66,7 +66,7 @@ def receive(ex, tk) -> torch.Tensor:
     grp, N = tk.group, ex.coll.size
     sums = allgather.collected(ex, tk, 0, " while ranks have joined")
     active = int(sums[-1])
-    offset = sum(sizes.joined_words(m.g32.numel(), N) for m in grp.sent[:tk.slot])
-    n = tk.g32.numel()
+    offset = sum(sizes.joined_words(m.numel, N) for m in grp.sent[:tk.slot])
+    n = tk.numel
     k = _unfields(sums[offset:offset + sizes.joined_words(n, N)], n, N) - active
     return packing.decode_sums(k, tk.shared, tk.bucket, N if tk.average else 1)

@@ -45,7 +45,7 @@ class RequantizedStage:
 
     @staticmethod
     def owner_chunks(ex, tk) -> list:
-        return sizes.requantized_owner_chunk_bytes(tk.g32.numel(), ex.coll.size, tk.want_noise, tk.group.bucket_size)
+        return sizes.requantized_owner_chunk_bytes(tk.numel, ex.coll.size, tk.want_noise, tk.group.bucket_size)
 
     @staticmethod
     def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:

@@ -146,7 +146,7 @@ class TernaryStage:
     @staticmethod
     def owner_chunks(ex, tk) -> list:
         """Bytes of each owner's payload of this member (what each owner adds to the allgather)."""
-        return sizes.reternarized_chunk_bytes(tk.g32.numel(), ex.coll.size, ex.config.packing, tk.group.bucket_size)
+        return sizes.reternarized_chunk_bytes(tk.numel, ex.coll.size, ex.config.packing, tk.group.bucket_size)
 
     @staticmethod
     def owner_payload(backend, received, offsets, lo, hi, tk, ex) -> torch.Tensor:
@@ -170,8 +170,8 @@ def after_alltoall(ex, grp, stage=TernaryStage) -> None:
     t0 = time.perf_counter()
     N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
     members = grp.sent
-    bounds = [sizes.reternarized_bounds(tk.g32.numel(), N, grp.bucket_size)[me] for tk in members]
-    chunks = [sizes.reternarized_chunk_bytes(tk.g32.numel(), N, cfg.packing, grp.bucket_size, tk.squares)
+    bounds = [sizes.reternarized_bounds(tk.numel, N, grp.bucket_size)[me] for tk in members]
+    chunks = [sizes.reternarized_chunk_bytes(tk.numel, N, cfg.packing, grp.bucket_size, tk.squares)
               for tk in members]
     nbytes = [c[me] for c in chunks]
     block = sum(nbytes)
@@ -249,7 +249,7 @@ def receive(ex, tk, stage=TernaryStage) -> torch.Tensor | None:
     gathered = allgather.gathered(ex, tk)
     t0 = time.perf_counter()
     grp, N, cfg = tk.group, ex.coll.size, ex.config
-    n = tk.g32.numel()
+    n = tk.numel
     if grp.walked is None:       # every member's offsets in the gathered owners' blocks, once per group
         chunk = [stage.owner_chunks(ex, m) for m in grp.sent]
         block = [sum(c[o] for c in chunk) for o in range(N)]

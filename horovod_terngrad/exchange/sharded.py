@@ -127,7 +127,7 @@ def send(ex, grp, sends: list) -> None:
     to_rank = [[] for _ in range(N)]
     for tk, payload in sends:
         codes = payload[sizes.codes_offset(tk.nb):]
-        for r, (lo, hi) in enumerate(shard_bounds(tk.g32.numel(), N)):
+        for r, (lo, hi) in enumerate(shard_bounds(tk.numel, N)):
             b0, b1 = code_byte_range(lo, hi, fmt)
             to_rank[r].append(codes[b0:b1])
     splits = [sum(c.numel() for c in chunks) for chunks in to_rank]
@@ -176,8 +176,8 @@ def after_alltoall(ex, grp) -> None:
     t0 = time.perf_counter()
     N, me, fmt = ex.coll.size, ex.coll.rank, ex.config.packing
     members = grp.sent
-    bounds = [shard_bounds(tk.g32.numel(), N)[me] for tk in members]
-    nbytes = [sizes.shard_code_bytes(tk.g32.numel(), N, fmt)[me] for tk in members]
+    bounds = [shard_bounds(tk.numel, N)[me] for tk in members]
+    nbytes = [sizes.shard_code_bytes(tk.numel, N, fmt)[me] for tk in members]
     block = sum(nbytes)
     if received.numel() != N * block:
         err = RankMismatchError(f"TernGrad: sharded exchange of group '{grp.name}': received "
@@ -193,7 +193,7 @@ def after_alltoall(ex, grp) -> None:
         tk.payload_bytes = sums[-1].numel()
         pre += size
     ex.stats.codec_s += time.perf_counter() - t0
-    owners = ([sum(sizes.shard_sum_bytes(tk.g32.numel(), N)[r] for tk in members) for r in range(N)]
+    owners = ([sum(sizes.shard_sum_bytes(tk.numel, N)[r] for tk in members) for r in range(N)]
               if getattr(ex.coll, "takes_sizes", False) else None)     # the owners' sums: the last may be short
     allgather.launch(ex, grp, members, sums[0] if len(sums) == 1 else torch.cat(sums), f"terngrad.sg.{grp.name}",
                      sizes=owners)
@@ -203,7 +203,7 @@ def _member_sums(ex, grp, tk, gathered: torch.Tensor) -> torch.Tensor:
     """One member's packed sums, every owner's in rank order, out of a sharded group's allgather
     (rank r's block holds the sums of shard r of every member, in member order)."""
     N = ex.coll.size
-    nbytes = [sizes.shard_sum_bytes(m.g32.numel(), N) for m in grp.sent]
+    nbytes = [sizes.shard_sum_bytes(m.numel, N) for m in grp.sent]
     parts, off = [], 0
     for r in range(N):
         for j, m in enumerate(grp.sent):
@@ -223,7 +223,7 @@ def receive(ex, tk) -> torch.Tensor:
     gathered = allgather.gathered(ex, tk)
     t0 = time.perf_counter()
     mine = gathered if len(grp.sent) == 1 else _member_sums(ex, grp, tk, gathered)
-    out = decode_gathered(mine, tk.g32.numel(), ex.coll.size, tk.shared, ex.config.bucket_size,
+    out = decode_gathered(mine, tk.numel, ex.coll.size, tk.shared, ex.config.bucket_size,
                           ex.coll.size if tk.average else 1, out=tk.g32 if tk.in_place else None)
     ex.stats.codec_s += time.perf_counter() - t0
     return out
