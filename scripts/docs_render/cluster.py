@@ -96,8 +96,6 @@ def block_cluster_released_n4() -> str:
 
 
 W = "docs/cluster/workload/"
-
-
 CLUSTER_WORKLOAD = (
     ("transformer, 8 x 64 tokens (default)", 2, ("docs/cluster/transformer-n2-1gbit-r1.json",
                                                  "docs/cluster/transformer-n2-1gbit-r2.json")),
@@ -111,8 +109,6 @@ CLUSTER_WORKLOAD = (
     ("resnet50, 8 x 32x32", 4, (W + "resnet50-n4-1gbit-img32.json",)),
     ("transformer, 8 x 16 tokens", 4, (W + "transformer-n4-1gbit-ctx16.json",)),
 )
-
-
 CLUSTER_WORKLOAD_FIXED = (("transformer, 8 x 16 tokens", 2, (W + "transformer-n2-1gbit-ctx16-fixed.json",)),
                           ("resnet50, 8 x 32x32", 4, (W + "resnet50-n4-1gbit-img32-fixed.json",)))
 

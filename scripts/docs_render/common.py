@@ -7,10 +7,7 @@ import json
 import os
 import sys
 
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # the repository
 DOCS = os.path.join(ROOT, "docs")
 
 

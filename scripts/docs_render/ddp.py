@@ -110,8 +110,6 @@ def block_ddp_gpt2_profile() -> str:
 
 # ddp.md's side-by-side cells (examples/ddp_benchmark.py --out docs/ddp/side-by-side), in the page's column order
 DDP_SIDE_CELLS = ("resnet50-n2-1gbit", "resnet50-n4-1gbit", "transformer-n2-1gbit", "resnet50-n2-none")
-
-
 DDP_SIDE_LABELS = {"horovod-fp16": "Horovod fp16", "horovod-terngrad": "Horovod TernGrad (defaults)"}
 
 

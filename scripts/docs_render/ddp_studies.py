@@ -11,12 +11,8 @@ from .common import _load
 # ddp.md's accuracy studies (examples/study_ddp.py's JSON: per seed, per hook, the comparisons it computed)
 DDP_STUDY_LABELS = {"fp32": "DDP fp32", "fp16": "fp16_compress_hook", "powersgd1": "PowerSGD rank 1",
                     "powersgd4": "PowerSGD rank 4", "terngrad": "TernGrad-DDP"}
-
-
 DDP_LONG_LABELS = {"fp32": "DDP fp32", "powersgd4": "PowerSGD rank 4", "terngrad": "TernGrad-DDP (defaults)",
                    "terngrad-b512": "TernGrad-DDP, bucket_size 512"}
-
-
 DDP_GOAL_HOOKS = ("powersgd4", "terngrad")   # the goal compares these two: their mean gaps in bold
 
 

@@ -12,8 +12,6 @@ from .modelled import _cluster
 
 
 GPU_NOT_RUN = "not run on a GPU yet"
-
-
 GPU_TARGETS = 5           # 16M, 64M and 256M elements, GPT-2 124M's and ResNet-50's fused groups
 
 

@@ -9,8 +9,6 @@ from dataclasses import replace
 
 
 NODES = (1, 2, 16, 128, 512)
-
-
 SCALING_MODELS = ("alexnet", "googlenet")
 
 

@@ -27,8 +27,6 @@ from .whole_run import block_whole_run, whole_runs
 
 
 BEGIN = "<!-- BEGIN rendered:{name} (scripts/render_docs.py; do not edit by hand) -->"
-
-
 END = "<!-- END rendered:{name} -->"
 
 
