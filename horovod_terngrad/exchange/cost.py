@@ -57,8 +57,10 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..codec import sizes as wire
-from . import topology
-from .network_env import configured_network
+from . import network_env, topology
+
+#: the network priced where a caller gives none (read from the environment: network_env.py)
+configured_network = network_env.configured_network
 
 FP32 = "fp32"
 FP16 = "fp16"
