@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One check of a GPU machine in one call, at most 8 minutes on one GPU, printing one table
-# (horovod_terngrad/operations/gpu_check.py says what each step checks):
+# (horovod_terngrad/operations/gpu_check/ says what each step checks):
 #   CUDA tests, byte identity of the CUDA and CPU backends on GPT-2 and ResNet-50 shapes, the kernel table (each
 #   codec path's bytes per element, GB/s and fraction of the device's copy), TernGrad's AdamW step against torch's,
 #   one GPU's GPT-2 124M training step and what TernGrad adds to it, and 2 processes on the one GPU (gloo).

@@ -162,10 +162,11 @@ HISTORY_ALLOWED: set = set()
 
 
 def _history_scanned_files() -> list[str]:
-    """docs/ (pages, rendered tables, the study scripts), README.md, CONTRIBUTING.md, mkdocs.yml, scripts/, examples/,
-    tests/ and the package's docstrings and comments; CHANGELOG.md is where history goes."""
+    """docs/ (pages, rendered tables, the study scripts), README.md, CONTRIBUTING.md, mkdocs.yml, scripts/ (the
+    renderers' package scripts/docs_render/ too), examples/, tests/ and the package's docstrings and comments;
+    CHANGELOG.md is where history goes."""
     pats = ["docs/**/*.md", "docs/**/*.sh", "docs/**/*.py", "README.md", "CONTRIBUTING.md", "mkdocs.yml", "scripts/*",
-            "examples/**/*.py", "tests/**/*.py", "horovod_terngrad/**/*.py", "launch/*", "slurm/*"]
+            "scripts/**/*.py", "examples/**/*.py", "tests/**/*.py", "horovod_terngrad/**/*.py", "launch/*", "slurm/*"]
     files = {os.path.relpath(f, ROOT) for pat in pats for f in glob.glob(os.path.join(ROOT, pat), recursive=True)
              if os.path.isfile(f)}
     files.discard(os.path.join("tests", "test_docs.py"))     # names the patterns themselves

@@ -693,7 +693,8 @@ def test_hierarchy_for_weighs_the_flat_exchange_and_the_step_overhead():
 
 
 def test_configured_network_has_the_link_inside_a_node(monkeypatch):
-    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.exchange import cost, network_env
+    assert cost.configured_network is network_env.configured_network      # cost's default network is this one
     for k in ("HOROVOD_TERNGRAD_GBPS", "HOROVOD_TERNGRAD_ALPHA_US", "HOROVOD_TERNGRAD_INTRA_GBPS",
               "HOROVOD_TERNGRAD_INTRA_ALPHA_US", "HOROVOD_TERNGRAD_INTRA_LINKS"):
         monkeypatch.delenv(k, raising=False)

@@ -17,7 +17,8 @@ transport's name), which only ``policy`` turns into a plan; a *transport* is how
 * ``policy``: for a group, the transport, whether it goes node-aware and across nodes by which transport, from the
   user's ``exchange=`` and ``hierarchical=`` settings (the one module that knows their names).
 * ``cost``: the runtime cost model (pure pricing of the transports), which the policy and the performance model
-  price with; ``link``: the measured link.
+  price with; ``network_env``: the configured network it prices where none was measured (read from the
+  environment); ``link``: the measured link.
 * ``hierarchical``: the node-aware (three-stage) exchange; ``node_wire``: its bf16 intra-node wire and reused
   buffers; ``topology``: which ranks share a node, and each group's shard plan.
 * ``fusion``: the fusion cut (a pure function, shared with the performance model).

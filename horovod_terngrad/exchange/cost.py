@@ -46,22 +46,21 @@ pieces among M ranks on a G-th of the node's link (:func:`cross_network`; the sl
 time), an fp32 allgather inside the node (P = shard + a status word per piece).  :func:`hierarchy_for` says
 whether it is cheaper than the flat exchange on all M·G ranks (policy.py asks it).
 
-Network the policy prices with at run time (:func:`configured_network`): HOROVOD_TERNGRAD_GBPS (default 1)
-and HOROVOD_TERNGRAD_ALPHA_US (default 50), which the launcher's profiles set, and inside a node
-HOROVOD_TERNGRAD_INTRA_GBPS (default 100), HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 5) and
-HOROVOD_TERNGRAD_INTRA_LINKS (default 1; 3 for four NVLink-connected GPUs).  Cost of this module:
-O(tensors) per decision (O(tensors·G) for the hierarchy).
+Every function prices the network it is given; where a caller gives none it prices the configured network
+(:func:`configured_network`, read from the environment in network_env.py).  Cost of this module: O(tensors) per
+decision (O(tensors·G) for the hierarchy).
 """
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..codec import sizes as wire
-from . import topology
+from . import network_env, topology
+
+#: the network priced where a caller gives none (read from the environment: network_env.py)
+configured_network = network_env.configured_network
 
 FP32 = "fp32"
 FP16 = "fp16"
@@ -691,42 +690,6 @@ def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: 
     if saved <= int(step_allreduces) * presence_cost(M * G, net).time_s:
         return [False] * len(groups)
     return out
-
-
-@functools.lru_cache(maxsize=8)
-def _network(gbps: float, alpha_us: float, ranks_per_node: int = 1, intra_gbps: float = 0.0,
-             intra_alpha_us: float = 0.0, intra_links: int = 1) -> Network:
-    intra = (Network.from_gbps("configured intra-node", intra_gbps, intra_alpha_us, peer_links=intra_links)
-             if intra_gbps else None)
-    return Network.from_gbps("configured", gbps, alpha_us, ranks_per_node, intra)
-
-
-def configured_network(ranks_per_node: int = 1) -> Network:
-    """The network the policy prices with where no link was measured: HOROVOD_TERNGRAD_GBPS /
-    HOROVOD_TERNGRAD_ALPHA_US between nodes (default 1 Gbit/s, 50 us), and inside a node
-    HOROVOD_TERNGRAD_INTRA_GBPS / HOROVOD_TERNGRAD_INTRA_ALPHA_US (default 100 Gbit/s, a PCIe-class
-    switch or shared memory, and 5 us) per link, and HOROVOD_TERNGRAD_INTRA_LINKS links from each GPU to
-    its peers (``Network.peer_links``; default 1, one port; 3 for four GPUs fully connected by NVLink).
-    Allreduces are charged the cheaper of ring and tree (``Network.allreduce`` "auto")."""
-    return _network(_env_number("HOROVOD_TERNGRAD_GBPS", "1", float, 0.0, positive=True),
-                    _env_number("HOROVOD_TERNGRAD_ALPHA_US", "50", float, 0.0), int(ranks_per_node),
-                    _env_number("HOROVOD_TERNGRAD_INTRA_GBPS", "100", float, 0.0),
-                    _env_number("HOROVOD_TERNGRAD_INTRA_ALPHA_US", "5", float, 0.0),
-                    _env_number("HOROVOD_TERNGRAD_INTRA_LINKS", "1", int, 1))
-
-
-def _env_number(name: str, default: str, kind, least, positive: bool = False):
-    """A number from the environment, or a ValueError that names the variable and what it takes."""
-    raw = os.environ.get(name, default)
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or value != value or value < least or (positive and value <= 0):
-        what = "an integer" if kind is int else "a number"
-        bound = "> 0" if positive else f">= {least:g}"
-        raise ValueError(f"TernGrad: {name}={raw!r} is not {what} {bound}")
-    return value
 
 
 def cheapest_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,

@@ -43,7 +43,7 @@ import torch
 
 from ..codec.packing import device_constant
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, cost, link, policy, topology
+from . import allgather, cost, link, network_env, policy, topology
 from .collectives import CollectiveError, Collectives
 from .engine import Engine, Ticket, check_gradient, follow_routes
 from .node_wire import BufferPool, node_sum, wire_values
@@ -157,14 +157,14 @@ class HierarchicalEngine:
     def network(self, device) -> cost.Network:
         """The inter-node link with its intra-node link, as ``hierarchical="auto"`` prices them: measured once
         (``measures_links``; exchange/link.py's ``measure_links``) at the first group, by every rank at the same
-        point, and agreed; else the configured one (cost.configured_network).  While a rank is in hvd.join() the
+        point, and agreed; else the configured one (network_env.configured_network).  While a rank is in hvd.join() the
         measurement waits for a later step."""
         if self._links is None and self.measures_links():
             try:
                 self._links = self._measure_links(device)
             except CollectiveError as e:
                 raise e.detailed("TernGrad: measuring the links for hierarchical='auto' failed")
-        return self._links or cost.configured_network(self.G)
+        return self._links or network_env.configured_network(self.G)
 
     def _measure_links(self, device) -> "cost.Network | None":
         """The agreed measured network (None while a rank is in hvd.join()), and rank 0's one line at WARNING level
@@ -172,7 +172,7 @@ class HierarchicalEngine:
         measured = link.measure_links(self.coll, self.local, device, name="terngrad.link")
         if measured is None:
             return None
-        self._links = measured.network(cost.configured_network(self.G))
+        self._links = measured.network(network_env.configured_network(self.G))
         if self.coll.rank == 0:
             plan = link.plan_summary(lambda numel: self.plan([numel], device).hierarchical)
             if not plan.startswith("flat"):
@@ -188,7 +188,8 @@ class HierarchicalEngine:
         links (the configured ones without a device), with the 4-byte world allreduces this engine adds to a step
         (presence check, end-of-step sync) charged to it."""
         return policy.node_plan(self.config, numels, self.M, self.G,
-                                lambda: self.network(device) if device is not None else cost.configured_network(self.G),
+                                lambda: (self.network(device) if device is not None
+                                         else network_env.configured_network(self.G)),
                                 spans_world=self.spans_world,
                                 step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync))
 

@@ -70,7 +70,7 @@ import torch
 from .. import backends, codec
 from ..codec import sizes as wire
 from ..errors import TernGradError
-from . import cost
+from . import cost, network_env
 
 SMALL_NUMEL = 1 << 14       #: elements of the small probe allreduce (64 KiB of fp32)
 LARGE_NUMEL = 1 << 20       #: elements of the large probe allreduce (4 MiB of fp32) and of the codec timing
@@ -242,7 +242,7 @@ def user_rate_Bps() -> float | None:
     None: then it is measured."""
     if "HOROVOD_TERNGRAD_GBPS" not in os.environ:
         return None
-    return cost.configured_network().bandwidth_Bps
+    return network_env.configured_network().bandwidth_Bps
 
 
 @dataclass(frozen=True)

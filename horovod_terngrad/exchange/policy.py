@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from . import cost
+from . import cost, network_env
 
 #: ``TernGradConfig.exchange``'s rules (the other settings name a transport)
 DEFAULT = "default"
@@ -104,7 +104,7 @@ def auto_candidates(n_ranks: int) -> tuple:
 def auto_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
                    network: cost.Network | None = None, shared_scaler: bool = False) -> str:
     """"auto"'s transport for a group of tensors of these sizes among ``n_ranks`` ranks: the cheaper of
-    :data:`AUTO_TRANSPORTS` on ``network`` (default ``cost.configured_network()``), the allgather at two ranks
+    :data:`AUTO_TRANSPORTS` on ``network`` (default ``network_env.configured_network()``), the allgather at two ranks
     or fewer.  ``shared_scaler``: the allgather's scaler setting (``TernGradConfig.scaler_shared_for``)."""
     return cost.cheapest_transport(numels, n_ranks, packing, bucket_size, network=network,
                                    shared_scaler=shared_scaler, candidates=AUTO_TRANSPORTS)
@@ -115,7 +115,7 @@ def flat_plan(config, numels: Sequence[int], n_ranks: int, link=None) -> Plan:
     measured and agreed link (``link.LinkDecision``) "auto" prices, None for the configured network."""
     setting = config.exchange
     if setting == AUTO:
-        network = link.network(cost.configured_network().latency_s) if link else None
+        network = link.network(network_env.configured_network().latency_s) if link else None
         transport = auto_transport(numels, n_ranks, config.packing, config.bucket_size, network=network,
                                    shared_scaler=config.scaler_shared_for("allgather"))
         among = " or the ".join(cost.TRANSPORT_OF[m] for m in auto_candidates(n_ranks))
@@ -185,7 +185,7 @@ def cross_transport(config, pieces: Sequence[int], nodes: int, ranks_per_node: i
     if spans_world:
         return _world_cross_transport(config, nodes)
     if config.exchange == AUTO:
-        net = links or cost.configured_network()
+        net = links or network_env.configured_network()
         shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / int(ranks_per_node))
         return auto_transport(list(pieces), nodes, config.packing, config.bucket_size, network=shared,
                               shared_scaler=config.scaler_shared_for("allgather"))

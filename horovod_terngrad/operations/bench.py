@@ -269,6 +269,140 @@ _COUNTERS = ("elements", "payload_bytes_sent", "handshake_bytes_sent", "bytes_re
              "handshake_wait_s", "gather_wait_s", "codec_s")
 
 
+def _make_model(args):
+    """(model, input batch) of the step benchmark's ``--model`` (operations/models.py)."""
+    from . import models
+    return models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
+                       context=args.context)
+
+
+def _configurations(args, hvd, compressor, make_model) -> list:
+    """One entry per configuration of ``--configs``: its compressor, its own model (Horovod's hooks stay on the
+    parameters) and Horovod optimizer, and what its turns record (times, page faults, TernGrad's counters, link
+    bytes)."""
+    setups = []
+    for key in args.configs.split(","):
+        label, make = STEP_CONFIGS[key]
+        comp = make(hvd, compressor)
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
+                                       named_parameters=model.named_parameters(), compression=comp)
+        setups.append({"key": key, "label": label, "comp": comp, "model": model, "opt": opt, "times": [],
+                       "faults": [], "counters": dict.fromkeys(_COUNTERS, 0), "link": [0, 0], "link_steps": 0})
+    return setups
+
+
+def _one_step(su: dict, x, timed: bool = True) -> None:
+    """One training step of configuration ``su``; a timed one records its time and the page faults it took."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = time.perf_counter()
+    _train_step(su["model"], su["opt"], x)
+    dt = time.perf_counter() - t
+    if timed:
+        su["times"].append(dt)
+        su["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+
+
+def _turn(hvd, su: dict, x, args, r: int, rounds: int, iface: str) -> None:
+    """Configuration ``su``'s turn in round ``r``: ``--steps`` timed steps (after one untimed step when rounds
+    interleave), TernGrad's counters over them, and the bytes through ``iface`` over the whole turn."""
+    if iface:      # every rank has finished what came before: the window holds this turn's traffic
+        hvd.allreduce(torch.zeros(1), name=f"bench.link0.{su['key']}.{r}")
+        link0 = _iface_bytes(iface)
+    if rounds > 1:
+        _one_step(su, x, timed=False)        # one untimed step whenever a configuration takes its turn
+    st = getattr(su["comp"], "stats", None)
+    before = {k: getattr(st, k) for k in _COUNTERS} if st is not None else None
+    for _ in range(args.steps):
+        _one_step(su, x)
+    if st is not None:
+        for k in _COUNTERS:
+            su["counters"][k] += getattr(st, k) - before[k]
+    hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{su['key']}.{r}")
+    if iface:
+        su["link"] = [a + b - c for a, b, c in zip(su["link"], _iface_bytes(iface), link0)]
+        su["link_steps"] += args.steps + (1 if rounds > 1 else 0)
+
+
+def _run_rounds(hvd, setups: list, cal, x, args, rounds: int, iface: str) -> None:
+    """The warm-up round, then ``rounds`` rounds in which the calibration and every configuration take turns."""
+    # A warm-up round: every configuration runs its warm-up steps before any is timed (first touches of
+    # memory, Horovod's response cache, the fusion plan), so that no timed round is special.
+    for su in setups:
+        for _ in range(args.warmup):
+            _one_step(su, x, timed=False)
+        hvd.allreduce(torch.zeros(1), name=f"bench.warm.{su['key']}")
+    for r in range(rounds):
+        if cal is not None:
+            cal.measure()
+        for su in setups:
+            _turn(hvd, su, x, args, r, rounds, iface)
+
+
+def _terngrad_figures(su: dict, k: int) -> dict:
+    """A TernGrad configuration's figures per step (``k`` timed steps in all): the engine it ran, its settings,
+    the link "auto" measured, and its codec time, waits, collectives and bits."""
+    c = su["counters"]
+    # the node-aware engine (exchange/hierarchical.py) took over where the topology and config allow
+    row = {"node_aware": type(su["comp"].engine()).__name__ == "HierarchicalEngine",
+           "terngrad_config": dataclasses.asdict(su["comp"].config)}
+    link = su["comp"].engine().link      # exchange="auto": what it measured and decided
+    if link is not None:
+        row["link"] = {"gbps": 8 * link.allreduce_Bps / 1e9, "measured_gbps": 8 * link.measured_Bps / 1e9,
+                       "codec_ns": 1e9 * link.codec_s_per_element,
+                       "compresses": link.compresses, "says": link.describe()}
+    row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
+               payload_wait_ms=1000 * c["gather_wait_s"] / k,
+               bits_per_element=8.0 * (c["payload_bytes_sent"] + c["handshake_bytes_sent"]) / max(1, c["elements"]),
+               collectives_per_step=c["collectives"] / k, bytes_received_per_step=c["bytes_received"] / k,
+               received_bits_per_element=8 * c["bytes_received"] / max(1, c["elements"]))
+    return row
+
+
+def _step_row(hvd, su: dict, args, rounds: int, iface: str) -> dict:
+    """A configuration's row: its median step (overall and by round), page faults by round, the bytes through
+    each host's link per step, and a TernGrad configuration's own figures."""
+    row = {"config": su["key"], "label": su["label"], "step_ms": 1000 * _median(su["times"]),
+           "step_ms_by_round": [1000 * _median(su["times"][i * args.steps:(i + 1) * args.steps])
+                                for i in range(rounds)],
+           # page faults (this process, all threads) per step, by round: first touches of fresh memory
+           "page_faults_by_round": [_median(su["faults"][i * args.steps:(i + 1) * args.steps])
+                                    for i in range(rounds)]}
+    if iface:
+        # bytes through each host's link per step (every step of the turns, the untimed ones too, and
+        # the two 4-byte barriers around each turn); a host's ranks all read its one eth0
+        hosts = hvd.allgather_object(socket.gethostname(), name=f"bench.link.hosts.{su['key']}")
+        deltas = hvd.allgather_object(su["link"], name=f"bench.link.bytes.{su['key']}")
+        row["link_bytes_per_step"] = link_bytes_per_host(hosts, deltas, su["link_steps"])
+    if hasattr(su["comp"], "stats"):
+        row.update(_terngrad_figures(su, args.steps * rounds))
+    return row
+
+
+def _print_step_rows(rows: list, described: str, args, ranks: int, rounds: int, ntensors: int) -> None:
+    """Rank 0's table: every configuration's step against the first's, TernGrad's costs, and what fusion and the
+    shared scaler's handshake cost where both of a pair ran."""
+    print(f"step benchmark: {described}, batch {args.batch}, "
+          f"{ranks} ranks, median of {args.steps} steps" + (f" x {rounds} interleaved rounds" if rounds > 1 else ""))
+    base = rows[0]["step_ms"]
+    for r in rows:
+        extra = ""
+        if "codec_ms" in r:
+            extra = (f"{r['collectives_per_step']:.0f} collectives/step, codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
+                     f"for payloads {r['payload_wait_ms']:.2f} ms per step; {r['bits_per_element']:.3f} bits/element sent")
+        if "link" in r:
+            extra += f"; {r['link']['says']}"
+        rounds_txt = f" rounds: {', '.join(f'{v:.0f}' for v in r['step_ms_by_round'])}" if rounds > 1 else ""
+        print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}{rounds_txt}")
+    by = {r["config"]: r["step_ms"] for r in rows}
+    if "terngrad" in by and "terngrad-unfused" in by:
+        print(f"  tensor fusion saves {by['terngrad-unfused'] - by['terngrad']:+.2f} ms/step "
+              f"({by['terngrad-unfused'] / by['terngrad']:.2f}x) for {ntensors} tensors")
+    if "terngrad" in by and "terngrad-shared" in by:
+        print(f"  handshake cost (shared - per-rank scaler): {by['terngrad-shared'] - by['terngrad']:+.2f} ms/step "
+              f"for {ntensors} tensors")
+
+
 def bench_step(args):
     """Step time of each configuration.  With ``--rounds R`` the configurations (and the calibration)
     take turns: every round runs each of them for ``steps`` timed steps, and the figures are medians over
@@ -286,11 +420,9 @@ def bench_step(args):
     from . import models
 
     def make_model():   # a fresh model per configuration: Horovod's hooks stay on the parameters
-        return models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
-                           context=args.context)[0]
+        return _make_model(args)[0]
 
-    model, x = models.make(args.model, args.batch, layers=args.layers, width=args.width, image=args.image,
-                           context=args.context)
+    model, x = _make_model(args)
     sizes = [p.numel() for p in model.parameters()]
     names = [n for n, _ in model.named_parameters()]
     ntensors, nparams = len(sizes), sum(sizes)
@@ -298,104 +430,13 @@ def bench_step(args):
     del model
     rounds = max(1, getattr(args, "rounds", 1))
     cal = Calibration(hvd, make_model, x, args.steps) if args.calibrate else None
-    setups = []
-    for key in args.configs.split(","):
-        label, make = STEP_CONFIGS[key]
-        comp = make(hvd, TernGradCompressor)
-        model = make_model()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
-                                       named_parameters=model.named_parameters(), compression=comp)
-        setups.append({"key": key, "label": label, "comp": comp, "model": model, "opt": opt, "times": [],
-                       "faults": [], "counters": dict.fromkeys(_COUNTERS, 0), "link": [0, 0], "link_steps": 0})
+    setups = _configurations(args, hvd, TernGradCompressor, make_model)
     iface = getattr(args, "link_counters", "")
-
-    def one_step(su, timed=True):
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t = time.perf_counter()
-        _train_step(su["model"], su["opt"], x)
-        dt = time.perf_counter() - t
-        if timed:
-            su["times"].append(dt)
-            su["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-
-    # A warm-up round: every configuration runs its warm-up steps before any is timed (first touches of
-    # memory, Horovod's response cache, the fusion plan), so that no timed round is special.
-    for su in setups:
-        for _ in range(args.warmup):
-            one_step(su, timed=False)
-        hvd.allreduce(torch.zeros(1), name=f"bench.warm.{su['key']}")
-    for r in range(rounds):
-        if cal is not None:
-            cal.measure()
-        for su in setups:
-            if iface:      # every rank has finished what came before: the window holds this turn's traffic
-                hvd.allreduce(torch.zeros(1), name=f"bench.link0.{su['key']}.{r}")
-                link0 = _iface_bytes(iface)
-            if rounds > 1:
-                one_step(su, timed=False)        # one untimed step whenever a configuration takes its turn
-            st = getattr(su["comp"], "stats", None)
-            before = {k: getattr(st, k) for k in _COUNTERS} if st is not None else None
-            for _ in range(args.steps):
-                one_step(su)
-            if st is not None:
-                for k in _COUNTERS:
-                    su["counters"][k] += getattr(st, k) - before[k]
-            hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{su['key']}.{r}")
-            if iface:
-                su["link"] = [a + b - c for a, b, c in zip(su["link"], _iface_bytes(iface), link0)]
-                su["link_steps"] += args.steps + (1 if rounds > 1 else 0)
+    _run_rounds(hvd, setups, cal, x, args, rounds, iface)
     calibration = cal.result() if cal is not None else None
-    rows = []
-    k = args.steps * rounds
-    for su in setups:
-        row = {"config": su["key"], "label": su["label"], "step_ms": 1000 * _median(su["times"]),
-               "step_ms_by_round": [1000 * _median(su["times"][i * args.steps:(i + 1) * args.steps])
-                                    for i in range(rounds)],
-               # page faults (this process, all threads) per step, by round: first touches of fresh memory
-               "page_faults_by_round": [_median(su["faults"][i * args.steps:(i + 1) * args.steps])
-                                        for i in range(rounds)]}
-        if iface:
-            # bytes through each host's link per step (every step of the turns, the untimed ones too, and
-            # the two 4-byte barriers around each turn); a host's ranks all read its one eth0
-            hosts = hvd.allgather_object(socket.gethostname(), name=f"bench.link.hosts.{su['key']}")
-            deltas = hvd.allgather_object(su["link"], name=f"bench.link.bytes.{su['key']}")
-            row["link_bytes_per_step"] = link_bytes_per_host(hosts, deltas, su["link_steps"])
-        if hasattr(su["comp"], "stats"):
-            c = su["counters"]
-            # the node-aware engine (exchange/hierarchical.py) took over where the topology and config allow
-            row["node_aware"] = type(su["comp"].engine()).__name__ == "HierarchicalEngine"
-            row["terngrad_config"] = dataclasses.asdict(su["comp"].config)
-            link = su["comp"].engine().link      # exchange="auto": what it measured and decided
-            if link is not None:
-                row["link"] = {"gbps": 8 * link.allreduce_Bps / 1e9, "measured_gbps": 8 * link.measured_Bps / 1e9,
-                               "codec_ns": 1e9 * link.codec_s_per_element,
-                               "compresses": link.compresses, "says": link.describe()}
-            row.update(codec_ms=1000 * c["codec_s"] / k, handshake_wait_ms=1000 * c["handshake_wait_s"] / k,
-                       payload_wait_ms=1000 * c["gather_wait_s"] / k,
-                       bits_per_element=8.0 * (c["payload_bytes_sent"] + c["handshake_bytes_sent"]) / max(1, c["elements"]),
-                       collectives_per_step=c["collectives"] / k, bytes_received_per_step=c["bytes_received"] / k,
-                       received_bits_per_element=8 * c["bytes_received"] / max(1, c["elements"]))
-        rows.append(row)
+    rows = [_step_row(hvd, su, args, rounds, iface) for su in setups]
     if hvd.rank() == 0:
-        print(f"step benchmark: {described}, batch {args.batch}, "
-              f"{hvd.size()} ranks, median of {args.steps} steps" + (f" x {rounds} interleaved rounds" if rounds > 1 else ""))
-        base = rows[0]["step_ms"]
-        for r in rows:
-            extra = ""
-            if "codec_ms" in r:
-                extra = (f"{r['collectives_per_step']:.0f} collectives/step, codec {r['codec_ms']:.2f} ms, waiting for handshakes {r['handshake_wait_ms']:.2f} ms, "
-                         f"for payloads {r['payload_wait_ms']:.2f} ms per step; {r['bits_per_element']:.3f} bits/element sent")
-            if "link" in r:
-                extra += f"; {r['link']['says']}"
-            rounds_txt = f" rounds: {', '.join(f'{v:.0f}' for v in r['step_ms_by_round'])}" if rounds > 1 else ""
-            print(f"  {r['label']:26s} {r['step_ms']:8.2f} ms/step ({r['step_ms'] / base:.2f}x {rows[0]['config']})  {extra}{rounds_txt}")
-        by = {r["config"]: r["step_ms"] for r in rows}
-        if "terngrad" in by and "terngrad-unfused" in by:
-            print(f"  tensor fusion saves {by['terngrad-unfused'] - by['terngrad']:+.2f} ms/step "
-                  f"({by['terngrad-unfused'] / by['terngrad']:.2f}x) for {ntensors} tensors")
-        if "terngrad" in by and "terngrad-shared" in by:
-            print(f"  handshake cost (shared - per-rank scaler): {by['terngrad-shared'] - by['terngrad']:+.2f} ms/step "
-                  f"for {ntensors} tensors")
+        _print_step_rows(rows, described, args, hvd.size(), rounds, ntensors)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": hvd.size(), "model": args.model, "params": nparams, "tensors": ntensors,

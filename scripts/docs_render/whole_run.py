@@ -1,0 +1,108 @@
+"""The whole-run study (docs/study/whole_run/*/runs.jsonl): the headline's accuracy row and the table of the
+defaults against fp32 AdamW at the end of whole runs (docs/choosing.md, docs/scale.md).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+
+from .common import DOCS, _pct2
+
+
+WHOLE_RUN_WORKLOADS = {("llama", "perlpod"): "Llama 2 x 64 on Perl's documentation, 3 epochs",
+                       ("gpt2", "copyright"): "GPT-2 2 x 64 on Debian's copyright files, 1 epoch"}
+
+
+def whole_runs() -> list:
+    """Every simulator run of the whole-run study (docs/study/whole_run/*/runs.jsonl, examples/study_lm_scale.py)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(DOCS, "study", "whole_run", "*", "runs.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def runs_the_default(r: dict) -> bool:
+    """Whether a study row ran what ``TernGradConfig()`` runs at its N and topology: the exchange
+    ``policy.default_transport(·)`` picks among the N ranks (flat) or the N / G nodes (node-aware, bf16 inside
+    the node), with horovod_terngrad.optim.AdamW and its noise estimate as the exchanges form it now (the senders'
+    squares take the minibatch's share out: ``"estimate": "squares"``; rows without it ran the whole sum)."""
+    from horovod_terngrad.exchange import policy
+    among = r["N"] // r["G"] if r["G"] > 1 else r["N"]
+    return (r["optimizer"] == "terngrad" and r["method"] == policy.default_transport(among)
+            and r.get("estimate") == "squares")
+
+
+def _mean_by_lr(rows: list) -> dict:
+    """{lr: mean held-out loss} of the study rows, for each lr with at least 3 seeds."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r["lr"], []).append(r["held_out"])
+    return {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
+
+
+def whole_run_headline(rows: list) -> str:
+    """The headline's accuracy row: the defaults against fp32 AdamW at fp32's best lr (the same lr for both), at the
+    end of whole runs, on the first workload with an fp32 sweep and a cell of the defaults at that lr."""
+    for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
+        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
+        fp32 = _mean_by_lr([r for r in mine if r["method"] == "none"])
+        if len(fp32) < 2:
+            continue
+        best = min(fp32, key=fp32.get)
+        cells: dict = {}
+        for r in mine:
+            if r["lr"] == best and runs_the_default(r):
+                cells.setdefault((r["G"], r["N"]), []).append(r["held_out"])
+        for (G, N), vals in sorted(cells.items()):
+            if len(vals) >= 3:
+                gap = 100 * (statistics.mean(vals) / fp32[best] - 1)
+                worst = 100 * (max(vals) / fp32[best] - 1)
+                return (f"| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr ({best:g}, the same "
+                        f"for both): TernGrad's defaults with `horovod_terngrad.optim.AdamW`, {name}, N = {N}, "
+                        f"{len(vals)} seeds: mean (worst seed) | {_pct2(gap)} ({_pct2(worst)}) | [scale](DOCS/scale.md) |")
+    return "| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr | not measured | [scale](DOCS/scale.md) |"
+
+
+def block_whole_run(rows: list) -> str:
+    """Per workload, topology and N: the exchange the defaults run, and its held-out loss at the end of whole runs
+    against fp32 AdamW's: both at fp32's best lr (the lr a user keeps), both at the recipe's lr 2e-3, and each at
+    its own best lr where a sweep ran."""
+    from horovod_terngrad.exchange import policy
+    lines = ["| workload | topology | N | exchange the defaults run | seeds | vs fp32 AdamW, both at fp32's best lr: "
+             "mean (worst seed) | both at the recipe's lr (2e-3) | each at its own best lr |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def gap(vals, ref):
+        return f"{_pct2(100 * (statistics.mean(vals) / ref - 1))} ({_pct2(100 * (max(vals) / ref - 1))})"
+
+    for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
+        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
+        fp32_lr = _mean_by_lr([r for r in mine if r["method"] == "none"])
+        if not fp32_lr:
+            continue
+        best_lr = min(fp32_lr, key=fp32_lr.get) if len(fp32_lr) >= 2 else None
+        cells: dict = {}
+        for r in mine:
+            if r["method"] != "none" and runs_the_default(r):
+                cells.setdefault((r["G"], r["N"]), []).append(r)
+        for (G, N), rs in sorted(cells.items()):
+            at_best = [r["held_out"] for r in rs if best_lr is not None and r["lr"] == best_lr]
+            at_recipe = [r["held_out"] for r in rs if r["lr"] == 2e-3]
+            if len(at_best) < 2 and len(at_recipe) < 2:
+                continue
+            among = N // G if G > 1 else N
+            ex = policy.default_transport(among)
+            topo = "flat" if G <= 1 else f"nodes of {G} (bf16 inside)"
+            what = ex if G <= 1 else f"node-aware, {ex} across {among} nodes"
+            best = _mean_by_lr(rs)
+            sweep = (f"{_pct2(100 * (min(best.values()) / min(fp32_lr.values()) - 1))} (lr {min(best, key=best.get):g} "
+                     f"vs {best_lr:g})") if len(best) >= 2 and best_lr is not None else "-"
+            first = (f"{gap(at_best, fp32_lr[best_lr])} (lr {best_lr:g})" if len(at_best) >= 2
+                     else "- (not run)" if best_lr is not None else "- (no fp32 sweep)")
+            recipe = gap(at_recipe, fp32_lr[2e-3]) if len(at_recipe) >= 2 and 2e-3 in fp32_lr else "- (not run)"
+            seeds = max(len(at_best), len(at_recipe))
+            lines.append(f"| {name} | {topo} | {N} | {what} | {seeds} | {first} | {recipe} | {sweep} |")
+    return "\n".join(lines)
