@@ -140,8 +140,8 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     terngrad_sharded_cost, tree_allreduce_time)
 from ..exchange.policy import (  # noqa: F401 (the engine's policy, re-exported as perfmodel.X)
     AUTO_TRANSPORTS, DEFAULT_ALLGATHER_MAX_RANKS, auto_transport, default_transport)
-from ..exchange.names import (AUTO, DEFAULT, TERNGRAD_DEFAULT, TERNGRAD_METHODS,  # noqa: F401 (perfmodel.X)
-                              method_of_transport, setting_of, short, transport_of)
+from ..exchange.names import (TERNGRAD_DEFAULT, TERNGRAD_METHODS, method_of_transport,  # noqa: F401 (perfmodel.X)
+                              setting_of, short, transport_of)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
@@ -239,8 +239,8 @@ class PlannedBuffer:
     """One buffer of :func:`plan_buffers`: the method that carries it (``TERNGRAD_ALLGATHER``, ...,
     ``TERNGRAD_HIERARCHICAL``, ``FP32``) and the tensors in it (indices into the model's ``tensor_sizes``, in the
     order they travel, and their sizes).  A node-aware group (``method == TERNGRAD_HIERARCHICAL``) has ``cross``:
-    the setting across nodes (a transport's name, "default", or None: each local rank picks for its pieces, as
-    ``exchange="auto"``)."""
+    the setting across nodes (a transport's name, "default", or "auto", where each local rank picks for its
+    pieces), which ``exchange.policy.transport_among`` resolves among the M nodes."""
 
     method: str
     members: tuple
@@ -295,7 +295,8 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     shape = node_shape(workers, nodes) if cfg.hierarchical is not False else None
     shared = cfg.scaler_shared_for("allgather")
     setting = setting_of(method)
-    cross = None if setting == AUTO else setting     # "auto": each local rank picks for its pieces
+    flat = policy.transport_among(setting, int(workers))    # None: "auto", which decides per group
+    auto_cfg = cfg.replace(exchange=setting) if flat is None else None
     names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
     if len(names) != len(sizes) or len(set(names)) != len(names):
         raise ValueError(f"names must be {len(sizes)} distinct names, one per tensor")
@@ -309,27 +310,16 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
                 setting, numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
                 step_allreduces=step_allreduces,
                 intra_width=cfg.intra_node_width)):   # node-aware, as the engine decides
-            out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), cross))
+            out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), setting))
             continue
-        out.append(PlannedBuffer(_flat_method(method, cfg, numels, workers, network), members, tuple(numels),
+        transport = flat or policy.flat_plan(auto_cfg, numels, int(workers), network=network).transport
+        out.append(PlannedBuffer(method_of_transport(transport), members, tuple(numels),
                                  bucket_size=cfg.bucket_size))
     # tensors the policy keeps at full precision: Horovod's own fp32 allreduce, fused by its threshold
     plain = [index[n] for n in cut.uncompressed]
     out += [PlannedBuffer(FP32, tuple(b), tuple(sizes[i] for i in b))
             for b in _fuse_indices(plain, sizes, fusion_bytes, 4.0)]
     return out
-
-
-def _flat_method(method: str, cfg: TernGradConfig, numels: Sequence[int], workers: int, network: Network) -> str:
-    """The method of a flat group of ``numels`` under TernGrad ``method`` among ``workers`` ranks: the transport
-    ``exchange.policy.flat_plan`` gives the method's setting ("default": by the number of ranks; "auto": the
-    cheapest on ``network``), as the engine decides.  A transport's method is that transport (the plan of its
-    setting), asked of no config: a sharded method priced with per-rank scalers stays a what-if."""
-    setting = setting_of(method)
-    if setting not in (AUTO, DEFAULT):
-        return method
-    plan = policy.flat_plan(cfg.replace(exchange=setting), numels, int(workers), network=network)
-    return method_of_transport(plan.transport)
 
 
 def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
@@ -504,11 +494,13 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
         work = 0.0
         for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel, **plan_kw):
             cross = b.cross
-            if b.method == TERNGRAD_HIERARCHICAL and cross is None:    # what the largest shard's rank picks
+            if b.method == TERNGRAD_HIERARCHICAL:
                 M, G = node_shape(workers, network)
-                pieces = [p.numel for p in topology.shard_plan(b.sizes, G)[0]]
-                cross = auto_transport(pieces, M, cfg.packing, cfg.bucket_size, network=cross_network(network, G),
-                                       shared_scaler=cfg.scaler_shared_for("allgather"))
+                if policy.transport_among(cross, M) is None:      # "auto": what the largest shard's rank picks
+                    pieces = [p.numel for p in topology.shard_plan(b.sizes, G)[0]]
+                    cross = auto_transport(pieces, M, cfg.packing, cfg.bucket_size,
+                                           network=cross_network(network, G),
+                                           shared_scaler=cfg.scaler_shared_for("allgather"))
             work += codec_work_elements(b.method, sum(b.sizes), workers, network.ranks_per_node, cross)
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
