@@ -105,7 +105,7 @@ from ..codec import sizes as wire
 from ..exchange import cost, policy, topology
 from ..exchange.names import method_of_setting, setting_of, transport_of
 from . import perfmodel as pm
-from .codec_rates import CodecRates
+from .codec_rates import CodecRates, measure_codec_rates  # noqa: F401 (timeline.measure_codec_rates)
 
 
 class _Channel:
@@ -672,5 +672,5 @@ def scheduled_scaling(model: pm.ModelSpec, cluster: pm.Cluster, workers: Sequenc
     return rows
 
 
-__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "Timeline", "method_of", "negotiation_s", "scheduled_scaling",
-           "timeline_step"]
+__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "Timeline", "measure_codec_rates", "method_of", "negotiation_s",
+           "scheduled_scaling", "timeline_step"]
