@@ -327,9 +327,9 @@ class _Groups:
         cfg, pieces = self.cfg, [p.numel for p in self.split[g][j]]
         transport = policy.transport_among(self.groups[g].cross, self.M)   # the cross engine's among M ranks
         if transport is None:                                              # "auto": per local rank, for its pieces
-            transport = policy.auto_transport(pieces, self.M, cfg.packing, cfg.bucket_size,
-                                              network=cost.cross_network(self.decide_on, self.G),
-                                              shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
+            transport = "allgather" if not pieces else policy.auto_transport(
+                pieces, self.M, cfg.packing, cfg.bucket_size, network=cost.cross_network(self.decide_on, self.G),
+                shared_scaler=cfg.scaler_shared_for("allgather"))
         return _Cross(pieces, sum(pieces), transport, cfg.scaler_shared_for(transport),
                       sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
                       wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
