@@ -1,8 +1,8 @@
 """The policy: for a group, which transport carries it, whether it goes node-aware, and across nodes by which
 transport.  The one module that resolves the settings: ``TernGradConfig.exchange`` ("default", "auto" or a
-transport's name, names.py's) and ``TernGradConfig.hierarchical`` ("auto", True, False).  It prices its candidates with
-cost.py's pure functions; the engine (engine.py), the node-aware exchange (hierarchical.py), the frontends
-(frontends/hierarchy.py) and the performance model ask it, so they decide alike.
+transport's name; names.py names them) and ``TernGradConfig.hierarchical`` ("auto", True, False).  It prices its
+candidates with cost.py's pure functions; the engine (engine.py), the node-aware exchange (hierarchical.py), the
+frontends (frontends/hierarchy.py) and the performance model ask it, so they decide alike.
 
 Words: a *transport* is a wire algorithm (allgather, sharded, reternarized, requantized; joined while a rank is
 in ``hvd.join()``, which the engine takes on its own); a *setting* is the user's ``exchange=`` value, which

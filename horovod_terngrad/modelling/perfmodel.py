@@ -138,10 +138,10 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     fp32_allreduce_cost, hierarchical_cost, ring_allgather_time, ring_allreduce_time, presence_cost,
     requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
     terngrad_sharded_cost, tree_allreduce_time)
-from ..exchange.policy import (  # noqa: F401 (the engine's policy, re-exported as perfmodel.X)
-    AUTO_TRANSPORTS, DEFAULT_ALLGATHER_MAX_RANKS, auto_transport, default_transport)
 from ..exchange.names import (TERNGRAD_DEFAULT, TERNGRAD_METHODS, method_of_transport,  # noqa: F401 (perfmodel.X)
                               setting_of, short, transport_of)
+from ..exchange.policy import (  # noqa: F401 (the engine's policy, re-exported as perfmodel.X)
+    AUTO_TRANSPORTS, DEFAULT_ALLGATHER_MAX_RANKS, auto_transport, default_transport)
 
 # The paper's clusters (Fig. 5): 128 nodes of 4 GPUs each.  Inter-node bandwidth is the paper's; the
 # latencies and the intra-node links are this model's assumptions (typical figures: ~50 us for TCP over
