@@ -305,7 +305,8 @@ def predict(res: dict) -> dict:
     cell's own calibration.  Also puts the fitted ``alpha_us`` and ``efficiency`` into ``res``."""
     from horovod_terngrad.exchange import cost
     from horovod_terngrad.modelling import perfmodel as pm
-    from horovod_terngrad.modelling.timeline import CodecRates, method_of, timeline_step
+    from horovod_terngrad.modelling.codec_rates import CodecRates
+    from horovod_terngrad.modelling.timeline import method_of, timeline_step
     N, cal = res["hosts"], res["calibration"]
     # unmeasured unshaped links: 10 Gbit/s; the fitted efficiencies absorb the rate for every collective
     gbps = link_gbps(res) or 10.0

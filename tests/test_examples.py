@@ -319,7 +319,7 @@ def test_bench_step_calibration_feeds_the_emulated_cluster_prediction(tmp_path):
     TernGrad collectives per step the model schedules equal to those the real run counted."""
     import emulated_cluster_benchmark as ecb
 
-    from horovod_terngrad.modelling.timeline import CodecRates
+    from horovod_terngrad.modelling.codec_rates import CodecRates
     out = tmp_path / "step.json"
     p = subprocess.run([os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "horovod_terngrad.operations.bench", "step", "--layers", "2", "--width", "300", "--batch", "4",
         "--steps", "3", "--rounds", "2", "--warmup", "1", "--configs", "fp32,terngrad,terngrad-sharded,terngrad-shared",

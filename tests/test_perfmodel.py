@@ -736,22 +736,22 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
         cfg = TernGradConfig(exchange=ex or "auto")
         for h in ("auto", True, False):
             plan = pm.plan_buffers(method, m.sizes, 64, eth, names=names, hierarchical=h, config=cfg)
-            tg = [b for b in plan if b.exchange != "fp32"]
+            tg = [b for b in plan if b.method != "fp32"]
             want = [h is True or (h == "auto" and cost.hierarchy_for(g, 16, 4, network=eth, transport=ex,
                                                                       shared_scaler=False,
                                                                       intra_width=cfg.intra_node_width))
                     for g in groups]
-            assert [b.exchange == "terngrad_hierarchical" for b in tg] == want
+            assert [b.method == "terngrad_hierarchical" for b in tg] == want
             assert [list(b.sizes) for b in tg] == groups
-            assert all(b.cross == ex for b in tg if b.exchange == "terngrad_hierarchical")
+            assert all(b.cross == (ex or "auto") for b in tg if b.method == "terngrad_hierarchical")
             total, used = pm.model_exchange_cost(method, m.sizes, 64, eth, names=names, hierarchical=h, config=cfg)
             expect = 0.0
             for b in plan:
-                if b.exchange == "terngrad_hierarchical":
+                if b.method == "terngrad_hierarchical":
                     expect += cost.hierarchical_cost(list(b.sizes), 16, 4, eth, shared_scaler=False, cross=ex,
                                                      intra_width=cfg.intra_node_width).time_s
                 else:
-                    expect += pm.method_cost(b.exchange, list(b.sizes), 64, eth, shared_scaler=False,
+                    expect += pm.method_cost(b.method, list(b.sizes), 64, eth, shared_scaler=False,
                                                bucket_size=b.bucket_size).time_s
             if "terngrad_allgather" in used and not shared:
                 expect += cost.presence_cost(64, eth).time_s
@@ -760,10 +760,10 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
             assert total.time_s == pytest.approx(expect, rel=1e-12)
     # the config's setting is the default; the argument overrides it
     off = pm.plan_buffers("terngrad", m.sizes, 64, eth, names=names, config=TernGradConfig(hierarchical=False))
-    assert "terngrad_hierarchical" not in {b.exchange for b in off}
+    assert "terngrad_hierarchical" not in {b.method for b in off}
     # one node, or nodes of one rank: flat whatever the setting
     for N, net in ((4, eth), (64, pm.Network("one", 1e-6, 1e9))):
-        assert "terngrad_hierarchical" not in {b.exchange for b in pm.plan_buffers(
+        assert "terngrad_hierarchical" not in {b.method for b in pm.plan_buffers(
             "terngrad", m.sizes, N, net, names=names, hierarchical=True)}
 
 
@@ -1079,7 +1079,7 @@ def test_default_method_is_allgather_up_to_4_ranks_and_requantized_above():
     ib = pm.INFINIBAND_100G
     for M in (2, 4, 5, 128):
         plan = pm.plan_buffers("terngrad_default", sizes_, 4 * M, ib, names=names, hierarchical=True)
-        hier = [b for b in plan if b.exchange == "terngrad_hierarchical"]
+        hier = [b for b in plan if b.method == "terngrad_hierarchical"]
         assert hier and all(b.cross == "default" for b in hier)
         across = "allgather" if M <= 4 else "requantized"
         for b in hier:

@@ -5,7 +5,8 @@ from horovod_terngrad import TernGradConfig
 from horovod_terngrad.codec import sizes
 from horovod_terngrad.exchange import cost
 from horovod_terngrad.modelling import hsdp, perfmodel as pm
-from horovod_terngrad.modelling.timeline import CodecRates, measure_codec_rates, method_of, timeline_step
+from horovod_terngrad.modelling.codec_rates import CodecRates, measure_codec_rates
+from horovod_terngrad.modelling.timeline import method_of, timeline_step
 
 FLAT = pm.Network("flat", latency_s=1e-3, bandwidth_Bps=1e6)      # alpha 1 ms, 1 MB/s
 # allreduces are charged as exchange/cost.py picks them: the ring or, where faster, the tree
@@ -133,7 +134,7 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
     sizes = [300, 700, 40, 900, 500, 1000, 60]
     method = method_of(cfg)
     t = timeline_step(sizes, 0.05, N, FLAT, method, config=cfg)
-    groups = [b.members for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.exchange != "fp32"]
+    groups = [b.members for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.method != "fp32"]
     assert sorted(i for g in groups for i in g) == [0, 1, 3, 4, 5]
 
     def body(c):
@@ -148,7 +149,7 @@ def test_the_schedule_issues_what_the_engine_issues(cfg):
 
     (issued, count), *_ = run_ranks(N, body)
     assert issued == list(t.issued)
-    kinds = [b.exchange for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.exchange != "fp32"]
+    kinds = [b.method for b in pm.plan_buffers(method, sizes, N, FLAT, config=cfg) if b.method != "fp32"]
     if cfg.exchange == "default":       # TernGradConfig()'s: the allgather up to 4 ranks, requantized above
         assert set(kinds) == {"terngrad_allgather" if N <= 4 else "terngrad_requantized"}
     per_group = {"terngrad_allgather": 1 if not cfg.shares_scaler else 2, "terngrad_sharded": 3,
@@ -367,8 +368,8 @@ def test_node_aware_schedule_issues_what_the_hierarchical_engine_issues(cfg, sha
     topo = Topology.contiguous(N, G)
     method = method_of(cfg)
     plan = pm.plan_buffers(method, sizes, N, net, config=cfg)
-    groups = [b.members for b in plan if b.exchange != "fp32"]
-    assert {b.exchange for b in plan} == {"terngrad_hierarchical", "fp32"}
+    groups = [b.members for b in plan if b.method != "fp32"]
+    assert {b.method for b in plan} == {"terngrad_hierarchical", "fp32"}
 
     res = engine_issued(topo, cfg, groups, sizes, joins)
     for r in range(N):
@@ -396,9 +397,9 @@ def test_node_aware_and_flat_groups_in_one_step_issue_what_the_engine_issues(mon
         t = timeline_step(sizes, 0.05, N, nodes(), "terngrad_allgather", **kw)
         plan = pm.plan_buffers("terngrad_allgather", sizes, N, cost.configured_network(), config=cfg,
                                step_allreduces=pm.HOROVOD_STEP_ALLREDUCES, ranks_per_node=2)
-        assert [b.exchange for b in plan] == ["terngrad_allgather", "terngrad_hierarchical", "terngrad_allgather",
+        assert [b.method for b in plan] == ["terngrad_allgather", "terngrad_hierarchical", "terngrad_allgather",
                                               "terngrad_hierarchical", "fp32"]
-        groups = [b.members for b in plan if b.exchange != "fp32"]
+        groups = [b.members for b in plan if b.method != "fp32"]
         res = engine_issued(topo, cfg, groups, sizes, joins=True)
         for r in range(N):
             mine = timeline_step(sizes, 0.05, N, nodes(), "terngrad_allgather", local_rank=r % 2, **kw)

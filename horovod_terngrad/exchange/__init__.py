@@ -4,7 +4,8 @@ Words, one meaning each: *exchange* is this package and, in prose, averaging one
 ranks; the *setting* is what the user passes as ``TernGradConfig(exchange=...)`` ("default", "auto" or a
 transport's name), which only ``policy`` turns into a plan; a *transport* is how one group's payloads travel
 (a module below each); the ``Engine`` drives tickets through a transport; a *method* is what ``cost`` prices
-(``"fp32"``, ``"terngrad-allgather"``, ...: ``cost.method_cost``).
+(``"fp32"``, ``"terngrad_allgather"``, ...: ``cost.method_cost``).  ``names`` holds every method, transport and
+setting name in one table, with the labels the performance model prints.
 
 * ``collectives``: the interface; ``hvd_collectives`` (Horovod), ``dist_collectives`` (torch.distributed, for
   the DDP frontend) and ``thread_collectives`` (ranks in one process, for tests and the simulator) implement it;

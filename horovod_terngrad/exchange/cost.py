@@ -5,7 +5,8 @@ plotting: the engine imports it on the training path, and the performance model 
 the timeline build on it.
 
 Transports (the wire algorithms, one module each): allgather, sharded, reternarized, requantized, and joined
-(the allreduce-sum while a rank is in ``hvd.join()``, not priced here).
+(the allreduce-sum while a rank is in ``hvd.join()``, not priced here).  The methods' and transports' names are
+names.py's.
 
 A message of m bytes over one link costs alpha + m·beta (alpha: latency per message, beta = 1/bandwidth).
 For N ranks and one buffer ("bytes" is what crosses each rank's link in each direction):
@@ -58,27 +59,18 @@ from typing import Sequence
 
 from ..codec import sizes as wire
 from . import network_env, topology
+from .names import (FP16, FP32, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_HIERARCHICAL,  # noqa: F401 (cost.X)
+                    TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, TRANSPORTS, transport_of)
 
 #: the network priced where a caller gives none (read from the environment: network_env.py)
 configured_network = network_env.configured_network
 
-FP32 = "fp32"
-FP16 = "fp16"
-TERNGRAD_ALLGATHER = "terngrad_allgather"
-TERNGRAD_SHARDED = "terngrad_sharded"
-TERNGRAD_RETERNARIZED = "terngrad_reternarized"
-TERNGRAD_REQUANTIZED = "terngrad_requantized"
-TERNGRAD_BEST = "terngrad"        #: per buffer, the cheapest of :data:`NOISE_TRANSPORTS` (:func:`cheapest_transport`)
 METHODS = (FP32, FP16, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST)
 TERNGRAD_EXCHANGES = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED)
 #: the transports that hand horovod_terngrad.optim its noise estimate after a single ternary rounding: the
 #: allgather and the requantized one (not the sharded transport, which gives no estimate; not the re-ternarized
 #: one, which rounds to ternary twice).  :func:`cheapest_transport` weighs them unless given other candidates.
 NOISE_TRANSPORTS = (TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED)
-#: the transport (the name ``TernGradConfig.exchange`` gives it) of each TernGrad method of the cost model
-TRANSPORT_OF = {TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
-                TERNGRAD_REQUANTIZED: "requantized"}
-_METHOD_OF_TRANSPORT = {transport: method for method, transport in TRANSPORT_OF.items()}
 
 
 # Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD: its BackgroundThreadLoop sets 128 MiB (the docs still say 64)
@@ -555,9 +547,6 @@ def cheapest_method(sizes: int | Sequence[int], workers: int, network: Network, 
     return ExchangeChoice(best, costs[best], costs)
 
 
-TERNGRAD_HIERARCHICAL = "terngrad_hierarchical"
-
-
 def cross_network(network: Network, ranks_per_node: int) -> Network:
     """The inter-node link as each of a node's G = ``ranks_per_node`` ranks sees it in the hierarchical
     exchange: all G cross groups use the node's one link at once, so each gets a G-th of its bandwidth
@@ -573,8 +562,8 @@ def _flat_terngrad_cost(ns: list, workers: int, network: Network, packing: str, 
     N = int(workers)
     if transport is None:
         transport = cheapest_transport(ns, N, packing, bucket_size, network=network, shared_scaler=shared_scaler)
-    if transport not in _METHOD_OF_TRANSPORT:      # a setting's name ("default", ...) is policy.py's to resolve
-        raise ValueError(f"transport must be one of {tuple(_METHOD_OF_TRANSPORT)} or None, got {transport!r}")
+    if transport not in TRANSPORTS:      # a setting's name ("default", ...) is policy.py's to resolve
+        raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
     if transport == "sharded":
         return terngrad_sharded_cost(ns, N, network, packing, bucket_size)
     if transport == "reternarized":
@@ -695,7 +684,7 @@ def hierarchy_plan(groups: Sequence[Sequence[int]], nodes: int, ranks_per_node: 
 def cheapest_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket_size: int = 0,
                        network: Network | None = None, shared_scaler: bool = False,
                        candidates: Sequence[str] = NOISE_TRANSPORTS) -> str:
-    """The transport ('allgather', 'requantized', ...: :data:`TRANSPORT_OF`'s names) of ``candidates`` (methods,
+    """The transport ('allgather', 'requantized', ...: ``names.TRANSPORTS``) of ``candidates`` (methods,
     default :data:`NOISE_TRANSPORTS`) this model predicts to be fastest for a group of tensors of these sizes on
     ``network`` (default :func:`configured_network`).  With two ranks or fewer sharding cannot receive less and
     costs one more collective: the allgather (:func:`cheapest_candidates`).  ``shared_scaler``: whether an
@@ -705,7 +694,7 @@ def cheapest_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket
         return "allgather"
     choice = cheapest_method(list(numels), n_ranks, network or configured_network(), packing,
                              candidates=tuple(candidates), bucket_size=bucket_size, shared_scaler=shared_scaler)
-    return TRANSPORT_OF[choice.method]
+    return transport_of(choice.method)
 
 
 def cheapest_candidates(workers: int, candidates: Sequence[str] = NOISE_TRANSPORTS) -> tuple:

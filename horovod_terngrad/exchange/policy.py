@@ -1,8 +1,8 @@
 """The policy: for a group, which transport carries it, whether it goes node-aware, and across nodes by which
-transport.  The one module that knows the settings' names: ``TernGradConfig.exchange`` ("default", "auto" or a
-transport's name) and ``TernGradConfig.hierarchical`` ("auto", True, False).  It prices its candidates with
-cost.py's pure functions; the engine (engine.py), the node-aware exchange (hierarchical.py), the frontends
-(frontends/hierarchy.py) and the performance model ask it, so they decide alike.
+transport.  The one module that resolves the settings: ``TernGradConfig.exchange`` ("default", "auto" or a
+transport's name; names.py names them) and ``TernGradConfig.hierarchical`` ("auto", True, False).  It prices its
+candidates with cost.py's pure functions; the engine (engine.py), the node-aware exchange (hierarchical.py), the
+frontends (frontends/hierarchy.py) and the performance model ask it, so they decide alike.
 
 Words: a *transport* is a wire algorithm (allgather, sharded, reternarized, requantized; joined while a rank is
 in ``hvd.join()``, which the engine takes on its own); a *setting* is the user's ``exchange=`` value, which
@@ -22,11 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from . import cost, network_env
+from . import cost, names, network_env
+from .names import (ALLGATHER, AUTO, DEFAULT, REQUANTIZED, RETERNARIZED,  # noqa: F401 (policy.AUTO, policy.DEFAULT)
+                    SHARDED)
 
-#: ``TernGradConfig.exchange``'s rules (the other settings name a transport)
-DEFAULT = "default"
-AUTO = "auto"
 #: ``TernGradConfig.hierarchical``'s rule (True and False force it)
 HIERARCHY_AUTO = "auto"
 
@@ -67,7 +66,7 @@ class Plan:
 
 def default_transport(n_ranks: int) -> str:
     """The transport "default" runs among ``n_ranks`` ranks (the cross group's M for the node-aware exchange)."""
-    return "allgather" if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else "requantized"
+    return ALLGATHER if int(n_ranks) <= DEFAULT_ALLGATHER_MAX_RANKS else REQUANTIZED
 
 
 def setting_among(setting: str, n_ranks: int) -> str:
@@ -110,17 +109,18 @@ def auto_transport(numels: Sequence[int], n_ranks: int, packing: str, bucket_siz
                                    shared_scaler=shared_scaler, candidates=AUTO_TRANSPORTS)
 
 
-def flat_plan(config, numels: Sequence[int], n_ranks: int, link=None) -> Plan:
+def flat_plan(config, numels: Sequence[int], n_ranks: int, link=None, network: cost.Network | None = None) -> Plan:
     """The plan of a group exchanged flat among ``n_ranks`` ranks (the engine's, per group).  ``link``: the
-    measured and agreed link (``link.LinkDecision``) "auto" prices, None for the configured network."""
+    measured and agreed link (``link.LinkDecision``) "auto" prices; else ``network`` (the performance model's),
+    else the configured network."""
     setting = config.exchange
     if setting == AUTO:
-        network = link.network(network_env.configured_network().latency_s) if link else None
-        transport = auto_transport(numels, n_ranks, config.packing, config.bucket_size, network=network,
-                                   shared_scaler=config.scaler_shared_for("allgather"))
-        among = " or the ".join(cost.TRANSPORT_OF[m] for m in auto_candidates(n_ranks))
-        reason = (f"exchange='auto': the cheaper of the {among} transport among {n_ranks} ranks on the "
-                  f"{'measured' if link else 'configured'} network")
+        priced = link.network(network_env.configured_network().latency_s) if link else network
+        transport = auto_transport(numels, n_ranks, config.packing, config.bucket_size, network=priced,
+                                   shared_scaler=config.scaler_shared_for(ALLGATHER))
+        among = " or the ".join(names.transport_of(m) for m in auto_candidates(n_ranks))
+        which = "measured" if link else "configured" if network is None else "given"
+        reason = f"exchange='auto': the cheaper of the {among} transport among {n_ranks} ranks on the {which} network"
     elif setting == DEFAULT:
         transport = default_transport(n_ranks)
         reason = (f"exchange='default': the allgather up to {DEFAULT_ALLGATHER_MAX_RANKS} ranks, the requantized "
@@ -133,7 +133,7 @@ def flat_plan(config, numels: Sequence[int], n_ranks: int, link=None) -> Plan:
 def hierarchy_shared_scaler(config) -> bool:
     """The scaler setting the node-aware decision prices: the sharded transport's where it is the setting, else
     the allgather's."""
-    return config.scaler_shared_for("sharded" if config.exchange == "sharded" else "allgather")
+    return config.scaler_shared_for(SHARDED if config.exchange == SHARDED else ALLGATHER)
 
 
 def hierarchy_for(setting: str | None, numels: Sequence[int], nodes: int, ranks_per_node: int, packing: str = "2bit",
@@ -163,8 +163,8 @@ def world_groups_fit(config) -> bool:
     scalers with the allgather, re-ternarized or requantized transport, whose collectives (one allgather; one
     alltoall and one allgather) every cross group posts whatever its data ("default" picks one of them by the
     number of nodes, the same in every cross group; so does "auto", which would decide per cross group)."""
-    return (config.exchange in ("allgather", AUTO, DEFAULT, "reternarized", "requantized")
-            and not config.scaler_shared_for("allgather"))
+    return (config.exchange in (ALLGATHER, AUTO, DEFAULT, RETERNARIZED, REQUANTIZED)
+            and not config.scaler_shared_for(ALLGATHER))
 
 
 def _world_cross_transport(config, nodes: int) -> str:
@@ -173,7 +173,7 @@ def _world_cross_transport(config, nodes: int) -> str:
     setting = config.exchange
     if setting in (DEFAULT, AUTO):
         return default_transport(nodes)
-    return setting if setting in ("requantized", "reternarized") else "allgather"
+    return setting if setting in (REQUANTIZED, RETERNARIZED) else ALLGATHER
 
 
 def cross_transport(config, pieces: Sequence[int], nodes: int, ranks_per_node: int,
@@ -188,7 +188,7 @@ def cross_transport(config, pieces: Sequence[int], nodes: int, ranks_per_node: i
         net = links or network_env.configured_network()
         shared = replace(net, bandwidth_Bps=net.bandwidth_Bps / int(ranks_per_node))
         return auto_transport(list(pieces), nodes, config.packing, config.bucket_size, network=shared,
-                              shared_scaler=config.scaler_shared_for("allgather"))
+                              shared_scaler=config.scaler_shared_for(ALLGATHER))
     return setting_among(config.exchange, nodes)
 
 
@@ -226,7 +226,7 @@ def describe(config, n_ranks: int) -> str:
     """Which transport the setting runs among ``n_ranks`` ranks, in words (the frontends' one-time log line: the
     run's first lines say what the defaults chose)."""
     if config.exchange == AUTO:
-        among = " or the ".join(cost.TRANSPORT_OF[m] for m in auto_candidates(n_ranks))
+        among = " or the ".join(names.transport_of(m) for m in auto_candidates(n_ranks))
         return f"exchange='auto': per group the {among} exchange, by the cost model"
     return f"the {setting_among(config.exchange, n_ranks)} exchange among {n_ranks} ranks " \
            f"(exchange={config.exchange!r})"

@@ -10,17 +10,10 @@ from typing import Sequence
 
 from ..config import TernGradConfig
 from ..exchange import policy
+from ..exchange.names import label
 from .hsdp import GPT_MODELS, HSDP_WORKERS, format_hsdp_table, predict_hsdp, scheduled_hsdp
-from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP16, FP32, Cluster,
-                        HOROVOD_FUSION_BYTES, MODELS, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_DEFAULT,
-                        TERNGRAD_FUSION_NUMEL, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, Network,
-                        format_table, predict_scaling, worker_counts)
-
-#: the column each method of the tables is headed by: ``default`` is what ``TernGradConfig()`` picks
-#: (exchange="default", hierarchical="auto"), ``auto`` is exchange="auto"
-LABELS = {FP32: "fp32", FP16: "fp16", TERNGRAD_DEFAULT: "default", TERNGRAD_BEST: "auto",
-          TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded", TERNGRAD_RETERNARIZED: "reternarized",
-          TERNGRAD_REQUANTIZED: "requantized"}
+from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, Cluster, HOROVOD_FUSION_BYTES,
+                        MODELS, TERNGRAD_FUSION_NUMEL, Network, format_table, predict_scaling, worker_counts)
 
 
 def with_gpus_per_node(cluster: Cluster, gpus_per_node: int | None) -> Cluster:
@@ -85,10 +78,10 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
 
 def format_scheduled(model, cluster: Cluster, workers, rows, negotiation) -> str:
     """Markdown: per N, the negotiation wait per collective and each method's step and fraction of linear
-    scaling (compute alone / step) from the scheduled step model, each method's column headed by its
-    :data:`LABELS` name (``default``: what ``TernGradConfig()`` picks; ``auto``: exchange="auto")."""
+    scaling (compute alone / step) from the scheduled step model, each method's column headed by its label
+    (``exchange.names``: ``default``, what ``TernGradConfig()`` picks; ``auto``, exchange="auto")."""
     methods = list(rows[0])
-    head = ["GPUs", "negotiation per collective, ms"] + [LABELS.get(m, m) for m in methods]
+    head = ["GPUs", "negotiation per collective, ms"] + [label(m) for m in methods]
     lines = [f"{model.name} on {cluster.name} ({cluster.network.name}, {cluster.network.ranks_per_node} GPUs per node), "
              "scheduled step model, world-group negotiation; per method the step in ms (fraction of linear scaling)",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -99,10 +92,8 @@ def format_scheduled(model, cluster: Cluster, workers, rows, negotiation) -> str
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "hsdp":
-        return hsdp_main(argv[1:])
+def _fig5_parser() -> argparse.ArgumentParser:
+    """The arguments of ``python -m horovod_terngrad.modelling`` (the Fig.-5 tables and figures)."""
     p = argparse.ArgumentParser(prog="python -m horovod_terngrad.modelling",
                                 description="Predicted images/s vs workers with and without TernGrad "
                                             "(TernGrad paper §5, Fig. 5), alpha-beta network model.")
@@ -148,8 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--png", help="write a Fig.-5-like figure here")
     p.add_argument("--exchanges-png", help="write exchange time and bits vs N for one 25M-element tensor on "
                                            "the (first) cluster's inter-node link, one rank per NIC, here")
-    a = p.parse_args(argv)
+    return p
 
+
+def _clusters(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, Cluster]:
+    """The clusters the arguments ask for, with their nodes, allreduce algorithm and links inside a node
+    (``p.error`` where the arguments contradict each other)."""
     if a.max_workers < 1:
         p.error("--max-workers must be >= 1")
     if a.intra_links is not None and a.intra_links < 1:
@@ -173,40 +168,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.intra_links is not None and net.intra_node is not None:
             net = replace(net, intra_node=replace(net.intra_node, peer_links=a.intra_links))
         clusters[key] = replace(cl, network=net)
-    model_keys = list(MODELS) if a.model == "all" else [a.model]
-    if a.compute_ms is not None and len(model_keys) > 1:
-        p.error("--compute-ms needs a single --model")
+    return clusters
 
-    hierarchical = {"true": True, "false": False}.get(a.hierarchical, policy.HIERARCHY_AUTO)
-    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
-                  overlap=a.overlap, hierarchical=hierarchical,
-                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None,
-                  config=TernGradConfig(bucket_size=a.bucket_size, intra_node_dtype=a.intra_node_dtype))
-    compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
-    workers = worker_counts(a.max_workers)
-    if a.scheduled:
-        from .timeline import negotiation_s, scheduled_scaling
-        for mkey in model_keys:
-            for ckey, cluster in clusters.items():
-                rows = scheduled_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, packing=a.packing,
-                                         fusion_bytes=kwargs["fusion_bytes"], fusion_numel=a.fusion_numel,
-                                         hierarchical=hierarchical, config=kwargs["config"])
-                print(format_scheduled(MODELS[mkey], cluster, workers, rows, negotiation_s))
-                print()
-        return 0
+
+def _print_scheduled(model_keys, clusters: dict, workers: list, compute_s, a: argparse.Namespace,
+                     kwargs: dict) -> None:
+    """``--scheduled``: per model and cluster, the scheduled step model's table."""
+    from .timeline import negotiation_s, scheduled_scaling
+    for mkey in model_keys:
+        for cluster in clusters.values():
+            rows = scheduled_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, packing=a.packing,
+                                     fusion_bytes=kwargs["fusion_bytes"], fusion_numel=a.fusion_numel,
+                                     hierarchical=kwargs["hierarchical"], config=kwargs["config"])
+            print(format_scheduled(MODELS[mkey], cluster, workers, rows, negotiation_s))
+            print()
+
+
+def _print_tables(model_keys, clusters: dict, workers: list, compute_s, kwargs: dict) -> dict:
+    """Per model and cluster, the additive step model's table (with auto's flat exchange beside it where nodes
+    hold several GPUs and the node-aware exchange may run); returns {model: {cluster: rows}} for the figures."""
     results = {}
     for mkey in model_keys:
         results[mkey] = {}
         for ckey, cluster in clusters.items():
             rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
                                    methods=ALL_METHODS,
-                                   flat_too=hierarchical is not False and cluster.network.ranks_per_node > 1,
+                                   flat_too=kwargs["hierarchical"] is not False and cluster.network.ranks_per_node > 1,
                                    **kwargs)
             results[mkey][ckey] = rows
             print(format_table(MODELS[mkey], cluster, rows))
             print()
-    if a.png or a.exchanges_png:
-        from . import plots          # matplotlib: only when a figure is asked for
+    return results
+
+
+def _write_figures(a: argparse.Namespace, results: dict, clusters: dict) -> None:
+    """``--png`` and ``--exchanges-png`` (matplotlib is imported only when a figure is asked for)."""
+    if not (a.png or a.exchanges_png):
+        return
+    from . import plots
     if a.png:
         plots.plot_fig5(results, a.png)
         print(f"wrote {a.png}")
@@ -215,4 +214,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         flat_link = replace(net, intra_node=None, ranks_per_node=1)
         plots.plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, a.packing)
         print(f"wrote {a.exchanges_png}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m horovod_terngrad.modelling [...]`` (``hsdp [...]``: :func:`hsdp_main`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "hsdp":
+        return hsdp_main(argv[1:])
+    p = _fig5_parser()
+    a = p.parse_args(argv)
+    clusters = _clusters(p, a)
+    model_keys = list(MODELS) if a.model == "all" else [a.model]
+    if a.compute_ms is not None and len(model_keys) > 1:
+        p.error("--compute-ms needs a single --model")
+    hierarchical = {"true": True, "false": False}.get(a.hierarchical, policy.HIERARCHY_AUTO)
+    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
+                  overlap=a.overlap, hierarchical=hierarchical,
+                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None,
+                  config=TernGradConfig(bucket_size=a.bucket_size, intra_node_dtype=a.intra_node_dtype))
+    compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
+    workers = worker_counts(a.max_workers)
+    if a.scheduled:
+        _print_scheduled(model_keys, clusters, workers, compute_s, a, kwargs)
+        return 0
+    results = _print_tables(model_keys, clusters, workers, compute_s, kwargs)
+    _write_figures(a, results, clusters)
     return 0

@@ -64,8 +64,9 @@ from ..exchange.cost import (ExchangeCost, FP16, Network, TERNGRAD_ALLGATHER, TE
                              TERNGRAD_SHARDED, allreduce_cost, cross_network, ring_allgather_time, ring_allreduce_time,
                              terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
                              terngrad_sharded_cost)
+from ..exchange.names import TERNGRAD_DEFAULT, method_of_transport
 from ..exchange.policy import default_transport
-from .perfmodel import Cluster, MODELS, TERNGRAD_DEFAULT, _METHOD_OF, codec_work_elements, payload_bytes
+from .perfmodel import Cluster, MODELS, codec_work_elements, payload_bytes
 
 HSDP_FP32 = "hsdp_fp32"
 HSDP_BF16 = "hsdp_bf16"
@@ -89,7 +90,7 @@ def hsdp_exchange(method: str, replicas: int) -> str:
     """The flat method (``TERNGRAD_ALLGATHER``, ...) that an HSDP TernGrad method runs among R = ``replicas``
     ranks across nodes: the default's is ``default_transport(R)``'s."""
     flat = _HSDP_FLAT[method]
-    return _METHOD_OF[default_transport(int(replicas))] if flat == TERNGRAD_DEFAULT else flat
+    return method_of_transport(default_transport(int(replicas))) if flat == TERNGRAD_DEFAULT else flat
 HSDP_WORKERS = (8, 16, 32, 64, 128, 256, 512)
 
 

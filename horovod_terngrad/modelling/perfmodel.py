@@ -89,9 +89,9 @@ stragglers, no contention between concurrent buffers (buffers are sent one after
 Buffers (:func:`exchange_plan`): fp32/fp16 tensors are fused by Horovod up to ``fusion_bytes`` on the
 wire.  TernGrad tensors are cut by ``exchange.fusion.cut`` with a ``TernGradConfig`` (fusion_numel, and
 exclude / min_numel: the tensors the policy keeps at full precision travel as fp32 allreduce buffers);
-each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) the one
-``exchange.policy.auto_transport`` picks for it (allgather or requantized), for "terngrad_default" the one
-``exchange.policy.default_transport`` gives, exactly as the engine decides.
+each group uses the method's exchange, or for "terngrad" (= ``exchange="auto"``) and "terngrad_default" the one
+``exchange.policy.flat_plan`` picks for it (``auto_transport``: allgather or requantized; ``default_transport``),
+exactly as the engine decides.
 
 Crossovers these formulas give (one large tensor, 2-bit, shared scaler: fp32 by ring, the 72-byte
 handshake by tree from N = 4 on): allgather is cheaper than the fp32 allreduce iff
@@ -127,7 +127,7 @@ from ..codec import sizes as wire
 from ..config import TernGradConfig
 from ..exchange import fusion, policy, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
-    _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, NOISE_TRANSPORTS, TRANSPORT_OF,
+    _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, NOISE_TRANSPORTS,
     TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL,
     TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
@@ -138,6 +138,8 @@ from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported
     fp32_allreduce_cost, hierarchical_cost, ring_allgather_time, ring_allreduce_time, presence_cost,
     requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
     terngrad_sharded_cost, tree_allreduce_time)
+from ..exchange.names import (TERNGRAD_DEFAULT, TERNGRAD_METHODS, method_of_transport,  # noqa: F401 (perfmodel.X)
+                              setting_of, short, transport_of)
 from ..exchange.policy import (  # noqa: F401 (the engine's policy, re-exported as perfmodel.X)
     AUTO_TRANSPORTS, DEFAULT_ALLGATHER_MAX_RANKS, auto_transport, default_transport)
 
@@ -234,12 +236,13 @@ def terngrad_config(config: TernGradConfig | None = None, packing: str | None = 
 
 @dataclass(frozen=True)
 class PlannedBuffer:
-    """One buffer of :func:`plan_buffers`: its exchange and the tensors in it (indices into the model's
-    ``tensor_sizes``, in the order they travel, and their sizes).  A node-aware group
-    (``exchange == TERNGRAD_HIERARCHICAL``) has ``cross``: the exchange across nodes ("allgather",
-    "sharded", or None: each local rank picks for its pieces, as ``exchange="auto"``)."""
+    """One buffer of :func:`plan_buffers`: the method that carries it (``TERNGRAD_ALLGATHER``, ...,
+    ``TERNGRAD_HIERARCHICAL``, ``FP32``) and the tensors in it (indices into the model's ``tensor_sizes``, in the
+    order they travel, and their sizes).  A node-aware group (``method == TERNGRAD_HIERARCHICAL``) has ``cross``:
+    the setting across nodes (a transport's name, "default", or "auto", where each local rank picks for its
+    pieces), which ``exchange.policy.transport_among`` resolves among the M nodes."""
 
-    exchange: str
+    method: str
     members: tuple
     sizes: tuple
     cross: str | None = None
@@ -252,21 +255,9 @@ class PlannedBuffer:
 #: ``plan_buffers`` weighs them when given ``step_allreduces``; ``exchange.policy.hierarchy_plan`` per step.)
 HOROVOD_STEP_ALLREDUCES = 2
 
-#: ``TernGradConfig()``'s exchange (``exchange="default"``, ``hierarchical="auto"``): per group the allgather
-#: exchange among up to 4 ranks, the requantized one among more (``default_transport`` of
-#: the ranks in the exchange: N flat, the cross group's M = number of nodes node-aware), node-aware where cheaper
-TERNGRAD_DEFAULT = "terngrad_default"
-#: every TernGrad method of the model (``TERNGRAD_BEST`` is ``exchange="auto"``)
-TERNGRAD_METHODS = (TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED,
-                    TERNGRAD_DEFAULT)
 #: the methods of the CLI tables: fp32, fp16, what TernGradConfig() picks, and each TernGrad exchange
 ALL_METHODS = (FP32, FP16, TERNGRAD_DEFAULT, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST,
                TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)
-
-# the engine's ``exchange`` setting behind each TernGrad method of the model (None: "auto")
-_SETTING = {**TRANSPORT_OF, TERNGRAD_BEST: None, TERNGRAD_DEFAULT: policy.DEFAULT}
-# the model's method for a transport the engine runs (exchange.policy.auto_transport / default_transport's answers)
-_METHOD_OF = {transport: method for method, transport in TRANSPORT_OF.items()}
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -303,6 +294,9 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     nodes = network if ranks_per_node is None else replace(network, ranks_per_node=int(ranks_per_node))
     shape = node_shape(workers, nodes) if cfg.hierarchical is not False else None
     shared = cfg.scaler_shared_for("allgather")
+    setting = setting_of(method)
+    flat = policy.transport_among(setting, int(workers))    # None: "auto", which decides per group
+    auto_cfg = cfg.replace(exchange=setting) if flat is None else None
     names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
     if len(names) != len(sizes) or len(set(names)) != len(names):
         raise ValueError(f"names must be {len(sizes)} distinct names, one per tensor")
@@ -313,19 +307,13 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
         members = tuple(index[n] for n in group)
         numels = [sizes[i] for i in members]
         if shape is not None and (cfg.hierarchical is True or policy.hierarchy_for(
-                _SETTING[method], numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
+                setting, numels, *shape, cfg.packing, cfg.bucket_size, network=network, shared_scaler=shared,
                 step_allreduces=step_allreduces,
                 intra_width=cfg.intra_node_width)):   # node-aware, as the engine decides
-            out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), _SETTING[method]))
+            out.append(PlannedBuffer(TERNGRAD_HIERARCHICAL, members, tuple(numels), setting))
             continue
-        if method == TERNGRAD_BEST:       # exchange="auto": the engine's own decision for this group
-            exchange = _METHOD_OF[auto_transport(numels, int(workers), cfg.packing, cfg.bucket_size, network=network,
-                                                 shared_scaler=shared)]
-        elif method == TERNGRAD_DEFAULT:  # exchange="default": a pure function of the ranks in the exchange
-            exchange = _METHOD_OF[default_transport(int(workers))]
-        else:
-            exchange = method
-        out.append(PlannedBuffer(exchange, members, tuple(numels),
+        transport = flat or policy.flat_plan(auto_cfg, numels, int(workers), network=network).transport
+        out.append(PlannedBuffer(method_of_transport(transport), members, tuple(numels),
                                  bucket_size=cfg.bucket_size))
     # tensors the policy keeps at full precision: Horovod's own fp32 allreduce, fused by its threshold
     plain = [index[n] for n in cut.uncompressed]
@@ -356,7 +344,7 @@ def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, networ
     flat exchange ("auto", as the engine decides), or always (True, where the topology allows it); its
     exchange across nodes is the method's (the cheaper per local rank for "terngrad").
     """
-    return [(b.exchange, list(b.sizes)) for b in plan_buffers(method, tensor_sizes, workers, network, packing,
+    return [(b.method, list(b.sizes)) for b in plan_buffers(method, tensor_sizes, workers, network, packing,
                                                                fusion_bytes, fusion_numel, config=config, names=names,
                                                                hierarchical=hierarchical,
                                                                step_allreduces=HOROVOD_STEP_ALLREDUCES)]
@@ -384,17 +372,17 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
     for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
                           config=config, names=names, hierarchical=hierarchical,
                           step_allreduces=HOROVOD_STEP_ALLREDUCES):     # decided as the Horovod engine does
-        if b.exchange == TERNGRAD_HIERARCHICAL:
+        if b.method == TERNGRAD_HIERARCHICAL:
             M, G = node_shape(workers, network)
             cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared,
                                      policy.transport_among(b.cross, M), cfg.intra_node_width)
         else:
-            cost = method_cost(b.exchange, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
+            cost = method_cost(b.method, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost
-        used.append(b.exchange)
+        used.append(b.method)
     # per-rank scalers (the allgather's default, the re-ternarized and requantized exchanges'): the engine's
     # presence check, once per step
-    if any(e in used and not cfg.scaler_shared_for(_SETTING[e])
+    if any(e in used and not cfg.scaler_shared_for(transport_of(e))
            for e in (TERNGRAD_ALLGATHER, TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)):
         total = total + presence_cost(workers, network)
     if TERNGRAD_HIERARCHICAL in used:       # presence check + end-of-step sync
@@ -423,14 +411,15 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
         G = max(1, int(ranks_per_node))
         M = max(1, int(workers) // G)
         shard = numel / G
-        inner = _METHOD_OF.get(policy.transport_among(cross, M), TERNGRAD_ALLGATHER)
+        transport = policy.transport_among(cross, M)       # None: "auto", charged as the allgather
+        inner = TERNGRAD_ALLGATHER if transport is None else method_of_transport(transport)
         return float(numel) + codec_work_elements(inner, shard, M)
     if workers <= 1 or method == FP32:
         return 0.0
     if method == FP16:
         return 2.0 * numel
     if method == TERNGRAD_DEFAULT:
-        method = _METHOD_OF[default_transport(workers)]
+        method = method_of_transport(default_transport(workers))
     if method == TERNGRAD_ALLGATHER:
         return float(numel) * (1 + workers)
     if method == TERNGRAD_SHARDED:
@@ -505,12 +494,14 @@ def predict_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, ne
         work = 0.0
         for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel, **plan_kw):
             cross = b.cross
-            if b.exchange == TERNGRAD_HIERARCHICAL and cross is None:    # what the largest shard's rank picks
+            if b.method == TERNGRAD_HIERARCHICAL:
                 M, G = node_shape(workers, network)
-                pieces = [p.numel for p in topology.shard_plan(b.sizes, G)[0]]
-                cross = auto_transport(pieces, M, cfg.packing, cfg.bucket_size, network=cross_network(network, G),
-                                       shared_scaler=cfg.scaler_shared_for("allgather"))
-            work += codec_work_elements(b.exchange, sum(b.sizes), workers, network.ranks_per_node, cross)
+                if policy.transport_among(cross, M) is None:      # "auto": what the largest shard's rank picks
+                    pieces = [p.numel for p in topology.shard_plan(b.sizes, G)[0]]
+                    cross = auto_transport(pieces, M, cfg.packing, cfg.bucket_size,
+                                           network=cross_network(network, G),
+                                           shared_scaler=cfg.scaler_shared_for("allgather"))
+            work += codec_work_elements(b.method, sum(b.sizes), workers, network.ranks_per_node, cross)
         codec = work / codec_elements_per_s
     exposed = cost.time_s + codec
     step = compute_s + exposed - min(exposed, overlap * compute_s)
@@ -773,13 +764,9 @@ def predict_scaling(model: ModelSpec, cluster: Cluster, workers: Iterable[int] =
 
 # --------------------------------------------------------------------------------------------------
 # Output: table (figures: modelling/plots.py)
-_SHORT = {TERNGRAD_HIERARCHICAL: "hier", TERNGRAD_ALLGATHER: "allgather", TERNGRAD_SHARDED: "sharded",
-          TERNGRAD_RETERNARIZED: "reternarized", TERNGRAD_REQUANTIZED: "requantized"}
-
-
 def _chosen(p: StepPrediction) -> str:
     """The exchanges a prediction's buffers use, short names joined by "+" ("-" on one worker)."""
-    return "-" if p.workers == 1 else "+".join(_SHORT.get(c, c) for c in sorted(set(p.exchanges)))
+    return "-" if p.workers == 1 else "+".join(short(c) for c in sorted(set(p.exchanges)))
 
 
 def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPrediction]]) -> str:

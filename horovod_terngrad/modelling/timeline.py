@@ -91,110 +91,21 @@ Gradient buffers: Horovod's fusion threshold for fp32/fp16 (buffers formed from 
 the channel frees up); for TernGrad the groups and exchanges of ``perfmodel.plan_buffers`` (the
 frontend's ``exchange.fusion`` cut with a TernGradConfig, each group's exchange as the engine picks it).
 
-Codec work is charged from :class:`CodecRates` (seconds per element of each stage, measured on the
-machine with :func:`measure_codec_rates`); None = free.  Cost: O(tensors) per prediction (O(G·tensors)
-with node-aware groups).
+Codec work is charged from ``CodecRates`` (modelling/codec_rates.py: seconds per element of each stage,
+measured on the machine with ``measure_codec_rates``); None = free.  Cost: O(tensors) per prediction
+(O(G·tensors) with node-aware groups).
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from ..codec import sizes as wire
 from ..exchange import cost, policy, topology
+from ..exchange.names import method_of_setting, setting_of, transport_of
 from . import perfmodel as pm
-
-
-@dataclass(frozen=True)
-class CodecRates:
-    """Seconds per element of each codec stage on one worker (one core).
-
-    prepare: statistics, clip threshold and scaler, per gradient element (in the backward hook);
-    encode: ternarize + pack, per element; decode_base + decode_per_payload·N: allgather decode of N
-    payloads, per output element; owner_sum: per code an owner adds (sharded: N·n/N = n per step);
-    decode_sums: per element of the gathered sums; cast: one fp32<->fp16 cast, per element; add: one
-    fp32 pass over a vector, per element (an add of two into a third, a division, a copy: the node-aware
-    exchange's node sum, its fused group's concatenation and its members' copy out of the intra-node
-    allgather); None (calibrations from before it was measured): charged as ``cast``, also one pass.
-    """
-
-    prepare: float
-    encode: float
-    decode_base: float
-    decode_per_payload: float
-    owner_sum: float
-    decode_sums: float
-    cast: float
-    add: float | None = None
-
-    @property
-    def fp32_pass(self) -> float:
-        """Seconds per element of one fp32 pass (``add``, else ``cast``)."""
-        return self.cast if self.add is None else self.add
-
-    def slowed(self, factor: float) -> "CodecRates":
-        """Every stage ``factor`` times slower (ranks sharing a core)."""
-        return CodecRates(*(None if getattr(self, f) is None else factor * getattr(self, f)
-                            for f in self.__dataclass_fields__))
-
-
-def measure_codec_rates(numel: int = 4_000_000, repeat: int = 3, statistic: str = "best") -> CodecRates:
-    """Time each stage of this machine's codec backend on one thread: the best of ``repeat`` runs (what the
-    core can do), or with ``statistic="median"`` the typical run (what it does while other processes
-    share the machine, e.g. measured on every rank of a job at once)."""
-    if statistic not in ("best", "median"):
-        raise ValueError(f"statistic must be 'best' or 'median', got {statistic!r}")
-    import torch
-
-    from ..backends import for_device
-    from ..codec import packing
-    from ..exchange import sharded
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        be = for_device(torch.device("cpu"))
-        g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-
-        def per_element(fn):
-            times = []
-            for i in range(repeat + 1):
-                t0 = time.perf_counter()
-                fn()
-                if i:                                  # the first run warms up
-                    times.append(time.perf_counter() - t0)
-            times.sort()
-            return (times[0] if statistic == "best" else times[len(times) // 2]) / numel
-
-        prep = be.prepare(g, 0, 2.5)
-        prepare = per_element(lambda: be.prepare(g, 0, 2.5))
-        encode = per_element(lambda: be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit"))
-        pay = be.encode(g, prep.threshold, prep.scalers, 0, (1, 2), "2bit")
-        out = torch.empty(numel)
-        dec = {}
-        for k in (1, 8):
-            gathered = torch.cat([pay] * k)
-            headers, offsets = packing.walk(gathered, k)
-            dec[k] = per_element(lambda: be.decode(gathered, headers, offsets, float(k), out=out))
-        per_payload = max(0.0, (dec[8] - dec[1]) / 7)
-        codes = pay[packing.HEADER_BYTES + 4:]
-        N = 8
-        m = numel // N // 20 * 20
-        received = torch.cat([codes[:m // 4]] * N)
-        # through exchange/sharded.py, which uses this backend's kernels when it has them, else the reference
-        owner = per_element(lambda: sharded.owner_sums(received, N, 0, m, "2bit")) * numel / (N * m)
-        sums = torch.cat([sharded.owner_sums(received, N, 0, m, "2bit")] * N)
-        one = torch.ones(1)
-        dsums = per_element(lambda: sharded.decode_gathered(sums, N * m, N, one, 0, float(N), out=out[:N * m])) * numel / (N * m)
-        half = torch.empty(numel, dtype=torch.float16)
-        cast = per_element(lambda: half.copy_(g))
-        other = torch.randn(numel, generator=torch.Generator().manual_seed(1))
-        add = per_element(lambda: torch.add(g, other, out=out))
-        return CodecRates(prepare, encode, max(0.0, dec[1] - per_payload), per_payload, owner, dsums, cast, add)
-    finally:
-        torch.set_num_threads(old)
+from .codec_rates import CodecRates, measure_codec_rates  # noqa: F401 (timeline.measure_codec_rates)
 
 
 class _Channel:
@@ -255,43 +166,39 @@ class Timeline:
     local_rank: int | None = None   # node-aware groups: the local rank scheduled (its shard, its cross group)
 
 
-# the engine's ``exchange`` setting behind each TernGrad method of the performance model
-TERNGRAD_METHODS = {pm.TERNGRAD_ALLGATHER: "allgather", pm.TERNGRAD_SHARDED: "sharded", pm.TERNGRAD_BEST: policy.AUTO,
-                    pm.TERNGRAD_RETERNARIZED: "reternarized", pm.TERNGRAD_REQUANTIZED: "requantized",
-                    pm.TERNGRAD_DEFAULT: policy.DEFAULT}
 # the two-stage exchanges' collective names (exchange/sharded.py, exchange/reternarized.py): (alltoall, allgather);
 # the requantized exchange is sent by reternarized.send and gathered by reternarized.after_alltoall (its own
 # owner stage), so its collectives carry the re-ternarized exchange's names
 _TWO_STAGE = {"sharded": ("a2a", "sg"), "reternarized": ("rt", "rg"), "requantized": ("rt", "rg")}
-# the flat groups' exchanges of a plan (perfmodel.plan_buffers) that the two-stage schedule runs
+# the flat groups' methods of a plan (perfmodel.plan_buffers) that the two-stage schedule runs
 _TWO_STAGE_KINDS = (pm.TERNGRAD_SHARDED, pm.TERNGRAD_RETERNARIZED, pm.TERNGRAD_REQUANTIZED)
 
 
 def method_of(config: pm.TernGradConfig) -> str:
-    """The performance model's method for a TernGradConfig's ``exchange`` (the inverse of TERNGRAD_METHODS)."""
-    return {v: k for k, v in TERNGRAD_METHODS.items()}[config.exchange]
+    """The performance model's method for a TernGradConfig's ``exchange`` (``exchange.names.method_of_setting``)."""
+    return method_of_setting(config.exchange)
 
 
-def _two_stage_bytes(mode: str, sizes: Sequence[int], ranks: int, cfg: pm.TernGradConfig) -> tuple:
+def _two_stage_bytes(transport: str, sizes: Sequence[int], ranks: int, cfg: pm.TernGradConfig) -> tuple:
     """(bytes to each peer in the alltoall, bytes per owner in the allgather) of a two-stage exchange of a group
     (exchange/cost.py's, from codec/sizes.py): the sharded exchange's codes and sums, the re-ternarized one's
     shard payload (both stages), the requantized one's shard payload up and 4-bit owner payload with the noise
     channel down (``requantized_bytes``: P differs from c); (0, 0) for the allgather."""
-    if mode == "sharded":
+    if transport == "sharded":
         return pm.sharded_bytes(sizes, ranks, cfg.packing)
-    if mode == "reternarized":
+    if transport == "reternarized":
         return (cost.reternarized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size),) * 2
-    if mode == "requantized":
+    if transport == "requantized":
         return cost.requantized_bytes(sizes, ranks, cfg.packing, cfg.bucket_size)
     return (0, 0)
 
 
-def _decode_rate(c: "CodecRates", mode: str, ranks: int) -> float:
+def _decode_rate(c: CodecRates, transport: str, ranks: int) -> float:
     """Seconds per output element of a group's final decode: the owners' sums (sharded), one owner's payload
     per element (re-ternarized), or the N payloads of the allgather exchange."""
-    if mode == "sharded":
+    if transport == "sharded":
         return c.decode_sums
-    if mode in ("reternarized", "requantized"):   # one owner's payload per element (requantized: 4-bit groups)
+    if transport in ("reternarized", "requantized"):   # one owner's payload per element (requantized: 4-bit groups)
         return c.decode_base + c.decode_per_payload
     return c.decode_base + c.decode_per_payload * ranks
 
@@ -301,13 +208,387 @@ class _Payload(NamedTuple):
     of a node-aware group among the M ranks of its cross group."""
     key: str                  # the collectives' name suffix: "<group>" or "<group>.x<j>"
     elements: int
-    sharded: str              # "" (allgather), or the two-stage exchange: "sharded", "reternarized", "requantized"
+    two_stage: str            # "" (allgather), or the two-stage exchange: "sharded", "reternarized", "requantized"
     payload: float            # allgather: packed bytes per rank
-    sharded_bytes: tuple      # two-stage: (bytes per peer in the alltoall, bytes per rank in the allgather)
+    two_stage_bytes: tuple    # two-stage: (bytes per peer in the alltoall, bytes per rank in the allgather)
     ranks: int
     link: pm.Network
     ranks_per_nic: int        # the alltoall's G
     allgather_kind: str       # fusion kind: a cross group's allgathers never fuse with the world's
+
+
+def _owner_seconds(c: CodecRates, e: _Payload) -> float:
+    """The owners' work of a two-stage exchange between its alltoall and its allgather: sharded, add the N chunks;
+    re-ternarized, decode the shard's N payloads and ternarize it again; requantized, decode them, form the noise
+    estimate from them (a second decode's work) and encode the average in 4-bit groups (charged as statistics +
+    encode)."""
+    if e.two_stage == "sharded":
+        return c.owner_sum * e.elements
+    if e.two_stage == "reternarized":
+        return (c.decode_base + c.decode_per_payload * e.ranks + c.prepare + c.encode) * e.elements / e.ranks
+    return (2 * (c.decode_base + c.decode_per_payload * e.ranks) + c.prepare + c.encode) * e.elements / e.ranks
+
+
+class _Step(NamedTuple):
+    """The step simulated, whatever its method: the tensors (layer order) and the backward's order, the compute
+    before and during backward, the link among all ranks, the codec's rates and the engine's options."""
+    method: str
+    sizes: list
+    order: list               # backward: last layer first
+    total: int                # elements of all tensors (1 for none)
+    fwd: float
+    bwd: float
+    compute_s: float
+    workers: int
+    network: pm.Network
+    link: pm.Network          # ``network.link_for(workers)``
+    codec: CodecRates
+    cycle_s: float
+    joins: bool
+
+
+def _full_precision_step(step: _Step, fusion_bytes: int) -> Timeline:
+    """fp32 or fp16: backward (fp16: each gradient cast on the way), Horovod's allreduces fused from the tensors
+    ready when the channel frees up, fp16's cast back."""
+    s, c, sizes, order = step, step.codec, step.sizes, step.order
+    chan = _Channel(s.cycle_s)
+    main = s.fwd
+    codec_s = 0.0
+    ready = {}
+    width = 4 if s.method == pm.FP32 else 2
+    for i in order:
+        main += s.bwd * sizes[i] / s.total
+        if s.method == pm.FP16:
+            main += c.cast * sizes[i]
+            codec_s += c.cast * sizes[i]
+        ready[i] = main
+    backward_end = main
+    # Horovod: when the channel frees up, every ready tensor (up to the fusion threshold) goes in one buffer
+    t_free, k, last_done = 0.0, 0, s.fwd
+    while k < len(order):
+        start = max(t_free, ready[order[k]] + s.cycle_s)
+        nbytes, j = 0, k
+        while j < len(order) and ready[order[j]] + s.cycle_s <= start and (
+                j == k or nbytes + width * sizes[order[j]] <= fusion_bytes):
+            nbytes += width * sizes[order[j]]
+            j += 1
+        lat, bw = _split(pm.allreduce_time, nbytes, s.workers, s.link)
+        chan.ops.append(["allreduce", start, bw, lat, order[k:j]])
+        t_free = last_done = start + lat + bw
+        k = j
+    end = max(backward_end, last_done)
+    if s.method == pm.FP16:
+        cast_back = c.cast * sum(sizes)
+        end += cast_back
+        codec_s += cast_back
+    busy = sum(op[2] + op[3] for op in chan.ops)
+    return Timeline(s.method, s.workers, end, s.compute_s, backward_end, busy, codec_s, chan.rounds())
+
+
+class _Cross(NamedTuple):
+    """A local rank's cross exchange of a node-aware group: its pieces among the M ranks of its cross group."""
+    pieces: list              # element counts
+    shard: int                # their sum
+    transport: str            # the cross engine's transport for them
+    shared: bool              # whether it shares the scaler (a handshake first)
+    payload: int              # allgather: packed bytes per rank
+    handshake: int            # shared scaler: the handshake's bytes
+    two_stage_bytes: tuple    # two-stage: (bytes per peer in the alltoall, bytes per rank in the allgather)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """TernGrad's groups of one step as the frontend cuts them and the engine sends them (``perfmodel.plan_buffers``:
+    each group's method, flat or node-aware), members in backward order, with every size the schedule charges:
+    codec/sizes.py's, exchange/topology.py's and exchange/cost.py's."""
+    cfg: pm.TernGradConfig
+    groups: list              # the TernGrad groups (perfmodel.PlannedBuffer)
+    plain: set                # the tensors kept at full precision (Horovod's fp32 allreduce)
+    group_of: dict            # tensor -> its group
+    last_member: dict         # a group's last member (whose hook hands the group over) -> the group
+    kinds: list               # each group's method
+    numel: list
+    handshake: list           # shared scaler: the handshake's bytes
+    payload: list             # allgather: packed bytes per rank
+    shard: list               # two-stage: (bytes to each peer, bytes per owner), the slowest rank's
+    hier: list                # the node-aware groups
+    M: int                    # nodes (1 without node-aware groups)
+    G: int                    # ranks per node (1 without node-aware groups)
+    intra: pm.Network         # the link inside a node (exchange.cost.hierarchical_cost's)
+    xlink: pm.Network         # a G-th of the inter-node link, as each cross group sees it
+    intra_bytes: dict         # node-aware group -> (the largest shard to each local peer, + status words back)
+    split: dict               # node-aware group -> its shard plan (exchange.topology.shard_plan)
+    decide_on: pm.Network     # the network the engine's "auto" decides with
+
+    def cross_of(self, g: int, j: int) -> _Cross:
+        """Local rank j's cross exchange of node-aware group g: its pieces among the M ranks of its cross
+        group, with the transport the setting gives them (the config's, or for "auto" policy.auto_transport on a
+        G-th of the node's link, as hierarchical._start_cross decides)."""
+        cfg, pieces = self.cfg, [p.numel for p in self.split[g][j]]
+        transport = policy.transport_among(self.groups[g].cross, self.M)   # the cross engine's among M ranks
+        if transport is None:                                              # "auto": per local rank, for its pieces
+            transport = "allgather" if not pieces else policy.auto_transport(
+                pieces, self.M, cfg.packing, cfg.bucket_size, network=cost.cross_network(self.decide_on, self.G),
+                shared_scaler=cfg.scaler_shared_for("allgather"))
+        return _Cross(pieces, sum(pieces), transport, cfg.scaler_shared_for(transport),
+                      sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
+                      wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
+                      _two_stage_bytes(transport, pieces, self.M, cfg))
+
+
+def _plan_groups(step: _Step, config: pm.TernGradConfig | None, packing: str | None, fusion_bytes: int,
+                 fusion_numel: int | None, names: Sequence[str] | None, auto_network: pm.Network | None,
+                 hierarchical) -> _Groups:
+    """The groups as the frontend cuts them (exchange.fusion), each with the engine's exchange or node-aware."""
+    N, network = step.workers, step.network
+    # the scaler the engine uses with this exchange (config.shares_scaler; a per-rank scaler with the
+    # sharded exchange is refused there, as TernGradConfig refuses it)
+    cfg = pm.terngrad_config(config, packing).replace(exchange=setting_of(step.method))
+    decide_on = auto_network or network
+    plan = pm.plan_buffers(step.method, step.sizes, N, decide_on, cfg.packing, fusion_bytes, fusion_numel,
+                           config=cfg, names=names, hierarchical=hierarchical,
+                           step_allreduces=pm.HOROVOD_STEP_ALLREDUCES if step.joins else 0,
+                           ranks_per_node=network.ranks_per_node)
+    node_aware = pm.TERNGRAD_HIERARCHICAL
+    groups = [b for b in plan if b.method in (pm.TERNGRAD_ALLGATHER,) + _TWO_STAGE_KINDS + (node_aware,)]
+    kinds = [b.method for b in groups]
+    hier = [g for g, k in enumerate(kinds) if k == node_aware]
+    M, G = pm.node_shape(N, network) if hier else (1, 1)
+    return _Groups(
+        cfg, groups, plain={i for b in plan if b.method == pm.FP32 for i in b.members},
+        group_of={i: g for g, b in enumerate(groups) for i in b.members},
+        last_member={b.members[-1]: g for g, b in enumerate(groups)}, kinds=kinds,
+        numel=[sum(b.sizes) for b in groups],
+        handshake=[wire.handshake_size([wire.num_buckets(n, b.bucket_size) for n in b.sizes]) for b in groups],
+        payload=[sum(wire.payload_size(n, cfg.packing, b.bucket_size) for n in b.sizes) for b in groups],
+        shard=[_two_stage_bytes(transport_of(k) or "", b.sizes, N, cfg) for b, k in zip(groups, kinds)],
+        hier=hier, M=M, G=G, intra=network.intra_node or network, xlink=cost.cross_network(network, G),
+        intra_bytes={g: topology.intra_node_bytes(groups[g].sizes, G, cfg.intra_node_width) for g in hier},
+        split={g: topology.shard_plan(groups[g].sizes, G) for g in hier}, decide_on=decide_on)
+
+
+class _Schedule:
+    """One TernGrad step of local rank ``j`` (None: no node-aware group): the main thread and the inter-node
+    and intra-node channels, driven as the flat engine (exchange/engine.py) and the node-aware one
+    (exchange/hierarchical.py) drive them (the module docstring); :meth:`run` returns the Timeline."""
+
+    def __init__(self, step: _Step, plan: _Groups, j: int | None):
+        self.step, self.plan, self.j, self.c = step, plan, j, step.codec
+        self.chan, self.local = _Channel(step.cycle_s), _Channel(step.cycle_s)   # inter-node, intra-node channel
+        self.main, self.codec_s = step.fwd, 0.0
+        self.issued = []                  # TernGrad's collectives, in the order the engine issues them
+        self.hx = {g: plan.cross_of(g, j) for g in plan.hier}
+        # per-rank two-stage exchanges sent from the hook: their owner steps wait for the engine's next progress
+        # (the first finish), flat and cross engine each their own
+        self.flat_owner, self.cross_owner = [], []
+        self.started = []                 # flat shared scaler: handshake out, not advanced
+        self.presence_sent = self.h_presence_sent = False
+        # node-aware: alltoall out (the previous group is the ordered start's slack), gone across (in order),
+        # shared-scaler cross groups not advanced yet, finished across, gathered; groups in flight, members left
+        self.a2a_queue, self.previous, self.cross_queue, self.x_started = [], None, [], []
+        self.crossed, self.gathered, self.live = set(), set(), 0
+        self.unfinished = {g: len(plan.groups[g].members) for g in plan.hier}
+
+    # -- the main thread and the channels
+    def work(self, seconds: float) -> None:
+        self.main += seconds
+        self.codec_s += seconds
+
+    def submit(self, ch: _Channel, kind: str, label: str, fn, nbytes: float, ranks: int, lk: pm.Network,
+               *extra) -> None:
+        lat, bw = _split(fn, nbytes, ranks, lk, *extra)
+        ch.submit(self.main, kind, label, lat, bw)
+        self.issued.append(f"terngrad.{label}")
+
+    def wait(self, ch: _Channel, label) -> None:
+        self.main = max(self.main, ch.finish_time(label))
+
+    def presence(self, g: int) -> None:
+        """A presence check (4-byte allreduce-sum of all ranks, sent with group g), waited for in the hook."""
+        self.submit(self.chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, self.step.workers,
+                    self.step.link)
+        self.wait(self.chan, f"presence.{g}")
+
+    # -- the engine's payload stages (exchange/engine.py), for the flat groups and, as the node-aware transport
+    # reuses that engine among the M ranks of its cross group, for local rank j's pieces
+    def flat_payload(self, g: int) -> _Payload:
+        s, p = self.step, self.plan
+        return _Payload(str(g), p.numel[g], transport_of(p.kinds[g]) if p.kinds[g] in _TWO_STAGE_KINDS else "",
+                        p.payload[g], p.shard[g], s.workers, s.link,
+                        s.network.ranks_per_node if s.link is s.network else s.workers, "allgather")
+
+    def cross_payload(self, q: int) -> _Payload:
+        x = self.hx[q]
+        return _Payload(f"{q}.x{self.j}", x.shard, x.transport if x.transport in _TWO_STAGE else "", x.payload,
+                        x.two_stage_bytes, self.plan.M, self.plan.xlink, 1, "allgather@cross")
+
+    def send(self, e: _Payload) -> None:               # engine: _send_per_rank / _after_handshake
+        self.work(self.c.encode * e.elements)
+        if e.two_stage:
+            self.submit(self.chan, "alltoall", f"{_TWO_STAGE[e.two_stage][0]}.{e.key}", pm.alltoall_time,
+                        e.two_stage_bytes[0], e.ranks, e.link, e.ranks_per_nic)
+        else:
+            self.submit(self.chan, e.allgather_kind, f"ag.{e.key}", pm.ring_allgather_time, e.payload, e.ranks,
+                        e.link)
+
+    def advance(self, pending: list) -> None:
+        """The engine's progress(block=True) over ``pending`` exchanges (in start order): every handshake,
+        then every alltoall that this queued (sharded: the owners' sums and their allgather)."""
+        for e in pending:
+            self.wait(self.chan, f"hs.{e.key}")
+            self.send(e)
+        self.owner_steps(pending)
+
+    def owner_steps(self, pending: list) -> None:
+        """Every two-stage exchange of ``pending`` whose alltoall went out, in start order: the owners' work
+        (:func:`_owner_seconds`) and their allgather."""
+        for e in pending:
+            if e.two_stage:
+                a2a, ag = _TWO_STAGE[e.two_stage]
+                self.wait(self.chan, f"{a2a}.{e.key}")
+                self.work(_owner_seconds(self.c, e))
+                self.submit(self.chan, e.allgather_kind, f"{ag}.{e.key}", pm.ring_allgather_time,
+                            e.two_stage_bytes[1], e.ranks, e.link)
+
+    # -- the node-aware exchange across nodes (exchange/hierarchical.py)
+    def start_cross(self, q: int) -> None:             # hierarchical._start_cross
+        p, x = self.plan, self.hx[q]
+        self.wait(self.local, f"h.a2a.{q}")
+        self.work(self.c.fp32_pass * p.G * x.shard)    # node sum: G-1 adds of the shard, then / G
+        self.cross_queue.append(q)
+        if not x.pieces:
+            return
+        self.work(self.c.prepare * x.shard)             # the cross engine's statistics of every piece
+        if not x.shared:
+            e = self.cross_payload(q)                   # per-rank scalers: no presence check of its own
+            self.send(e)
+            if e.two_stage:
+                self.cross_owner.append(e)
+        else:
+            self.submit(self.chan, "allreduce_max@cross", f"hs.{q}.x{self.j}", pm.allreduce_time, x.handshake, p.M,
+                        p.xlink)
+            # its ordered start: every group before the previous one
+            self.advance([self.cross_payload(r) for r in self.x_started[:-1]])
+            self.x_started = self.x_started[-1:] + [q]
+
+    def finish_cross(self, q: int) -> None:            # hierarchical._finish_cross
+        p, x = self.plan, self.hx[q]
+        if x.pieces:
+            self.wait(self.chan, f"{_TWO_STAGE.get(x.transport, ('', 'ag'))[1]}.{q}.x{self.j}")
+            self.work(_decode_rate(self.c, x.transport, p.M) * x.shard)
+        self.submit(self.local, "allgather", f"h.ag.{q}", pm.ring_allgather_time, p.intra_bytes[q][1], p.G, p.intra)
+        self.crossed.add(q)
+
+    # -- backward: the hooks
+    def hook(self, i: int) -> None:
+        """Tensor i's gradient is ready: its share of backward, then what its hook sends."""
+        s, p = self.step, self.plan
+        self.main += s.bwd * s.sizes[i] / s.total
+        if i in p.plain:               # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
+            lat, bw = _split(pm.allreduce_time, 4 * s.sizes[i], s.workers, s.link)
+            self.chan.submit(self.main, "allreduce_fp32", ("ar", i), lat, bw)
+        g = p.last_member.get(i)
+        if g is None:
+            return
+        if p.kinds[g] == pm.TERNGRAD_HIERARCHICAL:
+            self.hook_node_aware(g)
+        else:
+            self.hook_flat(g)
+
+    def hook_node_aware(self, g: int) -> None:         # hierarchical.start_group, in the hook
+        p = self.plan
+        if self.step.joins and not self.h_presence_sent:   # its own presence check, at the step's first such group
+            self.h_presence_sent = True
+            self.presence(g)
+        if len(p.groups[g].members) > 1:
+            self.work(self.c.fp32_pass * p.numel[g])   # the members laid end to end
+        self.submit(self.local, "alltoall", f"h.a2a.{g}", pm.alltoall_time, p.intra_bytes[g][0], p.G, p.intra, p.G)
+        self.live += 1
+        for q in self.a2a_queue:       # ordered: one group of slack, earlier groups go on across nodes
+            if q != self.previous:
+                self.start_cross(q)
+        self.a2a_queue = [q for q in self.a2a_queue if q == self.previous] + [g]
+        self.previous = g
+
+    def hook_flat(self, g: int) -> None:               # engine.start_group, in the hook
+        p = self.plan
+        self.work(self.c.prepare * p.numel[g])        # the statistics of every member
+        if not p.cfg.scaler_shared_for(transport_of(p.kinds[g])):   # per-rank ("auto": its allgather groups)
+            if self.step.joins and not self.presence_sent:   # the presence check goes out with the first such group
+                self.presence_sent = True
+                self.presence(g)
+            e = self.flat_payload(g)                   # payloads leave from the hook, with each rank's own scalers
+            self.send(e)
+            if e.two_stage:
+                self.flat_owner.append(e)
+        else:
+            self.submit(self.chan, "allreduce_max", f"hs.{g}", pm.allreduce_time, p.handshake[g], self.step.workers,
+                        self.step.link)
+            # ordered start: every group before the previous one, waiting
+            self.advance([self.flat_payload(q) for q in self.started[:-1]])
+            self.started = self.started[-1:] + [g]
+
+    # -- the optimizer's synchronize: tensors in hook order; the first flat TernGrad finish advances every flat
+    # group, a node-aware finish every node-aware one (each engine its own queues)
+    def finish(self, i: int) -> None:
+        p = self.plan
+        if i in p.plain:
+            self.wait(self.chan, ("ar", i))
+            return
+        g = p.group_of[i]
+        if p.kinds[g] == pm.TERNGRAD_HIERARCHICAL:
+            self.finish_node_aware(i, g)
+        else:
+            self.finish_flat(i, g)
+
+    def finish_node_aware(self, i: int, g: int) -> None:   # hierarchical.finish
+        if g not in self.crossed:
+            for q in self.a2a_queue:
+                self.start_cross(q)
+            self.a2a_queue = []
+            self.advance([self.cross_payload(q) for q in self.x_started])
+            self.x_started = []
+            self.owner_steps(self.cross_owner)
+            self.cross_owner = []
+            at = self.cross_queue.index(g)        # its intra-node allgather and every earlier group's
+            for q in self.cross_queue[:at + 1]:
+                self.finish_cross(q)
+            self.cross_queue = self.cross_queue[at + 1:]
+        if g not in self.gathered:
+            self.wait(self.local, f"h.ag.{g}")
+            self.gathered.add(g)
+        self.work(self.c.fp32_pass * self.step.sizes[i])   # the member's values out of the gathered shards
+        self.unfinished[g] -= 1
+        if self.unfinished[g] == 0:
+            self.live -= 1
+            if self.live == 0 and self.step.joins:          # the end-of-step sync (Horovod frontend)
+                self.submit(self.chan, "allreduce_i32", f"h.done.{g}", pm.allreduce_time, 4, self.step.workers,
+                            self.step.link)
+                self.wait(self.chan, f"h.done.{g}")
+
+    def finish_flat(self, i: int, g: int) -> None:         # engine.finish
+        if self.started:
+            self.advance([self.flat_payload(q) for q in self.started])
+            self.started = []
+        if self.flat_owner:
+            self.owner_steps(self.flat_owner)
+            self.flat_owner = []
+        transport = transport_of(self.plan.kinds[g])
+        self.wait(self.chan, f"{_TWO_STAGE.get(transport, ('', 'ag'))[1]}.{g}")
+        self.work(_decode_rate(self.c, transport, self.step.workers) * self.step.sizes[i])
+
+    def run(self) -> Timeline:
+        s = self.step
+        for i in s.order:
+            self.hook(i)
+        backward_end = self.main
+        for i in s.order:
+            self.finish(i)
+        busy = sum(op[2] + op[3] for op in self.chan.ops)
+        intra_busy = sum(op[2] + op[3] for op in self.local.ops)
+        return Timeline(s.method, s.workers, self.main, s.compute_s, backward_end, busy, self.codec_s,
+                        self.chan.rounds() + self.local.rounds(), len(self.issued), tuple(self.issued), intra_busy,
+                        self.j)
 
 
 def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, network: pm.Network,
@@ -338,296 +619,22 @@ def timeline_step(tensor_sizes: Sequence[int], compute_s: float, workers: int, n
         raise ValueError("backward_fraction must be in [0, 1]")
     sizes = [int(s) for s in tensor_sizes]
     N = int(workers)
-    total = sum(sizes) or 1
-    link = network.link_for(N)
-    fwd = compute_s * (1 - backward_fraction)
-    bwd = compute_s * backward_fraction
-    zero = CodecRates(0, 0, 0, 0, 0, 0, 0, 0)
-    c = codec or zero
-    order = list(range(len(sizes)))[::-1]         # backward: last layer first
+    step = _Step(method, sizes, list(range(len(sizes)))[::-1], sum(sizes) or 1, compute_s * (1 - backward_fraction),
+                 compute_s * backward_fraction, compute_s, N, network, network.link_for(N),
+                 codec or CodecRates(0, 0, 0, 0, 0, 0, 0, 0), cycle_s, joins)
     if N <= 1:
         return Timeline(method, N, compute_s, compute_s, compute_s, 0.0, 0.0, 0)
-
     if method in (pm.FP32, pm.FP16):
-        chan = _Channel(cycle_s)
-        main = fwd
-        codec_s = 0.0
-        ready = {}
-        width = 4 if method == pm.FP32 else 2
-        for i in order:
-            main += bwd * sizes[i] / total
-            if method == pm.FP16:
-                main += c.cast * sizes[i]
-                codec_s += c.cast * sizes[i]
-            ready[i] = main
-        backward_end = main
-        # Horovod: when the channel frees up, every ready tensor (up to the fusion threshold) goes in one buffer
-        t_free, k, last_done = 0.0, 0, fwd
-        while k < len(order):
-            start = max(t_free, ready[order[k]] + cycle_s)
-            nbytes, j = 0, k
-            while j < len(order) and ready[order[j]] + cycle_s <= start and (
-                    j == k or nbytes + width * sizes[order[j]] <= fusion_bytes):
-                nbytes += width * sizes[order[j]]
-                j += 1
-            lat, bw = _split(pm.allreduce_time, nbytes, N, link)
-            chan.ops.append(["allreduce", start, bw, lat, order[k:j]])
-            t_free = last_done = start + lat + bw
-            k = j
-        end = max(backward_end, last_done)
-        if method == pm.FP16:
-            cast_back = c.cast * sum(sizes)
-            end += cast_back
-            codec_s += cast_back
-        busy = sum(op[2] + op[3] for op in chan.ops)
-        return Timeline(method, N, end, compute_s, backward_end, busy, codec_s, chan.rounds())
-
-    if method not in TERNGRAD_METHODS:
-        raise ValueError(f"method must be one of {(pm.FP32, pm.FP16) + tuple(TERNGRAD_METHODS)}, got {method!r}")
-    # the groups as the frontend cuts them (exchange.fusion), each with the engine's exchange or node-aware;
-    # members in backward order; every size from codec/sizes.py, exchange/topology.py and exchange/cost.py
-    cfg = pm.terngrad_config(config, packing)
-    # the scaler the engine uses with this exchange (config.shares_scaler; a per-rank scaler with the
-    # sharded exchange is refused there, as TernGradConfig refuses it)
-    cfg = cfg.replace(exchange=TERNGRAD_METHODS[method])
-    decide_on = auto_network or network
-    plan = pm.plan_buffers(method, sizes, N, decide_on, cfg.packing, fusion_bytes, fusion_numel,
-                           config=cfg, names=names, hierarchical=hierarchical,
-                           step_allreduces=pm.HOROVOD_STEP_ALLREDUCES if joins else 0,
-                           ranks_per_node=network.ranks_per_node)
-    node_aware = pm.TERNGRAD_HIERARCHICAL
-    groups = [b for b in plan if b.exchange in (pm.TERNGRAD_ALLGATHER,) + _TWO_STAGE_KINDS + (node_aware,)]
-    plain = {i for b in plan if b.exchange == pm.FP32 for i in b.members}   # kept at fp32
-    group_of = {i: g for g, b in enumerate(groups) for i in b.members}
-    last_member = {b.members[-1]: g for g, b in enumerate(groups)}
-    kinds = [b.exchange for b in groups]
-    numel = [sum(b.sizes) for b in groups]
-    handshake = [wire.handshake_size([wire.num_buckets(n, b.bucket_size) for n in b.sizes]) for b in groups]
-    payload = [sum(wire.payload_size(n, cfg.packing, b.bucket_size) for n in b.sizes) for b in groups]
-    # sharded: every member sharded on its own; (bytes to each peer, bytes of sums per owner), slowest rank
-    shard = [_two_stage_bytes(TERNGRAD_METHODS.get(k, ""), b.sizes, N, cfg) for b, k in zip(groups, kinds)]
-    hier = [g for g, k in enumerate(kinds) if k == node_aware]
-    M = G = 1
-    if hier:
-        M, G = pm.node_shape(N, network)
-        if local_rank is not None and not 0 <= int(local_rank) < G:
-            raise ValueError(f"local_rank must be in [0, {G}), got {local_rank!r}")
-    intra = network.intra_node or network          # exchange.cost.hierarchical_cost's links
-    xlink = cost.cross_network(network, G)
-    # the intra-node stages' bytes: the largest shard to each local peer, the largest shard + status words
-    intra_bytes = {g: topology.intra_node_bytes(groups[g].sizes, G, cfg.intra_node_width) for g in hier}
-    split = {g: topology.shard_plan(groups[g].sizes, G) for g in hier}
-
-    def cross_of(g: int, j: int) -> dict:
-        """Local rank j's cross exchange of node-aware group g: its pieces among the M ranks of its cross
-        group, with the exchange the transport gives them (the config's, or for "auto" policy.auto_transport on a
-        G-th of the node's link, as hierarchical._start_cross decides)."""
-        pieces = [p.numel for p in split[g][j]]
-        mode = policy.transport_among(groups[g].cross, M)     # the cross engine's setting among M ranks
-        if mode is None:                                       # "auto": per local rank, for its pieces
-            mode = policy.auto_transport(pieces, M, cfg.packing, cfg.bucket_size,
-                                         network=cost.cross_network(decide_on, G),
-                                         shared_scaler=cfg.scaler_shared_for("allgather")) if pieces else "allgather"
-        return {"pieces": pieces, "shard": sum(pieces), "mode": mode, "shared": cfg.scaler_shared_for(mode),
-                "payload": sum(wire.payload_size(n, cfg.packing, cfg.bucket_size) for n in pieces),
-                "handshake": wire.handshake_size([wire.num_buckets(n, cfg.bucket_size) for n in pieces]),
-                "sharded": _two_stage_bytes(mode, pieces, M, cfg)}
-
-    def schedule(j: int | None) -> Timeline:
-        chan, local = _Channel(cycle_s), _Channel(cycle_s)     # inter-node channel, intra-node channel
-        main, codec_s = fwd, 0.0
-        issued = []                               # TernGrad's collectives, in the order the engine issues them
-        hx = {g: cross_of(g, j) for g in hier}
-
-        def work(seconds: float) -> None:
-            nonlocal main, codec_s
-            main += seconds
-            codec_s += seconds
-
-        def submit(ch: _Channel, kind: str, label: str, fn, nbytes: float, ranks: int, lk: pm.Network,
-                   *extra) -> None:
-            lat, bw = _split(fn, nbytes, ranks, lk, *extra)
-            ch.submit(main, kind, label, lat, bw)
-            issued.append(f"terngrad.{label}")
-
-        def wait(ch: _Channel, label) -> None:
-            nonlocal main
-            main = max(main, ch.finish_time(label))
-
-        # -- the engine's payload stages (exchange/engine.py), for the flat groups and, as the node-aware
-        # transport reuses that engine among the M ranks of its cross group, for local rank j's pieces
-        def exchange_of(g: int) -> _Payload:
-            return _Payload(str(g), numel[g], TERNGRAD_METHODS[kinds[g]] if kinds[g] in _TWO_STAGE_KINDS else "",
-                            payload[g], shard[g], N, link,
-                            network.ranks_per_node if link is network else N, "allgather")
-
-        def cross_exchange_of(q: int) -> _Payload:
-            x = hx[q]
-            return _Payload(f"{q}.x{j}", x["shard"], x["mode"] if x["mode"] in _TWO_STAGE else "", x["payload"],
-                            x["sharded"], M, xlink,
-                            1, "allgather@cross")
-
-        def send(e: _Payload) -> None:               # engine: _send_per_rank / _after_handshake
-            work(c.encode * e.elements)
-            if e.sharded:
-                submit(chan, "alltoall", f"{_TWO_STAGE[e.sharded][0]}.{e.key}", pm.alltoall_time, e.sharded_bytes[0],
-                       e.ranks, e.link,
-                       e.ranks_per_nic)
-            else:
-                submit(chan, e.allgather_kind, f"ag.{e.key}", pm.ring_allgather_time, e.payload, e.ranks, e.link)
-
-        def advance(pending: list) -> None:
-            """The engine's progress(block=True) over ``pending`` exchanges (in start order): every handshake,
-            then every alltoall that this queued (sharded: the owners' sums and their allgather)."""
-            for e in pending:
-                wait(chan, f"hs.{e.key}")
-                send(e)
-            owner_steps(pending)
-
-        def owner_steps(pending: list) -> None:
-            """Every two-stage exchange of ``pending`` whose alltoall went out, in start order: the owners' work
-            (sharded: add the N chunks; re-ternarized: decode the shard's N payloads, ternarize it again) and
-            their allgather.  Empties ``pending``'s two-stage entries' queue when given one."""
-            for e in pending:
-                if e.sharded:
-                    a2a, ag = _TWO_STAGE[e.sharded]
-                    wait(chan, f"{a2a}.{e.key}")
-                    if e.sharded == "sharded":
-                        work(c.owner_sum * e.elements)
-                    elif e.sharded == "reternarized":   # the owner decodes its shard's N payloads, ternarizes again
-                        work((c.decode_base + c.decode_per_payload * e.ranks + c.prepare + c.encode)
-                             * e.elements / e.ranks)
-                    else:   # requantized: decodes them, forms the noise estimate from them (a second decode's
-                        # work), and encodes the average in 4-bit groups (charged as statistics + encode)
-                        work((2 * (c.decode_base + c.decode_per_payload * e.ranks) + c.prepare + c.encode)
-                             * e.elements / e.ranks)
-                    submit(chan, e.allgather_kind, f"{ag}.{e.key}", pm.ring_allgather_time, e.sharded_bytes[1],
-                           e.ranks, e.link)
-
-        # per-rank two-stage exchanges sent from the hook: their owner steps wait for the engine's next progress
-        # (the first finish), flat and cross engine each their own
-        flat_owner, cross_owner = [], []
-
-        a2a_queue, previous, cross_queue, x_started = [], None, [], []
-        crossed, gathered, live = set(), set(), 0
-        unfinished = {g: len(groups[g].members) for g in hier}
-
-        def start_cross(q: int) -> None:              # hierarchical._start_cross
-            nonlocal x_started
-            wait(local, f"h.a2a.{q}")
-            x = hx[q]
-            work(c.fp32_pass * G * x["shard"])        # node sum: G-1 adds of the shard, then / G
-            cross_queue.append(q)
-            if not x["pieces"]:
-                return
-            work(c.prepare * x["shard"])              # the cross engine's statistics of every piece
-            if not x["shared"]:
-                e = cross_exchange_of(q)              # per-rank scalers: no presence check of its own
-                send(e)
-                if e.sharded:
-                    cross_owner.append(e)
-            else:
-                submit(chan, "allreduce_max@cross", f"hs.{q}.x{j}", pm.allreduce_time, x["handshake"], M, xlink)
-                advance([cross_exchange_of(p) for p in x_started[:-1]])   # its ordered start: every group before the previous one
-                x_started = x_started[-1:] + [q]
-
-        def finish_cross(q: int) -> None:             # hierarchical._finish_cross
-            x = hx[q]
-            if x["pieces"]:
-                wait(chan, f"{_TWO_STAGE.get(x['mode'], ('', 'ag'))[1]}.{q}.x{j}")
-                work(_decode_rate(c, x["mode"], M) * x["shard"])
-            submit(local, "allgather", f"h.ag.{q}", pm.ring_allgather_time, intra_bytes[q][1], G, intra)
-            crossed.add(q)
-
-        started = []                                  # flat shared scaler: handshake out, not advanced
-        presence_sent = h_presence_sent = False
-        for i in order:
-            main += bwd * sizes[i] / total
-            if i in plain:               # kept at full precision: Horovod's fp32 allreduce (fuses with fp32 only)
-                lat, bw = _split(pm.allreduce_time, 4 * sizes[i], N, link)
-                chan.submit(main, "allreduce_fp32", ("ar", i), lat, bw)
-            g = last_member.get(i)
-            if g is None:
-                continue
-            if kinds[g] == node_aware:   # hierarchical.start_group, in the hook
-                if joins and not h_presence_sent:     # its own presence check, at the step's first such group
-                    h_presence_sent = True
-                    submit(chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, N, link)
-                    wait(chan, f"presence.{g}")
-                if len(groups[g].members) > 1:
-                    work(c.fp32_pass * numel[g])      # the members laid end to end
-                submit(local, "alltoall", f"h.a2a.{g}", pm.alltoall_time, intra_bytes[g][0], G, intra, G)
-                live += 1
-                for q in a2a_queue:      # ordered: one group of slack, earlier groups go on across nodes
-                    if q != previous:
-                        start_cross(q)
-                a2a_queue = [q for q in a2a_queue if q == previous] + [g]
-                previous = g
-                continue
-            work(c.prepare * numel[g])       # start_group: the statistics of every member, in the hook
-            if not cfg.scaler_shared_for(TERNGRAD_METHODS[kinds[g]]):   # per-rank ("auto": its allgather groups)
-                if joins and not presence_sent:   # the presence check goes out with the step's first such group
-                    presence_sent = True
-                    submit(chan, "allreduce_i32", f"presence.{g}", pm.allreduce_time, 4, N, link)
-                    wait(chan, f"presence.{g}")
-                e = exchange_of(g)           # payloads leave from the hook, with each rank's own scalers
-                send(e)
-                if e.sharded:
-                    flat_owner.append(e)
-            else:
-                submit(chan, "allreduce_max", f"hs.{g}", pm.allreduce_time, handshake[g], N, link)
-                advance([exchange_of(p) for p in started[:-1]])   # ordered start: every group before the previous one, waiting
-                started = started[-1:] + [g]
-        backward_end = main
-        # the optimizer's synchronize: tensors in hook order; the first flat TernGrad finish advances every
-        # flat group, a node-aware finish every node-aware one (each engine its own queues)
-        for i in order:
-            if i in plain:
-                wait(chan, ("ar", i))
-                continue
-            g = group_of[i]
-            if kinds[g] == node_aware:   # hierarchical.finish
-                if g not in crossed:
-                    for q in a2a_queue:
-                        start_cross(q)
-                    a2a_queue = []
-                    advance([cross_exchange_of(p) for p in x_started])
-                    x_started = []
-                    owner_steps(cross_owner)
-                    cross_owner = []
-                    at = cross_queue.index(g)   # its intra-node allgather and every earlier group's
-                    for q in cross_queue[:at + 1]:
-                        finish_cross(q)
-                    cross_queue = cross_queue[at + 1:]
-                if g not in gathered:
-                    wait(local, f"h.ag.{g}")
-                    gathered.add(g)
-                work(c.fp32_pass * sizes[i])            # the member's values out of the gathered shards
-                unfinished[g] -= 1
-                if unfinished[g] == 0:
-                    live -= 1
-                    if live == 0 and joins:             # the end-of-step sync (Horovod frontend)
-                        submit(chan, "allreduce_i32", f"h.done.{g}", pm.allreduce_time, 4, N, link)
-                        wait(chan, f"h.done.{g}")
-                continue
-            if started:
-                advance([exchange_of(p) for p in started])
-                started = []
-            if flat_owner:
-                owner_steps(flat_owner)
-                flat_owner = []
-            mode = TERNGRAD_METHODS[kinds[g]]
-            wait(chan, f"{_TWO_STAGE.get(mode, ('', 'ag'))[1]}.{g}")
-            work(_decode_rate(c, mode, N) * sizes[i])
-        busy = sum(op[2] + op[3] for op in chan.ops)
-        intra_busy = sum(op[2] + op[3] for op in local.ops)
-        return Timeline(method, N, main, compute_s, backward_end, busy, codec_s, chan.rounds() + local.rounds(),
-                        len(issued), tuple(issued), intra_busy, j)
-
-    if not hier:
-        return schedule(None)
-    ranks = range(G) if local_rank is None else [int(local_rank)]
-    return max((schedule(j) for j in ranks), key=lambda t: t.step_s)    # ties: the lowest local rank
+        return _full_precision_step(step, fusion_bytes)
+    if method not in pm.TERNGRAD_METHODS:
+        raise ValueError(f"method must be one of {(pm.FP32, pm.FP16) + pm.TERNGRAD_METHODS}, got {method!r}")
+    plan = _plan_groups(step, config, packing, fusion_bytes, fusion_numel, names, auto_network, hierarchical)
+    if not plan.hier:
+        return _Schedule(step, plan, None).run()
+    if local_rank is not None and not 0 <= int(local_rank) < plan.G:
+        raise ValueError(f"local_rank must be in [0, {plan.G}), got {local_rank!r}")
+    ranks = range(plan.G) if local_rank is None else [int(local_rank)]
+    return max((_Schedule(step, plan, j).run() for j in ranks), key=lambda t: t.step_s)    # ties: the lowest local rank
 
 
 HOROVOD_CYCLE_TIME_S = 1e-3     #: Horovod 0.28's default HOROVOD_CYCLE_TIME: its background loop's period
@@ -665,5 +672,5 @@ def scheduled_scaling(model: pm.ModelSpec, cluster: pm.Cluster, workers: Sequenc
     return rows
 
 
-__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "TERNGRAD_METHODS", "Timeline", "measure_codec_rates", "method_of",
-           "negotiation_s", "scheduled_scaling", "timeline_step"]
+__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "Timeline", "measure_codec_rates", "method_of", "negotiation_s",
+           "scheduled_scaling", "timeline_step"]
