@@ -526,6 +526,85 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
     assert len(said) == 1 and "measured" not in said[0], said
 
 
+class _Issued:
+    """A rank's collectives that record the name of every collective issued on them, in issue order."""
+
+    def __init__(self, inner):
+        self.inner, self.issued = inner, []
+
+    def __getattr__(self, attr):
+        got = getattr(self.inner, attr)
+        if not attr.endswith("_async"):
+            return got
+
+        def issue(*args, **kw):
+            self.issued.append(next(a for a in args if isinstance(a, str)))
+            return got(*args, **kw)
+        return issue
+
+
+# measured links (Gbit/s across nodes, inside a node) and what hierarchical="auto" plans on them for one group of
+# 90,000 elements on 2 nodes x 2 ranks: inside no faster than across (the 2 emulated hosts of 2 ranks at 1 Gbit/s,
+# where the plan is flat), and a fast node on a slow network (node-aware)
+PLANNED_LINKS = {"flat": (1.2, 1.2), "node-aware": (1.0, 100.0)}
+
+
+@pytest.mark.parametrize("links", list(PLANNED_LINKS))
+def test_the_plan_is_made_before_the_first_exchange_and_its_one_line_names_what_runs(monkeypatch, caplog, links):
+    """The plan step (``plan_exchange``) measures the links and decides node-aware or flat before the first
+    exchange: every collective of the measurement comes before the first collective of an exchange, and none after.
+    Rank 0 says the plan in one line, and what runs is what the line says: the node-aware exchange with the
+    transport it names across nodes, or the flat exchange with the transport it names among all ranks."""
+    import logging
+
+    from horovod_terngrad.exchange import engine as engine_mod, link
+    from horovod_terngrad.exchange.thread_collectives import run_ranks
+    from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
+    monkeypatch.delenv("HOROVOD_TERNGRAD_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_INTRA_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_MEASURE_LINKS", raising=False)
+    monkeypatch.setattr(engine_mod, "_stated", set())
+    across, inside = PLANNED_LINKS[links]
+
+    def probe(coll, device, name):        # the ring's times at the rate of the link it crosses
+        gbps = inside if name.endswith(".node") else across
+        return 0.01, 0.01 + link.sent_bytes(coll, link.LARGE_NUMEL - link.SMALL_NUMEL) / (gbps * 1e9 / 8)
+    monkeypatch.setattr(link, "probe", probe)
+    topo = TOPOS["2x2"]
+
+    def body(c):
+        rec = _Issued(c)
+        local = WorldGroupCollectives(rec, topo.local_ranks_of(c.rank))
+        cross = WorldGroupCollectives(rec, topo.cross_ranks_of(c.rank))
+        ex = HierarchicalEngine(Engine(rec, TernGradConfig()), local, cross, topo, over="over world collectives")
+        ex.plan_exchange(torch.device("cpu"))
+        planned = len(rec.issued)
+        tk = ex.start(grad((300, 300), c.rank), "w")
+        ex.finish(tk)
+        # what ran, from the collectives' names: the node's alltoall, then the allgather transport across nodes
+        # (terngrad.ag.w.x), or the allgather transport among all ranks (terngrad.ag.w)
+        exchanged = [n for n in rec.issued[planned:] if not n.startswith("terngrad.presence")]
+        return rec.issued, planned, (isinstance(tk, HierarchicalTicket), tuple(exchanged))
+
+    with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
+        res = run_ranks(topo.size, body, timeout=120)
+    for issued, planned, _ in res:
+        assert planned > 0 and all(n.startswith("terngrad.link.") for n in issued[:planned]), issued
+        assert issued[planned:] and not any(n.startswith("terngrad.link.") for n in issued[planned:]), issued
+    ran = {r[2] for r in res}
+    if links == "node-aware":
+        assert ran == {(True, ("terngrad.h.a2a.w", "terngrad.ag.w.x", "terngrad.h.ag.w"))}, ran
+    else:
+        assert ran == {(False, ("terngrad.ag.w",))}, ran
+    said = [r.getMessage() for r in caplog.records if "TernGrad plan" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    if links == "node-aware":
+        assert "node-aware for groups of" in said[0] or "node-aware for every group" in said[0], said
+        assert "across nodes the allgather exchange among 2 ranks" in said[0], said
+    else:
+        assert "flat for every group" in said[0] and "flat: the allgather exchange among 4 ranks" in said[0], said
+
+
 def _priced_links_2x2() -> list:
     """Every rank's (name, rate across, rate inside) of the network hierarchical='auto' prices on 2 nodes x 2 ranks,
     after one exchange."""
