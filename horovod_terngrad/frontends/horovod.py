@@ -227,7 +227,8 @@ class TernGradCompressor:
             if len(batch.arrived) == len(batch.members):
                 batch.start()
             return empty, FusedMember(batch, name)
-        ticket = engine.start(tensor, name, average=average, in_place=optimizer is not None, route=verdict)
+        ticket, = engine.start_group([(tensor, name)], name, average=average, in_place=optimizer is not None,
+                                     routes=[verdict])
         return empty, (ticket if scale == 1.0 else Scaled(ticket, scale))
 
     @staticmethod
