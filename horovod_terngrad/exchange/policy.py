@@ -90,7 +90,7 @@ def transport_among(setting: str | None, n_ranks: int) -> str | None:
 
 
 def measures_link(config) -> bool:
-    """Whether the flat engine measures its link before its first ternarized tensor (exchange/link.py): "auto"
+    """Whether the flat engine's plan step measures its link, before its first exchange (exchange/link.py): "auto"
     prices the measured link, and leaves the tensors at full precision where ternarizing does not pay there."""
     return config.exchange == AUTO
 
