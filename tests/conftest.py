@@ -1,6 +1,6 @@
 """Settings for the whole test session.
 
-``hierarchical="auto"`` (the default) measures the links at its first group unless a rate is given
+``hierarchical="auto"`` (the default) measures the links in its plan step unless a rate is given
 (exchange/hierarchical.py, ``measures_links``).  On a test machine's shared cores that measurement of loopback and
 memory varies from run to run, and with it which groups go node-aware, so a test that launches ranks on emulated
 nodes would assert something timing decides.  They price the configured link instead (1 Gbit/s, the rate used

@@ -614,16 +614,16 @@ def test_link_decision_ternarizes_on_slow_links_and_not_where_the_codec_costs_mo
 def test_auto_measures_the_link_once_and_every_rank_agrees(world):
     def body(c):
         ex = Engine(c, TernGradConfig(exchange="auto"))
-        first = ex.compression_pays(torch.device("cpu"))
+        first = ex.plan_exchange(torch.device("cpu")).compresses
         link = ex.link
-        ex.compression_pays(torch.device("cpu"))          # decided: no more collectives
+        assert ex.plan_exchange(torch.device("cpu")) is ex.plan        # made: no more collectives
         assert ex.link is link
         return first, (link.ranks, link.allreduce_Bps, link.codec_s_per_element)
 
     results = run_ranks(world, body, timeout=60)
     assert len(set(results)) == 1 and results[0][1][0] == world and results[0][1][1] > 0
     # not "auto": nothing is measured
-    assert run_ranks(2, lambda c: (Engine(c, TernGradConfig(exchange="allgather")).compression_pays(torch.device("cpu")),)) == [(True,)] * 2
+    assert run_ranks(2, lambda c: (Engine(c, TernGradConfig(exchange="allgather")).plan_exchange(torch.device("cpu")).link,)) == [(None,)] * 2
 
 
 def test_auto_prices_the_rate_the_user_gives_and_runs_no_probe(monkeypatch):
@@ -635,24 +635,25 @@ def test_auto_prices_the_rate_the_user_gives_and_runs_no_probe(monkeypatch):
 
     def body(c):
         ex = Engine(c, TernGradConfig(exchange="auto"))
-        ex.compression_pays(torch.device("cpu"))
+        ex.plan_exchange(torch.device("cpu"))
         return ex.link.allreduce_Bps, ex.link.measured_Bps, "HOROVOD_TERNGRAD_GBPS" in ex.link.describe()
 
     assert run_ranks(2, body, timeout=60) == [(400e9 / 8, 0.0, True)] * 2
 
 
 def test_auto_leaves_the_decision_open_while_a_rank_is_in_join():
-    """A rank in hvd.join() adds 0 to the count: the others keep ternarizing and ask again next time, so the
-    joined rank, back in the next epoch, takes part in the measurement with them."""
+    """A rank in hvd.join() adds 0 to the count: the plan step leaves the plan unsettled, the others keep
+    ternarizing, and their next plan step asks again, so the joined rank, back in the next epoch, takes part in the
+    measurement with them."""
     def body(c):
         if c.rank == 2:
             return c.join(), None
         ex = Engine(c, TernGradConfig(exchange="auto"))
-        pays = ex.compression_pays(torch.device("cpu"))
-        return c.join(), (pays, ex.link)
+        plan = ex.plan_exchange(torch.device("cpu"))
+        return c.join(), (plan.compresses, ex.link, plan.settled, ex.planned)
 
     results = run_ranks(3, body, timeout=60)
-    assert [r[1] for r in results[:2]] == [(True, None)] * 2
+    assert [r[1] for r in results[:2]] == [(True, None, False, False)] * 2
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])

@@ -485,7 +485,7 @@ def test_cost_model_charges_the_plans_sizes_and_prefers_the_hierarchy_on_slow_li
 
 
 def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatch, caplog):
-    """hierarchical="auto" without a configured rate (no HOROVOD_TERNGRAD_GBPS): the first group measures the link
+    """hierarchical="auto" without a configured rate (no HOROVOD_TERNGRAD_GBPS): the plan step measures the link
     across nodes (a world probe) and inside a node (each node's, agreed as the mean over the job), every rank
     prices the same measured network, rank 0 says what it measured and chose in one line; the averages are still
     bit for bit one of the two plans' (both are exact functions of the data).  With a rate given, nothing is
@@ -498,27 +498,111 @@ def test_hierarchical_auto_measures_the_links_once_agrees_and_says_so(monkeypatc
 
     def body(c, local, cross):
         ex = engine(cfg, c, local, cross, topo)
+        ex.plan_exchange(torch.device("cpu"))
         outs = [ex.allreduce(grad((300, 300), c.rank, step), "w") for step in range(2)]
-        net = ex.network(torch.device("cpu"))
+        net = ex.plan.network
         return outs, (net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps)
 
     with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
         res, errs = run_hier(topo, body)
     assert errs == [None] * topo.size, errs
     assert len({r[1] for r in res}) == 1 and res[0][1][0] == "measured" and res[0][1][1] > 0
-    said = [r for r in caplog.records if "measured" in r.getMessage() and "across nodes" in r.getMessage()]
+    said = [r for r in caplog.records if "TernGrad plan" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said     # seen with Python's default logging
     text = said[0].getMessage()
-    assert "hierarchical='auto'" in text and "priced as" in text and "plan: " in text and "\n" not in text, text
+    assert text.startswith(f"TernGrad plan on {topo.describe()} (hierarchical='auto'): "), text
+    assert "measured" in text and "across nodes" in text and "priced as" in text and "\n" not in text, text
     for step in range(2):
         assert all(torch.equal(r[0][step], res[0][0][step]) for r in res)
 
+    from horovod_terngrad.exchange import engine as engine_mod
     monkeypatch.setenv("HOROVOD_TERNGRAD_GBPS", "1")
+    monkeypatch.setattr(engine_mod, "_stated", set())        # a line said earlier in this process is not said again
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
         res2, errs = run_hier(topo, body)
     assert errs == [None] * topo.size and res2[0][1][0] == "configured"
-    assert not [r for r in caplog.records if "across nodes" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "TernGrad plan" in r.getMessage()]
+    assert len(said) == 1 and "measured" not in said[0], said
+
+
+class _Issued:
+    """A rank's collectives that record the name of every collective issued on them, in issue order."""
+
+    def __init__(self, inner):
+        self.inner, self.issued = inner, []
+
+    def __getattr__(self, attr):
+        got = getattr(self.inner, attr)
+        if not attr.endswith("_async"):
+            return got
+
+        def issue(*args, **kw):
+            self.issued.append(next(a for a in args if isinstance(a, str)))
+            return got(*args, **kw)
+        return issue
+
+
+# measured links (Gbit/s across nodes, inside a node) and what hierarchical="auto" plans on them for one group of
+# 90,000 elements on 2 nodes x 2 ranks: inside no faster than across (the 2 emulated hosts of 2 ranks at 1 Gbit/s,
+# where the plan is flat), and a fast node on a slow network (node-aware)
+PLANNED_LINKS = {"flat": (1.2, 1.2), "node-aware": (1.0, 100.0)}
+
+
+@pytest.mark.parametrize("links", list(PLANNED_LINKS))
+def test_the_plan_is_made_before_the_first_exchange_and_its_one_line_names_what_runs(monkeypatch, caplog, links):
+    """The plan step (``plan_exchange``) measures the links and decides node-aware or flat before the first
+    exchange: every collective of the measurement comes before the first collective of an exchange, and none after.
+    Rank 0 says the plan in one line, and what runs is what the line says: the node-aware exchange with the
+    transport it names across nodes, or the flat exchange with the transport it names among all ranks."""
+    import logging
+
+    from horovod_terngrad.exchange import engine as engine_mod, link
+    from horovod_terngrad.exchange.thread_collectives import run_ranks
+    from horovod_terngrad.exchange.world_groups import WorldGroupCollectives
+    monkeypatch.delenv("HOROVOD_TERNGRAD_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_INTRA_GBPS", raising=False)
+    monkeypatch.delenv("HOROVOD_TERNGRAD_MEASURE_LINKS", raising=False)
+    monkeypatch.setattr(engine_mod, "_stated", set())
+    across, inside = PLANNED_LINKS[links]
+
+    def probe(coll, device, name):        # the ring's times at the rate of the link it crosses
+        gbps = inside if name.endswith(".node") else across
+        return 0.01, 0.01 + link.sent_bytes(coll, link.LARGE_NUMEL - link.SMALL_NUMEL) / (gbps * 1e9 / 8)
+    monkeypatch.setattr(link, "probe", probe)
+    topo = TOPOS["2x2"]
+
+    def body(c):
+        rec = _Issued(c)
+        local = WorldGroupCollectives(rec, topo.local_ranks_of(c.rank))
+        cross = WorldGroupCollectives(rec, topo.cross_ranks_of(c.rank))
+        ex = HierarchicalEngine(Engine(rec, TernGradConfig()), local, cross, topo, over="over world collectives")
+        ex.plan_exchange(torch.device("cpu"))
+        planned = len(rec.issued)
+        tk = ex.start(grad((300, 300), c.rank), "w")
+        ex.finish(tk)
+        # what ran, from the collectives' names: the node's alltoall, then the allgather transport across nodes
+        # (terngrad.ag.w.x), or the allgather transport among all ranks (terngrad.ag.w)
+        exchanged = [n for n in rec.issued[planned:] if not n.startswith("terngrad.presence")]
+        return rec.issued, planned, (isinstance(tk, HierarchicalTicket), tuple(exchanged))
+
+    with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
+        res = run_ranks(topo.size, body, timeout=120)
+    for issued, planned, _ in res:
+        assert planned > 0 and all(n.startswith("terngrad.link.") for n in issued[:planned]), issued
+        assert issued[planned:] and not any(n.startswith("terngrad.link.") for n in issued[planned:]), issued
+    ran = {r[2] for r in res}
+    if links == "node-aware":
+        assert ran == {(True, ("terngrad.h.a2a.w", "terngrad.ag.w.x", "terngrad.h.ag.w"))}, ran
+    else:
+        assert ran == {(False, ("terngrad.ag.w",))}, ran
+    said = [r.getMessage() for r in caplog.records if "TernGrad plan" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    if links == "node-aware":
+        assert "node-aware for groups of" in said[0] or "node-aware for every group" in said[0], said
+        assert "across nodes the allgather exchange among 2 ranks" in said[0], said
+    else:
+        assert "flat for every group" in said[0] and "flat: the allgather exchange among 4 ranks" in said[0], said
 
 
 def _priced_links_2x2() -> list:
@@ -528,8 +612,9 @@ def _priced_links_2x2() -> list:
 
     def body(c, local, cross):
         ex = engine(TernGradConfig(), c, local, cross, topo)
+        ex.plan_exchange(torch.device("cpu"))
         ex.allreduce(grad((300, 300), c.rank, 0), "w")
-        net = ex.network(torch.device("cpu"))
+        net = ex.plan.network
         return net.name, net.bandwidth_Bps, net.intra_node.bandwidth_Bps
 
     res, errs = run_hier(topo, body)
@@ -564,33 +649,33 @@ def test_hierarchical_auto_a_rate_given_inside_a_node_is_kept_and_the_link_acros
     assert set(res) == {("measured", 1e9 / 8, 7e9 / 8)}          # 1.2 measured, priced as 1; 7 as given
 
 
-def test_the_frontends_say_once_on_rank_0_what_travels_inside_a_node(caplog):
-    """The frontends' one line on rank 0 when the node-aware exchange runs names the topology and what the
-    exchange sends inside a node (the default bf16, or float32), once per topology and transport."""
+def test_the_plan_line_says_once_on_rank_0_what_travels_inside_a_node(caplog):
+    """Rank 0's one plan line of a node-aware engine names the topology, which groups go node-aware, what the
+    exchange sends inside a node (the default bf16, or float32) and what carries it, once per line; other ranks say
+    nothing.  Where the node-aware exchange cannot run, the flat plan's line says why and names the exchange the
+    defaults pick among its ranks (the requantized one above 4), at INFO where that is quiet."""
     import logging
-    from types import SimpleNamespace
 
-    from horovod_terngrad.frontends import hierarchy
+    from horovod_terngrad.exchange import cost, engine as engine_mod, policy
     topo = TOPOS["2x2"]
     for dtype in ("bfloat16", "float32"):
+        cfg = TernGradConfig(intra_node_dtype=dtype, hierarchical=True)
+        plan = policy.node_exchange_plan(policy.exchange_plan(cfg, 4), 2, 2, topo.describe(),
+                                         cost.configured_network(2), over=f"test transport {dtype}")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
             for rank in (0, 1, 0):
-                flat = SimpleNamespace(coll=SimpleNamespace(rank=rank),
-                                       config=TernGradConfig(intra_node_dtype=dtype))
-                hierarchy._said_on(flat, topo, f"test transport {dtype}")
-        said = [r.getMessage() for r in caplog.records if "node-aware exchange" in r.getMessage()]
-        assert said == [f"TernGrad: node-aware exchange (hierarchical='auto') on {topo.describe()}, {dtype} inside "
-                        f"a node, test transport {dtype}; across nodes the allgather exchange among 2 ranks "
-                        f"(exchange='default')"], said
-    # the flat path names the exchange the defaults pick among its ranks too: the requantized one above 4
-    hierarchy._said.clear()
+                engine_mod.say_plan(plan, rank)
+        said = [r.getMessage() for r in caplog.records if "TernGrad plan" in r.getMessage()]
+        assert said == [f"TernGrad plan on {topo.describe()} (hierarchical=True): node-aware for every group; "
+                        f"node-aware: {dtype} inside a node, test transport {dtype}, across nodes the allgather "
+                        f"exchange among 2 ranks (exchange='default')"], said
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="horovod_terngrad"):
-        flat = SimpleNamespace(coll=SimpleNamespace(rank=0, size=8), config=TernGradConfig())
-        hierarchy._flat(flat, "all 8 ranks are on one node", quiet=True)
-    said = [r.getMessage() for r in caplog.records if "node-aware exchange off" in r.getMessage()]
-    assert len(said) == 1 and said[0].endswith("(flat), the requantized exchange among 8 ranks (exchange='default')")
+        engine_mod.say_plan(policy.exchange_plan(TernGradConfig(), 8, off=("all 8 ranks are on one node", True)), 0)
+    said = [r for r in caplog.records if "node-aware exchange off" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert said[0].getMessage().endswith("(flat), the requantized exchange among 8 ranks (exchange='default')")
 
 
 def test_the_simulator_with_nodes_and_the_defaults_does_not_measure_links(monkeypatch):

@@ -73,7 +73,7 @@ def test_the_engine_runs_the_policys_transport(setting):
     for N in (2, 5, 8):
         engine = Engine(ThreadWorld(N).ranks()[0], cfg)
         for sizes in SIZES.values():
-            assert engine._mode(sizes) == policy.flat_plan(cfg, sizes, N).transport
+            assert engine.plan.transport(sizes) == policy.flat_plan(cfg, sizes, N).transport
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

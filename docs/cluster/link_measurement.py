@@ -1,6 +1,6 @@
 """One short Horovod job (one rank per process, mpirun on the emulated cluster of link_measurement.sh): an MLP of
 4 layers 1024 x 1024 (4.2M parameters in 8 tensors) trained a few steps with TernGrad at its defaults
-(hierarchical="auto", no HOROVOD_TERNGRAD_GBPS: the links are measured at the first group).  Rank 0 prints one
+(hierarchical="auto", no HOROVOD_TERNGRAD_GBPS: the links are measured by the plan step, before the first exchange).  Rank 0 prints one
 JSON line: the links as measured and as priced, the plan of each fused group of the step, and the bytes through
 its host's eth0 per step after the first (the step that measures).  Works on a tree without link.measure_links
 too (the figures then are the network it priced, unsnapped)."""
@@ -68,8 +68,8 @@ hvd.allreduce(torch.zeros(1), name="barrier")
 c1 = counters()
 if hvd.rank() == 0:
     eng = TernGrad.engine()
-    net = eng.network(torch.device("cpu")) if isinstance(eng, HierarchicalEngine) else None
-    plan = [eng.plan(g, torch.device("cpu")).hierarchical for g in first_groups] if net is not None else []
+    net = eng.plan.network if isinstance(eng, HierarchicalEngine) else None
+    plan = [eng.plan.group(g).hierarchical for g in first_groups] if net is not None else []
     row = dict(
         ranks=hvd.size(), params=sum(p.numel() for p in model.parameters()),
         priced_across_gbps=8 * net.bandwidth_Bps / 1e9 if net else None,

@@ -7,7 +7,8 @@ One gradient's path, for a group of one tensor or several fused ones (shared sca
    vector (handshake.py) goes out as one asynchronous allreduce-max.  Groups whose handshakes are back
    are advanced right away (step 2).
 2. When a handshake is back (``progress``): every member is ternarized with the agreed scalers and
-   packed; the payloads travel by the group's transport, which policy.py plans per group: ``allgather.py``
+   packed; the payloads travel by the group's transport, which the engine's plan names per group
+   (``policy.ExchangePlan``, made once by the plan step, ``plan_exchange``, before the first exchange): ``allgather.py``
    (every rank gets every payload), ``sharded.py`` (alltoall to shard owners, owners' sums by allgather),
    ``reternarized.py`` and ``requantized.py`` (alltoall to shard owners, who encode their shard's sum again,
    then an allgather of those), or ``joined.py`` (while a rank is in ``hvd.join()``).
@@ -49,6 +50,7 @@ from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
 log = logging.getLogger("horovod_terngrad")
+_stated: set = set()        # the plan lines rank 0 said in this process
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRANSPORTS = {"allgather": allgather, "sharded": sharded, "reternarized": reternarized, "requantized": requantized,
@@ -65,6 +67,19 @@ def check_gradient(tensor: torch.Tensor, name: str) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(f"TernGrad: gradient '{name}' has dtype {tensor.dtype}; ternary compression "
                         "needs a floating-point tensor (float16, bfloat16, float32 or float64)")
+
+
+def say_plan(plan: policy.ExchangePlan, rank: int) -> None:
+    """Rank 0 says a settled plan in one line (``policy.ExchangePlan.statement``), once per process and line (an engine
+    made again for a new Horovod world with the same plan says nothing new): at WARNING level where it rests on a
+    measurement, where ternarizing does not pay, or where the node-aware exchange cannot run where it would matter;
+    else at INFO."""
+    if rank != 0 or not plan.settled:
+        return
+    line = plan.statement()
+    if line not in _stated:
+        _stated.add(line)
+        log.log(logging.WARNING if plan.loud else logging.INFO, line)
 
 
 def settle_full_precision(out: torch.Tensor, name: str, config: TernGradConfig, stats: ExchangeStats,
@@ -160,11 +175,11 @@ class Group:
     """The tensors that share one handshake and one exchange (one tensor, or several fused), and the
     state of their collectives."""
 
-    __slots__ = ("name", "members", "mode", "bucket_size", "presence", "hs", "a2a", "a2a_own", "ag", "sent", "bytes_sent",
-                 "gathered", "walked", "gather_error", "unfinished")
+    __slots__ = ("name", "members", "transport", "bucket_size", "presence", "hs", "a2a", "a2a_own", "ag", "sent",
+                 "bytes_sent", "gathered", "walked", "gather_error", "unfinished")
 
-    def __init__(self, name: str, members: list, mode: str, bucket_size: int = 0):
-        self.name, self.members, self.mode = name, members, mode
+    def __init__(self, name: str, members: list, transport: str, bucket_size: int = 0):
+        self.name, self.members, self.transport = name, members, transport
         self.bucket_size = bucket_size   # the configured buckets of its exchange (TernGradConfig.bucket_size)
         self.presence = self.hs = self.a2a = self.ag = None
         self.a2a_own = 0                 # sharded: bytes of the alltoall addressed to this rank itself
@@ -218,7 +233,12 @@ class Engine:
         self._warned_nonfinite: set = set()
         self.ordered = ordered
         self._previous: Group | None = None     # the group started last (ordered: left in flight)
-        self.link: link.LinkDecision | None = None   # exchange="auto": the measured link, once agreed
+        # what it runs (policy.ExchangePlan): until the plan step (plan_exchange), the configured network's plan
+        self.plan = policy.exchange_plan(self.config, collectives.size)
+        self.planned = False        # the plan step made a settled plan
+        # why the node-aware exchange cannot run over this engine's ranks, and whether that is quiet (one node, or one
+        # rank per node), where a frontend found it so (frontends/hierarchy.py): its plan says so
+        self.node_aware_off: tuple = ()
         # the caller guarantees every rank sends the same members, sizes and settings (checked by the caller
         # once): the allgather transport then decodes without reading headers on the host (no GPU sync)
         self.layout_known = False
@@ -228,21 +248,37 @@ class Engine:
         # transports; the allgather's walk reads headers on the host anyway)
         self.nonfinite_on_device = False
 
-    def compression_pays(self, device: torch.device) -> bool:
-        """Whether tensors the policy would ternarize should be (frontends ask before starting one).
-        True unless ``exchange="auto"`` measured a link on which the full-precision allreduce is faster
-        (exchange/link.py; the first call measures, with collectives every rank issues at the same point:
-        its first tensor to ternarize).  Until every rank has taken part in the measurement, True."""
-        if not policy.measures_link(self.config):
-            return True
-        if self.link is None:
+    @property
+    def link(self) -> "link.LinkDecision | None":
+        """The link ``exchange="auto"`` measured and agreed in the plan step (None: not measured)."""
+        return self.plan.link
+
+    def plan_exchange(self, device: torch.device) -> policy.ExchangePlan:
+        """The plan step: measure what the settings price (``exchange="auto"``: the link, exchange/link.py), make the
+        plan every later exchange reads (``policy.ExchangePlan``: per group its transport; whether ternarizing
+        pays at all), and say it on rank 0 in one line.  A measurement is collective, so every rank of the engine
+        calls this at the same point before its first exchange (the frontends: at their first tensor to ternarize).
+        Later calls return the plan made; a plan made while a rank was in ``hvd.join()`` (``settled`` False: nothing
+        could be measured) is made again by the next call.  An engine whose plan step never runs (a driver of its
+        own, the simulator) exchanges on the configured network's plan."""
+        if not self.planned:
+            self.plan = self.measure_plan(device)
+            self.planned = self.plan.settled
+            say_plan(self.plan, self.coll.rank)
+        return self.plan
+
+    def measure_plan(self, device: torch.device) -> policy.ExchangePlan:
+        """The plan on what this engine measures (the plan step's work, without saying it): collectives every rank
+        of the engine issues alike."""
+        decision = None
+        if policy.measures_link(self.config):
             try:
-                self.link = link.measure(self.coll, device, self.config.packing)
+                decision = link.measure(self.coll, device, self.config.packing)
             except CollectiveError as e:
                 raise e.detailed("TernGrad: measuring the link for exchange='auto' failed")
-            if self.link is not None and self.coll.rank == 0 and self.coll.size > 1:
-                (log.info if self.link.compresses else log.warning)("%s", self.link.describe())
-        return self.link is None or self.link.compresses
+        return policy.exchange_plan(self.config, self.coll.size, decision,
+                                    settled=decision is not None or not policy.measures_link(self.config),
+                                    off=self.node_aware_off)
 
     # -- public -------------------------------------------------------------------------------
     def start(self, tensor: torch.Tensor, name: str, average: bool = True, in_place: bool = False,
@@ -254,11 +290,11 @@ class Engine:
         return self.start_group([(tensor, name)], name, average, in_place, routes=[route])[0]
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
-                    mode: str | None = None, routes: list | None = None, want_noise: list | None = None) -> list:
+                    transport: str | None = None, routes: list | None = None, want_noise: list | None = None) -> list:
         """Begin averaging several tensors ``[(tensor, name), ...]`` with one handshake and one exchange
         named after ``group`` (tensor fusion; every rank must form the same groups, in the same member
-        order).  Results are bit-identical to starting each tensor alone.  The transport is the one
-        policy.py plans for the whole group (``mode``: a caller that decided already, the hierarchical
+        order).  Results are bit-identical to starting each tensor alone.  The transport is the one the
+        engine's plan names for the whole group (``transport``: a caller that decided already, the hierarchical
         exchange).  ``routes``: one ``precision.Route`` (or None) per item; ``want_noise``: or, without a route,
         whether each item asks for the noise estimate (the node-aware exchange's pieces).  Returns one ticket per
         item, each finished with ``finish``."""
@@ -267,7 +303,7 @@ class Engine:
         tickets = []
         device = items[0][0].device if items else None
         backend = backends.for_device(device) if items else None
-        mode = mode or (self._mode([t.numel() for t, _ in items]) if items else cfg.exchange)
+        transport = transport or (self.plan.transport([t.numel() for t, _ in items]) if items else cfg.exchange)
         buckets = cfg.bucket_size
         for tensor, name in items:
             check_gradient(tensor, name)
@@ -279,7 +315,7 @@ class Engine:
             flat = flat.contiguous()
             if flat.device != device:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({flat.device} for '{name}')")
-            bucket = (reternarized.encode_bucket(self, flat.numel(), buckets) if mode in SHARDED_FIRST_STAGE
+            bucket = (reternarized.encode_bucket(self, flat.numel(), buckets) if transport in SHARDED_FIRST_STAGE
                       else buckets)
             prep = backend.prepare(flat, bucket, cfg.clip_factor)
             tk = Ticket(self, name, tensor.shape, tensor.dtype, flat, prep.threshold,
@@ -293,13 +329,13 @@ class Engine:
         follow_routes(tickets, routes)
         for tk, wanted in zip(tickets, want_noise or ()):
             tk.want_noise = bool(wanted)
-        grp = Group(group, tickets, mode, buckets)
+        grp = Group(group, tickets, transport, buckets)
         for tk in tickets:
             tk.group = grp
         if not tickets:
             return tickets
         self.stats.codec_s += time.perf_counter() - t0
-        if cfg.scaler_shared_for(grp.mode):
+        if cfg.scaler_shared_for(grp.transport):
             self._start_with_handshake(grp)
             return tickets
         if not self.joins:            # no rank can be in a join: payloads leave at once
@@ -366,7 +402,7 @@ class Engine:
                                                  block, keep)
         # (the first stage may have queued new alltoalls; they are advanced here too)
         self._awaiting_alltoall = self._advance(self._awaiting_alltoall, lambda g: g.a2a,
-                                                lambda g: TRANSPORTS[g.mode].after_alltoall(self, g), block, keep)
+                                                lambda g: TRANSPORTS[g.transport].after_alltoall(self, g), block, keep)
 
     def settled(self, tickets: list) -> bool:
         """Whether ``finish`` of these tickets would not wait on the network: each one failed, sends nothing,
@@ -393,7 +429,7 @@ class Engine:
         """The member's result from its transport, or None when it sent nothing or is zeroed."""
         if tk.slot is None or tk.zero or tk.poisoned:
             return None
-        return TRANSPORTS[tk.group.mode].receive(self, tk)
+        return TRANSPORTS[tk.group.transport].receive(self, tk)
 
     def _start_with_handshake(self, grp: Group, advance: bool = True) -> None:
         """Send the group's handshake (the agreed scalers, checks, joined ranks), then (``advance``) move
@@ -446,7 +482,7 @@ class Engine:
             self._record(tk, payload, prep.scalers)
             sends.append((tk, payload))
         self.stats.codec_s += time.perf_counter() - t0
-        TRANSPORTS[grp.mode].send(self, grp, sends)
+        TRANSPORTS[grp.transport].send(self, grp, sends)
 
     def _send_handshake(self, grp: Group, hs: torch.Tensor) -> None:
         grp.hs = self.coll.allreduce_max_async(hs, f"terngrad.hs.{grp.name}")
@@ -476,10 +512,6 @@ class Engine:
                             "(on_nonfinite='zero'; warned once per tensor)", msg)
 
     # -- internals ----------------------------------------------------------------------------
-    def _mode(self, numels: list) -> str:
-        """The group's transport, as the policy plans it among this engine's ranks (on the measured link)."""
-        return policy.flat_plan(self.config, numels, self.coll.size, self.link).transport
-
     def _advance(self, queue: list, handle, step, block: bool, keep: "Group | None" = None) -> list:
         """Run ``step`` on the groups but ``keep`` whose collective ``handle(group)`` completed (all, if
         block); return the rest."""
@@ -518,7 +550,7 @@ class Engine:
                                              f"shape {tuple(tk.shape)}, dtype {tk.dtype})")
             return
         if verdict.joined:     # some rank is in hvd.join(): only allreduces work until all have joined
-            grp.mode = "joined"
+            grp.transport = "joined"
         sends = []
         for tk, member in zip(grp.members, verdict.members):
             payload = self._encode_agreed(tk, member)
@@ -526,7 +558,7 @@ class Engine:
                 sends.append((tk, payload))
         self.stats.codec_s += time.perf_counter() - t0
         if sends:
-            TRANSPORTS[grp.mode].send(self, grp, sends)
+            TRANSPORTS[grp.transport].send(self, grp, sends)
 
     def _encode_agreed(self, tk: Ticket, member: handshake.MemberVerdict) -> torch.Tensor | None:
         """One member's payload, ternarized with the agreed scalers, or None if it sends nothing."""
@@ -549,7 +581,7 @@ class Engine:
         """The allgather transport's payload of a member whose optimizer asked for the noise estimate carries the
         sender's squares (codec/squares.py: the estimate's minibatch share is taken out with them).  The
         two-stage transports attach them per shard (reternarized.send)."""
-        tk.squares = tk.want_noise and grp.mode == "allgather"
+        tk.squares = tk.want_noise and grp.transport == "allgather"
         if not tk.squares:
             return payload
         return codec.squares.attach(payload, codec.squares.clipped_square_sums(

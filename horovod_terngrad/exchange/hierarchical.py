@@ -26,7 +26,8 @@ ranks' gradients differ (|mean| < mean |g|) and because each piece's scaler is t
 (examples/study_node_variance.py measures it: docs/study/node_variance).  Bytes crossing a node's link per step: G·(M-1)·P(n/G) for the allgather
 exchange, against G·(N-1)·P(n/N·...) flat, i.e. about (M-1)/(N-1) of the flat exchange's.
 
-Which groups go node-aware is policy.py's (``policy.node_plan``); the bf16 intra-node wire and the buffers
+Which groups go node-aware is policy.py's (``policy.node_plan``, read from the engine's plan, made once by the
+plan step ``plan_exchange``: the links measured where ``hierarchical="auto"`` prices them); the bf16 intra-node wire and the buffers
 reused between steps are node_wire.py's; which ranks share a node, topology.py's.
 
 Joins (Horovod's ``hvd.join()``): the first group of a step asks the whole world, as the per-rank
@@ -45,7 +46,7 @@ from ..codec.packing import device_constant
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
 from . import allgather, cost, link, network_env, policy, topology
 from .collectives import CollectiveError, Collectives
-from .engine import Engine, Ticket, check_gradient, follow_routes
+from .engine import Engine, Ticket, check_gradient, follow_routes, say_plan
 from .node_wire import BufferPool, node_sum, wire_values
 
 log = logging.getLogger("horovod_terngrad")
@@ -83,13 +84,13 @@ class HierarchicalGroup:
 
 
 class HierarchicalEngine:
-    """The engine's interface (start/start_group/finish/progress/pending/reset/compression_pays) over a
-    node-aware plan.  ``flat`` is the ordinary engine on the whole world (it measures the link, and takes
-    the groups of steps with a joined rank, and those ``hierarchical="auto"`` finds cheaper flat);
-    ``local`` and ``cross`` are the collectives of this rank's node and of its cross group."""
+    """The engine's interface (plan_exchange/start/start_group/finish/progress/pending/reset) over a node-aware
+    plan.  ``flat`` is the ordinary engine on the whole world (it takes the groups of steps with a joined rank, and
+    those ``hierarchical="auto"`` finds cheaper flat); ``local`` and ``cross`` are the collectives of this rank's
+    node and of its cross group; ``over``: what carries them, in words (the plan's line says it)."""
 
     def __init__(self, flat: Engine, local: Collectives, cross: Collectives, topo: topology.Topology,
-                 end_of_step_sync: bool = False):
+                 end_of_step_sync: bool = False, over: str = ""):
         self.flat = flat
         self.config = flat.config
         self.coll = flat.coll
@@ -129,15 +130,15 @@ class HierarchicalEngine:
                                 "exchange='sharded' need process sets)")
         self._live = 0                    # hierarchical groups of this step not finished by every member
         self._step_open = False           # a group started since the last finish
-        self._links = None                # the measured network (links across and inside nodes), once agreed
+        self.over = over
+        # what it runs (policy.ExchangePlan): until the plan step (plan_exchange), priced on the configured links
+        self.plan = self._node_plan(flat.plan, None)
+        self.planned = False
 
     # -- what the frontends call ------------------------------------------------------------------
     @property
     def link(self):
         return self.flat.link
-
-    def compression_pays(self, device: torch.device) -> bool:
-        return self.flat.compression_pays(device)
 
     def start(self, tensor, name, average=True, in_place=False, route=None):
         return self.start_group([(tensor, name)], name, average, in_place, routes=[route])[0]
@@ -154,44 +155,35 @@ class HierarchicalEngine:
         return (policy.measures_node_links(self.config) and self.ordered and link.user_rate_Bps() is None
                 and os.environ.get("HOROVOD_TERNGRAD_MEASURE_LINKS", "1") != "0")
 
-    def network(self, device) -> cost.Network:
-        """The inter-node link with its intra-node link, as ``hierarchical="auto"`` prices them: measured once
-        (``measures_links``; exchange/link.py's ``measure_links``) at the first group, by every rank at the same
-        point, and agreed; else the configured one (network_env.configured_network).  While a rank is in hvd.join() the
-        measurement waits for a later step."""
-        if self._links is None and self.measures_links():
-            try:
-                self._links = self._measure_links(device)
-            except CollectiveError as e:
-                raise e.detailed("TernGrad: measuring the links for hierarchical='auto' failed")
-        return self._links or network_env.configured_network(self.G)
+    def plan_exchange(self, device) -> policy.ExchangePlan:
+        """The plan step (``Engine.plan_exchange``): the flat engine's measurement (``exchange="auto"``), then, where
+        ``measures_links``, the links across and inside nodes (exchange/link.py's ``measure_links``), agreed; the
+        plan of which groups go node-aware on them (``policy.node_plan`` per group), said on rank 0 in one line.
+        Every rank of the world calls it at the same point, before the first exchange; a plan made while a rank was
+        in ``hvd.join()`` is made again by the next call."""
+        if not self.planned:
+            self.flat.plan = flat = self.flat.measure_plan(device)
+            measured = None
+            if self.measures_links():
+                try:
+                    measured = link.measure_links(self.coll, self.local, device, name="terngrad.link")
+                except CollectiveError as e:
+                    raise e.detailed("TernGrad: measuring the links for hierarchical='auto' failed")
+            self.plan = self._node_plan(flat, measured, settled=measured is not None or not self.measures_links())
+            self.planned = self.flat.planned = self.plan.settled
+            say_plan(self.plan, self.coll.rank)
+        return self.plan
 
-    def _measure_links(self, device) -> "cost.Network | None":
-        """The agreed measured network (None while a rank is in hvd.join()), and rank 0's one line at WARNING level
-        (what was measured, what it is priced as, which groups go node-aware on it)."""
-        measured = link.measure_links(self.coll, self.local, device, name="terngrad.link")
-        if measured is None:
-            return None
-        self._links = measured.network(network_env.configured_network(self.G))
-        if self.coll.rank == 0:
-            plan = link.plan_summary(lambda numel: self.plan([numel], device).hierarchical)
-            if not plan.startswith("flat"):
-                plan += f" (across nodes the {policy.setting_among(self.config.exchange, self.M)} exchange, " \
-                        f"exchange={self.config.exchange!r})"
-            log.warning("TernGrad hierarchical='auto' on %d nodes of %d ranks: %s; plan: %s. HOROVOD_TERNGRAD_GBPS "
-                        "(and HOROVOD_TERNGRAD_INTRA_GBPS) give the rates instead", self.M, self.G, measured.describe(),
-                        plan)
-        return self._links
-
-    def plan(self, numels: list, device=None) -> policy.Plan:
-        """The policy's plan for a group of these sizes (``policy.node_plan``), priced on ``network(device)``'s
-        links (the configured ones without a device), with the 4-byte world allreduces this engine adds to a step
-        (presence check, end-of-step sync) charged to it."""
-        return policy.node_plan(self.config, numels, self.M, self.G,
-                                lambda: (self.network(device) if device is not None
-                                         else network_env.configured_network(self.G)),
-                                spans_world=self.spans_world,
-                                step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync))
+    def _node_plan(self, flat: policy.ExchangePlan, measured: "link.MeasuredLinks | None",
+                   settled: bool = True) -> policy.ExchangePlan:
+        """The plan over ``flat``'s, priced on the ``measured`` links (None: the configured ones), with the 4-byte
+        world allreduces this engine adds to a step (presence check, end-of-step sync) charged to each group."""
+        configured = network_env.configured_network(self.G)
+        return policy.node_exchange_plan(
+            flat, self.M, self.G, self.topology.describe(),
+            measured.network(configured) if measured is not None else configured,
+            links=measured.describe() if measured is not None else "", settled=settled, spans_world=self.spans_world,
+            step_allreduces=int(bool(self.joins)) + int(self.end_of_step_sync), over=self.over)
 
     def start_group(self, items: list, group: str, average: bool = True, in_place: bool = False,
                     routes: list | None = None) -> list:
@@ -200,7 +192,7 @@ class HierarchicalEngine:
         for tensor, name in items:
             check_gradient(tensor, name)
         numels = [t.numel() for t, _ in items]
-        if not self.plan(numels, items[0][0].device).hierarchical or not self._all_present(items[0][0].device, group):
+        if not self.plan.group(numels).hierarchical or not self._all_present(items[0][0].device, group):
             tickets = self.flat.start_group(items, group, average, in_place, routes=routes)
             for tk in tickets:      # finished through this engine, so that it sees the step end
                 tk.engine = self
@@ -403,13 +395,12 @@ class HierarchicalEngine:
             member = grp.members[p.member]
             items.append((node[at:at + p.numel], topology.piece_name(member.name, p, member.numel)))
             at += p.numel
-        mode = policy.cross_transport(self.config, [p.numel for p in pieces], self.M, self.G, self._links,
-                                      self.spans_world)
+        transport = self.plan.cross_transport([p.numel for p in pieces])
         self.stats.codec_s += time.perf_counter() - t0
         tag = "x" if self.spans_world else f"x{j}"
         # asked before the payloads leave: they carry the senders' squares where the estimate is wanted
         grp.pieces = self.cross_engine.start_group(
-            items, f"{grp.name}.{tag}", grp.average, in_place=True, mode=mode,
+            items, f"{grp.name}.{tag}", grp.average, in_place=True, transport=transport,
             want_noise=[grp.members[p.member].want_noise for p in pieces]) if items else []
         at = shard
         for ptk, p in zip(grp.pieces, pieces):

@@ -191,7 +191,7 @@ class LinkDecision:
                    "(pass exchange='allgather' to ternarize anyway)")
         measured = (f"measured {8 * self.measured_Bps / 1e9:.2f} Gbit/s, priced as " if self.measured_Bps else
                     "HOROVOD_TERNGRAD_GBPS: ")
-        return (f"TernGrad exchange='auto': {measured}{8 * self.allreduce_Bps / 1e9:.2f} Gbit/s per link (fp32 "
+        return (f"exchange='auto': {measured}{8 * self.allreduce_Bps / 1e9:.2f} Gbit/s per link (fp32 "
                 f"allreduce, {self.ranks} ranks) and a codec of {1e9 * self.codec_s_per_element:.2f} ns/element: "
                 f"{1e9 * self.terngrad_s_per_element:.2f} ns/element ternary vs "
                 f"{1e9 * self.fp32_s_per_element:.2f} ns/element at full precision; {verdict}")

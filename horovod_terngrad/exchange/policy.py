@@ -16,10 +16,15 @@ names a transport or a rule for picking one:
 
 Every input is something every rank agrees on (the group's element counts, the number of ranks, the
 topology, the configured network or the measured and agreed one), so every rank gets the same plan.
+
+An engine's :class:`ExchangePlan` holds what it decided once, before its first exchange (``Engine.plan_exchange``,
+the plan step: any link measurement, then the plan, by every rank at the same point): its per-group reads
+(:meth:`ExchangePlan.transport`, :meth:`ExchangePlan.group`, :meth:`ExchangePlan.cross_transport`) apply the rules
+below to a group's sizes, and :meth:`ExchangePlan.describe` is rank 0's one line saying what runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from . import cost, names, network_env
@@ -84,7 +89,7 @@ def transport_among(setting: str | None, n_ranks: int) -> str | None:
 
 
 def measures_link(config) -> bool:
-    """Whether the flat engine measures its link before its first ternarized tensor (exchange/link.py): "auto"
+    """Whether the flat engine's plan step measures its link, before its first exchange (exchange/link.py): "auto"
     prices the measured link, and leaves the tensors at full precision where ternarizing does not pay there."""
     return config.exchange == AUTO
 
@@ -230,3 +235,116 @@ def describe(config, n_ranks: int) -> str:
         return f"exchange='auto': per group the {among} exchange, by the cost model"
     return f"the {setting_among(config.exchange, n_ranks)} exchange among {n_ranks} ranks " \
            f"(exchange={config.exchange!r})"
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """What one engine runs, decided once before its first exchange from inputs every rank agrees on.
+
+    ``ranks``: the engine's ranks.  ``link``: the link ``exchange="auto"`` measured and agreed (``link.LinkDecision``;
+    None: the configured network).  ``settled``: False where a rank was in ``hvd.join()`` while the plan was made
+    (nothing could be measured; it prices the configured network until the next plan step makes it again).
+    ``off``: why the node-aware exchange cannot run here, where a frontend found it so, and whether that is quiet
+    (one node, or one rank per node).  A node-aware engine's plan adds ``nodes`` x ``ranks_per_node``
+    (``topology``: the same in words), the ``network`` it prices (``links``: what was measured, in words; "" for
+    the configured one), whether its groups run over world collectives (``spans_world``), the 4-byte world
+    allreduces it adds to a step (``step_allreduces``) and what carries its groups (``over``, in words).
+
+    The per-group reads are pure functions of the plan and the group's sizes, kept per list of sizes."""
+
+    config: object
+    ranks: int
+    link: object = None
+    settled: bool = True
+    off: tuple = ()
+    nodes: int = 0
+    ranks_per_node: int = 0
+    topology: str = ""
+    network: cost.Network | None = None
+    links: str = ""
+    spans_world: bool = False
+    step_allreduces: int = 0
+    over: str = ""
+    fixed: str | None = None      #: the flat transport whatever the group (None: "auto", priced per group)
+    _groups: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def compresses(self) -> bool:
+        """Whether tensors the settings would ternarize are: False only where ``exchange="auto"`` measured a link
+        on which the full-precision allreduce is faster (until every rank took part in the measurement, True)."""
+        return self.link is None or self.link.compresses
+
+    @property
+    def node_aware(self) -> bool:
+        """Whether this is a node-aware engine's plan (some group sizes may still go flat: :meth:`group`)."""
+        return self.nodes > 0
+
+    def transport(self, numels: Sequence[int]) -> str:
+        """The transport of a group of these sizes exchanged flat among ``ranks`` (:func:`flat_plan`)."""
+        if self.fixed is not None:
+            return self.fixed
+        key = ("flat", tuple(numels))
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = flat_plan(self.config, numels, self.ranks, self.link).transport
+        return got
+
+    def group(self, numels: Sequence[int]) -> Plan:
+        """A node-aware engine's plan of a group of these sizes (:func:`node_plan`, priced on ``network``)."""
+        key = tuple(numels)
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = node_plan(self.config, numels, self.nodes, self.ranks_per_node,
+                                                lambda: self.network, self.spans_world, self.step_allreduces)
+        return got
+
+    def cross_transport(self, pieces: Sequence[int]) -> str:
+        """A node-aware engine's transport of one local rank's ``pieces`` across nodes (:func:`cross_transport`,
+        on the measured links where they were measured)."""
+        return cross_transport(self.config, pieces, self.nodes, self.ranks_per_node,
+                               self.network if self.links else None, self.spans_world)
+
+    @property
+    def loud(self) -> bool:
+        """Whether rank 0 says the plan at WARNING level, which Python shows without any logging setup: where it
+        rests on a link measurement, where ternarizing does not pay, or where the node-aware exchange cannot run
+        on a job of several nodes of several ranks (else INFO)."""
+        return bool(self.links) or not self.compresses or bool(self.off and not self.off[1])
+
+    def statement(self, largest: int = 1 << 30) -> str:
+        """The plan in one line, as it runs (rank 0 says it once, ``Engine.plan_exchange``): for a node-aware engine
+        which group sizes (powers of two up to ``largest``) go node-aware, and how each side runs."""
+        from .link import plan_summary
+        cfg = self.config
+        flat = describe(cfg, self.ranks)
+        auto = f"; {self.link.describe()}" if self.link is not None and self.ranks > 1 else ""
+        if not self.node_aware and self.off:
+            return (f"TernGrad plan: node-aware exchange off (hierarchical={cfg.hierarchical!r}): {self.off[0]}; every "
+                    f"rank exchanges with every other (flat), {flat}{auto}")
+        if not self.node_aware:
+            return f"TernGrad plan: flat, {flat}{auto}"
+        summary = plan_summary(lambda numel: self.group([numel]).hierarchical, largest)
+        over = f", {self.over}" if self.over else ""
+        node = (f"; node-aware: {cfg.intra_node_dtype} inside a node{over}, across nodes {describe(cfg, self.nodes)}"
+                if not summary.startswith("flat") else "")
+        flat = f"; flat: {flat}" if not summary.startswith("node-aware for every") else ""
+        links = (f"; {self.links} (HOROVOD_TERNGRAD_GBPS and HOROVOD_TERNGRAD_INTRA_GBPS give the rates instead)"
+                 if self.links else "")
+        return (f"TernGrad plan on {self.topology} (hierarchical={cfg.hierarchical!r}): "
+                f"{summary}{node}{flat}{links}{auto}")
+
+
+def exchange_plan(config, ranks: int, link=None, settled: bool = True, off: tuple = ()) -> ExchangePlan:
+    """A flat engine's plan among ``ranks`` ranks (``link``: "auto"'s measured link, None for the configured
+    network; ``off``: why the node-aware exchange cannot run here, and whether that is quiet)."""
+    return ExchangePlan(config, int(ranks), link, settled, tuple(off), fixed=transport_among(config.exchange, ranks))
+
+
+def node_exchange_plan(flat: ExchangePlan, nodes: int, ranks_per_node: int, topology: str, network: cost.Network,
+                       links: str = "", settled: bool = True, spans_world: bool = False, step_allreduces: int = 0,
+                       over: str = "") -> ExchangePlan:
+    """A node-aware engine's plan on M = ``nodes`` nodes of G = ``ranks_per_node`` ranks over the flat engine's plan
+    ``flat`` (its groups that go flat run that), priced on ``network`` (``links``: what was measured, in words)."""
+    return replace(flat, settled=flat.settled and settled, nodes=int(nodes), ranks_per_node=int(ranks_per_node),
+                   topology=topology, network=network, links=links, spans_world=spans_world,
+                   step_allreduces=int(step_allreduces), over=over, _groups={})

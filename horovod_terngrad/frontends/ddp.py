@@ -432,7 +432,8 @@ class TernGradState:
             members, routes = [], {}
             for p, g in zip(job.params, job.grads):
                 name = self._name(p, job.index)
-                compressible = self.enabled and cfg.compresses(name, g.numel()) and eng.compression_pays(g.device)
+                compressible = (self.enabled and cfg.compresses(name, g.numel())
+                                and eng.plan_exchange(g.device).compresses)
                 # decided and recorded for p's optimizer of horovod_terngrad.optim, if any (exchange/precision.py)
                 routes[name] = precision.route([p], compressible)
                 if routes[name].ternary:

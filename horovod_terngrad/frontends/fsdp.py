@@ -218,7 +218,8 @@ class TernGradFSDPState:
             if m.numel == 0:
                 continue              # an empty shard (uneven first dimension): the same on every replica
             seg = flat[m.offset:m.offset + m.numel]
-            compressible = self.enabled and cfg.compresses(m.name, m.numel) and eng.compression_pays(out.device)
+            compressible = (self.enabled and cfg.compresses(m.name, m.numel)
+                            and eng.plan_exchange(out.device).compresses)
             # decided and recorded for the optimizer of horovod_terngrad.optim that claimed the sharded
             # parameters (the DTensors FSDP holds and the optimizer steps), if any (exchange/precision.py)
             routes[m.name] = precision.route(m.params, compressible)

@@ -1,9 +1,9 @@
 """Turning a flat engine into the node-aware one (exchange/hierarchical.py) where the job allows it.
 
-Both frontends call this once per world, at their first tensor to ternarize (every rank at the same
-point): one allgather of host identities (``exchange.topology.discover``) gives every rank the same
-topology; then the intra-node and inter-node groups are made, every rank making all of them in the same
-order:
+Both frontends call this once per world, when they make the engine, at their first tensor to ternarize (every
+rank at the same point), right before the engine's plan step (``plan_exchange``): one allgather of host identities
+(``exchange.topology.discover``) gives every rank the same topology; then the intra-node and inter-node groups
+are made, every rank making all of them in the same order:
 
 * Horovod: by default the groups' collectives are carried by world collectives
   (``exchange.world_groups``: one world alltoall with zero splits outside each rank's group).  That needs
@@ -16,10 +16,11 @@ order:
   sharded exchange across nodes needs process sets (world_groups carries only the per-rank allgather).
 * torch.distributed (DDP): ``dist.new_group`` for every node and every cross group, on the hook's backend.
 
-Where the hierarchy cannot apply, the flat exchange runs and rank 0 says why, once per process and reason:
-at INFO where the job is one node or one rank per node (nothing to be node-aware about), else at WARNING,
-which Python shows without any logging setup.  ``hierarchical=True`` where a multi-node job cannot have it
-raises ``TernGradError`` on every rank, saying what to do.  Every rank decides from the same allgathered
+Where the hierarchy cannot apply, the flat exchange runs, and the flat engine's plan line (rank 0, once) says
+why: at INFO where the job is one node or one rank per node (nothing to be node-aware about), else at WARNING,
+which Python shows without any logging setup.  Where it applies, the node-aware engine's plan line says what
+runs: which group sizes go node-aware on the priced links, and how each side travels.  ``hierarchical=True``
+where a multi-node job cannot have it raises ``TernGradError`` on every rank, saying what to do.  Every rank decides from the same allgathered
 list, the same settings and the same outcome of Horovod's calls, so no rank takes the hierarchy while
 another does not.
 """
@@ -42,30 +43,14 @@ NODE_GROUPS = ("world", "process_sets")
 
 
 def _flat(flat: Engine, reason: str, quiet: bool = False) -> Engine:
-    """The flat engine, saying why once (rank 0): INFO if ``quiet`` (one node, or one rank per node), else
-    WARNING.  ``hierarchical=True`` warns where ``quiet`` (a multi-node script run on one machine still runs)
-    and raises elsewhere, on every rank (every rank reaches the same reason)."""
+    """The flat engine, which its plan's line says why (``Engine.node_aware_off``): at INFO if ``quiet`` (one node, or
+    one rank per node), else at WARNING.  ``hierarchical=True`` warns where ``quiet`` (a multi-node script run on one
+    machine still runs) and raises elsewhere, on every rank (every rank reaches the same reason)."""
     if flat.config.hierarchical is True and not quiet:
         raise TernGradError(f"TernGrad: hierarchical=True, but the node-aware exchange cannot run here: {reason}. "
                             "Pass hierarchical='auto' (the default) or False to run the flat exchange")
-    if reason not in _said:
-        _said.add(reason)
-        if flat.coll.rank == 0:
-            log.log(logging.INFO if quiet and flat.config.hierarchical is not True else logging.WARNING,
-                    "TernGrad: node-aware exchange off (hierarchical=%r): %s; every rank exchanges with every "
-                    "other (flat), %s", flat.config.hierarchical, reason,
-                    policy.describe(flat.config, flat.coll.size))
+    flat.node_aware_off = (reason, quiet and flat.config.hierarchical is not True)
     return flat
-
-
-def _said_on(flat, topo, how: str) -> None:
-    key = ("on", topo.describe(), how)
-    if key not in _said:
-        _said.add(key)
-        if flat.coll.rank == 0:
-            log.info("TernGrad: node-aware exchange (hierarchical=%r) on %s, %s inside a node, %s; across nodes %s",
-                     flat.config.hierarchical, topo.describe(), flat.config.intra_node_dtype, how,
-                     policy.describe(flat.config, topo.num_nodes))
 
 
 def node_groups_setting() -> str:
@@ -144,8 +129,8 @@ def horovod_engine(flat: Engine) -> Engine | HierarchicalEngine:
     else:
         local = HorovodCollectives(sets[topo.local_ranks_of(me)])
         cross = HorovodCollectives(sets[topo.cross_ranks_of(me)])
-    _said_on(flat, topo, "over world collectives" if use == "world" else "over process sets")
-    return HierarchicalEngine(flat, local, cross, topo, end_of_step_sync=True)
+    return HierarchicalEngine(flat, local, cross, topo, end_of_step_sync=True,
+                              over="over world collectives" if use == "world" else "over process sets")
 
 
 def dist_engine(flat: Engine, make_collectives) -> Engine | HierarchicalEngine:
@@ -158,5 +143,5 @@ def dist_engine(flat: Engine, make_collectives) -> Engine | HierarchicalEngine:
     made = {g: make_collectives(list(g), True) for g in topo.local_groups()}
     made.update({g: make_collectives(list(g), False) for g in topo.cross_groups()})
     me = flat.coll.rank
-    _said_on(flat, topo, "over torch.distributed subgroups")
-    return HierarchicalEngine(flat, made[topo.local_ranks_of(me)], made[topo.cross_ranks_of(me)], topo)
+    return HierarchicalEngine(flat, made[topo.local_ranks_of(me)], made[topo.cross_ranks_of(me)], topo,
+                              over="over torch.distributed subgroups")

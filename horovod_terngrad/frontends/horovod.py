@@ -15,6 +15,12 @@ allreduce, ``decompress(tensor, ctx)`` after it):
   ``exchange="auto"`` measured a link on which ternarizing does not pay (exchange/link.py), are returned
   as they are (fp16/bf16 sent as fp32) and Horovod allreduces them as usual.
 
+One gradient's path through ``compress``: name the tensor (``_name``), read the call's reduction
+(``naming.reduction``), route it (``_route``: the settings, the engine's plan, the optimizer's precision ledger),
+then start or fuse it (``_start``).  The engine of a process set is made, and its plan made (the plan step,
+``Engine.plan_exchange``: any link measurement and the node-aware/flat decision, by every rank at the same point),
+at the first tensor to ternarize, before its exchange; every later gradient only reads the plan.
+
 Tensor fusion (``fusion_numel``): the optimizer's compressed parameters are cut into groups of
 consecutive tensors (reverse registration order, so a group's members come out of backward together) by
 ``exchange.fusion.cut``; see fusion_state.py for when the cut is made and checked.
@@ -136,77 +142,94 @@ class TernGradCompressor:
     # -- Horovod Compressor interface -----------------------------------------------------------
     def compress(self, tensor: torch.Tensor):
         caller = naming.horovod_caller(tensor)
-        st = self.state
         with self._lock:
-            self._check_world()
-            name = caller.name
-            if caller.group is not None and name is not None:
-                name = f"{name}.{self._member_index(caller.group, tensor)}"
-            if name is None:
-                name = f"terngrad.noname.{st.unnamed}"
-                st.unnamed += 1
-                if not self._warned_noname:
-                    self._warned_noname = True
-                    log.warning("TernGrad: no parameter name available; naming tensors by call order, "
-                                "which requires every rank to submit them in the same order. Pass "
-                                "named_parameters to hvd.DistributedOptimizer, or name= to hvd.allreduce.")
-            check_gradient(tensor, name)
-            if not self._threads_checked and tensor.device.type == "cpu":
-                self._threads_checked = True
-                self._check_threads()
-            average, process_set, optimizer, scale = True, None, None, 1.0
-            if caller.call is not None:    # hvd.allreduce / grouped_allreduce: its arguments decide
-                average = naming.averages(naming.op_of_call(caller.call), name)
-                process_set = caller.call.get("process_set")
-                scale = naming.scale_of_call(caller.call)
-            elif caller.optimizer is not None:
-                optimizer = caller.optimizer
-                # (gradient_predivide_factor: Horovod's pre- and postscale multiply to 1 for Average)
-                average = naming.averages(naming.optimizer_op(optimizer, name), name)
-                process_set = getattr(optimizer, "process_set", None)
-            compressible = (self.enabled and self.config.compresses(name, tensor.numel())
-                            and self.engine(process_set).compression_pays(tensor.device))
-            # decided and recorded for the parameter's optimizer of horovod_terngrad.optim, if any: a scheduled
-            # full-precision refresh, the noise estimate it wants (exchange/precision.py)
-            verdict = precision.route([self._parameter(optimizer, name)], compressible)
+            name = self._name(caller, tensor)
+            average, process_set, scale = naming.reduction(caller, name)
+            engine, verdict = self._route(tensor, name, caller.optimizer, process_set)
             if not verdict.ternary:
-                st.uncompressed_elements += tensor.numel()
-                # on_nonfinite covers these tensors too (decompress checks the reduced result); with
-                # HOROVOD_TERNGRAD=0 every tensor travels exactly as with Compression.none, unchecked
-                ctx = Passthrough(tensor.dtype, name, checked=self.enabled)
-                if tensor.dtype in (torch.float16, torch.bfloat16):
-                    return tensor.to(torch.float32), ctx
-                return tensor, ctx
-            empty = torch.empty(0, dtype=torch.float32, device=tensor.device)
-            batch = self._fused_batch(optimizer, name, tensor)
-            if batch is not None:
-                batch.arrived[name] = tensor
-                batch.routes[name] = verdict
-                batch.engine, batch.average = self.engine(process_set), average
-                if len(batch.arrived) == len(batch.members):
-                    batch.start()
-                return empty, FusedMember(batch, name)
-            # Only the optimizer replaces the gradient with the result, so only then may the result be
-            # written into the gradient's memory; a direct hvd.allreduce(compression=...) keeps its input.
-            ticket = self.engine(process_set).start(tensor, name, average=average, in_place=optimizer is not None,
-                                                    route=verdict)
-        return empty, (ticket if scale == 1.0 else Scaled(ticket, scale))
+                return self._passthrough(tensor, name)
+            return self._start(engine, tensor, name, caller.optimizer, average, scale, verdict)
 
-    def _check_world(self) -> None:
-        """Drop exchanges in flight and fusion state when Horovod was re-initialized (elastic reset): the
-        old world's handles are dead, and a new worker starts without history, so every rank starts the
-        new world alike."""
+    def _name(self, caller: naming.Caller, tensor: torch.Tensor) -> str:
+        """The tensor's name (its parameter's, a direct call's ``name``, ``<name>.<i>`` for a member of a grouped
+        call, else by call order), once the tensor is checked: what cannot be ternarized is refused, naming it."""
+        name = caller.name
+        if caller.group is not None and name is not None:
+            name = f"{name}.{self._member_index(caller.group, tensor)}"
+        if name is None:
+            name = f"terngrad.noname.{self.state.unnamed}"
+            self.state.unnamed += 1
+            if not self._warned_noname:
+                self._warned_noname = True
+                log.warning("TernGrad: no parameter name available; naming tensors by call order, "
+                            "which requires every rank to submit them in the same order. Pass "
+                            "named_parameters to hvd.DistributedOptimizer, or name= to hvd.allreduce.")
+        check_gradient(tensor, name)
+        if not self._threads_checked and tensor.device.type == "cpu":
+            self._threads_checked = True
+            self._check_threads()
+        return name
+
+    def _route(self, tensor: torch.Tensor, name: str, optimizer, process_set):
+        """(engine, ``precision.Route``): a tensor the settings would ternarize goes to the planned engine of its
+        process set (``_planned_engine``), ternarized unless the plan found that ternarizing does not pay; the
+        decision is recorded for the parameter's optimizer of horovod_terngrad.optim, if any (a scheduled
+        full-precision refresh, the noise estimate it wants: exchange/precision.py).  Engine None: full precision
+        by the settings, or compression off."""
+        engine = None
+        if self.enabled and self.config.compresses(name, tensor.numel()):
+            engine = self._planned_engine(process_set, tensor.device)
+        verdict = precision.route([self._parameter(optimizer, name)], engine is not None and engine.plan.compresses)
+        return engine, verdict
+
+    def _planned_engine(self, process_set, device: torch.device) -> Engine:
+        """The engine of the process set with its plan made.  Made at the first tensor to ternarize, which every
+        rank reaches at the same point: the topology (hierarchy.py), then the plan step (``plan_exchange``: any
+        link measurement, the plan, rank 0's one line), whose collectives every rank issues alike.  After an
+        elastic reset (a new Horovod world) the old world's exchanges in flight and fusion state are dropped
+        first, and the engines are made and planned again."""
         try:
             world = horovod_world()
         except ImportError:
-            return
-        st = self.state
-        if world is not st.world:
-            if st.world is not None:
+            world = self.state.world
+        if world is not self.state.world:
+            if self.state.world is not None:
                 log.info("TernGrad: Horovod was re-initialized; exchanges in flight and tensor fusion plans are "
                          "dropped, random-stream step counters kept")
-                st.reset_world()
-            st.world = world
+                self.state.reset_world()
+            self.state.world = world
+        engine = self.engine(process_set)
+        if not engine.planned:
+            engine.plan_exchange(device)
+        return engine
+
+    def _passthrough(self, tensor: torch.Tensor, name: str):
+        """A tensor that travels at full precision: Horovod allreduces it (fp16/bf16 as fp32).  on_nonfinite covers
+        it too (decompress checks the reduced result); with HOROVOD_TERNGRAD=0 every tensor travels exactly as with
+        Compression.none, unchecked."""
+        self.state.uncompressed_elements += tensor.numel()
+        ctx = Passthrough(tensor.dtype, name, checked=self.enabled)
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            return tensor.to(torch.float32), ctx
+        return tensor, ctx
+
+    def _start(self, engine, tensor: torch.Tensor, name: str, optimizer, average: bool, scale: float, verdict):
+        """Start the ternary exchange: the tensor joins its fused group (the last member to arrive starts the
+        group), or travels alone; Horovod gets a 0-element placeholder and the ctx.  Only the optimizer replaces
+        the gradient with the result, so only then may the result be written into the gradient's memory; a direct
+        hvd.allreduce(compression=...) keeps its input."""
+        empty = torch.empty(0, dtype=torch.float32, device=tensor.device)
+        batch = self._fused_batch(optimizer, name, tensor)
+        if batch is not None:
+            batch.arrived[name] = tensor
+            batch.routes[name] = verdict
+            batch.engine, batch.average = engine, average
+            if len(batch.arrived) == len(batch.members):
+                batch.start()
+            return empty, FusedMember(batch, name)
+        ticket, = engine.start_group([(tensor, name)], name, average=average, in_place=optimizer is not None,
+                                     routes=[verdict])
+        return empty, (ticket if scale == 1.0 else Scaled(ticket, scale))
 
     @staticmethod
     def _check_threads() -> None:

@@ -46,6 +46,18 @@ def horovod_caller(tensor: torch.Tensor, depth: int = 2) -> Caller:
     return Caller()
 
 
+def reduction(caller: Caller, name: str) -> tuple:
+    """How the calling code reduces the tensor: (average, process set, prescale·postscale).  A direct
+    hvd.allreduce / grouped_allreduce: its arguments; a DistributedOptimizer: its op and process set (its
+    gradient_predivide_factor needs nothing: Horovod's pre- and postscale multiply to 1 for Average); else an
+    average over the global set."""
+    if caller.call is not None:
+        return averages(op_of_call(caller.call), name), caller.call.get("process_set"), scale_of_call(caller.call)
+    if caller.optimizer is not None:
+        return averages(optimizer_op(caller.optimizer, name), name), getattr(caller.optimizer, "process_set", None), 1.0
+    return True, None, 1.0
+
+
 def op_of_call(args: dict):
     """The reduction op of a direct hvd.allreduce call (its ``op``, else ``average``)."""
     import horovod.torch as hvd

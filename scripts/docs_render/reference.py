@@ -49,8 +49,8 @@ ENV_MEANING = {
                                     "`process_sets`: as Horovod process sets (needs `HOROVOD_DYNAMIC_PROCESS_SETS=1` "
                                     "before `hvd.init()` unless registered there)",
     "HOROVOD_TERNGRAD_MEASURE_LINKS": "`0`: `hierarchical=\"auto\"` prices the configured links instead of measuring "
-                                      "them once at the first group (it measures only where `HOROVOD_TERNGRAD_GBPS` is "
-                                      "unset)",
+                                      "them once before the first exchange (it measures only where "
+                                      "`HOROVOD_TERNGRAD_GBPS` is unset)",
     "HOROVOD_TERNGRAD_GBPS": "the link between nodes that `exchange=\"auto\"` and `hierarchical=\"auto\"` price, "
                              "Gbit/s",
     "HOROVOD_TERNGRAD_ALPHA_US": "that link's latency per message (alpha), microseconds",

@@ -26,7 +26,8 @@ def _message(node) -> str:
 #: Functions whose returned text the package logs elsewhere (``log.warning(msg)``, ``log.info("%s", msg)``): their
 #: messages are listed under their own module, the forwarding call (whose message is a variable) is not.
 LOGGED_RETURNS = {("horovod_terngrad/frontends/cpu_threads.py", "oversubscription"): "warning",
-                  ("horovod_terngrad/exchange/link.py", "describe"): "log (INFO or WARNING)"}
+                  ("horovod_terngrad/exchange/link.py", "describe"): "log (INFO or WARNING)",
+                  ("horovod_terngrad/exchange/policy.py", "statement"): "log (INFO or WARNING)"}
 
 
 #: Module-level helpers that log their third argument once, at the level given as their second (``fsdp._say``).
@@ -111,19 +112,24 @@ WARNING_ADVICE = [
      "more ranks than cores on one host (an emulated cluster on one machine, or `-np` / `--nproc_per_node` above "
      "the cores)", "at most C ranks per host; on an emulated cluster, compare against the shared-core limit "
      "([scale](scale.md))"),
-    ("horovod_terngrad/exchange/link.py", "TernGrad exchange='auto':",
-     "the link `exchange=\"auto\"` measured, or the rate `HOROVOD_TERNGRAD_GBPS` gave (INFO; WARNING when ternarizing does not pay: every gradient then "
-     "travels uncompressed)", "nothing (that is the choice); set another `exchange` to force TernGrad"),
-    ("horovod_terngrad/exchange/hierarchical.py", "TernGrad hierarchical='auto' on",
-     "once, on rank 0: the links across and inside nodes as measured, the grid rates they are priced as, and which "
-     "group sizes go node-aware on them",
+    ("horovod_terngrad/exchange/policy.py", "TernGrad plan: flat,",
+     "the plan, once, on rank 0, made before the first exchange: the flat exchange among the engine's ranks (INFO; "
+     "WARNING where `exchange=\"auto\"` measured a link on which ternarizing does not pay)",
+     "nothing (that is the choice); set another `exchange` to force TernGrad"),
+    ("horovod_terngrad/exchange/policy.py", "TernGrad plan on",
+     "the plan, once, on rank 0, made before the first exchange: which group sizes go node-aware, how each side "
+     "travels, and the links as measured with the grid rates they are priced as (WARNING where measured, else INFO)",
      "nothing if the rates are near your fabric's; otherwise give them: `HOROVOD_TERNGRAD_GBPS` (and "
      "`HOROVOD_TERNGRAD_INTRA_GBPS`), or `terngrad-launch --gbps`"),
+    ("horovod_terngrad/exchange/policy.py", "TernGrad plan: node-aware exchange off",
+     "the plan: the flat exchange runs instead of the node-aware one, and why (INFO where quiet: one node or one "
+     "rank per node)", "nothing, or fix the placement the message names"),
+    ("horovod_terngrad/exchange/link.py", "exchange='auto':",
+     "the part of the plan line saying the link `exchange=\"auto\"` measured, or the rate `HOROVOD_TERNGRAD_GBPS` "
+     "gave, and whether ternarizing pays on it (where it does not, every gradient travels uncompressed)",
+     "nothing (that is the choice); set another `exchange` to force TernGrad"),
     ("horovod_terngrad/exchange/link.py", "measured",
-     "the measured part of the line above (`MeasuredLinks.describe`)", "as above"),
-    ("horovod_terngrad/frontends/hierarchy.py", "TernGrad: node-aware exchange off",
-     "the flat exchange runs instead of the node-aware one, and why (INFO where quiet: one node or one rank per "
-     "node)", "nothing, or fix the placement the message names"),
+     "the measured part of the node-aware plan line (`MeasuredLinks.describe`)", "as above"),
     ("horovod_terngrad/frontends/hierarchy.py", "TernGrad: …=process_sets:",
      "process sets could not be added; world collectives carry the node-aware exchange instead",
      "nothing, or `HOROVOD_DYNAMIC_PROCESS_SETS=1` before `hvd.init()`"),
