@@ -227,6 +227,7 @@ def worker(argv):
                 if "profile" in row:
                     print("  TernGrad-DDP's step, ms (median over timed steps): " + ", ".join(
                         f"{k} {v:.1f}" for k, v in row["profile"].items() if isinstance(v, float)), flush=True)
+                    print("\n".join(bucket_table(row["profile"]["per_bucket"])), flush=True)
     dist.destroy_process_group()
 
 
@@ -283,12 +284,65 @@ def profile(trace: list, marks: list) -> dict:
         per["buckets"].append(len(hooks))
     out = {k: 1000 * med(v) for k, v in per.items() if k != "buckets"}
     out["buckets"] = int(med(per["buckets"]))
+    out["per_bucket"] = per_bucket(trace, marks)
     t0, t_bwd, t_end = marks[-1]       # the last timed step's spans, in ms from its start, for reading
     out["last_step"] = {"backward_returned": 1000 * (t_bwd - t0), "end": 1000 * (t_end - t0),
                         "spans": [(e[0], e[1], round(1000 * (e[2] - t0), 1), round(1000 * (e[3] - t0), 1),
                                    round(1000 * e[4], 1), round(1000 * e[5], 1))
                                   for e in trace if t0 <= e[2] <= t_end]}
     return out
+
+
+BUCKET_FIELDS = ("handed_over", "start", "codec", "wait", "write_back", "finish", "done")
+
+
+def per_bucket(trace: list, marks: list) -> list:
+    """The hook's host time per bucket and timed step, from the same trace, in ms: one entry per bucket index
+    (DDP's buckets after its rebuild, the same every timed step), with its elements, the medians (``ms``) and
+    the values of every timed step (``by_step``, in step order):
+
+    * ``handed_over``: when DDP handed the bucket over, from the step's begin;
+    * ``start``: its start span (prepare, ternarize, pack, launch);
+    * ``codec``: the engine's codec seconds in its start and finish spans (encode + decode);
+    * ``wait``: blocked on its collectives (payloads, the full-precision allreduce);
+    * ``write_back``: its finish span less codec and wait (copies into DDP's bucket, on_nonfinite, futures);
+    * ``finish``: its finish span;
+    * ``done``: from handed over to its finish's end (its average in DDP's bucket)."""
+    steps: dict = {}             # bucket index -> {field: [ms per step]}
+    elements: dict = {}
+    for t0, _, t_end in marks:
+        ev = [e for e in trace if t0 <= e[2] <= t_end]
+        for e in ev:
+            if e[0] == "hook":
+                elements[e[1]] = e[6] if len(e) > 6 else None
+        for index in sorted({e[1] for e in ev if e[0] == "hook"}):
+            mine = [e for e in ev if e[1] == index]
+            hook = next(e[2] for e in mine if e[0] == "hook")
+            spans = [e for e in mine if e[0] in ("start", "finish")]
+            finish = [e for e in mine if e[0] == "finish"]
+            waits = sum(e[5] for e in spans) + sum(e[3] - e[2] for e in mine if e[0] == "plain")
+            fin_s = sum(e[3] - e[2] for e in finish)
+            fin_wait = sum(e[5] for e in finish) + sum(e[3] - e[2] for e in mine if e[0] == "plain")
+            values = {"handed_over": hook - t0, "start": sum(e[3] - e[2] for e in mine if e[0] == "start"),
+                      "codec": sum(e[4] for e in spans), "wait": waits,
+                      "write_back": fin_s - sum(e[4] for e in finish) - fin_wait, "finish": fin_s,
+                      "done": max((e[3] for e in finish), default=hook) - hook}
+            row = steps.setdefault(index, {k: [] for k in BUCKET_FIELDS})
+            for k in BUCKET_FIELDS:
+                row[k].append(round(1000 * values[k], 2))
+    return [{"bucket": i, "elements": elements.get(i), "ms": {k: sorted(v)[len(v) // 2] for k, v in row.items()},
+             "by_step": row} for i, row in sorted(steps.items())]
+
+
+def bucket_table(buckets: list) -> list:
+    """The per-bucket medians (``per_bucket``) as printed lines."""
+    lines = ["  TernGrad-DDP's buckets, ms (median over timed steps; handed over: from the step's begin; done: from "
+             "handed over to its average in DDP's bucket):",
+             f"  {'bucket':>6s} {'elements':>10s} " + " ".join(f"{k.replace('_', ' '):>11s}" for k in BUCKET_FIELDS)]
+    for b in buckets:
+        n = f"{b['elements']:,}" if b["elements"] is not None else "?"
+        lines.append(f"  {b['bucket']:>6d} {n:>10s} " + " ".join(f"{b['ms'][k]:11.1f}" for k in BUCKET_FIELDS))
+    return lines
 
 
 # -- the driver ----------------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_the_state_is_built_and_pickled_without_torch_distributed():
     model2, again = pickle.loads(pickle.dumps((model, state)))
     assert again.config == state.config and dict(again.steps) == {"0.weight": 5, "1.weight": 5}
     assert again.stats.tensors == 10 and again.state_dict() == state.state_dict()
-    assert again.collectives is None and again._worker is None and again.process_group is None
+    assert again.collectives is None and again._worker.thread is None and again.process_group is None
     # pickled with the model, the state's names are the unpickled model's own parameters
     assert {n: p for p, n in again.names.values()} == dict(model2.named_parameters())
     assert [n for _, n in again.names.values()] == ["0.weight", "0.bias", "1.weight", "1.bias"]

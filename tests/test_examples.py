@@ -798,6 +798,10 @@ def test_ddp_benchmark_profile_breaks_a_terngrad_step_down(tmp_path):
         assert prof["forward_backward"] + prof["tail"] + prof["optimizer"] == pytest.approx(prof["step"], rel=0.2)
         kinds = {s[0] for s in prof["last_step"]["spans"]}
         assert {"hook", "start", "finish"} <= kinds
+        # one entry per bucket, holding every gradient element of the model once, each timed step recorded
+        assert len(prof["per_bucket"]) == prof["buckets"]
+        assert sum(b["elements"] for b in prof["per_bucket"]) == 300 * 64
+        assert all(len(b["by_step"]["start"]) == 2 and b["ms"]["start"] > 0 for b in prof["per_bucket"])
     assert all(r["forward_backward_ms"] > 0 and r["optimizer_ms"] > 0 for r in rows.values())
     # a step begun at 0 s: buckets handed over at 0.1 and 0.3 s, backward back at 0.5, optimizer done at 0.6
     trace = [("hook", 0, 0.1, 0.1, 0, 0), ("start", 0, 0.1, 0.12, 0.01, 0),
@@ -814,6 +818,29 @@ def test_ddp_benchmark_profile_breaks_a_terngrad_step_down(tmp_path):
     import argparse
     alone = ddp_benchmark.compute_alone("tiny", argparse.Namespace(batch=2, image=64, context=64, optim="adamw"))
     assert alone["params"] == 300 * 64 and alone["compute_ms"] > 0
+
+
+def test_ddp_benchmark_per_bucket_breaks_the_hook_down_by_bucket():
+    """``per_bucket``: each bucket's start span, codec, wait, write-back, finish and latency per timed step,
+    from a trace written out by hand (two steps; bucket 1's finish holds its full-precision allreduce's wait)."""
+    import ddp_benchmark
+
+    def step(t0, slow):     # a step begun at t0 s: buckets of 100 and 40 elements handed over at +0.1 and +0.3
+        return [("hook", 0, t0 + 0.1, t0 + 0.1, 0, 0, 100), ("start", 0, t0 + 0.1, t0 + 0.12, 0.01, 0),
+                ("hook", 1, t0 + 0.3, t0 + 0.3, 0, 0, 40), ("start", 1, t0 + 0.3, t0 + 0.33, 0.02, 0),
+                ("finish", 0, t0 + 0.33, t0 + 0.35, 0.01, 0.005), ("copy", 0, t0 + 0.33, t0 + 0.335, 0, 0),
+                ("plain", 1, t0 + 0.4, t0 + 0.45, 0, 0), ("finish", 1, t0 + 0.35, t0 + 0.49 + slow, 0.01, 0.06)]
+    trace = step(0.0, 0.0) + step(1.0, 0.04)
+    got = ddp_benchmark.per_bucket(trace, [(0.0, 0.5, 0.6), (1.0, 1.54, 1.6)])
+    assert [(b["bucket"], b["elements"]) for b in got] == [(0, 100), (1, 40)]
+    b0, b1 = got[0]["by_step"], got[1]["by_step"]
+    assert b0["handed_over"] == [100, 100] and b0["start"] == [20, 20] and b0["codec"] == [20, 20]
+    assert b0["wait"] == [5, 5] and b0["finish"] == [20, 20] and b0["write_back"] == [5, 5]
+    assert b0["done"] == [250, 250]
+    assert b1["wait"] == [110, 110] and b1["finish"] == [140, 180] and b1["write_back"] == [20, 60]
+    assert b1["done"] == [190, 230] and got[1]["ms"]["finish"] == 180      # the median of two: the upper one
+    lines = ddp_benchmark.bucket_table(got)
+    assert len(lines) == 4 and lines[2].split()[:2] == ["0", "100"] and "write back" in lines[1]
 
 
 def test_models_gpt2_is_the_ddp_benchmarks_transformers_workload():

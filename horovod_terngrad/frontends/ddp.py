@@ -42,11 +42,11 @@ Cost per step, per rank, for n compressed elements in a bucket of m parameters (
 * against DDP's fp32 allreduce (about 2·(N-1)/N·4n bytes each way): 16x fewer bytes sent with 2bit at N=2.
 
 Asynchrony (``asynchronous=True``, the default): the hook only records the bucket and returns a future;
-one worker thread per state runs the exchange, in bucket order, while backward goes on computing the next
-buckets.  Pipelining: the worker starts bucket i (handshake out) before it finishes bucket i-1, and
-finishes the last bucket (``bucket.is_last()``) at once; that schedule, and so the order of collectives,
-is the same on every rank.  ``asynchronous=False`` runs the exchange inside the hook and returns a completed
-future.  TernGrad's collectives run on a process group of their own (made once, on every rank, at the first
+one worker thread per state (ddp_worker.py) runs the exchange, in bucket order, while backward goes on
+computing the next buckets.  Pipelining (ddp_bucket.py, which holds what the hook does with a bucket): the
+worker starts bucket i (handshake out) before it finishes bucket i-1, and finishes the last bucket
+(``bucket.is_last()``) at once; that schedule, and so the order of collectives, is the same on every rank.
+``asynchronous=False`` runs the exchange inside the hook and returns a completed future.  TernGrad's collectives run on a process group of their own (made once, on every rank, at the first
 bucket: ``TernGradState._ensure_ready``), so they never interleave with DDP's own collectives on the model's
 group.
 
@@ -60,75 +60,30 @@ on zero buckets, in bucket order, so it issues the same collectives as the train
 always divided by the group's size N (as PyTorch's ``allreduce_hook``), whatever DDP's
 ``divide_by_initial_world_size``.  ``torch.compile(ddp_model)`` leaves the hook to DDP's reducer, unchanged.
 """
-import atexit
 import os
-import queue
 import threading
 import warnings
 import weakref
 import zlib
-from time import perf_counter as _clock
 
 import torch
 import torch.distributed as dist
 
 from ..config import TernGradConfig
-from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from ..exchange import Engine, ExchangeStats, Inspection, precision, settle_full_precision
+from ..errors import RankMismatchError, TernGradError
+from ..exchange import Engine
 from ..exchange.dist_collectives import DistCollectives
-from ..exchange.fusion import TensorSpec, cut
+from . import ddp_bucket
 from .cpu_threads import warn_if_oversubscribed
+from .ddp_bucket import BucketJob
+from .ddp_worker import BucketWorker
 from .hierarchy import dist_engine
-from .state import CompressorState, compression_enabled, frontend_config, process_set_key
+from .state import CompressorState, StateOwner, compression_enabled, frontend_config, process_set_key
 
 STEPS_KEY = process_set_key(None)   # the key of the step counters and engine in CompressorState ("global")
-IDLE_EXIT_S = 5.0          # the worker thread ends after this long without a bucket
-EXIT_JOIN_S = 10.0         # at interpreter exit, how long to wait for a worker thread to end
-
-# States whose worker thread runs.  At exit they are stopped before the interpreter finalizes: a daemon
-# thread still alive then is ended by pthread_exit when it next wants the GIL, and that forced unwind
-# aborts the process ("terminate called without an active exception") if it meets C++ frames, which a
-# rank's last moments (torch, gloo) can put on its stack.  A thread stuck in a collective (a peer died) is
-# not waited for beyond EXIT_JOIN_S.
-_RUNNING: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def _stop_workers_at_exit() -> None:
-    for state in list(_RUNNING):
-        state.close(timeout=EXIT_JOIN_S)
-
-
-atexit.register(_stop_workers_at_exit)
-
-
-class _Job:
-    """One bucket of one iteration: what the hook saw, then the exchange's tickets."""
-
-    __slots__ = ("index", "last", "buffer", "params", "grads", "future", "result", "tickets", "plain",
-                 "plain_handle", "error")
-
-    def __init__(self, bucket):
-        self.index = bucket.index()
-        self.last = bucket.is_last()
-        self.buffer = bucket.buffer()
-        self.params = bucket.parameters()
-        self.grads = bucket.gradients()
-        self.future = torch.futures.Future()
-        # What the hook returns: the buffer, or the exchange's exception raised by a callback.  DDP rethrows a
-        # future's error as it is; a value set with set_exception would reach DDP as a value ("Unable to cast
-        # ... to Tensor") and lose the exception's class.
-        self.result = self.future.then(_value)
-        self.tickets: list = []          # (name, gradient view, ticket); the ticket carries its precision route
-        self.plain: list = []            # (name, gradient view) averaged uncompressed
-        self.plain_handle = None
-        self.error = None
-
-
-def _value(fut):
-    return fut.value()
-
-
-class TernGradState:
+class TernGradState(StateOwner):
     """The state of the TernGrad DDP hook: settings, parameter names, step counters, engine and worker.
 
     named_parameters: ``model.named_parameters()`` of the module DDP wraps (``ddp_model.module``), or that
@@ -164,7 +119,7 @@ class TernGradState:
 
     __slots__ = ("config", "names", "process_group", "collectives", "state", "enabled", "asynchronous",
                  "dedicated_group", "last_error", "_named", "_ready", "_setup_error", "_model", "_lock",
-                 "_handoff", "_queue", "_worker", "_inflight", "_warned_nonfinite", "trace", "__weakref__")
+                 "_worker", "_inflight", "_warned_nonfinite", "trace", "__weakref__")
 
     def __init__(self, named_parameters=None, process_group=None, config: TernGradConfig | None = None,
                  asynchronous: bool = True, dedicated_group: bool = True, **settings):
@@ -191,15 +146,11 @@ class TernGradState:
         self._model = None                  # weak reference to the DDP model register() put the hook on
         self.last_error = None              # the exception behind the last failed bucket (see the docstring)
         self._lock = threading.Lock()       # the engine and the state: the worker, state_dict, reset
-        self._handoff = threading.Lock()    # the queue and whether a worker runs
-        self._queue = queue.Queue()
-        self._worker = None
-        self._inflight = None
+        self._worker = BucketWorker(self._step, self._lock)    # the background exchange (ddp_worker.py)
+        self._inflight = None               # the bucket started and not yet finished (ddp_bucket.step)
         self._warned_nonfinite = set()      # full-precision tensors zeroed by on_nonfinite='zero' and warned about
-        # A list to profile into (examples/ddp_benchmark.py --profile), None (the default) for nothing: spans
-        # (what, bucket index, perf_counter at begin, at end, engine's codec_s and gather_wait_s inside):
-        # "hook" when DDP hands a bucket over (backward has computed it), "start" the worker's encode and
-        # launch, "finish" its wait, decode and write-back, "copy" the write-back's copies alone.
+        # A list to profile into (examples/ddp_benchmark.py --profile), None (the default) for nothing: the
+        # spans of ddp_bucket.trace_hook (when DDP hands each bucket over, the worker's start and finish).
         self.trace = None
 
     def _bind(self, named_parameters) -> None:
@@ -283,15 +234,7 @@ class TernGradState:
                  else "groups made at the first bucket")
         return f"TernGradState({self.config}, {where}, asynchronous={self.asynchronous})"
 
-    # -- state -----------------------------------------------------------------------------------
-    @property
-    def stats(self) -> ExchangeStats:
-        return self.state.stats
-
-    @property
-    def inspection(self) -> Inspection:
-        return self.state.inspection
-
+    # -- state (stats, inspection, uncompressed_elements, state_dict, load_state_dict, reset: StateOwner) ----
     @property
     def steps(self) -> dict:
         """Exchanges started so far per parameter name: the ``step`` word of its random stream."""
@@ -326,175 +269,33 @@ class TernGradState:
             engine.cross_engine.layout_known = True
         return engine
 
-    def state_dict(self) -> dict:
-        """Step counters of the random streams and counters (plain values); waits for the worker."""
-        with self._lock:
-            return self.state.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        with self._lock:
-            self.state.load_state_dict(state)
-
-    def reset(self) -> None:
-        """Forget exchanges in flight, step counters and counters (keeps the settings)."""
-        with self._lock:
-            self._inflight = None
-            self.state.reset()
+    def _forget_in_flight(self) -> None:
+        self._inflight = None
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker thread now, waiting for the bucket it exchanges (at most ``timeout`` seconds).  It
-        also ends by itself after IDLE_EXIT_S without buckets, and at interpreter exit; the next bucket
-        starts another."""
-        with self._handoff:
-            worker, self._worker = self._worker, None
-            if worker is not None:
-                self._queue.put(None)
-            _RUNNING.discard(self)
-        if worker is not None:
-            worker.join(timeout)
+        also ends by itself after ``ddp_worker.IDLE_EXIT_S`` without buckets, and at interpreter exit; the next
+        bucket starts another."""
+        self._worker.close(timeout)
 
-    # -- the hook's work ---------------------------------------------------------------------------
+    # -- the hook's work (ddp_bucket.py) -----------------------------------------------------------------
     def submit(self, bucket) -> torch.futures.Future:
         """Exchange one bucket; the future's value is the bucket's buffer holding the averages."""
-        job = _Job(bucket)
-        if self.trace is not None:
-            now = _clock()
-            self.trace.append(("hook", job.index, now, now, 0.0, 0.0))
+        job = BucketJob(bucket)
+        ddp_bucket.trace_hook(self, job)
         try:
             self._ensure_ready()
         except Exception as e:  # noqa: BLE001 - reported through the bucket's future, on every rank alike
-            job.error = e
-            job.future.set_exception(e)
-            return job.result
+            return job.fail(e)
         if not self.asynchronous:
             with self._lock:
                 self._step(job)
-            return job.result
-        with self._handoff:
-            self._queue.put(job)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, daemon=True, name="terngrad-ddp")
-                self._worker.start()
-                _RUNNING.add(self)
+        else:
+            self._worker.put(job)
         return job.result
 
-    def _work(self) -> None:
-        """The worker thread: the buckets in the order DDP hands them in.  It ends after IDLE_EXIT_S without
-        a bucket (so a state that is dropped does not keep a thread), under the hand-off lock, so a bucket
-        handed in meanwhile starts a new worker; a bucket in flight stays in ``_inflight`` for it."""
-        while True:
-            try:
-                job = self._queue.get(timeout=IDLE_EXIT_S)
-            except queue.Empty:
-                with self._handoff:
-                    if self._queue.empty():
-                        self._worker = None
-                        _RUNNING.discard(self)
-                        return
-                continue
-            if job is None:
-                return
-            with self._lock:
-                self._step(job)
-
-    def _step(self, job: _Job) -> None:
-        """Start the bucket, finish the previous one, and finish this one too if it is the last of the
-        iteration (``bucket.is_last()``; and always when synchronous).  A pure function of the buckets DDP
-        hands in, so every rank issues the same collectives in the same order."""
-        self._timed("start", job, self._start)
-        previous, self._inflight = self._inflight, job
-        if previous is not None:
-            self._timed("finish", previous, self._finish)
-        if job.last or not self.asynchronous:
-            self._inflight = None
-            self._timed("finish", job, self._finish)
-
-    def _timed(self, what: str, job: _Job, work) -> None:
-        if self.trace is None:
-            return work(job)
-        stats, t0 = self.state.stats, _clock()
-        codec0, wait0 = stats.codec_s, stats.gather_wait_s + stats.handshake_wait_s
-        work(job)
-        self.trace.append((what, job.index, t0, _clock(), stats.codec_s - codec0,
-                           stats.gather_wait_s + stats.handshake_wait_s - wait0))
-
-    def _start(self, job: _Job) -> None:
-        """Start the bucket's exchanges: the uncompressed allreduce, then the compressed groups."""
-        try:
-            cfg, eng = self.config, self.engine
-            buffer = job.buffer
-            if buffer.is_sparse or not buffer.is_floating_point():
-                name = self._name(job.params[0], job.index) if job.params else f"bucket {job.index}"
-                why = ("is sparse; the DDP hook ternarizes dense gradients only (e.g. nn.Embedding(..., "
-                       "sparse=False))" if buffer.is_sparse else
-                       f"has dtype {buffer.dtype}; ternary compression needs a floating-point gradient")
-                raise TypeError(f"TernGrad: gradient '{name}' {why}")
-            members, routes = [], {}
-            for p, g in zip(job.params, job.grads):
-                name = self._name(p, job.index)
-                compressible = (self.enabled and cfg.compresses(name, g.numel())
-                                and eng.plan_exchange(g.device).compresses)
-                # decided and recorded for p's optimizer of horovod_terngrad.optim, if any (exchange/precision.py)
-                routes[name] = precision.route([p], compressible)
-                if routes[name].ternary:
-                    members.append((name, g))
-                else:
-                    job.plain.append((name, g))
-            if job.plain:
-                flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in job.plain])
-                self.state.uncompressed_elements += flat.numel()
-                job.plain_handle = self.collectives.allreduce_sum_async(flat, f"terngrad.ddp.plain.{job.index}")
-            grads = dict(members)
-            plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in members], cfg)
-            for gi, names in enumerate(plan.groups):
-                tickets = eng.start_group([(grads[n], n) for n in names], f"ddp{job.index}.{gi}.{names[0]}",
-                                          average=True, in_place=True, routes=[routes[n] for n in names])
-                job.tickets += [(n, grads[n], tk) for n, tk in zip(names, tickets)]
-        except Exception as e:  # noqa: BLE001 - reported through the bucket's future
-            job.error = e
-
-    def _finish(self, job: _Job) -> None:
-        """Wait for the bucket's exchanges, write the averages into its buffer and complete its future.
-        Every ticket is finished even after an error, so every rank leaves the engine in the same state."""
-        N, tracing = self.collectives.size, self.trace is not None
-        began, copy_s = (_clock() if tracing else 0.0), 0.0
-        for name, g, tk in job.tickets:
-            try:
-                out = tk.engine.finish(tk)
-                if out.data_ptr() != g.data_ptr() or out.dtype != g.dtype:
-                    t0 = _clock() if tracing else 0.0
-                    g.copy_(out.view(g.shape))
-                    if tracing:
-                        copy_s += _clock() - t0
-                precision.deliver(tk, out)   # the noise estimate to p's optimizer, where it asked
-            except Exception as e:  # noqa: BLE001 - the first error goes to the future
-                job.error = job.error or e
-        if job.plain_handle is not None:
-            try:
-                t0 = _clock() if tracing else 0.0
-                summed = self.collectives.synchronize(job.plain_handle).div_(N)
-                if tracing:
-                    self.trace.append(("plain", job.index, t0, _clock(), 0.0, 0.0))
-                off = 0
-                for name, g in job.plain:
-                    part = summed[off:off + g.numel()]
-                    off += g.numel()
-                    if self.enabled:    # on_nonfinite covers the tensors sent at full precision too
-                        try:
-                            settle_full_precision(part, name, self.config, self.state.stats, self._warned_nonfinite)
-                        except NonFiniteGradientError as e:
-                            job.error = job.error or e
-                    g.copy_(part.view(g.shape))
-            except Exception as e:  # noqa: BLE001
-                job.error = job.error or e
-        if tracing and copy_s:
-            self.trace.append(("copy", job.index, began, began + copy_s, 0.0, 0.0))
-        job.tickets = job.plain = []
-        if job.error is not None:
-            self.last_error = job.error
-            job.future.set_exception(job.error)
-        else:
-            job.future.set_result(job.buffer)
+    def _step(self, job: BucketJob) -> None:
+        ddp_bucket.step(self, job)
 
     def _name(self, p, index: int) -> str:
         known = self.names.get(id(p))

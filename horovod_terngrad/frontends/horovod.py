@@ -44,14 +44,14 @@ import torch
 
 from ..config import TernGradConfig
 from ..errors import TernGradError
-from ..exchange import (Engine, ExchangeStats, HorovodCollectives, Inspection, Ticket, check_gradient,
-                        precision, settle_full_precision)
+from ..exchange import (Engine, HorovodCollectives, Ticket, check_gradient, precision,
+                        settle_full_precision)
 from ..exchange.hvd_collectives import horovod_world
 from . import naming
 from .cpu_threads import warn_if_oversubscribed
 from .fusion_state import FusedMember, OptimizerFusion
 from .hierarchy import horovod_engine
-from .state import CompressorState, compression_enabled, frontend_config
+from .state import CompressorState, StateOwner, compression_enabled, frontend_config
 
 log = logging.getLogger("horovod_terngrad")
 
@@ -77,7 +77,7 @@ class Scaled:
         self.scale = scale
 
 
-class TernGradCompressor:
+class TernGradCompressor(StateOwner):
     """A Horovod compressor that ternarizes gradients (see module docstring).
 
     ``TernGrad`` is a ready instance with the paper's defaults; ``TernGrad.configure(**settings)``
@@ -104,40 +104,13 @@ class TernGradCompressor:
     def __repr__(self):
         return f"TernGradCompressor({self.config})"
 
-    # -- state ---------------------------------------------------------------------------------
-    @property
-    def stats(self) -> ExchangeStats:
-        return self.state.stats
-
-    @property
-    def inspection(self) -> Inspection:
-        return self.state.inspection
-
-    @property
-    def uncompressed_elements(self) -> int:
-        return self.state.uncompressed_elements
-
+    # -- state (stats, inspection, uncompressed_elements, state_dict, load_state_dict, reset: StateOwner) ----
     def engines(self) -> list:
         """The engines created so far (one per process set)."""
         return list(self.state.engines.values())
 
     def engine(self, process_set=None) -> Engine:
         return self.state.engine(process_set, self.config, HorovodCollectives, hierarchy=horovod_engine)
-
-    def state_dict(self) -> dict:
-        """Step counters of the random streams and counters (plain values): save it with a checkpoint
-        so that a resumed run draws the streams an uninterrupted run would."""
-        with self._lock:
-            return self.state.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        with self._lock:
-            self.state.load_state_dict(state)
-
-    def reset(self) -> None:
-        """Forget exchanges in flight, fusion plans, step counters and counters (keeps the settings)."""
-        with self._lock:
-            self.state.reset()
 
     # -- Horovod Compressor interface -----------------------------------------------------------
     def compress(self, tensor: torch.Tensor):

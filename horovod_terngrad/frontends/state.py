@@ -14,6 +14,10 @@
 ``state_dict()`` holds plain Python values (JSON-able); in-flight exchanges and fusion plans are not
 saved: they are rebuilt from the next step on.  ``reset()`` forgets everything but the configuration;
 ``reset_world()`` only what belongs to one Horovod world (exchanges in flight, fusion plans).
+
+``StateOwner`` is what a frontend that keeps one ``CompressorState`` (the Horovod compressor, the DDP hook's
+state) shows of it: the counters, and ``state_dict()`` / ``load_state_dict()`` / ``reset()`` under the
+frontend's lock.
 """
 from __future__ import annotations
 
@@ -110,3 +114,46 @@ class CompressorState:
         self.stats.reset()
         self.inspection.clear()
         self.uncompressed_elements = self.unnamed = 0
+
+
+class StateOwner:
+    """The counters and the checkpoint methods of a frontend holding its ``CompressorState`` in ``self.state``,
+    guarded by ``self._lock`` (a ``threading.Lock``: the one its exchanges run under).  A frontend that holds
+    more in flight than its engines do forgets that in ``_forget_in_flight`` (called by ``reset``)."""
+
+    __slots__ = ()
+
+    @property
+    def stats(self) -> ExchangeStats:
+        """Bytes this rank handed to collectives and received, seconds waited and spent in the codec."""
+        return self.state.stats
+
+    @property
+    def inspection(self) -> Inspection:
+        """Per-tensor figures for metrics (``exchange.Inspection``)."""
+        return self.state.inspection
+
+    @property
+    def uncompressed_elements(self) -> int:
+        """Elements sent at full precision so far (the policy's small and excluded tensors)."""
+        return self.state.uncompressed_elements
+
+    def state_dict(self) -> dict:
+        """Step counters of the random streams and counters (plain values): save it with a checkpoint so that
+        a resumed run draws the streams an uninterrupted run would.  Taken under the frontend's lock, so after
+        the exchange in progress (the DDP hook's worker: the bucket it holds)."""
+        with self._lock:
+            return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self.state.load_state_dict(state)
+
+    def reset(self) -> None:
+        """Forget exchanges in flight, fusion plans, step counters and counters (keeps the settings)."""
+        with self._lock:
+            self._forget_in_flight()
+            self.state.reset()
+
+    def _forget_in_flight(self) -> None:
+        """What the frontend holds in flight beyond its engines: nothing here."""

@@ -28,6 +28,7 @@ import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad.exchange.collectives import CollectiveError  # noqa: E402
 from horovod_terngrad.exchange.dist_collectives import DistCollectiveError, DistCollectives  # noqa: E402
 from horovod_terngrad.frontends import ddp as tg_ddp  # noqa: E402
+from horovod_terngrad.frontends import ddp_worker  # noqa: E402
 from helpers import link_codec_cost, mlp  # noqa: E402 (mlp: the model of the Horovod twin runs)
 
 RANK = SIZE = None
@@ -210,7 +211,7 @@ def sc_exact(name):
     kw.setdefault("bucket_cap_mb", 0.002)       # ~500 fp32 elements per bucket: several buckets
     model = Scrambled(skip=unused and RANK == 1, dead=unused)
     model.pause = kw.pop("pause", 0.0)
-    idle, step = tg_ddp.IDLE_EXIT_S, tg_ddp.TernGradState._step
+    idle, step = ddp_worker.IDLE_EXIT_S, tg_ddp.TernGradState._step
     workers = []        # the threads that ran buckets (kept, so that they stay distinct objects)
 
     def counting_step(self, job):
@@ -219,7 +220,7 @@ def sc_exact(name):
         return step(self, job)
 
     if model.pause:     # the worker thread ends in the pause, with a bucket in flight; the next one goes on
-        tg_ddp.IDLE_EXIT_S = 0.02
+        ddp_worker.IDLE_EXIT_S = 0.02
         tg_ddp.TernGradState._step = counting_step
     link_codec_s = kw.pop("link_codec_s", None)
     try:
@@ -228,16 +229,16 @@ def sc_exact(name):
         link = LAST_STATE[0].engine.link
         res["link"] = None if link is None else (link.ranks, link.allreduce_Bps, link.compresses)
     finally:
-        tg_ddp.IDLE_EXIT_S, tg_ddp.TernGradState._step = idle, step
+        ddp_worker.IDLE_EXIT_S, tg_ddp.TernGradState._step = idle, step
     res["workers"] = len(workers)
     res["dtype"] = str(kw.get("dtype", torch.float32))
     # what atexit does before the interpreter finalizes: the worker thread that has just run the buckets ends
     state = LAST_STATE[0]
-    thread = state._worker
-    res["running_before_exit"] = (thread is not None and thread.is_alive(), state in tg_ddp._RUNNING)
-    tg_ddp._stop_workers_at_exit()
-    res["running_after_exit"] = (thread is not None and thread.is_alive(), state in tg_ddp._RUNNING,
-                                 state._worker is not None)
+    thread = state._worker.thread
+    res["running_before_exit"] = (thread is not None and thread.is_alive(), state._worker in ddp_worker._RUNNING)
+    ddp_worker._stop_workers_at_exit()
+    res["running_after_exit"] = (thread is not None and thread.is_alive(), state._worker in ddp_worker._RUNNING,
+                                 state._worker.thread is not None)
     return res
 
 
