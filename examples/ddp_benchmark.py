@@ -284,6 +284,8 @@ def profile(trace: list, marks: list) -> dict:
         per["buckets"].append(len(hooks))
     out = {k: 1000 * med(v) for k, v in per.items() if k != "buckets"}
     out["buckets"] = int(med(per["buckets"]))
+    # each timed step's own split (medians of the parts need not add up to the median step)
+    out["by_step"] = {k: [1000 * x for x in per[k]] for k in ("step", "forward_backward", "tail", "optimizer")}
     out["per_bucket"] = per_bucket(trace, marks)
     t0, t_bwd, t_end = marks[-1]       # the last timed step's spans, in ms from its start, for reading
     out["last_step"] = {"backward_returned": 1000 * (t_bwd - t0), "end": 1000 * (t_end - t0),
