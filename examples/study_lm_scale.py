@@ -24,7 +24,12 @@ takes its slice).  ``--steps 0`` (the default) runs ``--epochs`` epochs of the t
 averages the workers' fp32 gradients: the same update at every N up to float rounding, so it runs at the first N
 only.  TernGrad runs with the package's defaults but the exchange named (``default``: what
 ``TernGradConfig()`` picks at that N), with horovod_terngrad.optim.AdamW (noise estimate from the exchange) or,
-with ``--optimizer torch``, torch.optim.AdamW (no estimate: the exchange alone).
+with ``--optimizer torch``, torch.optim.AdamW (no estimate: the exchange alone).  ``owner-step-nearest`` and ``owner-step-stochastic`` (a
+research path, modelling/owner_step.py): the requantized exchange's first stage in base-3 to the shard owners, who
+step their shards of the master weights with the first stage's noise estimate and send ternary weight differences
+(rounded to the nearest level, or stochastically; ``@bK``: one scaler per K elements of the difference, else one per
+shard); the workers train on the copy those differences build, the held-out loss is the master's (also recorded:
+the copy's, and each stage's bits).
 
 Each run appends one JSON line to <out>/runs.jsonl: model, corpus, method, optimizer, N, G, seed, lr, steps,
 the final held-out loss (all held-out windows, up to ``--eval-windows``), its curve (``--evals`` points on 64
@@ -399,7 +404,9 @@ def main(argv=None):
                    help="comma-separated: none (fp32), default, or an exchange, optionally @bK for bucket_size=K "
                         "(one scaler per K elements; e.g. reternarized@b128), and a +bf16 or +fp32 suffix for "
                         "intra_node_dtype (with --nodes-of; without: the default's bf16); a /torch suffix: "
-                        "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW)")
+                        "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW); "
+                        "owner-step-nearest or owner-step-stochastic[@bK]: the owners step their shards and send "
+                        "ternary weight differences (modelling/owner_step.py)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="terngrad",
                    help="terngrad: horovod_terngrad.optim.AdamW (the Adam recipe); torch: torch.optim.AdamW")
     p.add_argument("--seeds", default="0,1,2")
