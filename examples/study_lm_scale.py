@@ -25,7 +25,7 @@ averages the workers' fp32 gradients: the same update at every N up to float rou
 only.  TernGrad runs with the package's defaults but the exchange named (``default``: what
 ``TernGradConfig()`` picks at that N), with horovod_terngrad.optim.AdamW (noise estimate from the exchange) or,
 with ``--optimizer torch``, torch.optim.AdamW (no estimate: the exchange alone).  ``owner-step-nearest`` and ``owner-step-stochastic`` (a
-research path, modelling/owner_step.py): the requantized exchange's first stage in base-3 to the shard owners, who
+research path, examples/owner_step.py): the requantized exchange's first stage in base-3 to the shard owners, who
 step their shards of the master weights with the first stage's noise estimate and send ternary weight differences
 (rounded to the nearest level, or stochastically; ``@bK``: one scaler per K elements of the difference, else one per
 shard); the workers train on the copy those differences build, the held-out loss is the master's (also recorded:
@@ -51,7 +51,7 @@ import time
 import torch
 
 OPTIMIZERS = ("terngrad", "torch")
-OWNER_STEP = "owner-step-"       # owner-step-nearest / owner-step-stochastic (modelling/owner_step.py)
+OWNER_STEP = "owner-step-"       # owner-step-nearest / owner-step-stochastic (examples/owner_step.py)
 CURVE_WINDOWS = 64
 
 
@@ -190,7 +190,7 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     if owner:
         # owner-step-<rounding>[@bK]: the requantized exchange's first stage in base-3, the owners step their
         # shards and send ternary weight differences (one scaler per K elements of the difference; 0: per shard)
-        from horovod_terngrad.modelling.owner_step import OwnerStepSimulator
+        from owner_step import OwnerStepSimulator
         if G > 1:
             raise SystemExit("study_lm_scale: owner-step runs flat (no --nodes-of)")
         cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False)
@@ -406,7 +406,7 @@ def main(argv=None):
                         "intra_node_dtype (with --nodes-of; without: the default's bf16); a /torch suffix: "
                         "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW); "
                         "owner-step-nearest or owner-step-stochastic[@bK]: the owners step their shards and send "
-                        "ternary weight differences (modelling/owner_step.py)")
+                        "ternary weight differences (examples/owner_step.py)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="terngrad",
                    help="terngrad: horovod_terngrad.optim.AdamW (the Adam recipe); torch: torch.optim.AdamW")
     p.add_argument("--seeds", default="0,1,2")

@@ -1,5 +1,8 @@
-"""Owner-step training in the simulator (modelling/owner_step.py): the owners' exact averages and noise estimates,
+"""Owner-step training in the simulator (examples/owner_step.py): the owners' exact averages and noise estimates,
 the weight differences' roundings (bounded, unbiased), the replica's error over many steps, and the bits."""
+import os
+import sys
+
 import torch
 
 from horovod_terngrad import TernGradConfig, codec
@@ -7,7 +10,9 @@ from horovod_terngrad.backends import for_device
 from horovod_terngrad.codec import sizes
 from horovod_terngrad.codec.packing import Header
 from horovod_terngrad.exchange import engine as engine_module
-from horovod_terngrad.modelling import owner_step
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import owner_step  # noqa: E402
 from horovod_terngrad.optim import AdamW
 
 N = 4

@@ -1,4 +1,4 @@
-"""Owner-step training in the simulator (a research path): each shard's owner steps its shard of the weights and
+"""Owner-step training in the simulator (a research path of examples/study_lm_scale.py): each shard's owner steps its shard of the weights and
 sends every rank a ternary correction of their copy.
 
 1. Gradients (the requantized exchange's first stage, run by the real engine): every rank ternarizes its gradient
@@ -36,12 +36,12 @@ import types
 
 import torch
 
-from .. import backends, codec
-from ..codec import sizes, squares
-from ..codec.packing import FLAG_NONFINITE, Header, device_constant
-from ..exchange import engine as engine_module
-from ..exchange import reternarized
-from .simulate import Simulator
+from horovod_terngrad import backends, codec
+from horovod_terngrad.codec import sizes, squares
+from horovod_terngrad.codec.packing import FLAG_NONFINITE, Header, device_constant
+from horovod_terngrad.exchange import allgather, reternarized
+from horovod_terngrad.exchange import engine as engine_module
+from horovod_terngrad.modelling.simulate import Simulator
 
 ROUNDINGS = ("nearest", "stochastic")
 WEIGHTS_SUFFIX = "#weights"     # the weight difference's random stream: tensor word of '<name>#weights'
@@ -75,7 +75,6 @@ class OwnerShardStage:
         avg = backend.decode(received, [head] * N, offsets, divisor)
         parts = [torch.tensor([0, 0, 0, FLAG_NONFINITE if bad else 0], dtype=torch.uint8), avg.view(torch.uint8)]
         if tk.want_noise:
-            from ..exchange import allgather
             noise = allgather.noise_estimate(received, [head] * N, offsets, divisor)
             if tk.squares:
                 size = sizes.payload_size(m, cfg.packing, tk.group.bucket_size, squares=True)
