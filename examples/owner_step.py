@@ -19,7 +19,9 @@ the previous error), never a sum of roundings:
   e = d - q has |e| <= s/2, and s' = max|step + e| <= max|step| + s/2, so s stays under 2·max|step| and the
   replica within max|step| of the master, elementwise (``nearest_ternary``; tests/test_owner_step.py);
 * ``rounding="stochastic"``: the codec's unbiased rounding with s = max|d| (no clipping), E[x] = w, error variance
-  s·|d| - d² per element; its own stream per (seed, step, tensor, owner).
+  s·|d| - d² per element; its own stream per (seed, step, tensor, owner);
+* ``rounding="exact"`` (a control, not a candidate): the difference travels in fp32, so the replica is the
+  master and only the first stage's rounding is left; counted as 32 bits per element.
 
 The simulator's stand-in: one process plays every rank, so the owners' exact averages and estimates travel to
 rank 0 in fp32 (a stand-in payload, not counted) and one optimizer steps every shard at once, which is the same
@@ -43,7 +45,7 @@ from horovod_terngrad.exchange import allgather, reternarized
 from horovod_terngrad.exchange import engine as engine_module
 from horovod_terngrad.modelling.simulate import Simulator
 
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "exact")
 WEIGHTS_SUFFIX = "#weights"     # the weight difference's random stream: tensor word of '<name>#weights'
 STAND_IN_PREAMBLE = 4           # the stand-in payload's first bytes: byte 3 carries the senders' NaN/Inf flag
 
@@ -136,22 +138,26 @@ def stochastic_ternary(d: torch.Tensor, bucket: int, key, fmt: str) -> torch.Ten
     return backend.decode(payload, [Header(fmt, 0, k, n)], [0], 1)
 
 
-def delta_bytes(numel: int, n_ranks: int, fmt: str, stage_bucket: int, delta_bucket: int) -> list:
+def delta_bytes(numel: int, n_ranks: int, fmt: str, stage_bucket: int, delta_bucket: int,
+                exact: bool = False) -> list:
     """Bytes of each owner's weight-difference payload of one tensor: a ternary payload (header, one scaler per
-    ``delta_bucket`` elements or per shard, packed codes) per non-empty shard."""
+    ``delta_bucket`` elements or per shard, packed codes) per non-empty shard (``exact``: fp32 values)."""
     out = []
     for lo, hi in sizes.reternarized_bounds(numel, n_ranks, stage_bucket):
         m = hi - lo
-        out.append(sizes.payload_size(m, fmt, delta_bucket if 0 < delta_bucket < m else 0) if m > 0 else 0)
+        if exact:
+            out.append(4 * m)
+        else:
+            out.append(sizes.payload_size(m, fmt, delta_bucket if 0 < delta_bucket < m else 0) if m > 0 else 0)
     return out
 
 
 def received_bytes(numel: int, n_ranks: int, fmt: str, stage_bucket: int = 0, delta_bucket: int = 0,
-                   squares_trailer: bool = True, rank: int = 0) -> tuple[int, int]:
+                   squares_trailer: bool = True, rank: int = 0, exact: bool = False) -> tuple[int, int]:
     """Bytes ``rank`` receives per step for one ternarized tensor: (gradient shards from the N-1 other ranks in
     the alltoall, the N-1 other owners' weight differences in the allgather)."""
     grad = sizes.reternarized_chunk_bytes(numel, n_ranks, fmt, stage_bucket, squares_trailer)[rank]
-    delta = delta_bytes(numel, n_ranks, fmt, stage_bucket, delta_bucket)
+    delta = delta_bytes(numel, n_ranks, fmt, stage_bucket, delta_bucket, exact)
     return (n_ranks - 1) * grad, sum(delta) - delta[rank]
 
 
@@ -162,7 +168,7 @@ class OwnerStepSimulator(Simulator):
         sim.to_replica(); grads = ... ; avg = sim.average(grads)
         sim.to_master(); (set .grad, clip, optimizer.step()); sim.send_weights()
 
-    ``rounding``: "nearest" or "stochastic"; ``delta_bucket``: elements per scaler of the weight difference
+    ``rounding``: "nearest", "stochastic" or "exact"; ``delta_bucket``: elements per scaler of the weight difference
     (0: one per shard)."""
 
     def __init__(self, model, n_workers, config, rounding: str = "nearest", delta_bucket: int = 0):
@@ -206,7 +212,9 @@ class OwnerStepSimulator(Simulator):
                     continue
                 d = (wf[lo:hi] - xf[lo:hi]).to(torch.float32)
                 k = self.delta_bucket if 0 < self.delta_bucket < hi - lo else hi - lo
-                if self.rounding == "nearest":
+                if self.rounding == "exact":
+                    q = d
+                elif self.rounding == "nearest":
                     q = nearest_ternary(d, k)
                 else:
                     key = codec.stream_key(self.config.seed, self.steps, codec.tensor_id(name + WEIGHTS_SUFFIX),
@@ -214,7 +222,7 @@ class OwnerStepSimulator(Simulator):
                     q = stochastic_ternary(d, k, key, fmt)
                 xf[lo:hi] += q.to(xf.dtype)
             self.error_max = max(self.error_max, float((wf - xf).abs().max()))
-            g, dl = received_bytes(n, N, fmt, bucket, self.delta_bucket)
+            g, dl = received_bytes(n, N, fmt, bucket, self.delta_bucket, exact=self.rounding == "exact")
             self.grad_bytes += g
             self.delta_bytes += dl
             self.elements += n

@@ -51,7 +51,7 @@ import time
 import torch
 
 OPTIMIZERS = ("terngrad", "torch")
-OWNER_STEP = "owner-step-"       # owner-step-nearest / owner-step-stochastic (examples/owner_step.py)
+OWNER_STEP = "owner-step-"       # owner-step-nearest / -stochastic / -exact (examples/owner_step.py)
 CURVE_WINDOWS = 64
 
 

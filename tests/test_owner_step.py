@@ -155,3 +155,16 @@ def test_bits_are_the_codecs_sizes_and_the_engines_counters():
     big = 1 << 20
     g16, d16 = owner_step.received_bytes(big, 16, "base3", delta_bucket=128)
     assert 8 * (g16 + d16) / big < 3.3
+
+
+def test_exact_weights_leave_the_replica_at_the_master_and_count_32_bits():
+    model, cfg, sim, opt, grads = _setup()
+    sim = owner_step.OwnerStepSimulator(model, N, cfg, rounding="exact")
+    sim.to_replica()
+    avg = sim.average(grads)
+    sim.to_master()
+    model.weight.grad = avg[0]
+    opt.step()
+    sim.send_weights()
+    assert torch.allclose(sim.replica[0], sim.master[0], rtol=0, atol=1e-7) and sim.error_max <= 1e-7
+    assert sim.bits_received()[1] == 8 * (N - 1) * 4 * 500 / 2000
