@@ -1,8 +1,10 @@
 """Owner-step training in the simulator (examples/owner_step.py): the owners' exact averages and noise estimates,
 the weight differences' roundings (bounded, unbiased), the replica's error over many steps, and the bits."""
+import math
 import os
 import sys
 
+import pytest
 import torch
 
 from horovod_terngrad import TernGradConfig, codec
@@ -168,3 +170,25 @@ def test_exact_weights_leave_the_replica_at_the_master_and_count_32_bits():
     sim.send_weights()
     assert torch.allclose(sim.replica[0], sim.master[0], rtol=0, atol=1e-7) and sim.error_max <= 1e-7
     assert sim.bits_received()[1] == 8 * (N - 1) * 4 * 500 / 2000
+
+
+@pytest.mark.slow
+def test_lm_scale_study_runs_owner_step(tmp_path):
+    """study_lm_scale's owner-step methods: a finite held-out loss of the master and of the replica, close to each
+    other; the bits split into the two stages; one scaler per 128 elements of the difference costs weight bits
+    only."""
+    import study_lm_scale as sls
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("The quick brown fox jumps over the lazy dog. " * 3000).encode())
+    rows = sls.main(["--model", "gpt2", "--corpus", str(corpus), "--width", "32", "--layers", "1", "--seq-len", "32",
+                     "--batch", "8", "--steps", "3", "--workers", "4", "--seeds", "0", "--evals", "0",
+                     "--eval-windows", "16", "--exchanges", "owner-step-nearest,owner-step-stochastic@b128",
+                     "--out", str(tmp_path / "runs")])
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"owner-step-nearest", "owner-step-stochastic@b128"}
+    for r in rows:
+        assert math.isfinite(r["held_out"]) and abs(r["held_out"] - r["held_out_replica"]) < 0.05
+        assert r["bits_received"] == r["bits_gradient"] + r["bits_weights"] and r["exchange"] == r["method"].split("@")[0]
+        assert 0 < r["replica_error_max"] < 0.05
+    near, buck = by["owner-step-nearest"], by["owner-step-stochastic@b128"]
+    assert near["bits_gradient"] == buck["bits_gradient"] and buck["bits_weights"] > near["bits_weights"]
