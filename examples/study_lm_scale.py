@@ -24,7 +24,12 @@ takes its slice).  ``--steps 0`` (the default) runs ``--epochs`` epochs of the t
 averages the workers' fp32 gradients: the same update at every N up to float rounding, so it runs at the first N
 only.  TernGrad runs with the package's defaults but the exchange named (``default``: what
 ``TernGradConfig()`` picks at that N), with horovod_terngrad.optim.AdamW (noise estimate from the exchange) or,
-with ``--optimizer torch``, torch.optim.AdamW (no estimate: the exchange alone).
+with ``--optimizer torch``, torch.optim.AdamW (no estimate: the exchange alone).  ``owner-step-nearest`` and ``owner-step-stochastic`` (a
+research path, examples/owner_step.py): the requantized exchange's first stage in base-3 to the shard owners, who
+step their shards of the master weights with the first stage's noise estimate and send ternary weight differences
+(rounded to the nearest level, or stochastically; ``@bK``: one scaler per K elements of the difference, else one per
+shard); the workers train on the copy those differences build, the held-out loss is the master's (also recorded:
+the copy's, and each stage's bits).
 
 Each run appends one JSON line to <out>/runs.jsonl: model, corpus, method, optimizer, N, G, seed, lr, steps,
 the final held-out loss (all held-out windows, up to ``--eval-windows``), its curve (``--evals`` points on 64
@@ -46,6 +51,7 @@ import time
 import torch
 
 OPTIMIZERS = ("terngrad", "torch")
+OWNER_STEP = "owner-step-"       # owner-step-nearest / -stochastic / -exact (examples/owner_step.py)
 CURVE_WINDOWS = 64
 
 
@@ -180,10 +186,20 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
             spec, inside = method[:-len(suffix)], dtype
     exchange, bucket = exchange_spec(spec)
     extra = {} if inside is None else {"intra_node_dtype": inside}
-    cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
-                         hierarchical=bool(G > 1), bucket_size=bucket, **extra)
-    sim = Simulator(model, N, cfg, compression="none" if method == "none" else "terngrad",
-                    ranks_per_node=max(G, 1))
+    owner = exchange.startswith(OWNER_STEP)
+    if owner:
+        # owner-step-<rounding>[@bK]: the requantized exchange's first stage in base-3, the owners step their
+        # shards and send ternary weight differences (one scaler per K elements of the difference; 0: per shard)
+        from owner_step import OwnerStepSimulator
+        if G > 1:
+            raise SystemExit("study_lm_scale: owner-step runs flat (no --nodes-of)")
+        cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False)
+        sim = OwnerStepSimulator(model, N, cfg, rounding=exchange[len(OWNER_STEP):], delta_bucket=bucket)
+    else:
+        cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
+                             hierarchical=bool(G > 1), bucket_size=bucket, **extra)
+        sim = Simulator(model, N, cfg, compression="none" if method == "none" else "terngrad",
+                        ranks_per_node=max(G, 1))
     gen = torch.Generator().manual_seed(seed)
     marks = sorted({round(steps * (k + 1) / args.evals) for k in range(args.evals)}) if args.evals else []
     curve = []
@@ -196,17 +212,23 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
         per = args.batch // N
         grads = []
         params = sim.params
+        if owner:
+            sim.to_replica()                # forward and backward on every rank's copy of the weights
         for r in range(N):
             xr = x[r * per:(r + 1) * per]
             loss = model(input_ids=xr, labels=xr).loss
             grads.append([g.detach() for g in torch.autograd.grad(loss, params)])
         avg = sim.average(grads)
+        if owner:
+            sim.to_master()                 # the owners step their shards of the master weights
         for p, g in zip(params, avg):
             p.grad = g.to(p.dtype)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, steps, lr)
         opt.step()
+        if owner:
+            sim.send_weights()
         if not all(torch.isfinite(p).all() for p in params):
             finite = False
             break
@@ -215,15 +237,26 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     loss = held_out_loss(model, held, args.seq_len, args.eval_windows) if finite else float("nan")
     if finite and marks:
         curve.append([steps, held_out_loss(model, held, args.seq_len, CURVE_WINDOWS)])
-    return {"model": args.model, "width": args.width, "layers": args.layers, "corpus": args.corpus,
+    extra_fields = {}
+    if owner:
+        # the held-out loss above is the master's (the owners' shards, gathered once in fp32 at the end); also
+        # the replica's, and the bits of each stage
+        sim.to_replica()
+        grad_bits, delta_bits = sim.bits_received()
+        extra_fields = {"held_out_replica": held_out_loss(model, held, args.seq_len, args.eval_windows)
+                        if finite else float("nan"),
+                        "bits_gradient": grad_bits, "bits_weights": delta_bits, "replica_error_max": sim.error_max}
+        sim.to_master()
+    return {**extra_fields, "model": args.model, "width": args.width, "layers": args.layers, "corpus": args.corpus,
             "max_mb": args.max_mb, "method": method, "optimizer": optimizer, "N": N, "G": G, "seed": seed,
             "lr": lr, "steps": steps, "batch": args.batch, "seq_len": args.seq_len, "held_out": loss,
-            "curve": curve, "exchange": sim.engines[0].config.exchange if method != "none" else "none",
+            "curve": curve, "exchange": (exchange if owner else sim.engines[0].config.exchange if method != "none" else "none"),
             "seconds": time.perf_counter() - t0,
             # optim.AdamW's noise estimate: its minibatch share taken out by the senders' squares (codec/squares.py)
             "estimate": "squares" if method != "none" and optimizer == "terngrad" else None,
             # rank 0's bits received per ternarized element (node-aware: across nodes only)
-            "bits_received": 8 * sim.stats.bytes_received / max(1, sim.stats.elements) if method != "none" else 32.0}
+            "bits_received": (sum(sim.bits_received()) if owner else
+                              8 * sim.stats.bytes_received / max(1, sim.stats.elements) if method != "none" else 32.0)}
 
 
 def _task(payload):
@@ -371,7 +404,9 @@ def main(argv=None):
                    help="comma-separated: none (fp32), default, or an exchange, optionally @bK for bucket_size=K "
                         "(one scaler per K elements; e.g. reternarized@b128), and a +bf16 or +fp32 suffix for "
                         "intra_node_dtype (with --nodes-of; without: the default's bf16); a /torch suffix: "
-                        "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW)")
+                        "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW); "
+                        "owner-step-nearest or owner-step-stochastic[@bK]: the owners step their shards and send "
+                        "ternary weight differences (examples/owner_step.py)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="terngrad",
                    help="terngrad: horovod_terngrad.optim.AdamW (the Adam recipe); torch: torch.optim.AdamW")
     p.add_argument("--seeds", default="0,1,2")
