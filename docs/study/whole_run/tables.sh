@@ -19,6 +19,15 @@ if [ -f "$D/llama-perlpod-squares/runs.jsonl" ]; then
   $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-squares.md" > /dev/null
   rm -r "$tmp"
 fi
+# the owner-step study (examples/owner_step.py) beside fp32 and the default at the same lr
+if [ -f "$D/llama-perlpod-owner/runs.jsonl" ]; then
+  tmp=$(mktemp -d)
+  grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" | grep '"lr": 0.004' > "$tmp/runs.jsonl"
+  grep '"lr": 0.004' "$D/llama-perlpod-squares/runs.jsonl" >> "$tmp/runs.jsonl"
+  cat "$D/llama-perlpod-owner/runs.jsonl" >> "$tmp/runs.jsonl"
+  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-owner.md" > /dev/null
+  rm -r "$tmp"
+fi
 $PY - <<'PYEOF'
 import glob, json, os, re, statistics
 D = "docs/study/whole_run"
