@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import render_docs  # noqa: E402
 
-TEST_CMD = "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q tests"
+TEST_CMD = "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q -n 2 tests"
 DEMO_CMD = ("bash scripts/setup.sh && .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python "
             "examples/mnist_lenet.py --epochs 2")
 
