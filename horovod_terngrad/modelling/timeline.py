@@ -92,7 +92,7 @@ the channel frees up); for TernGrad the groups and exchanges of ``perfmodel.plan
 frontend's ``exchange.fusion`` cut with a TernGradConfig, each group's exchange as the engine picks it).
 
 Codec work is charged from ``CodecRates`` (modelling/codec_rates.py: seconds per element of each stage,
-measured on the machine with ``measure_codec_rates``); None = free.  Cost: O(tensors) per prediction
+measured on the machine with ``codec_rates.measure_codec_rates``); None = free.  Cost: O(tensors) per prediction
 (O(G·tensors) with node-aware groups).
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ from ..codec import sizes as wire
 from ..exchange import cost, policy, topology
 from ..exchange.names import method_of_setting, setting_of, transport_of
 from . import perfmodel as pm
-from .codec_rates import CodecRates, measure_codec_rates  # noqa: F401 (timeline.measure_codec_rates)
+from .codec_rates import CodecRates
 
 
 class _Channel:
@@ -672,5 +672,5 @@ def scheduled_scaling(model: pm.ModelSpec, cluster: pm.Cluster, workers: Sequenc
     return rows
 
 
-__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "Timeline", "measure_codec_rates", "method_of", "negotiation_s",
+__all__ = ["CodecRates", "HOROVOD_CYCLE_TIME_S", "Timeline", "method_of", "negotiation_s",
            "scheduled_scaling", "timeline_step"]

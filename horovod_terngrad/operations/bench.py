@@ -153,7 +153,7 @@ class Calibration:
     one large instance of each collective the exchanges use, at this model's sizes (fp32
     allreduce of all gradients, submitted at once one tensor per parameter as the step does, so Horovod
     fuses them as in the step; allgather of the TernGrad payloads; alltoall of the sharded chunks), and
-    the codec's per-element rates (``timeline.measure_codec_rates``, median run, slowest rank).
+    the codec's per-element rates (``codec_rates.measure_codec_rates``, median run, slowest rank).
     ``exchange.cost.calibrated_efficiency`` (also ``perfmodel.calibrated_efficiency``) turns the collective
     times into per-collective efficiencies."""
 
@@ -202,7 +202,7 @@ class Calibration:
         self.times["allgather"] += _times_s(lambda: hvd.allgather(self.payload, name="bench.cal.ag"), 3)
         self.times["alltoall"] += _times_s(lambda: hvd.alltoall(self.chunks, splits=self.splits, name="bench.cal.a2a"), 3)
         # the codec's stages, every rank at once (as the job runs them); a step waits for the slowest rank
-        from ..modelling.timeline import measure_codec_rates
+        from ..modelling.codec_rates import measure_codec_rates
         hvd.allreduce(torch.zeros(1), name=f"bench.cal.barrier2.{r}")
         rates = measure_codec_rates(numel=2_000_000, repeat=3, statistic="median")
         fields = list(rates.__dataclass_fields__)
