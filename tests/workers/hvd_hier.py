@@ -143,7 +143,9 @@ def scenario_kill(outdir):
     except Exception as e:  # noqa: BLE001 - what a survivor sees is the result
         res = {"error_type": [c.__name__ for c in type(e).__mro__], "error": str(e), "size": hvd.size(),
                **engine_info(comp)}
-        torch.save(res, os.path.join(outdir, f"kill.rank{hvd.rank()}.pt"))
+        path = os.path.join(outdir, f"kill.rank{hvd.rank()}.pt")
+        torch.save(res, path + ".part")    # whole or absent: the launcher may end this rank while it writes
+        os.replace(path + ".part", path)
         os._exit(4)
     return {"error_type": None}
 
