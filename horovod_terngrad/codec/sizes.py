@@ -109,7 +109,7 @@ __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
            "reternarized_chunk_bytes", "REQUANT_GROUP", "REQUANT_HEADER_BYTES", "requant_groups",
-           "requantized_owner_bytes", "requantized_owner_chunk_bytes"]
+           "requantized_owner_bytes", "requantized_owner_chunk_bytes", "owner_step_weight_chunk_bytes"]
 
 
 # -- the re-ternarized exchange (exchange/reternarized.py) ------------------------------------------------------
@@ -172,6 +172,15 @@ def requantized_owner_chunk_bytes(numel: int, n_ranks: int, noise: bool, bucket_
     """Bytes each owner adds to the requantized exchange's allgather for one tensor (its shard; the shards are the
     re-ternarized exchange's, whose first stage it shares)."""
     return [requantized_owner_bytes(hi - lo, noise) if hi > lo else 0      # an empty shard: nothing
+            for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
+
+
+# -- the owner-step exchange (exchange/owner_step.py) -----------------------------------------------------------
+def owner_step_weight_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: int = 0) -> list[int]:
+    """Bytes each owner adds to the owner-step exchange's allgather for one tensor: its shard's weight difference
+    as a ternary payload (header, one fp32 scaler per shard, packed codes; codec/nearest.py); an empty shard
+    sends nothing.  The shards are the re-ternarized exchange's, whose first stage owner-step shares."""
+    return [payload_size(hi - lo, fmt, 0) if hi > lo else 0
             for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
 
 
