@@ -8,5 +8,6 @@ the path README and docs give.  ``import horovod_terngrad`` does not load this m
 torch.distributed's hook machinery); importing it, or ``from horovod_terngrad import ddp``, does.
 """
 from .frontends.ddp import TernGradState, find_ddp, register, terngrad_hook
+from .frontends.ddp_owner_step import local_gradients_hook
 
-__all__ = ["TernGradState", "terngrad_hook", "register", "find_ddp"]
+__all__ = ["TernGradState", "terngrad_hook", "register", "find_ddp", "local_gradients_hook"]
