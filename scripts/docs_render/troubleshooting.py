@@ -96,6 +96,10 @@ def block_inventory() -> str:
 #: with its whitespace collapsed).  Every warning and log site of ``inventory()`` needs an entry, and every entry a
 #: site: a new warning without advice, or advice for a message the code no longer writes, stops the render.
 WARNING_ADVICE = [
+    ("horovod_terngrad/optim/owner_step.py", "horovod_terngrad: owner-step skipped step",
+     "a NaN/Inf in some rank's gradient: `OwnerStepOptimizer` skipped the step on every rank (logged once; "
+     "`skipped_steps` counts them)", "nothing with fp16 AMP's occasional overflow; otherwise find the tensor "
+     "the message names, or set `on_nonfinite=\"raise\"` to stop there"),
     ("horovod_terngrad/backends/cpu.py", "TernGrad: fused CPU codec unavailable",
      "no C compiler or the build failed: the torch reference codec runs (same bytes, slower)", "install gcc, or set `CC`"),
     ("horovod_terngrad/backends/__init__.py", "TernGrad: CUDA kernels unavailable",
