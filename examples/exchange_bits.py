@@ -8,6 +8,9 @@ ranks, and from the cost model (exchange/cost.py, whose sizes are codec/sizes.py
 The tensors are those the default policy ternarizes (``min_numel``), each its own group (fusion changes headers
 only).  Requantized: with the noise channel (what horovod_terngrad.optim.AdamW asks for) and without (SGD).
 ``reternarized@b128``: the re-ternarized exchange with one scaler per 128 elements in both stages (bucket_size=128).
+``owner-step``: ``horovod_terngrad.optim.OwnerStepOptimizer`` in its default base-3 packing (both stages, with the
+squares AdamW's noise estimate needs), measured by its exchange's counter after one step, modelled from
+codec/sizes.py (its own sizes).
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ import sys
 
 import torch
 
+OWNER_STEP = "owner-step (OwnerStepOptimizer, base-3)"
 EXCHANGES = ("allgather", "sharded", "reternarized", "reternarized@b128", "requantized",
-             "requantized (SGD: no noise channel)")
+             "requantized (SGD: no noise channel)", OWNER_STEP)
 
 
 def exchange_spec(label: str) -> tuple[str, int]:
@@ -37,7 +41,44 @@ def shapes(model_name: str) -> list:
     return [tuple(p.shape) for n, p in model.named_parameters() if cfg.compresses(n, p.numel())]
 
 
+def owner_step_received(numels: list, N: int) -> int:
+    """The busiest rank's bytes received in one owner-step step (codec/sizes.py)."""
+    from horovod_terngrad.codec import sizes
+    per_rank = []
+    for r in range(N):
+        total = 0
+        for n in numels:
+            grad = sizes.reternarized_chunk_bytes(n, N, "base3", 0, True)
+            weights = sizes.owner_step_weight_chunk_bytes(n, N, "base3")
+            total += (N - 1) * grad[r] + sum(weights) - weights[r]
+        per_rank.append(total)
+    return max(per_rank)
+
+
+def measured_owner_step(shape_list: list, N: int) -> float:
+    from horovod_terngrad import TernGradConfig
+    from horovod_terngrad.exchange import run_ranks
+    from horovod_terngrad.optim import OwnerStepOptimizer
+
+    def body(c):
+        torch.set_num_threads(1)
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shape_list]
+        opt = OwnerStepOptimizer([(f"t{i}", p) for i, p in enumerate(params)], collectives=c,
+                                 config=TernGradConfig(packing="base3"), lr=1e-3)
+        g = torch.Generator().manual_seed(1 + c.rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        return opt.exchange.bytes_received
+
+    got = run_ranks(N, body, timeout=900)
+    return 8 * max(got) / sum(int(torch.Size(s).numel()) for s in shape_list)
+
+
 def modelled(numels: list, N: int, exchange: str) -> float:
+    if exchange == OWNER_STEP:
+        return 8 * owner_step_received(numels, N) / sum(numels)
     from horovod_terngrad.exchange import cost
     net = cost.Network.from_gbps("any", 1.0, 50.0)
     if exchange == "allgather":
@@ -53,6 +94,8 @@ def modelled(numels: list, N: int, exchange: str) -> float:
 
 
 def measured(shape_list: list, N: int, exchange: str) -> float:
+    if exchange == OWNER_STEP:
+        return measured_owner_step(shape_list, N)
     from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import Engine, run_ranks
     name, bucket = exchange_spec(exchange)
@@ -86,8 +129,8 @@ def main(argv=None):
     numels = [int(torch.Size(s).numel()) for s in shape_list]
     Ns = [int(x) for x in args.workers.split(",")]
     lines = [f"Bits per element received by the busiest rank, {args.model}'s {len(numels)} ternarized tensors "
-             f"({sum(numels) / 1e6:.1f}M elements), 2-bit packing; measured (thread ranks, the engine's counters) "
-             f"/ modelled (exchange/cost.py)", "",
+             f"({sum(numels) / 1e6:.1f}M elements), 2-bit packing (owner-step: base-3); measured (thread ranks, "
+             f"the exchanges' counters) / modelled (exchange/cost.py; owner-step: codec/sizes.py)", "",
              "| exchange | " + " | ".join(f"N={N}" for N in Ns) + " |", "|---" * (len(Ns) + 1) + "|"]
     for ex in EXCHANGES:
         cells = []
