@@ -329,3 +329,42 @@ def test_a_rank_without_gradients_takes_part_with_zeros():
         return model.state_dict()
     out = run_ranks(3, body)
     assert all(torch.equal(out[r][k], out[0][k]) for r in range(3) for k in out[0])
+
+
+def test_from_optimizer_keeps_the_groups_and_takes_terngrads_adamw():
+    """Built from a script's torch.optim.AdamW with two groups: the same steps as built directly with
+    optim.AdamW and those groups."""
+    def body(c, direct):
+        model = _model()
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        if direct:
+            named = dict(model.named_parameters())
+            groups = [{"params": [(n, p) for n, p in named.items() if n.endswith("weight")], "weight_decay": 0.1},
+                      {"params": [(n, p) for n, p in named.items() if n.endswith("bias")], "weight_decay": 0.0}]
+            opt = OwnerStepOptimizer(groups, AdamW, collectives=c, config=CFG, lr=2e-3, betas=(0.9, 0.95))
+        else:
+            base = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                     lr=2e-3, betas=(0.9, 0.95))
+            opt = OwnerStepOptimizer.from_optimizer(base, model.named_parameters(), collectives=c, config=CFG)
+            assert type(opt.inner) is AdamW
+        for step in range(3):
+            x, y = _batch(c.rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict()
+    a, b = run_ranks(2, body, True)[0], run_ranks(2, body, False)[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_from_optimizer_refuses_a_stepped_optimizer_and_unnamed_parameters():
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not in named_parameters"):
+        OwnerStepOptimizer.from_optimizer(base, list(model.named_parameters())[:2], collectives=_Solo())
+    model(torch.randn(2, 40)).sum().backward()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    base.step()
+    with pytest.raises(ValueError, match="has taken steps"):
+        OwnerStepOptimizer.from_optimizer(base, model.named_parameters(), collectives=_Solo())

@@ -149,6 +149,33 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
             inner_groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": members})
         self.inner = optimizer_class(inner_groups, **defaults)
 
+    @classmethod
+    def from_optimizer(cls, optimizer, named_parameters, **kwargs) -> "OwnerStepOptimizer":
+        """An owner-step optimizer with ``optimizer``'s class, param groups and options (built, not yet stepped),
+        for scripts that build their optimizer first: ``torch.optim.Adam`` / ``AdamW`` become
+        ``horovod_terngrad.optim.Adam`` / ``AdamW`` (the same update, with ternary noise kept out of v).
+        ``named_parameters``: the model's (names key the streams); ``kwargs``: ``collectives``, ``config``,
+        ``max_grad_norm``, ``name``."""
+        import inspect
+
+        from .adam import Adam, AdamW
+        if any(optimizer.state.values()):
+            raise ValueError("OwnerStepOptimizer.from_optimizer: the optimizer has taken steps; build the "
+                             "owner-step optimizer before the first step (its state lives in the owners' shards)")
+        names = {id(p): n for n, p in named_parameters}
+        groups = []
+        for g in optimizer.param_groups:
+            unnamed = [tuple(p.shape) for p in g["params"] if id(p) not in names]
+            if unnamed:
+                raise ValueError(f"OwnerStepOptimizer.from_optimizer: parameters of shapes {unnamed[:4]} are not "
+                                 f"in named_parameters")
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [(names[id(p)], p) for p in g["params"]]})
+        klass = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam}.get(type(optimizer), type(optimizer))
+        accepted = inspect.signature(klass.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+        return cls(groups, klass, **kwargs, **defaults)
+
     # -- the step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
