@@ -1,6 +1,8 @@
 """Fig. 3-style study: LeNet on MNIST, fp32 vs TernGrad, for N simulated workers (one CPU process).
 
     python examples/study_lenet.py --iterations 10000 --workers 1,2,4,8,16,32,64 --out docs/study
+    python examples/study_lenet.py --iterations 2000 --workers 8,16,64 --optimizers momentum --exchange owner-step \
+        --out docs/study/lenet_owner_step
 
 Setup of the paper (Fig. 3): total mini-batch 64 split over N workers, momentum SGD (base lr 0.01,
 momentum 0.9) or vanilla SGD (base lr 0.1), polynomial decay lr = base·(1 - it/iterations)^0.5, weight
@@ -37,9 +39,14 @@ def train(data, n_workers: int, compression: str, optimizer: str, iterations: in
     model = LeNet()
     hp = OPTIMIZERS[optimizer]
     opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=5e-4)
-    sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical, exchange=exchange),
-                    compression=compression,
-                    ranks_per_node=ranks_per_node)
+    owner = exchange == "owner-step"
+    if owner:       # OwnerStepOptimizer's arithmetic (examples/owner_step.py): the owners step SGD on their shards
+        from owner_step import OwnerStepSimulator
+        sim = OwnerStepSimulator(model, n_workers, TernGradConfig(seed=seed, exchange="requantized",
+                                                                  packing="base3", hierarchical=False))
+    else:
+        sim = Simulator(model, n_workers, TernGradConfig(seed=seed, hierarchical=hierarchical, exchange=exchange),
+                        compression=compression, ranks_per_node=ranks_per_node)
     hierarchical = compression == "terngrad" and sim.topology.flat_reason() is None and hierarchical is not False
     xtr, ytr = data["train"]
     t0 = time.perf_counter()
@@ -47,15 +54,27 @@ def train(data, n_workers: int, compression: str, optimizer: str, iterations: in
         for group in opt.param_groups:
             group["lr"] = hp["lr"] * (1 - it / iterations) ** 0.5
         idx = batch_indices(seed, it, len(xtr), batch)
-        sim.step(xtr[idx], ytr[idx], F.cross_entropy, opt)
+        if owner:
+            sim.to_replica()
+            avg = sim.average(sim.worker_gradients(xtr[idx], ytr[idx], F.cross_entropy))
+            sim.to_master()
+            for p, g in zip(sim.params, avg):
+                p.grad = g
+            opt.step()
+            sim.send_weights()
+        else:
+            sim.step(xtr[idx], ytr[idx], F.cross_entropy, opt)
         if log_every and (it + 1) % log_every == 0:
             print(f"  [{optimizer} {compression} N={n_workers}] iteration {it + 1}/{iterations} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    if owner:
+        sim.to_replica()            # what every rank computes on (the master's accuracy differs by a step)
     acc = evaluate(model, *data["test"])
     return {"workers": n_workers, "compression": compression, "optimizer": optimizer, "iterations": iterations,
             "ranks_per_node": ranks_per_node, "hierarchical": bool(hierarchical), "exchange": exchange,
             "test_acc": acc, "seconds": time.perf_counter() - t0,
-            "bits_per_element": sim.stats.bits_per_element() if compression == "terngrad" else 32.0}
+            "bits_per_element": (sum(sim.bits_received()) if owner else
+                                 sim.stats.bits_per_element() if compression == "terngrad" else 32.0)}
 
 
 def write_outputs(results: list, out: str, iterations: int) -> None:
@@ -113,6 +132,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ranks-per-node", type=int, default=1,
                    help="simulate nodes of this many ranks (contiguous placement)")
+    p.add_argument("--exchange", default="allgather", choices=["allgather", "owner-step"],
+                   help="owner-step: horovod_terngrad.optim.OwnerStepOptimizer's arithmetic (examples/owner_step.py)")
     p.add_argument("--hierarchical", default="false", choices=["false", "true", "both"],
                    help="with --ranks-per-node: the node-aware exchange, the flat one (false), or both per N")
     args = p.parse_args(argv)
@@ -127,7 +148,7 @@ def main(argv=None):
             for hier in variants:
                 results.append(train(data, n, "terngrad", opt, args.iterations, args.seed,
                                      log_every=max(1, args.iterations // 4), ranks_per_node=args.ranks_per_node,
-                                     hierarchical=hier))
+                                     hierarchical=hier, exchange=args.exchange))
                 print(f"{opt} TernGrad N={n}{' hierarchical' if results[-1]['hierarchical'] else ''}: "
                       f"{100 * results[-1]['test_acc']:.2f}%", flush=True)
                 write_outputs(results, args.out, args.iterations)

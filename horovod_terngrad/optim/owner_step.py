@@ -104,6 +104,9 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         for g in groups:
             for n, p in g["params"]:
                 if p.requires_grad:
+                    if not p.is_contiguous():
+                        raise ValueError(f"OwnerStepOptimizer: parameter '{n}' (shape {tuple(p.shape)}) is not "
+                                         f"contiguous: the owners' differences are added to it in place")
                     self.names.append(n)
                     self.params.append(p)
                     self.ternary.append(self.coll.size > 1 and self.config.compresses(n, p.numel()))
