@@ -963,8 +963,9 @@ def test_hsdp_cli(capsys):
     out = capsys.readouterr().out
     assert "GPT-3 1.3B" in out and "292 tensors" in out
     rows = [line for line in out.splitlines() if line.startswith("| 8 ") or line.startswith("| 512 ")]
-    assert len(rows) == 2 and rows[0].count("|") == 25
+    assert len(rows) == 2 and rows[0].count("|") == 28
     assert "TG-rt s" in out and "TG-rt / limit" in out      # the re-ternarized exchange beside its limit
+    assert "TG-os s" in out and "TG-os vs bf16" in out      # the owner-step optimizer's exchange, modelled
     with pytest.raises(SystemExit):
         cli.main(["hsdp", "--workers", "6"])
 
