@@ -963,8 +963,9 @@ def test_hsdp_cli(capsys):
     out = capsys.readouterr().out
     assert "GPT-3 1.3B" in out and "292 tensors" in out
     rows = [line for line in out.splitlines() if line.startswith("| 8 ") or line.startswith("| 512 ")]
-    assert len(rows) == 2 and rows[0].count("|") == 25
+    assert len(rows) == 2 and rows[0].count("|") == 28
     assert "TG-rt s" in out and "TG-rt / limit" in out      # the re-ternarized exchange beside its limit
+    assert "TG-os s" in out and "TG-os vs bf16" in out      # the owner-step optimizer's exchange, modelled
     with pytest.raises(SystemExit):
         cli.main(["hsdp", "--workers", "6"])
 
@@ -1122,3 +1123,162 @@ def test_the_cli_tables_have_a_default_column(capsys):
     assert "8 ranks per node" in out and "\n  16      2 " in out
     with pytest.raises(SystemExit):
         cli.main(["hsdp", "--gpus-per-node", "8", "--workers", "12"])
+
+
+# ---------------------------------------------------------------- the owner-step optimizer's exchange
+@pytest.mark.parametrize("N", [3, 5])
+def test_owner_step_cost_charges_exactly_codec_sizes_bytes(N):
+    """exchange.cost.terngrad_owner_step_cost charges c = the re-ternarized first stage's shard payload (with the
+    squares trailer where the noise estimate is asked) to each peer, P = the largest owner's ternary weight
+    differences (codec.sizes.owner_step_weight_chunk_bytes), the flags' allreduce and the full-precision tensors'
+    fp32 allgather; the real exchange on thread ranks receives exactly the payload bytes codec.sizes gives."""
+    from horovod_terngrad.exchange import cost, run_ranks
+    from horovod_terngrad.exchange.owner_step import OwnerStepExchange
+    exact = [10, 30]
+    for packing in ("base3", "2bit"):
+        for noise in (True, False):
+            up = [sum(sizes.reternarized_chunk_bytes(n, N, packing, squares=noise)[r] for n in AWKWARD)
+                  for r in range(N)]
+            down = [sum(sizes.owner_step_weight_chunk_bytes(n, N, packing)[r] for n in AWKWARD) for r in range(N)]
+            c, P = max(up), max(down)
+            assert cost.owner_step_bytes(AWKWARD, N, packing, noise=noise) == (c, P)
+            model = cost.terngrad_owner_step_cost(AWKWARD, N, RING, packing, noise=noise, exact=exact)
+            flags = 8 * len(AWKWARD)                       # one fp64 flag per ternarized tensor, max-reduced
+            assert model.bytes_received == pytest.approx((N - 1) * (c + P) + 2 * (N - 1) / N * flags
+                                                          + (N - 1) * 4 * sum(exact), rel=1e-12)
+            assert model.messages == 2 * (N - 1) + 2 * (N - 1) + (N - 1)
+            assert model.elements == sum(AWKWARD) + sum(exact)
+            assert model.time_s == pytest.approx(5 * (N - 1) * 1e-3 + ((N - 1) * (c + P) + 2 * (N - 1) / N * flags
+                                                                       + (N - 1) * 4 * sum(exact)) * 1e-6)
+    # the optimizer's exchange on thread ranks, base-3 with the noise estimate's squares
+    cfg = TernGradConfig(packing="base3", seed=3)
+
+    def body(comm):
+        ex = OwnerStepExchange(comm, cfg, [(f"t{i}", n) for i, n in enumerate(AWKWARD)], [True] * len(AWKWARD))
+        gen = torch.Generator().manual_seed(11 + comm.rank)
+        handles = ex.send_gradients([torch.randn(n, generator=gen) for n in AWKWARD], 0)
+        owned = ex.owned_averages(handles)
+        deltas = [None if got is None else 0.01 * got[0] for got in owned]
+        ex.apply_weights(ex.send_weights(deltas), [torch.zeros(n) for n in AWKWARD])
+        return ex.bytes_received
+
+    received = run_ranks(N, body, timeout=120)
+    up = [sum(sizes.reternarized_chunk_bytes(n, N, "base3", squares=True)[r] for n in AWKWARD) for r in range(N)]
+    down = [sum(sizes.owner_step_weight_chunk_bytes(n, N, "base3")[r] for n in AWKWARD) for r in range(N)]
+    assert received == [(N - 1) * up[r] + sum(down) - down[r] for r in range(N)]
+    c, P = cost.owner_step_bytes(AWKWARD, N)               # base-3 with the squares: the optimizer's defaults
+    assert max(received) <= (N - 1) * (c + P)              # the slowest owner sets the model's time
+
+
+def test_owner_step_bytes_against_the_re_ternarized_exchange():
+    """What codec/sizes.py guarantees between the owner-step exchange and the re-ternarized one (whose shards it
+    uses): in the same packing, without buckets and without the squares, both stages are the same bytes; the
+    squares add 4 bytes per shard and sender to the alltoall; with buckets the weight stage carries one scaler per
+    shard where the re-ternarized second stage carries one per bucket.  Against the engine's defaults (2-bit) the
+    optimizer's base-3 receives fewer bits per element, and far fewer than the requantized default."""
+    from horovod_terngrad.exchange import cost
+    big = [25_000_000]
+    for N in (8, 64, 512):
+        for packing in ("2bit", "base3"):
+            rt = cost.reternarized_bytes(AWKWARD + big, N, packing)
+            assert cost.owner_step_bytes(AWKWARD + big, N, packing, noise=False) == (rt, rt)
+        c, P = cost.owner_step_bytes(big, N, "base3")
+        assert (c, P) == (cost.reternarized_bytes(big, N, "base3") + sizes.SQUARES_BYTES,
+                          cost.reternarized_bytes(big, N, "base3"))
+        c_b, P_b = cost.owner_step_bytes(big, N, "base3", bucket_size=128, noise=False)
+        assert c_b == cost.reternarized_bytes(big, N, "base3", 128) and P_b < c_b
+        net = pm.CLUSTERS["infiniband"].network
+        os_ = cost.terngrad_owner_step_cost(big, N, net)
+        assert (N - 1) / N * 3.2 < os_.bits_per_element < (N - 1) / N * 3.2 + 8 * (N - 1) * 52 / big[0] + 0.001
+        assert os_.bits_per_element < cost.terngrad_reternarized_cost(big, N, net).bits_per_element
+        assert os_.bits_per_element < cost.terngrad_requantized_cost(big, N, net).bits_per_element / 2
+
+
+def test_owner_step_plan_and_step_model():
+    """The plan of TERNGRAD_OWNER_STEP is one buffer: the tensors the config compresses, all of them in one
+    exchange whatever fusion_numel and the nodes say, the others in its fp32 allgather; base-3 unless a config
+    says otherwise (OwnerStepOptimizer's default); its codec is the re-ternarized pattern with the owner's noise
+    estimate, 4n + n/N; the policy never picks it and no setting runs it."""
+    from horovod_terngrad.exchange import cost, names
+    alex = pm.MODELS["alexnet"]
+    tnames = [n for n, _ in alex.tensors]
+    ib = pm.CLUSTERS["infiniband"].network
+    plan = pm.plan_buffers("terngrad_owner_step", alex.sizes, 512, ib, names=tnames, hierarchical=True,
+                           fusion_numel=1 << 20)
+    assert len(plan) == 1 and plan[0].method == "terngrad_owner_step"
+    tern = [i for i, (n, x) in enumerate(alex.tensors) if TernGradConfig().compresses(n, x)]
+    assert list(plan[0].members) == tern and set(plan[0].exact) == set(range(len(alex.sizes))) - set(tern)
+    total, used = pm.model_exchange_cost("terngrad_owner_step", alex.sizes, 512, ib, names=tnames)
+    want = cost.terngrad_owner_step_cost([alex.sizes[i] for i in tern], 512, ib, "base3",
+                                         exact=[alex.sizes[i] for i in plan[0].exact])
+    assert used == ["terngrad_owner_step"] and total.time_s == want.time_s
+    assert total.bytes_received == want.bytes_received                   # no presence check: no engine
+    two = pm.model_exchange_cost("terngrad_owner_step", alex.sizes, 512, ib, names=tnames,
+                                 config=TernGradConfig(packing="2bit"))[0]
+    assert two.bytes_received > total.bytes_received                     # a config of the user's is read
+    assert pm.codec_work_elements("terngrad_owner_step", 800, 8) == 4 * 800 + 100
+    p = pm.predict_step(alex.sizes, 0.05, 512, ib, "terngrad_owner_step", names=tnames, codec_elements_per_s=1e10)
+    n = sum(alex.sizes[i] for i in tern)
+    assert p.codec_s == pytest.approx((4 * n + n / 512) / 1e10)
+    assert names.transport_of("terngrad_owner_step") is None
+    assert "terngrad_owner_step" not in names.TERNGRAD_METHODS + names.TRANSPORTS + cost.NOISE_TRANSPORTS
+    with pytest.raises(ValueError):
+        names.setting_of("terngrad_owner_step")
+
+
+def test_owner_step_figures_at_512_gpus():
+    """The owner-step column's figures at 512 GPUs as docs/perfmodel.md states them (additive model, nodes of 4,
+    codec free), beside the default's, which stay as they were: Horovod VGG-A and AlexNet on InfiniBand (fraction
+    of linear), HSDP GPT-3 1.3B on 1 Gbit/s Ethernet (speedup over bf16 HSDP; owner-step modelled, not built, for
+    HSDP)."""
+    ib = pm.CLUSTERS["infiniband"]
+    for mk, default, owner in (("vgga", 0.883, 0.913), ("alexnet", 0.823, 0.836)):
+        model = pm.MODELS[mk]
+        row = pm.compare_exchanges(model, model.compute_s[ib.gpu], 512, ib.network,
+                                   (pm.FP32, pm.TERNGRAD_DEFAULT, pm.TERNGRAD_OWNER_STEP),
+                                   batch_per_worker=model.batch_per_gpu)
+        assert row["terngrad_default"].scaling_efficiency == pytest.approx(default, abs=5e-4)
+        assert row["terngrad_owner_step"].scaling_efficiency == pytest.approx(owner, abs=5e-4)
+    row = hsdp.predict_hsdp(GPT, pm.CLUSTERS["ethernet"], [512])[0]
+    assert row[hsdp.HSDP_TERNGRAD_DEFAULT].speedup_vs_bf16 == pytest.approx(3.06, abs=0.005)
+    assert row[hsdp.HSDP_TERNGRAD_OWNER_STEP].speedup_vs_bf16 == pytest.approx(5.21, abs=0.005)
+    assert row[hsdp.HSDP_BF16].step_s / row[hsdp.HSDP_TERNGRAD].limit_s == pytest.approx(6.70, abs=0.005)
+
+
+def test_hsdp_owner_step_is_one_exchange_per_unit_among_the_replicas():
+    """HSDP's owner-step column: per unit, one owner-step exchange of the unit's compressed parts among the R
+    replicas (on the cross link) and the fp32 allreduce of the rest, as the other TernGrad columns; base-3 by
+    default."""
+    from horovod_terngrad.exchange import cost
+    eth = pm.CLUSTERS["ethernet"].network
+    R = 16
+    link = cost.cross_network(eth, G4)
+    units = hsdp.hsdp_unit_shards(GPT, G4, 0)
+    got = hsdp.hsdp_cross_cost(hsdp.HSDP_TERNGRAD_OWNER_STEP, units, R, link)
+    want = 0.0
+    for u in units:
+        if u.groups:
+            want += cost.terngrad_owner_step_cost([x for g in u.groups for x in g], R, link, "base3").time_s
+        if u.plain:
+            want += pm.allreduce_cost(u.plain, R, link, 4).time_s
+    assert got.time_s == pytest.approx(want, rel=1e-12)
+    two = hsdp.hsdp_cross_cost(hsdp.HSDP_TERNGRAD_OWNER_STEP, units, R, link, TernGradConfig(packing="2bit"))
+    assert two.bytes_received > got.bytes_received
+
+
+def test_cli_owner_step_column_and_packing(capsys):
+    """The Fig.-5 table has the owner-step column (base-3 unless --packing says otherwise) and --packing base3
+    prices every TernGrad column in base-3."""
+    def cells(argv, *columns):
+        """The 8-GPU row's cells under ``columns`` (right-aligned under their headings)."""
+        assert cli.main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        head = next(line for line in lines if line.lstrip().startswith("workers"))
+        row = next(line for line in lines if line.startswith("       8 "))
+        return [row[:head.index(f" {c} ") + len(c) + 1].split()[-1] for c in columns]
+
+    base = ["--model", "vgga", "--cluster", "infiniband", "--max-workers", "8"]
+    cols = ("owner-step", "OS/linear", "TG-reternarized")
+    plain, base3, two = (cells(base + extra, *cols) for extra in ([], ["--packing", "base3"], ["--packing", "2bit"]))
+    assert plain[:2] == base3[:2] != two[:2]             # the owner-step column: base-3 unless --packing says
+    assert plain[2] == two[2] != base3[2]                # the engine's columns: 2-bit unless --packing says

@@ -5,8 +5,9 @@ plotting: the engine imports it on the training path, and the performance model 
 the timeline build on it.
 
 Transports (the wire algorithms, one module each): allgather, sharded, reternarized, requantized, and joined
-(the allreduce-sum while a rank is in ``hvd.join()``, not priced here).  The methods' and transports' names are
-names.py's.
+(the allreduce-sum while a rank is in ``hvd.join()``, not priced here).  Besides them it prices the owner-step
+exchange (exchange/owner_step.py), which ``optim.OwnerStepOptimizer`` runs and no policy picks.  The methods' and
+transports' names are names.py's.
 
 A message of m bytes over one link costs alpha + m·beta (alpha: latency per message, beta = 1/bandwidth).
 For N ranks and one buffer ("bytes" is what crosses each rank's link in each direction):
@@ -39,6 +40,10 @@ they are computed, so this model charges exactly the bytes the engine sends):
   from N-1 peers (alltoall, c = the largest rank's sum over members of its code bytes) and the owners' packed
   sums of every member (allgather, P_sum = the largest owner's sum over members), plus the handshake.
   No chunk headers: the scalers come from the handshake.
+* owner-step (:func:`terngrad_owner_step_cost`, ``optim.OwnerStepOptimizer``): every ternarized tensor of the step
+  in one alltoall of shard payloads to their owners (c, as the re-ternarized exchange's first stage, with the
+  squares trailer), one allgather of the owners' ternary weight differences (P = the largest owner's), one
+  allreduce of the nonfinite flags and one fp32 allgather of the full-precision tensors.
 
 Node-aware exchange (exchange/hierarchical.py) of a group on M nodes of G ranks (:func:`hierarchical_cost`,
 sizes from ``topology.shard_plan`` / ``topology.intra_node_bytes``, the transport's own): an fp32 alltoall
@@ -60,7 +65,8 @@ from typing import Sequence
 from ..codec import sizes as wire
 from . import network_env, topology
 from .names import (FP16, FP32, TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_HIERARCHICAL,  # noqa: F401 (cost.X)
-                    TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, TRANSPORTS, transport_of)
+                    TERNGRAD_OWNER_STEP, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, TRANSPORTS,
+                    transport_of)
 
 #: the network priced where a caller gives none (read from the environment: network_env.py)
 configured_network = network_env.configured_network
@@ -494,6 +500,60 @@ def terngrad_requantized_cost(sizes: int | Sequence[int], workers: int, network:
     return ExchangeCost(TERNGRAD_REQUANTIZED, t, (N - 1) * (c + P), 2 * _stages(N, link), n)
 
 
+def owner_step_bytes(sizes: Sequence[int], workers: int, packing: str = "base3", bucket_size: int = 0,
+                     noise: bool = True) -> tuple[int, int]:
+    """(c, P) of the owner-step exchange (exchange/owner_step.py) of ternarized tensors of these sizes, all fused
+    in one step: the most bytes any owner receives from one peer in the gradients' alltoall (the re-ternarized
+    exchange's first stage; with ``noise``, each shard with the sender's squares trailer:
+    codec.sizes.reternarized_chunk_bytes) and the most any owner hands the weights' allgather (its shards' ternary
+    weight differences, one scaler per shard: codec.sizes.owner_step_weight_chunk_bytes)."""
+    N = int(workers)
+    up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size, squares=noise) for x in sizes]
+    down = [wire.owner_step_weight_chunk_bytes(x, N, packing, bucket_size) for x in sizes]
+    return (max((sum(m[r] for m in up) for r in range(N)), default=0),
+            max((sum(m[r] for m in down) for r in range(N)), default=0))
+
+
+OWNER_STEP_FLAG_BYTES = 8      #: the owner-step exchange's nonfinite flag per ternarized tensor (fp64, max-reduced)
+
+
+def terngrad_owner_step_cost(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "base3",
+                             bucket_size: int = 0, noise: bool = True,
+                             exact: Sequence[int] = ()) -> ExchangeCost:
+    """The owner-step exchange of one step (``optim.OwnerStepOptimizer``, exchange/owner_step.py): ``sizes`` the
+    ternarized tensors, ``exact`` the full-precision ones (the config's ``min_numel`` and ``exclude``).  With
+    (c, P) = :func:`owner_step_bytes`:
+
+    T = alltoall(c) + (N-1)·alpha + (N-1)·P·beta + allreduce(8·k)  [+ (N-1)·alpha + (N-1)·4·n_exact·beta]
+
+    the gradients' alltoall to the owners, the owners' weight differences by allgather, one allreduce-max of the
+    k tensors' fp64 nonfinite flags, and, where there are full-precision tensors, one fp32 allgather of them (each
+    rank sums the N rows in rank order).  Received bytes per rank: (N-1)·(c + P) + the flags' + (N-1)·4·n_exact,
+    about (N-1)/N·2b bits per ternarized element (3.2 base-3) plus 52 bytes per shard and sender (header, scaler,
+    squares).  Messages 2(N-1) (+ the flags', + N-1).  Per-rank scalers: no handshake, no presence check.
+    ``max_grad_norm``'s 8-byte allgather of the norm is not charged.  The owners' optimizer step is not charged
+    (no method's optimizer is)."""
+    ns, ex = _sizes(sizes), _sizes(list(exact))
+    N = int(workers)
+    n = sum(ns) + sum(ex)
+    if N <= 1:
+        return ExchangeCost(TERNGRAD_OWNER_STEP, 0.0, 0.0, 0, n)
+    link = network.link_for(N)
+    G = network.ranks_per_node if link is network else N
+    t, received, messages = 0.0, 0.0, 0
+    if ns:
+        c, P = owner_step_bytes(ns, N, packing, bucket_size, noise)
+        flag_t, flag_b, flag_m = _allreduce(OWNER_STEP_FLAG_BYTES * len(ns), N, link)
+        t += alltoall_time(c, N, link, G) + ring_allgather_time(P, N, link) + flag_t
+        received += (N - 1) * (c + P) + flag_b
+        messages += 2 * _stages(N, link) + flag_m
+    if ex:
+        t += ring_allgather_time(4 * sum(ex), N, link)
+        received += (N - 1) * 4 * sum(ex)
+        messages += _stages(N, link)
+    return ExchangeCost(TERNGRAD_OWNER_STEP, t, received, messages, n)
+
+
 _COST_FUNCTIONS = {
     FP32: lambda s, N, net, packing, bucket_size, shared: fp32_allreduce_cost(s, N, net),
     FP16: lambda s, N, net, packing, bucket_size, shared: fp16_allreduce_cost(s, N, net),
@@ -505,6 +565,9 @@ _COST_FUNCTIONS = {
     TERNGRAD_RETERNARIZED: lambda s, N, net, packing, bucket_size, shared: terngrad_reternarized_cost(
         s, N, net, packing, bucket_size, False),
     TERNGRAD_REQUANTIZED: lambda s, N, net, packing, bucket_size, shared: terngrad_requantized_cost(
+        s, N, net, packing, bucket_size),
+    # the ternarized tensors alone, with the noise estimate's squares (OwnerStepOptimizer's default AdamW asks it)
+    TERNGRAD_OWNER_STEP: lambda s, N, net, packing, bucket_size, shared: terngrad_owner_step_cost(
         s, N, net, packing, bucket_size),
 }
 
@@ -526,7 +589,8 @@ def method_cost(method: str, sizes: int | Sequence[int], workers: int, network: 
         return cheapest_method(sizes, workers, network, packing, candidates=cheapest_candidates(workers),
                                bucket_size=bucket_size, shared_scaler=shared_scaler).cost
     if method not in _COST_FUNCTIONS:
-        raise ValueError(f"method must be one of {METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)}, "
+        raise ValueError(f"method must be one of "
+                         f"{METHODS + (TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED, TERNGRAD_OWNER_STEP)}, "
                          f"got {method!r}")
     return _COST_FUNCTIONS[method](sizes, workers, network, packing, bucket_size, shared_scaler)
 

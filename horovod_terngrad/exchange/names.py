@@ -9,7 +9,8 @@ payloads travel (one module of this package each); a *method* is what the cost m
 ``"terngrad_allgather"``, ...): fp32 and fp16 (Horovod's allreduce at full or half precision), one method per
 transport, one per rule (``"terngrad_default"``, ``"terngrad"``: whatever the policy picks per group), and the
 node-aware exchange (``"terngrad_hierarchical"``, which ``TernGradConfig.hierarchical`` turns on, not
-``exchange=``).  It imports nothing, so any module reads it without an import cycle.
+``exchange=``), and the owner-step exchange (``"terngrad_owner_step"``: ``optim.OwnerStepOptimizer``'s, which a
+user chooses instead of their optimizer; no ``exchange=`` runs it and the policy never picks it).  It imports nothing, so any module reads it without an import cycle.
 """
 from __future__ import annotations
 
@@ -39,14 +40,17 @@ TERNGRAD_DEFAULT = "terngrad_default"
 TERNGRAD_BEST = "terngrad"
 #: the node-aware exchange of a group (exchange/hierarchical.py)
 TERNGRAD_HIERARCHICAL = "terngrad_hierarchical"
+#: ``optim.OwnerStepOptimizer``'s exchange of every parameter in one step (exchange/owner_step.py): not an engine
+#: transport, the optimizer the user swaps in runs it
+TERNGRAD_OWNER_STEP = "terngrad_owner_step"
 
 
 @dataclass(frozen=True)
 class Method:
     """One method of the cost model and the names it goes by.
 
-    ``setting``: the ``TernGradConfig.exchange`` that runs it (None: fp32, fp16 and the node-aware exchange,
-    which no ``exchange=`` names).  ``transport``: the one transport it runs (None where it is not one: the
+    ``setting``: the ``TernGradConfig.exchange`` that runs it (None: fp32, fp16, the node-aware exchange and the
+    owner-step optimizer's exchange, which no ``exchange=`` names).  ``transport``: the one transport it runs (None where it is not one: the
     rules, which the policy resolves per group, and the methods that are not a transport).  ``label``: the
     column heading of the performance model's command-line tables.  ``short``: its name in the tables' list of
     the exchanges a prediction's buffers use."""
@@ -58,7 +62,8 @@ class Method:
     short: str
 
 
-#: every method, full precision first, then the transports, the rules and the node-aware exchange
+#: every method, full precision first, then the transports, the rules, the node-aware exchange and the owner-step
+#: optimizer's exchange
 TABLE = (
     Method(FP32, None, None, "fp32", "fp32"),
     Method(FP16, None, None, "fp16", "fp16"),
@@ -69,6 +74,7 @@ TABLE = (
     Method(TERNGRAD_DEFAULT, DEFAULT, None, "default", "default"),
     Method(TERNGRAD_BEST, AUTO, None, "auto", "auto"),
     Method(TERNGRAD_HIERARCHICAL, None, None, "node-aware", "hier"),
+    Method(TERNGRAD_OWNER_STEP, None, None, "owner-step (OwnerStepOptimizer)", "owner-step"),
 )
 
 _BY_NAME = {m.name: m for m in TABLE}
@@ -85,7 +91,7 @@ TERNGRAD_METHODS = tuple(m.name for m in TABLE if m.setting is not None)
 
 def transport_of(method: str) -> str | None:
     """The transport ``method`` runs ("allgather", ...), None for a method that is not one transport (fp32,
-    fp16, the rules, the node-aware exchange)."""
+    fp16, the rules, the node-aware exchange, the owner-step optimizer's exchange)."""
     return _BY_NAME[method].transport
 
 

@@ -11,9 +11,26 @@ from typing import Sequence
 from ..config import TernGradConfig
 from ..exchange import policy
 from ..exchange.names import label
-from .hsdp import GPT_MODELS, HSDP_WORKERS, format_hsdp_table, predict_hsdp, scheduled_hsdp
-from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, Cluster, HOROVOD_FUSION_BYTES,
-                        MODELS, TERNGRAD_FUSION_NUMEL, Network, format_table, predict_scaling, worker_counts)
+from .hsdp import (GPT_MODELS, HSDP_BF16, HSDP_METHODS, HSDP_TERNGRAD_OWNER_STEP, HSDP_WORKERS, format_hsdp_table, predict_hsdp,
+                   scheduled_hsdp)
+from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP32, OWNER_STEP_PACKING,
+                        TERNGRAD_OWNER_STEP, Cluster, HOROVOD_FUSION_BYTES, MODELS, TERNGRAD_FUSION_NUMEL, Network,
+                        format_table, predict_scaling, worker_counts)
+
+PACKING_HELP = ("packing of every TernGrad column (default: each one's own: 2bit for TernGradConfig()'s exchanges, "
+                f"{OWNER_STEP_PACKING} for OwnerStepOptimizer's owner-step column)")
+
+
+def packings(packing: str | None) -> tuple[str, str]:
+    """(the engine's columns' packing, the owner-step column's): ``--packing`` for both, else each one's default
+    (``TernGradConfig()``'s, ``OwnerStepOptimizer``'s)."""
+    return packing or TernGradConfig.packing, packing or OWNER_STEP_PACKING
+
+
+def with_owner_step(rows: list, owner_rows: list, key: str) -> list:
+    """``rows`` (one dict of predictions per worker count) with the owner-step column ``key`` of ``owner_rows``
+    (the same worker counts, priced with the owner-step optimizer's config)."""
+    return [{**r, key: o[key]} for r, o in zip(rows, owner_rows)]
 
 
 def with_gpus_per_node(cluster: Cluster, gpus_per_node: int | None) -> Cluster:
@@ -37,7 +54,7 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
                    help="GPUs per node sharing its NIC, FSDP2's shard group (default: the paper's 4)")
     p.add_argument("--sequences", type=int, default=1, help="sequences of the model's context per GPU and step")
     p.add_argument("--compute-s", type=float, help="override the compute time per iteration, seconds")
-    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
+    p.add_argument("--packing", choices=("2bit", "base3"), default=None, help=PACKING_HELP)
     p.add_argument("--min-numel", type=int, default=TernGradConfig.min_numel)
     p.add_argument("--bucket-size", type=int, default=TernGradConfig.bucket_size,
                    help="TernGradConfig.bucket_size for every TernGrad column (0: one scaler per tensor or shard; "
@@ -56,7 +73,8 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
     workers = [int(w) for w in a.workers.split(",") if w.strip()]
     if a.gpus_per_node is not None and a.gpus_per_node < 1:
         p.error("--gpus-per-node must be >= 1")
-    cfg = TernGradConfig(packing=a.packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel,
+    engine_packing, owner_packing = packings(a.packing)
+    cfg = TernGradConfig(packing=engine_packing, min_numel=a.min_numel, fusion_numel=a.fusion_numel,
                          bucket_size=a.bucket_size)
     keys = list(CLUSTERS) if a.cluster == "both" else [a.cluster]
     for key in keys:
@@ -64,16 +82,24 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
         cl = replace(cl, network=cl.network.with_allreduce(a.allreduce))
         if any(w % cl.network.ranks_per_node for w in workers):
             p.error(f"--workers must be multiples of {cl.network.ranks_per_node}")
-        if a.scheduled:
-            rows = scheduled_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
-                                  config=cfg)
-        else:
-            rows = predict_hsdp(GPT_MODELS[a.model], cl, workers, sequences=a.sequences, compute_s=a.compute_s,
-                                overlap=a.overlap, config=cfg,
-                                codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
+        engine = tuple(m for m in HSDP_METHODS if m != HSDP_TERNGRAD_OWNER_STEP)
+        owner = (HSDP_BF16, HSDP_TERNGRAD_OWNER_STEP)
+        rows = with_owner_step(_hsdp_rows(cl, workers, engine, cfg, a),
+                               _hsdp_rows(cl, workers, owner, cfg.replace(packing=owner_packing), a),
+                               HSDP_TERNGRAD_OWNER_STEP)
         print(format_hsdp_table(GPT_MODELS[a.model], cl, rows, markdown=a.markdown))
         print()
     return 0
+
+
+def _hsdp_rows(cluster: Cluster, workers: list, methods: tuple, cfg: TernGradConfig, a: argparse.Namespace) -> list:
+    """The HSDP rows of ``methods`` priced with ``cfg``: the scheduled or the additive step model, as asked."""
+    if a.scheduled:
+        return scheduled_hsdp(GPT_MODELS[a.model], cluster, workers, methods=methods, sequences=a.sequences,
+                              compute_s=a.compute_s, config=cfg)
+    return predict_hsdp(GPT_MODELS[a.model], cluster, workers, methods=methods, sequences=a.sequences,
+                        compute_s=a.compute_s, overlap=a.overlap, config=cfg,
+                        codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None)
 
 
 def format_scheduled(model, cluster: Cluster, workers, rows, negotiation) -> str:
@@ -108,7 +134,7 @@ def _fig5_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms", type=float, help="override the compute time per iteration (one model)")
     p.add_argument("--model", choices=("alexnet", "googlenet", "vgga", "all"), default="all")
     p.add_argument("--max-workers", type=int, default=512)
-    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit")
+    p.add_argument("--packing", choices=("2bit", "base3"), default=None, help=PACKING_HELP)
     p.add_argument("--fusion-mb", type=float, default=HOROVOD_FUSION_BYTES / 2**20,
                    help="tensor fusion threshold in MiB (0: one message per tensor); default Horovod 0.28.1's 128")
     p.add_argument("--bucket-size", type=int, default=TernGradConfig.bucket_size,
@@ -177,24 +203,28 @@ def _print_scheduled(model_keys, clusters: dict, workers: list, compute_s, a: ar
     from .timeline import negotiation_s, scheduled_scaling
     for mkey in model_keys:
         for cluster in clusters.values():
-            rows = scheduled_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, packing=a.packing,
+            rows = scheduled_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
                                      fusion_bytes=kwargs["fusion_bytes"], fusion_numel=a.fusion_numel,
                                      hierarchical=kwargs["hierarchical"], config=kwargs["config"])
             print(format_scheduled(MODELS[mkey], cluster, workers, rows, negotiation_s))
             print()
 
 
-def _print_tables(model_keys, clusters: dict, workers: list, compute_s, kwargs: dict) -> dict:
+def _print_tables(model_keys, clusters: dict, workers: list, compute_s, kwargs: dict, owner_config) -> dict:
     """Per model and cluster, the additive step model's table (with auto's flat exchange beside it where nodes
-    hold several GPUs and the node-aware exchange may run); returns {model: {cluster: rows}} for the figures."""
+    hold several GPUs and the node-aware exchange may run, and the owner-step column priced with
+    ``owner_config``); returns {model: {cluster: rows}} for the figures."""
     results = {}
+    engine = tuple(m for m in ALL_METHODS if m != TERNGRAD_OWNER_STEP)
     for mkey in model_keys:
         results[mkey] = {}
         for ckey, cluster in clusters.items():
-            rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
-                                   methods=ALL_METHODS,
+            rows = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s, methods=engine,
                                    flat_too=kwargs["hierarchical"] is not False and cluster.network.ranks_per_node > 1,
                                    **kwargs)
+            owner = predict_scaling(MODELS[mkey], cluster, workers, compute_s=compute_s,
+                                    methods=(FP32, TERNGRAD_OWNER_STEP), **{**kwargs, "config": owner_config})
+            rows = with_owner_step(rows, owner, TERNGRAD_OWNER_STEP)
             results[mkey][ckey] = rows
             print(format_table(MODELS[mkey], cluster, rows))
             print()
@@ -212,7 +242,7 @@ def _write_figures(a: argparse.Namespace, results: dict, clusters: dict) -> None
     if a.exchanges_png:
         net = next(iter(clusters.values())).network
         flat_link = replace(net, intra_node=None, ranks_per_node=1)
-        plots.plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, a.packing)
+        plots.plot_exchanges(25_000_000, flat_link, a.exchanges_png, a.max_workers, packings(a.packing)[0])
         print(f"wrote {a.exchanges_png}")
 
 
@@ -228,15 +258,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.compute_ms is not None and len(model_keys) > 1:
         p.error("--compute-ms needs a single --model")
     hierarchical = {"true": True, "false": False}.get(a.hierarchical, policy.HIERARCHY_AUTO)
-    kwargs = dict(packing=a.packing, fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
+    engine_packing, owner_packing = packings(a.packing)
+    cfg = TernGradConfig(packing=engine_packing, bucket_size=a.bucket_size, intra_node_dtype=a.intra_node_dtype)
+    kwargs = dict(fusion_bytes=int(a.fusion_mb * 2**20), fusion_numel=a.fusion_numel,
                   overlap=a.overlap, hierarchical=hierarchical,
-                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None,
-                  config=TernGradConfig(bucket_size=a.bucket_size, intra_node_dtype=a.intra_node_dtype))
+                  codec_elements_per_s=a.codec_gelems * 1e9 if a.codec_gelems else None, config=cfg)
     compute_s = a.compute_ms / 1e3 if a.compute_ms is not None else None
     workers = worker_counts(a.max_workers)
     if a.scheduled:
         _print_scheduled(model_keys, clusters, workers, compute_s, a, kwargs)
         return 0
-    results = _print_tables(model_keys, clusters, workers, compute_s, kwargs)
+    results = _print_tables(model_keys, clusters, workers, compute_s, kwargs, cfg.replace(packing=owner_packing))
     _write_figures(a, results, clusters)
     return 0

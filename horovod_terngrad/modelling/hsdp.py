@@ -38,6 +38,13 @@ elements (FSDP2 shards every parameter on dim 0 and pads each to ceil(d0/G) rows
                 ``..._requantized_cost`` instead; the default, ``TernGradConfig()``'s ``exchange="default"``
                 (:data:`HSDP_TERNGRAD_DEFAULT`), is ``default_transport(R)``: the allgather among R <= 4
                 replicas, the requantized exchange among more.
+                Owner-step (:data:`HSDP_TERNGRAD_OWNER_STEP`; modelled, not built for HSDP: ``optim.OwnerStepOptimizer``
+                runs on flat data parallelism): the reduction of the replicated dimension done the owner-step way,
+                each local rank's shard of a unit stepped in R pieces, one per replica, each by its owner:
+                per unit one ``exchange.cost.terngrad_owner_step_cost`` of the unit's compressed real parts among
+                the R ranks (the gradients' alltoall to the owners, their weight differences back by allgather,
+                the flags' allreduce; base-3 unless the config says otherwise, as its optimizer), the rest one fp32
+                allreduce per unit as above.
 * T_codec (optional, ``codec_elements_per_s``; off by default as in :func:`predict_step`): per rank
   ``codec_work_elements`` of its shard: TernGrad allgather n_c·(1 + R) (encode + decode of R payloads),
   sharded 3·n_c, bf16 2·S (cast out and back), fp32 0, over the given rate.
@@ -60,13 +67,13 @@ from typing import Iterable, Sequence
 from ..codec import sizes as wire
 from ..config import TernGradConfig
 from ..exchange import fusion
-from ..exchange.cost import (ExchangeCost, FP16, Network, TERNGRAD_ALLGATHER, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED,
-                             TERNGRAD_SHARDED, allreduce_cost, cross_network, ring_allgather_time, ring_allreduce_time,
-                             terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
-                             terngrad_sharded_cost)
+from ..exchange.cost import (ExchangeCost, FP16, Network, TERNGRAD_ALLGATHER, TERNGRAD_OWNER_STEP, TERNGRAD_REQUANTIZED,
+                             TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, allreduce_cost, cross_network, ring_allgather_time,
+                             ring_allreduce_time, terngrad_allgather_cost, terngrad_owner_step_cost,
+                             terngrad_requantized_cost, terngrad_reternarized_cost, terngrad_sharded_cost)
 from ..exchange.names import TERNGRAD_DEFAULT, method_of_transport
 from ..exchange.policy import default_transport
-from .perfmodel import Cluster, MODELS, codec_work_elements, payload_bytes
+from .perfmodel import Cluster, MODELS, codec_work_elements, payload_bytes, terngrad_config
 
 HSDP_FP32 = "hsdp_fp32"
 HSDP_BF16 = "hsdp_bf16"
@@ -77,13 +84,21 @@ HSDP_TERNGRAD_REQUANTIZED = "hsdp_terngrad_requantized"    #: TernGradConfig(exc
 #: the frontend's default, TernGradConfig(): exchange="default" among the R replicas, ``default_transport(R)``
 #: (the allgather up to 4 nodes, the requantized exchange above)
 HSDP_TERNGRAD_DEFAULT = "hsdp_terngrad_default"
+#: the owner-step optimizer's exchange across the R replicas (modelled, not built for HSDP)
+HSDP_TERNGRAD_OWNER_STEP = "hsdp_terngrad_owner_step"
 HSDP_TERNGRAD_METHODS = (HSDP_TERNGRAD_DEFAULT, HSDP_TERNGRAD, HSDP_TERNGRAD_SHARDED, HSDP_TERNGRAD_RETERNARIZED,
-                         HSDP_TERNGRAD_REQUANTIZED)
+                         HSDP_TERNGRAD_REQUANTIZED, HSDP_TERNGRAD_OWNER_STEP)
 HSDP_METHODS = (HSDP_FP32, HSDP_BF16) + HSDP_TERNGRAD_METHODS
 # the flat Horovod/DDP method each HSDP TernGrad method's cross-node exchange is (for its cost and codec work)
 _HSDP_FLAT = {HSDP_TERNGRAD: TERNGRAD_ALLGATHER, HSDP_TERNGRAD_SHARDED: TERNGRAD_SHARDED,
               HSDP_TERNGRAD_RETERNARIZED: TERNGRAD_RETERNARIZED, HSDP_TERNGRAD_REQUANTIZED: TERNGRAD_REQUANTIZED,
-              HSDP_TERNGRAD_DEFAULT: TERNGRAD_DEFAULT}
+              HSDP_TERNGRAD_DEFAULT: TERNGRAD_DEFAULT, HSDP_TERNGRAD_OWNER_STEP: TERNGRAD_OWNER_STEP}
+
+
+def _config(config: TernGradConfig | None, method: str) -> TernGradConfig:
+    """``config``, or the default of ``method``'s runner: ``TernGradConfig()``, or for owner-step its optimizer's
+    (base-3: ``perfmodel.terngrad_config``)."""
+    return config if config is not None else terngrad_config(method=_HSDP_FLAT.get(method))
 
 
 def hsdp_exchange(method: str, replicas: int) -> str:
@@ -313,7 +328,7 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
     """Cross-node exchange of one local rank's shards among R = ``replicas`` ranks, on ``network`` as its
     cross link (the caller passes ``cross_network(network, G)``): the sum over units (see the section comment
     above).  Returns the ``ExchangeCost`` sum (time, bytes received, messages, elements)."""
-    cfg = config or TernGradConfig()
+    cfg = _config(config, method)
     R = int(replicas)
     total = ExchangeCost(method, 0.0, 0.0, 0, 0)
     for u in units:
@@ -323,7 +338,9 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
         if method not in HSDP_TERNGRAD_METHODS:
             raise ValueError(f"method must be one of {HSDP_METHODS}, got {method!r}")
         flat, k = hsdp_exchange(method, R), cfg.bucket_size
-        for g in u.groups:
+        # the owner-step way: the unit's compressed parts in one exchange, as the optimizer fuses a step's tensors
+        groups = [[x for g in u.groups for x in g]] if flat == TERNGRAD_OWNER_STEP and u.groups else u.groups
+        for g in groups:
             if flat == TERNGRAD_ALLGATHER:
                 total = total + terngrad_allgather_cost(list(g), R, network, cfg.packing, k,
                                                         cfg.scaler_shared_for("allgather"))
@@ -332,6 +349,8 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
                                                            cfg.scaler_shared_for("reternarized"))
             elif flat == TERNGRAD_REQUANTIZED:      # with the noise channel: the optimizer's default recipe
                 total = total + terngrad_requantized_cost(list(g), R, network, cfg.packing, k)
+            elif flat == TERNGRAD_OWNER_STEP:       # with the squares for the noise estimate, as above
+                total = total + terngrad_owner_step_cost(list(g), R, network, cfg.packing, k)
             else:
                 total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, k)
         if u.plain:
@@ -350,7 +369,7 @@ def predict_hsdp_step(model: GPTConfig, workers: int, network: Network, method: 
     if not 0.0 <= overlap <= 1.0:
         raise ValueError("overlap must be in [0, 1]")
     G, N, R = _hsdp_replicas(network, workers)
-    cfg = config or TernGradConfig()
+    cfg = _config(config, method)
     cross = cross_network(network, G)
     worst = None
     for j in range(G):
@@ -399,7 +418,7 @@ def scheduled_hsdp_step(model: GPTConfig, workers: int, network: Network, method
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError("backward_fraction must be in [0, 1]")
     G, N, R = _hsdp_replicas(network, workers)
-    cfg = config or TernGradConfig()
+    cfg = _config(config, method)
     cross = cross_network(network, G)
     reduce_bytes = 2 if method == HSDP_BF16 else 4
     worst = None
@@ -476,7 +495,8 @@ def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, H
                       markdown: bool = False) -> str:
     """GPUs x step time of fp32 and bf16 HSDP, of ``default`` (TernGrad as ``TernGradConfig()`` runs it across
     nodes: ``default_transport(R)``) with its ratio to the limit and its speedup over bf16 HSDP, of TernGrad with
-    each exchange named (TG: allgather, TG-sh: sharded, TG-rt: re-ternarized, TG-rq: requantized), the limit
+    each exchange named (TG: allgather, TG-sh: sharded, TG-rt: re-ternarized, TG-rq: requantized, TG-os: the
+    owner-step optimizer's exchange, modelled, not built for HSDP), the limit
     (compute, intra-node, the 2-bit payload once at the cross link's rate; the same for every TernGrad exchange)
     and the re-ternarized exchange against it, speedups over bf16 HSDP, and the cross-node MB one rank receives
     per step.  A method the rows do not hold shows "-"."""
@@ -485,8 +505,9 @@ def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, H
             f"{cluster.name} ({cluster.network.describe()}); {first.tokens_per_worker} tokens/GPU; compute "
             f"{first.compute_s:.2f} s/iteration")
     cols = ["GPUs", "nodes", "fp32 s", "bf16 s", "default", "default / limit", "default vs bf16", "TG s", "TG-sh s",
-            "TG-rt s", "TG-rq s", "TG-rt limit s", "TG-rt / limit", "TG vs bf16", "TG-sh vs bf16", "TG-rt vs bf16",
-            "TG-rq vs bf16", "limit vs bf16", "intra s", "bf16 MB", "TG MB", "TG-rt MB", "TG-rq MB", "default MB"]
+            "TG-rt s", "TG-rq s", "TG-os s", "TG-rt limit s", "TG-rt / limit", "TG vs bf16", "TG-sh vs bf16",
+            "TG-rt vs bf16", "TG-rq vs bf16", "TG-os vs bf16", "limit vs bf16", "intra s", "bf16 MB", "TG MB",
+            "TG-rt MB", "TG-rq MB", "TG-os MB", "default MB"]
     out = []
 
     def sec(p):
@@ -502,12 +523,13 @@ def format_hsdp_table(model: GPTConfig, cluster: Cluster, rows: list[dict[str, H
         tg, bf = r[HSDP_TERNGRAD], r[HSDP_BF16]
         sh, rt = r.get(HSDP_TERNGRAD_SHARDED), r.get(HSDP_TERNGRAD_RETERNARIZED)
         rq, df = r.get(HSDP_TERNGRAD_REQUANTIZED), r.get(HSDP_TERNGRAD_DEFAULT)
+        os_ = r.get(HSDP_TERNGRAD_OWNER_STEP)
         out.append([f"{bf.workers}", f"{bf.nodes}", f"{r[HSDP_FP32].step_s:.2f}", f"{bf.step_s:.2f}",
                     sec(df), f"{df.step_s / df.limit_s:.2f}x" if df else "-", vs(df),
-                    f"{tg.step_s:.2f}", sec(sh), sec(rt), sec(rq),
+                    f"{tg.step_s:.2f}", sec(sh), sec(rt), sec(rq), sec(os_),
                     f"{rt.limit_s:.2f}" if rt else "-", f"{rt.step_s / rt.limit_s:.2f}x" if rt else "-",
-                    vs(tg), vs(sh), vs(rt), vs(rq), f"{bf.step_s / tg.limit_s:.2f}x",
-                    f"{tg.intra_s:.2f}", mb(bf), mb(tg), mb(rt), mb(rq), mb(df)])
+                    vs(tg), vs(sh), vs(rt), vs(rq), vs(os_), f"{bf.step_s / tg.limit_s:.2f}x",
+                    f"{tg.intra_s:.2f}", mb(bf), mb(tg), mb(rt), mb(rq), mb(os_), mb(df)])
     if markdown:
         lines = [f"**{head}**", "", "| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
         return "\n".join(lines + ["| " + " | ".join(v) + " |" for v in out])

@@ -74,6 +74,15 @@ member (1 layer-wise; ceil(n_i/bucket_size) with buckets).  Sizes are ``codec/si
   the owners' allgather of their shard: ternarized again (c bytes) or the exact average in 4-bit groups with the
   1-bit noise channel (P bytes, ``exchange.cost.requantized_bytes``): T = (N-1)·alpha + (N-1)·c·beta +
   (N-1)·alpha + (N-1)·(c or P)·beta, per-rank scalers (no handshake).  ~4 and ~7.5 bits per element at any N.
+* owner-step (``optim.OwnerStepOptimizer``, :data:`TERNGRAD_OWNER_STEP`; ``exchange.cost.terngrad_owner_step_cost``):
+  not an engine transport but the optimizer a user swaps in, which exchanges every parameter in one step: the
+  ternarized tensors (``min_numel``, ``exclude``; no fusion cut) in one alltoall of shard payloads to their owners
+  (c, the re-ternarized first stage with the squares trailer) and one allgather of the owners' ternary weight
+  differences (P, one scaler per shard), one allreduce of the nonfinite flags, and the full-precision tensors in
+  one fp32 allgather; flat on all N ranks (no node-aware stage), base-3 unless a config or ``packing`` says
+  otherwise (its optimizer's default).  ~3.2 bits per element at any N (base-3) plus 52 bytes per shard and sender.
+  The owners step 1/N of the parameters each, but no method's optimizer step is priced, so that saving is not in
+  the model.
 * the default, ``TernGradConfig()`` (:data:`TERNGRAD_DEFAULT`): ``exchange="default"`` =
   ``exchange.policy.default_transport(N)``, the allgather among N <= 4 ranks and the requantized exchange above
   (node-aware: of the cross group's M ranks), with ``hierarchical="auto"``.
@@ -129,15 +138,15 @@ from ..exchange import fusion, policy, topology
 from ..exchange.cost import (  # noqa: F401 (the runtime cost model, re-exported as perfmodel.X)
     _COLLECTIVE_TIME, FP16, FP32, HOROVOD_FUSION_BYTES, METHODS, NOISE_TRANSPORTS,
     TERNGRAD_ALLGATHER, TERNGRAD_BEST, TERNGRAD_EXCHANGES, TERNGRAD_FUSION_NUMEL, TERNGRAD_HIERARCHICAL,
-    TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
+    TERNGRAD_OWNER_STEP, TERNGRAD_REQUANTIZED, TERNGRAD_RETERNARIZED, TERNGRAD_SHARDED, ExchangeChoice,
     ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, ALLREDUCE_RING, ALLREDUCE_TREE, ExchangeCost, Network,
     allreduce_algorithm, allreduce_cost, allreduce_terms, allreduce_time, alltoall_time, calibrated_efficiency,
     cheapest_method,
     cheapest_transport, configured_network, cross_network, method_cost,
     fp16_allreduce_cost,
-    fp32_allreduce_cost, hierarchical_cost, ring_allgather_time, ring_allreduce_time, presence_cost,
-    requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_requantized_cost, terngrad_reternarized_cost,
-    terngrad_sharded_cost, tree_allreduce_time)
+    fp32_allreduce_cost, hierarchical_cost, owner_step_bytes, ring_allgather_time, ring_allreduce_time,
+    presence_cost, requantized_bytes, sharded_bytes, terngrad_allgather_cost, terngrad_owner_step_cost,
+    terngrad_requantized_cost, terngrad_reternarized_cost, terngrad_sharded_cost, tree_allreduce_time)
 from ..exchange.names import (TERNGRAD_DEFAULT, TERNGRAD_METHODS, method_of_transport,  # noqa: F401 (perfmodel.X)
                               setting_of, short, transport_of)
 from ..exchange.policy import (  # noqa: F401 (the engine's policy, re-exported as perfmodel.X)
@@ -220,13 +229,19 @@ def _fuse_indices(indices: Sequence[int], sizes: Sequence[int], fusion_bytes: in
     return out
 
 
+#: the packing ``optim.OwnerStepOptimizer`` runs without a config of the user's: ``TernGradConfig(packing="base3")``
+OWNER_STEP_PACKING = "base3"
+
+
 def terngrad_config(config: TernGradConfig | None = None, packing: str | None = None,
-                    fusion_numel: int | None = None) -> TernGradConfig:
-    """The ``TernGradConfig`` a plan is cut and charged with: ``config`` (default ``TernGradConfig()``),
-    with ``fusion_numel`` and ``packing`` put in when given (a packing that contradicts an explicit
-    ``config`` is refused rather than silently ignored)."""
+                    fusion_numel: int | None = None, method: str | None = None) -> TernGradConfig:
+    """The ``TernGradConfig`` a plan is cut and charged with: ``config`` (default ``TernGradConfig()``; for
+    ``method`` :data:`TERNGRAD_OWNER_STEP` the optimizer's own default, base-3 packing), with ``fusion_numel`` and
+    ``packing`` put in when given (a packing that contradicts an explicit ``config`` is refused rather than
+    silently ignored)."""
     if config is None:
-        config = TernGradConfig(packing=packing or "2bit")
+        default = OWNER_STEP_PACKING if method == TERNGRAD_OWNER_STEP else "2bit"
+        config = TernGradConfig(packing=packing or default)
     elif packing is not None and packing != config.packing:
         raise ValueError(f"packing={packing!r} contradicts config.packing={config.packing!r}")
     if fusion_numel is not None:
@@ -247,6 +262,8 @@ class PlannedBuffer:
     sizes: tuple
     cross: str | None = None
     bucket_size: int = 0      #: a flat buffer's configured buckets (``TernGradConfig.bucket_size``)
+    #: an owner-step buffer's full-precision tensors (indices), which its one fp32 allgather carries
+    exact: tuple = ()
 
 
 #: 4-byte allreduces of all ranks that the node-aware engine adds to a step under the Horovod frontend
@@ -257,7 +274,7 @@ HOROVOD_STEP_ALLREDUCES = 2
 
 #: the methods of the CLI tables: fp32, fp16, what TernGradConfig() picks, and each TernGrad exchange
 ALL_METHODS = (FP32, FP16, TERNGRAD_DEFAULT, TERNGRAD_ALLGATHER, TERNGRAD_SHARDED, TERNGRAD_BEST,
-               TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED)
+               TERNGRAD_RETERNARIZED, TERNGRAD_REQUANTIZED, TERNGRAD_OWNER_STEP)
 
 
 def node_shape(workers: int, network: Network) -> tuple[int, int] | None:
@@ -280,14 +297,20 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     ``hierarchical="auto"`` weighs per group as the engine does (``exchange.policy.hierarchy_for``; the
     Horovod frontend's engine: :data:`HOROVOD_STEP_ALLREDUCES`, the DDP hook's: 0; default 0).
     ``ranks_per_node``: the job's nodes (default ``network.ranks_per_node``), where ``network`` is only
-    what the engine decides with (``timeline_step``'s ``auto_network``)."""
+    what the engine decides with (``timeline_step``'s ``auto_network``).  ``TERNGRAD_OWNER_STEP``: one buffer, the
+    tensors the config compresses, with the others in its ``exact`` (``hierarchical``, ``fusion_numel`` and the
+    fusion threshold do not apply: the optimizer fuses every parameter and exchanges flat)."""
     sizes = [int(x) for x in tensor_sizes]
     if method in (FP32, FP16):
         width = 4.0 if method == FP32 else 2.0
         return [PlannedBuffer(method, tuple(b), tuple(sizes[i] for i in b))
                 for b in _fuse_indices(list(range(len(sizes))), sizes, fusion_bytes, width)]
+    if method == TERNGRAD_OWNER_STEP:
+        return [_owner_step_buffer(sizes, workers, terngrad_config(config, packing, method=method),
+                                   _tensor_names(names, sizes))]
     if method not in TERNGRAD_METHODS:
-        raise ValueError(f"method must be one of {(FP32, FP16) + TERNGRAD_METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {(FP32, FP16, TERNGRAD_OWNER_STEP) + TERNGRAD_METHODS}, "
+                         f"got {method!r}")
     cfg = terngrad_config(config, packing, fusion_numel)
     if hierarchical is not None:
         cfg = cfg.replace(hierarchical=hierarchical)
@@ -297,9 +320,7 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     setting = setting_of(method)
     flat = policy.transport_among(setting, int(workers))    # None: "auto", which decides per group
     auto_cfg = cfg.replace(exchange=setting) if flat is None else None
-    names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
-    if len(names) != len(sizes) or len(set(names)) != len(names):
-        raise ValueError(f"names must be {len(sizes)} distinct names, one per tensor")
+    names = _tensor_names(names, sizes)
     index = {n: i for i, n in enumerate(names)}
     cut = fusion.cut_sizes(sizes, cfg, names)
     out = []
@@ -320,6 +341,25 @@ def plan_buffers(method: str, tensor_sizes: Sequence[int], workers: int, network
     out += [PlannedBuffer(FP32, tuple(b), tuple(sizes[i] for i in b))
             for b in _fuse_indices(plain, sizes, fusion_bytes, 4.0)]
     return out
+
+
+def _tensor_names(names: Sequence[str] | None, sizes: Sequence[int]) -> list[str]:
+    """The tensors' names ("0", "1", ... where none are given), checked distinct and one per tensor."""
+    names = [str(i) for i in range(len(sizes))] if names is None else [str(n) for n in names]
+    if len(names) != len(sizes) or len(set(names)) != len(names):
+        raise ValueError(f"names must be {len(sizes)} distinct names, one per tensor")
+    return names
+
+
+def _owner_step_buffer(sizes: list, workers: int, cfg: TernGradConfig, names: list) -> PlannedBuffer:
+    """``optim.OwnerStepOptimizer``'s one exchange of a step: the tensors ``cfg`` compresses (``min_numel``,
+    ``exclude``; none on one rank), every one of them in the same collectives (no fusion cut, flat: no node-aware
+    stage), and the others in its fp32 allgather (``exact``)."""
+    tern = [i for i, (n, x) in enumerate(zip(names, sizes)) if int(workers) > 1 and cfg.compresses(n, x)]
+    chosen = set(tern)
+    plain = [i for i in range(len(sizes)) if i not in chosen]
+    return PlannedBuffer(TERNGRAD_OWNER_STEP, tuple(tern), tuple(sizes[i] for i in tern),
+                         bucket_size=cfg.bucket_size, exact=tuple(plain))
 
 
 def exchange_plan(method: str, tensor_sizes: Sequence[int], workers: int, network: Network,
@@ -364,9 +404,12 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
     pays two 4-byte allreduces of every rank (the node-aware engine's presence check and the Horovod
     frontend's end-of-step sync), besides the flat engine's presence check if it sends per-rank groups too.
 
+    ``TERNGRAD_OWNER_STEP`` (``optim.OwnerStepOptimizer``) is one buffer, ``exchange.cost.terngrad_owner_step_cost``
+    of its ternarized and its full-precision tensors; no presence check.
+
     Returns (total cost, exchange used per buffer).
     """
-    cfg = terngrad_config(config, packing)
+    cfg = terngrad_config(config, packing, method=method)
     shared = cfg.scaler_shared_for("allgather")
     total, used = None, []
     for b in plan_buffers(method, tensor_sizes, workers, network, packing, fusion_bytes, fusion_numel,
@@ -376,6 +419,9 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
             M, G = node_shape(workers, network)
             cost = hierarchical_cost(list(b.sizes), M, G, network, cfg.packing, cfg.bucket_size, shared,
                                      policy.transport_among(b.cross, M), cfg.intra_node_width)
+        elif b.method == TERNGRAD_OWNER_STEP:
+            cost = terngrad_owner_step_cost(list(b.sizes), workers, network, cfg.packing, b.bucket_size,
+                                            exact=[int(tensor_sizes[i]) for i in b.exact])
         else:
             cost = method_cost(b.method, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost
@@ -401,7 +447,10 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
     sharded: n encode + n (owners sum N chunks of n/N) + n decode of the sums = 3n; re-ternarized: n encode +
     n (the owner decodes N chunks of n/N) + n/N (it ternarizes its shard again) + n decode = 3n + n/N;
     requantized: n encode + n (the owner decodes N chunks of n/N) + n (its noise estimate from the same N chunks)
-    + n/N (its 4-bit encode) + n decode = 4n + n/N; "default": the allgather's among up to 4 ranks, the
+    + n/N (its 4-bit encode) + n decode = 4n + n/N; owner-step (``optim.OwnerStepOptimizer``, the re-ternarized
+    pattern with its noise estimate): n encode + n (the owner decodes N chunks of n/N) + n (its noise estimate) + n/N
+    (its weight difference to the nearest ternary level) + n (every rank decodes the N owners' shards) = 4n + n/N;
+    "default": the allgather's among up to 4 ranks, the
     requantized one's above (``default_transport(N)``).  N = 1: 0.
     Node-aware (G = ``ranks_per_node``, M = N/G nodes): n (the node sum of G slices of n/G) plus the
     ``cross`` exchange's work on n/G elements among M ranks ("allgather", "sharded", "reternarized",
@@ -426,7 +475,7 @@ def codec_work_elements(method: str, numel: int, workers: int, ranks_per_node: i
         return 3.0 * numel
     if method == TERNGRAD_RETERNARIZED:      # encode n, owner: decode N chunks of n/N and encode n/N, decode n
         return 3.0 * numel + numel / workers
-    if method == TERNGRAD_REQUANTIZED:       # as re-ternarized, and the owner's noise estimate of its N chunks
+    if method in (TERNGRAD_REQUANTIZED, TERNGRAD_OWNER_STEP):   # as re-ternarized, and the owner's noise estimate
         return 4.0 * numel + numel / workers
     raise ValueError(method)
 
@@ -772,7 +821,8 @@ def _chosen(p: StepPrediction) -> str:
 def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPrediction]]) -> str:
     """Workers x images/s for fp32, fp16, ``default`` (what ``TernGradConfig()`` picks: exchange="default",
     node-aware where cheaper), its speedup and fraction of linear scaling (N x one GPU's images/s), TernGrad's
-    exchanges one by one (allgather, sharded, and where the rows hold them re-ternarized and requantized),
+    exchanges one by one (allgather, sharded, and where the rows hold them re-ternarized and requantized), the
+    owner-step optimizer's exchange (``optim.OwnerStepOptimizer``) where the rows hold it,
     ``auto`` (exchange="auto") with its speedup and fraction of linear scaling, and, where the rows hold
     :data:`TERNGRAD_FLAT`, auto's flat exchange beside them; then auto's bits per element and the exchanges
     default and auto use."""
@@ -783,12 +833,14 @@ def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPr
     flat = all(TERNGRAD_FLAT in r for r in rows)
     rt = all(TERNGRAD_RETERNARIZED in r for r in rows)
     rq = all(TERNGRAD_REQUANTIZED in r for r in rows)
+    os_ = all(TERNGRAD_OWNER_STEP in r for r in rows)
     dflt = all(TERNGRAD_DEFAULT in r for r in rows)
     cols = ["workers", "fp32 img/s", "fp16 img/s"]
     cols += ["default", "dflt spd", "dflt/linear"] if dflt else []
     cols += ["TG-allgather", "TG-sharded"]
     cols += ["TG-reternarized", "RT/linear"] if rt else []
     cols += ["TG-requantized", "RQ/linear"] if rq else []
+    cols += ["owner-step", "OS/linear"] if os_ else []
     cols += ["auto", "speedup", "TG/linear"]
     cols += ["flat TG", "flat spd"] if flat else []
     cols += ["TG bits/elt"] + (["default chose"] if dflt else []) + ["chosen"]
@@ -804,6 +856,8 @@ def format_table(model: ModelSpec, cluster: Cluster, rows: list[dict[str, StepPr
             vals += [f"{r[TERNGRAD_RETERNARIZED].images_per_s:.0f}", f"{r[TERNGRAD_RETERNARIZED].scaling_efficiency:.3f}"]
         if rq:
             vals += [f"{r[TERNGRAD_REQUANTIZED].images_per_s:.0f}", f"{r[TERNGRAD_REQUANTIZED].scaling_efficiency:.3f}"]
+        if os_:
+            vals += [f"{r[TERNGRAD_OWNER_STEP].images_per_s:.0f}", f"{r[TERNGRAD_OWNER_STEP].scaling_efficiency:.3f}"]
         vals += [f"{tg.images_per_s:.0f}", f"{tg.speedup_vs_fp32:.2f}x", f"{tg.scaling_efficiency:.3f}"]
         if flat:
             vals += [f"{r[TERNGRAD_FLAT].images_per_s:.0f}", f"{r[TERNGRAD_FLAT].speedup_vs_fp32:.2f}x"]

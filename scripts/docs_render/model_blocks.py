@@ -108,3 +108,94 @@ def block_goal_budget() -> str:
         lines.append(f"| {name} | {1e3 * c:.1f} | {1e3 * (c / 0.9 - c):.1f} | {groups} "
                      f"| {1e3 * groups * 2 * (M - 1) * alpha:.2f} ({groups} x 2·{M - 1} α, α = {1e6 * alpha:g} µs) |")
     return "\n".join(lines)
+
+
+def _owner_step_hsdp(key: str, rate) -> tuple:
+    """HSDP GPT-3 1.3B at 512 GPUs (nodes of 4) on ``key``'s cluster, the codec free (``rate`` None) or charged:
+    (the default, owner-step) as (speedup over bf16 HSDP, step / the 2-bit limit)."""
+    from horovod_terngrad.modelling import hsdp
+    cl = _cluster(key, 4)
+    c = hsdp.hsdp_compute_s(hsdp.GPT3_1P3B, cl.gpu)
+    step = lambda m, r=None: hsdp.predict_hsdp_step(hsdp.GPT3_1P3B, 512, cl.network, m, compute_s=c,  # noqa: E731
+                                                    codec_elements_per_s=r)
+    bf16, limit = step(hsdp.HSDP_BF16).step_s, step(hsdp.HSDP_TERNGRAD).limit_s
+    return tuple((bf16 / p.step_s, p.step_s / limit) for p in (step(m, rate) for m in (
+        hsdp.HSDP_TERNGRAD_DEFAULT, hsdp.HSDP_TERNGRAD_OWNER_STEP)))
+
+
+def block_owner_step_512(gpu_check: dict) -> str:
+    """perfmodel.md's and scale.md's owner-step rows at 512 GPUs (additive model, nodes of 4): the default beside
+    ``OwnerStepOptimizer``'s exchange (base-3; modelled, not built, for HSDP), the codec free and charged at the
+    GPU profile of the current gpu_check JSON (as the gpu-codec-512 block)."""
+    from horovod_terngrad.modelling import hsdp, perfmodel as pm
+    from horovod_terngrad.modelling.gpu_profile import GpuCodecProfile
+    rate = GpuCodecProfile.from_check(gpu_check).codec_elements_per_s
+    eth = [_owner_step_hsdp("ethernet", r) for r in (None, rate)]
+    ib = [_owner_step_hsdp("infiniband", r) for r in (None, rate)]
+    cl = _cluster("ethernet", 4)
+    c = hsdp.hsdp_compute_s(hsdp.GPT3_1P3B, cl.gpu)
+    limit = hsdp.predict_hsdp_step(hsdp.GPT3_1P3B, 512, cl.network, hsdp.HSDP_BF16, compute_s=c).step_s / \
+        hsdp.predict_hsdp_step(hsdp.GPT3_1P3B, 512, cl.network, hsdp.HSDP_TERNGRAD, compute_s=c).limit_s
+
+    def cells(pair, k, fmt):          # default free, owner-step free, default charged, owner-step charged
+        return " | ".join(fmt(pair[i][j][k]) for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)))
+    lines = ["| 512 GPUs (128 nodes x 4), additive model | the default | owner-step (`OwnerStepOptimizer`, base-3) "
+             "| the default, codec charged | owner-step, codec charged |", "|---|---|---|---|---|",
+             f"| HSDP GPT-3 1.3B, Ethernet: x bf16 HSDP (the 2-bit limit: {_x(limit)}) | {cells(eth, 0, _x)} |",
+             f"| HSDP GPT-3 1.3B, Ethernet: step / the 2-bit limit | {cells(eth, 1, _x)} |",
+             f"| HSDP GPT-3 1.3B, InfiniBand: step / the 2-bit limit | {cells(ib, 1, _x)} |"]
+    for mk, name in (("vgga", "VGG-A"), ("alexnet", "AlexNet")):
+        model, ibc = pm.MODELS[mk], _cluster("infiniband", 4)
+        rows = [pm.compare_exchanges(model, model.compute_s[ibc.gpu], 512, ibc.network,
+                                     (pm.FP32, pm.TERNGRAD_DEFAULT, pm.TERNGRAD_OWNER_STEP),
+                                     batch_per_worker=model.batch_per_gpu, codec_elements_per_s=r) for r in (None, rate)]
+        pair = [[(row[m].scaling_efficiency,) for m in (pm.TERNGRAD_DEFAULT, pm.TERNGRAD_OWNER_STEP)] for row in rows]
+        lines.append(f"| Horovod {name}, InfiniBand: of linear | {cells(pair, 0, lambda v: f'{v:.3f}')} |")
+    lines += ["", f"Codec charged: `perfmodel.codec_work_elements` (owner-step: 4n + n/N, as the requantized "
+              f"exchange) at {rate / 1e9:.1f}e9 element operations per second, the GPU profile of perfmodel.md's "
+              "codec rows ([gpu](gpu.md))."]
+    return "\n".join(lines)
+
+
+def block_owner_step_budget(gpu_check: dict) -> str:
+    """perfmodel.md: what the owner-step exchange pays at 512 GPUs on InfiniBand (nodes of 4, additive model) for
+    Horovod VGG-A and AlexNet, term by term (``exchange.cost``'s collectives on the plan's sizes), against what the
+    0.90 goal leaves; then a sentence on what holds AlexNet back."""
+    from horovod_terngrad.exchange import cost
+    from horovod_terngrad.modelling import perfmodel as pm
+    from horovod_terngrad.modelling.gpu_profile import GpuCodecProfile
+    rate = GpuCodecProfile.from_check(gpu_check).codec_elements_per_s
+    G, N = 4, 512
+    lines = [f"| owner-step, {N} GPUs ({N // G} nodes x {G}), InfiniBand, ms | compute | left for communication "
+             f"at 0.90 | the exchange | of it: latency ({N - 1} α per collective) | gradients' alltoall bytes "
+             f"({G} GPUs per NIC) | weights' allgather bytes | full-precision allgather bytes | the codec, charged |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    terms = {}
+    for mk, name in (("vgga", "VGG-A"), ("alexnet", "AlexNet")):
+        model, cl = pm.MODELS[mk], _cluster("infiniband", G)
+        net, c = cl.network, model.compute_s[cl.gpu]
+        plan = pm.plan_buffers(pm.TERNGRAD_OWNER_STEP, model.sizes, N, net, names=[n for n, _ in model.tensors])[0]
+        exact = [model.sizes[i] for i in plan.exact]
+        up, down = cost.owner_step_bytes(list(plan.sizes), N, pm.OWNER_STEP_PACKING)
+        total = cost.terngrad_owner_step_cost(list(plan.sizes), N, net, pm.OWNER_STEP_PACKING, exact=exact).time_s
+        gather = lambda b: cost.ring_allgather_time(b, N, net) - cost.ring_allgather_time(0, N, net)  # noqa: E731
+        t = {"alltoall": cost.alltoall_time(up, N, net, G) - cost.alltoall_time(0, N, net, G),
+             "allgather": gather(down), "exact": gather(4 * sum(exact)) if exact else 0.0,
+             "codec": pm.codec_work_elements(pm.TERNGRAD_OWNER_STEP, sum(plan.sizes), N) / rate}
+        t["latency"] = total - t["alltoall"] - t["allgather"] - t["exact"]
+        t.update(compute=c, total=total, exact_tensors=len(exact), exact_elements=sum(exact))
+        terms[mk] = t
+        lines.append(f"| {name} | {1e3 * c:.1f} | {1e3 * (c / 0.9 - c):.1f} | {1e3 * total:.2f} | "
+                     f"{1e3 * t['latency']:.2f} | {1e3 * t['alltoall']:.2f} | {1e3 * t['allgather']:.2f} | "
+                     f"{1e3 * t['exact']:.2f} | {1e3 * t['codec']:.2f} |")
+    a = terms["alexnet"]
+    lines += ["", f"AlexNet: the latency of the exchange's collectives alone ({1e3 * a['latency']:.2f} ms, three of "
+              f"{N - 1} steps each among the {N} ranks and the flags' allreduce) is more than the "
+              f"{1e3 * (a['compute'] / 0.9 - a['compute']):.1f} ms the goal leaves, before any byte; the bytes "
+              f"({1e3 * (a['alltoall'] + a['allgather'] + a['exact']):.2f} ms) are mostly the gradients' alltoall, "
+              f"whose {G} GPUs per node share one NIC; its big fc layers are not what costs (their shards are "
+              "ternary both ways). The full-precision allgather, one message per peer for "
+              f"{a['exact_tensors']} small tensors ({a['exact_elements']:,} elements), costs {N - 1} latencies of "
+              f"its own. With the codec charged the flat exchange's 4n + n/N element operations per rank add "
+              f"{1e3 * a['codec']:.2f} ms (the default's node-aware stages work on 1/{G} of n across nodes)."]
+    return "\n".join(lines)

@@ -18,7 +18,8 @@ from .gpu import (block_gpu_codec_512, block_gpu_goals, block_gpu_kernels, block
 from .headline import headline
 from .measured import measured
 from .mixed_precision import block_mp_bf16, block_mp_fp16
-from .model_blocks import block_bf16_intra, block_goal_budget, block_goals_512, block_paper_vs_model
+from .model_blocks import (block_bf16_intra, block_goal_budget, block_goals_512, block_owner_step_512,
+                           block_owner_step_budget, block_paper_vs_model)
 from .modelled import hsdp_break_even, modelled, paper_vs_model
 from .realshapes import block_realshapes, block_realshapes_repeats
 from .reference import reference_md
@@ -37,12 +38,19 @@ def block_makers() -> dict:
     def gpu():
         return gpu_checks()[-1]
 
+    @functools.lru_cache(maxsize=None)
+    def owner_step_512():           # one block on two pages, computed once
+        return block_owner_step_512(gpu())
+
     return {
         ("docs/gpu.md", "gpu-goals"): lambda: block_gpu_goals(gpu()),
         ("docs/gpu.md", "gpu-steps"): lambda: block_gpu_steps(gpu()),
         ("docs/gpu.md", "gpu-kernels"): lambda: block_gpu_kernels(gpu()),
         ("docs/gpu.md", "gpu-train-step"): lambda: block_gpu_train_step(gpu()),
         ("docs/perfmodel.md", "gpu-codec-512"): lambda: block_gpu_codec_512(gpu()),
+        ("docs/perfmodel.md", "owner-step-512"): owner_step_512,
+        ("docs/scale.md", "owner-step-512"): owner_step_512,
+        ("docs/perfmodel.md", "owner-step-budget"): lambda: block_owner_step_budget(gpu()),
         ("README.md", "headline"): lambda: headline().replace("DOCS/", "docs/"),
         ("docs/index.md", "headline"): lambda: headline().replace("DOCS/", ""),
         ("docs/choosing.md", "choosing"): lambda: block_choosing(modelled(), measured()),
