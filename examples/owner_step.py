@@ -39,7 +39,7 @@ import types
 import torch
 
 from horovod_terngrad import backends, codec
-from horovod_terngrad.codec import sizes, squares
+from horovod_terngrad.codec import nearest, sizes, squares
 from horovod_terngrad.codec.packing import FLAG_NONFINITE, Header, device_constant
 from horovod_terngrad.exchange import allgather, reternarized
 from horovod_terngrad.exchange import engine as engine_module
@@ -111,18 +111,15 @@ def owner_transport():
 
 
 def nearest_ternary(d: torch.Tensor, bucket: int) -> torch.Tensor:
-    """Deterministic ternary rounding of the flat ``d``: per bucket of ``bucket`` elements (the last one short)
-    s = max|d|, q = s·round(d/s) with round to nearest in {-1, 0, 1} (a tie |d| = s/2 goes to ±s).  |d - q| <= s/2."""
+    """Deterministic ternary rounding of the flat ``d`` (codec/nearest.py, what OwnerStepOptimizer sends): per
+    bucket of ``bucket`` elements (the last one short) s = max|d|, q = s·round(d/s) with round to nearest in
+    {-1, 0, 1} (a tie |d| = s/2 goes to ±s).  |d - q| <= s/2."""
     n = d.numel()
     if n == 0:
         return d.clone()
-    k = max(1, min(bucket, n))
-    pad = (-n) % k
-    x = torch.nn.functional.pad(d, (0, pad)).view(-1, k)
-    s = x.abs().amax(dim=1, keepdim=True)
-    t = torch.where(x.abs() * 2 >= s, torch.sign(x), torch.zeros_like(x))
-    t = torch.where(s > 0, t, torch.zeros_like(t))
-    return (t * s).reshape(-1)[:n]
+    k = bucket if 0 < bucket < n else 0
+    t, scalers = nearest.nearest_ternary(d, k)
+    return t.to(torch.float32) * codec.expand_scalers(scalers, k, n)
 
 
 def stochastic_ternary(d: torch.Tensor, bucket: int, key, fmt: str) -> torch.Tensor:

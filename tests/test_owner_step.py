@@ -192,3 +192,15 @@ def test_lm_scale_study_runs_owner_step(tmp_path):
         assert 0 < r["replica_error_max"] < 0.05
     near, buck = by["owner-step-nearest"], by["owner-step-stochastic@b128"]
     assert near["bits_gradient"] == buck["bits_gradient"] and buck["bits_weights"] > near["bits_weights"]
+
+
+def test_the_lenet_study_runs_owner_step_with_momentum_sgd():
+    """study_lenet.py --exchange owner-step: the owners step momentum SGD on their shards (no noise estimate
+    asked), every rank's copy within one step of the master, the bits of the two ternary stages."""
+    import study_lenet
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g)
+    data = {"train": (x, y), "test": (x[:64], y[:64])}
+    res = study_lenet.train(data, 4, "terngrad", "momentum", 6, seed=0, exchange="owner-step")
+    assert res["exchange"] == "owner-step" and 0 <= res["test_acc"] <= 1
+    assert 2.0 < res["bits_per_element"] < 4.0          # (N-1)/N·3.2 = 2.4 plus the shards' headers
