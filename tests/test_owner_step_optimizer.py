@@ -368,3 +368,33 @@ def test_from_optimizer_refuses_a_stepped_optimizer_and_unnamed_parameters():
     base.step()
     with pytest.raises(ValueError, match="has taken steps"):
         OwnerStepOptimizer.from_optimizer(base, model.named_parameters(), collectives=_Solo())
+
+
+def test_masters_start_from_the_parameters_at_the_first_step():
+    """The optimizer built before DDP (or Accelerate's prepare) broadcast rank 0's weights: the masters are taken
+    from the parameters at the first step, so every rank's shard starts from the broadcast weights."""
+    def body(c):
+        model = _fresh(seed=100 + c.rank)               # each rank its own init, as before a broadcast
+        opt = OwnerStepOptimizer(model.named_parameters(), collectives=c, config=CFG, lr=1e-2)
+        model.load_state_dict(_INIT)                    # the broadcast
+        x, y = _batch(c.rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        return model.state_dict()
+    out = run_ranks(3, body)
+    for k in out[0]:
+        assert all(torch.equal(out[r][k], out[0][k]) for r in range(3))
+        assert float((out[0][k] - _INIT[k]).abs().max()) < 0.05      # one step from the broadcast weights
+
+
+def test_ranks_with_different_parameters_all_fail_at_the_first_step():
+    def body(c):
+        model = _fresh(seed=100 + c.rank)
+        opt = OwnerStepOptimizer(model.named_parameters(), collectives=c, config=CFG, lr=1e-2)
+        try:
+            opt.step()
+        except TernGradError as e:
+            return str(e)
+        return None
+    out = run_ranks(3, body)
+    assert all(msg is not None and "broadcast" in msg for msg in out)

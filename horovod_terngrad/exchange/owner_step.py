@@ -198,11 +198,15 @@ class OwnerStepExchange:
             at += t.numel()
         return out
 
+    def scalars(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's 0-d fp64 ``value``, in rank order: fp64 [N], the same on every rank."""
+        kw = {"sizes": [1] * self.coll.size} if getattr(self.coll, "takes_sizes", False) else {}
+        return self.coll.synchronize(self.coll.allgather_async(value.reshape(1).to(torch.float64).cpu(),
+                                                               f"{self.name}.{what}", **kw))
+
     def scalar_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Σ over ranks of a 0-d fp64 ``value``, in rank order (the same bits on every rank)."""
-        kw = {"sizes": [1] * self.coll.size} if getattr(self.coll, "takes_sizes", False) else {}
-        gathered = self.coll.synchronize(self.coll.allgather_async(value.reshape(1).to(torch.float64),
-                                                                    f"{self.name}.norm", **kw))
+        gathered = self.scalars(value, "norm")
         total = gathered[0].clone()
         for r in range(1, gathered.numel()):
             total += gathered[r]

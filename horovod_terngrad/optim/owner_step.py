@@ -33,6 +33,10 @@ The rules it keeps:
   a checkpoint is one file per rank, as with DCP.  ``load_state_dict`` needs the same world size, rank and
   parameters, and says which differs otherwise.  The model's own ``state_dict`` holds the replica.  A run resumed
   from both continues bit for bit.
+* The masters are copied from the parameters at the first step, after a check that every rank holds the same
+  ones (DDP and Accelerate's ``prepare`` broadcast rank 0's after the optimizer is built; on Horovod, call
+  ``hvd.broadcast_parameters`` first).  ``hvd.broadcast_optimizer_state`` and elastic's ``TorchState`` do not
+  apply: the state is each rank's own shard.
 * ``param_groups`` are the inner optimizer's (their ``params`` are the shards): learning-rate schedulers and
   ``group["lr"] = ...`` work as usual.
 """
@@ -123,6 +127,7 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
                                                                    for i in tern], noise, name)
         self._tern, self._exact = tern, [i for i, t in enumerate(self.ternary) if not t]
         self.steps = 0
+        self._masters_current = False   # the masters are copied from the replica at the first step (below)
         self.skipped_steps = 0
         self.last_grad_norm = None
         self._warned_nonfinite = False
@@ -186,6 +191,8 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._masters_current:
+            self._start_from_replica()
         ex, step = self.exchange, self.steps
         self.steps += 1
         grads = [self._grad(i) for i in self._tern]
@@ -207,6 +214,25 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         device = self.params[self._tern[0]].device if self._tern else None
         ex.apply_weights(ex.send_weights(deltas, device), [self.params[i].data.view(-1) for i in self._tern])
         return loss
+
+    def _start_from_replica(self) -> None:
+        """Before the first step (of a run not loaded from a checkpoint): check that every rank holds the same
+        parameters, then copy each master shard from them.  Why here and not at construction: DDP, and
+        Accelerate's ``prepare``, broadcast rank 0's parameters after the optimizer was built."""
+        local = torch.zeros((), dtype=torch.float64)
+        for k, p in enumerate(self.params):
+            local += (p.detach().double().sum() * (k + 1) + p.detach().double().square().sum()).cpu()
+        every = self.exchange.scalars(local, "check")       # the same vector on every rank: one decision
+        if not bool((every == every[0]).all()) and not bool(every.isnan().any()):
+            raise TernGradError("OwnerStepOptimizer: the ranks' parameters differ at the first step: broadcast "
+                                "them first (hvd.broadcast_parameters(model.state_dict(), root_rank=0); DDP does "
+                                "it when it wraps the model)")
+        for i, shard in enumerate(self.shards):
+            if shard is not None:
+                lo, hi = reternarized_bounds(self.params[i].numel(), self.coll.size, self.config.bucket_size)[
+                    self.coll.rank]
+                shard.copy_(self.params[i].detach().reshape(-1)[lo:hi])
+        self._masters_current = True
 
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -297,6 +323,7 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict["inner"])
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
         self.steps, self.skipped_steps = int(state_dict["steps"]), int(state_dict.get("skipped_steps", 0))
+        self._masters_current = True
 
     def bits_received(self) -> float:
         """This rank's payload bits received per ternarized element per step, so far (both stages)."""
