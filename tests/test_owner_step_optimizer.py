@@ -398,3 +398,25 @@ def test_ranks_with_different_parameters_all_fail_at_the_first_step():
         return None
     out = run_ranks(3, body)
     assert all(msg is not None and "broadcast" in msg for msg in out)
+
+
+def test_bf16_autocast_trains_and_fp16_gradscaler_is_refused_clearly():
+    def body(c, scaled):
+        model = _model()
+        opt = OwnerStepOptimizer(model.named_parameters(), collectives=c, config=CFG, lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu") if scaled else None
+        x, y = _batch(c.rank, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            return model.state_dict()
+        scaler.scale(loss).backward()
+        try:
+            scaler.step(opt)
+        except TernGradError as e:
+            return str(e)
+    out = run_ranks(2, body, False)
+    assert all(torch.equal(out[1][k], out[0][k]) and not torch.equal(out[0][k], _INIT[k]) for k in _INIT)
+    assert all("GradScaler" in msg for msg in run_ranks(2, body, True))

@@ -37,6 +37,8 @@ The rules it keeps:
   ones (DDP and Accelerate's ``prepare`` broadcast rank 0's after the optimizer is built; on Horovod, call
   ``hvd.broadcast_parameters`` first).  ``hvd.broadcast_optimizer_state`` and elastic's ``TorchState`` do not
   apply: the state is each rank's own shard.
+* Mixed precision: bf16 autocast works as it is; fp16's ``GradScaler`` is refused with a clear error (its
+  overflow check reads ``param_groups``' gradients, which are the owners' shards).
 * ``param_groups`` are the inner optimizer's (their ``params`` are the shards): learning-rate schedulers and
   ``group["lr"] = ...`` work as usual.
 """
@@ -94,6 +96,10 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
     key the random streams and the layout).  ``collectives``: "horovod", "torch" or a ``Collectives``.
     ``config``: the codec's settings (default ``TernGradConfig(packing="base3")``).  ``max_grad_norm``: clip the
     global norm of the averaged gradient (None: no clip).  Other keywords go to ``optimizer_class``."""
+
+    # GradScaler hands such an optimizer its scale instead of unscaling param_groups' gradients (which are the
+    # owners' shards, empty before the step): step() reads it and refuses fp16's scaler with a clear message
+    _step_supports_amp_scaling = True
 
     def __init__(self, named_parameters, optimizer_class=None, *, collectives="horovod", config=None,
                  max_grad_norm=None, name: str = "terngrad.os", **defaults):
@@ -188,6 +194,10 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
+        if getattr(self, "grad_scale", None) is not None:
+            raise TernGradError("OwnerStepOptimizer does not take torch.amp.GradScaler (fp16 loss scaling): its "
+                                "overflow check reads the gradients of param_groups, which are the owners' shards. "
+                                "Use bf16 autocast (no scaler), or fp16 with hvd.DistributedOptimizer / the DDP hook")
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
