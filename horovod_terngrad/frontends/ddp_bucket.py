@@ -24,6 +24,13 @@ from ..exchange import precision, settle_full_precision
 from ..exchange.fusion import TensorSpec, cut
 
 
+# The first group of a bucket holds at most this many elements, each next one twice as many, up to
+# ``fusion_numel`` (exchange/fusion.py): the bucket's first payload is on the wire after a short encode and the
+# rest is encoded while it travels, where one group of fusion_numel elements kept the link idle for its whole
+# encode.  Fusing never changes a result; it sets how many collectives a bucket takes (about log2 more).
+RAMP_NUMEL = 1 << 18
+
+
 class BucketJob:
     """One bucket of one iteration: what the hook saw, then the exchange's tickets."""
 
@@ -105,7 +112,8 @@ def start(state, job: BucketJob) -> None:
             state.state.uncompressed_elements += flat.numel()
             job.plain_handle = state.collectives.allreduce_sum_async(flat, f"terngrad.ddp.plain.{job.index}")
         grads = dict(members)
-        plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in members], state.config)
+        plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in members], state.config,
+                   ramp_numel=RAMP_NUMEL)
         for gi, names in enumerate(plan.groups):
             tickets = state.engine.start_group([(grads[n], n) for n in names], f"ddp{job.index}.{gi}.{names[0]}",
                                                average=True, in_place=True, routes=[routes[n] for n in names])
