@@ -2,7 +2,8 @@
 
 * ``start``: each parameter's slice of the bucket goes one of two ways, as the policy and
   ``precision.route`` decide: the compressed ones as fused groups of the exchange engine (``Engine.start_group``;
-  groups cut by ``exchange.fusion.cut``), the others as one allreduce-sum of their fp32 values;
+  groups cut by ``exchange.fusion.cut``, ramped from ``RAMP_NUMEL``), the others as one allreduce-sum of their
+  fp32 values;
 * ``finish``: wait for both, write the averages into the bucket (the engine decodes in place where it can),
   apply ``on_nonfinite`` to the full-precision ones, and complete the bucket's future, with its value or with
   the first error;
