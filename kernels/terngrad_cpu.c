@@ -300,6 +300,33 @@ static inline void add_table_rows(float *acc, const uint8_t *src, int64_t nbytes
     }
 }
 
+/* Two 2bit payloads with one scaler each (the allgather exchange at N = 2): a 256-entry table indexed by a
+ * nibble of each payload (two codes of payload 0 in the low half, payload 1's in the high half) holds the two
+ * elements' finished averages ((0 + v0·s0) + v1·s1) / divisor, the general loop's fp32 operations in its order,
+ * so one byte of each payload becomes four outputs with two lookups and no arithmetic.  Full bytes only: the
+ * caller decodes the last partial byte's elements. */
+static void decode_pair_2bit(const uint8_t *p0, const uint8_t *p1, float s0, float s1, int64_t nbytes,
+                             float divisor, const float *val, float *out, int nthreads) {
+    float pair[256][2];
+    for (unsigned x = 0; x < 256; x++)
+        for (int q = 0; q < 2; q++) {
+            float acc = 0.0f + val[(x >> (2 * q)) & 3] * s0;
+            acc += val[(x >> (4 + 2 * q)) & 3] * s1;
+            pair[x][q] = acc / divisor;
+        }
+    const int64_t per_chunk = TG_CHUNK / 4;
+    int64_t nchunks = (nbytes + per_chunk - 1) / per_chunk;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        int64_t b1 = (ch + 1) * per_chunk < nbytes ? (ch + 1) * per_chunk : nbytes;
+        for (int64_t b = ch * per_chunk; b < b1; b++) {
+            const unsigned x0 = p0[b], x1 = p1[b];
+            memcpy(out + 4 * b, pair[(x0 & 15u) | ((x1 & 15u) << 4)], 2 * sizeof(float));
+            memcpy(out + 4 * b + 2, pair[(x0 >> 4) | (x1 & 0xF0u)], 2 * sizeof(float));
+        }
+    }
+}
+
 /* One scaler per payload: each payload's byte -> its codes' products val[c]·s through a table built once per
  * payload (256 x 8 floats: the same fp32 products the general loop forms element by element), so a byte costs
  * one table row instead of per-code lookups and multiplies.  The sums keep the general loop's order:
@@ -307,6 +334,12 @@ static inline void add_table_rows(float *acc, const uint8_t *src, int64_t nbytes
 static int decode_average_layerwise(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
                                     int fmt, float divisor, const float *val, float *out, int nthreads) {
     const int per = fmt == 1 ? 4 : 5;
+    int64_t done = 0;            /* elements the two-payload table wrote; the general loop does the rest */
+    if (npay == 2 && fmt == 1) {
+        decode_pair_2bit(packed[0], packed[1], scalers[0][0], scalers[1][0], n / 4, divisor, val, out, nthreads);
+        done = n / 4 * 4;
+        if (done == n) return 0;
+    }
     float *lut = (float *)malloc(sizeof(float) * 8 * 256 * (size_t)(npay > 0 ? npay : 1));
     if (!lut) return -1;
     for (int p = 0; p < npay; p++) {
@@ -324,7 +357,7 @@ static int decode_average_layerwise(const uint8_t *const *packed, const float *c
     }
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t ch = 0; ch < nchunks; ch++) {
+    for (int64_t ch = done / TG_CHUNK; ch < nchunks; ch++) {
         float acc[TG_CHUNK];
         int64_t lo = ch * TG_CHUNK;
         int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;

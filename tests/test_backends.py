@@ -140,6 +140,33 @@ def test_counting_decode_with_more_payloads_than_one_lane_group(fused, fmt):
     assert torch.equal(fused.decode(gathered, headers, offsets, N), want)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1279, 1280, 1283, 6401])
+def test_two_payload_decode_matches_reference_for_every_byte(fused, n):
+    # two 2bit payloads with per-rank scalers (the allgather exchange at N = 2) take the fused backend's
+    # two-payload table; every byte value, the invalid code 3 among them, and a last partial byte
+    gen = torch.Generator().manual_seed(n)
+    pays = []
+    for _ in range(2):
+        p = packing.encode(torch.zeros(n, dtype=torch.int8), "2bit", torch.rand(1, generator=gen) + 0.1, 0)
+        start = C.sizes.codes_offset(1)
+        p[start:] = torch.randint(0, 256, (p.numel() - start,), dtype=torch.uint8, generator=gen)
+        pays.append(p)
+    gathered = torch.cat(pays)
+    headers, offsets = packing.walk(gathered, 2)
+    for divisor in (2, 1, 3):
+        want = REFERENCE.decode(gathered, headers, offsets, divisor)
+        assert torch.equal(fused.decode(gathered, headers, offsets, divisor).view(torch.int32), want.view(torch.int32))
+    # the noise decode reads codes as |t| with squared scalers: the reference's decode of those mapped payloads
+    mapped = [p.clone() for p in pays]
+    for p in mapped:
+        sc = p[packing.HEADER_BYTES:C.sizes.codes_offset(1)].view(torch.float32)
+        sc.mul_(sc)
+        codes = p[C.sizes.codes_offset(1):]
+        codes.bitwise_or_(codes >> 1).bitwise_and_(0x55)
+    want = REFERENCE.decode(torch.cat(mapped), headers, offsets, 4.0)
+    assert torch.equal(fused.decode_noise(gathered, headers, offsets, 2).view(torch.int32), want.view(torch.int32))
+
+
 def test_thread_count_does_not_change_bytes(fused):
     g = sample(3_000_001, 4)
     key = C.stream_key(0, 0, 0, 0)

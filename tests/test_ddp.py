@@ -24,7 +24,7 @@ NP = 2
 
 EXACT = ["shared_allgather_2bit", "shared_allgather_2bit_sync", "sync_on_ddps_group", "shared_sharded_base3", "shared_sharded_2bit_buckets",
          "per_rank_allgather_2bit", "per_rank_allgather_base3_buckets", "reternarized_2bit", "requantized_2bit",
-         "small_fusion_groups",
+         "small_fusion_groups", "ramped_groups",
          "auto_exchange",
          "exclude_min_numel", "worker_restarts",
          "no_sync_accumulate", "static_graph", "bucket_view", "find_unused", "fp16", "bf16", "compiled"]
@@ -136,6 +136,30 @@ def test_ddp_averages_are_bit_identical_to_the_reference(ddp2, sc):
     else:
         assert checked == 3 * len(names)
     assert sorted(ranks[0]["steps"].values()) == sorted(ranks[1]["steps"].values())
+
+
+def test_ramped_groups_take_more_collectives_and_give_the_unramped_averages_bit_for_bit(ddp2):
+    """Each bucket cut into groups of 8, 16, 32, ... elements (ddp_bucket.RAMP_NUMEL) sends more, smaller
+    payloads than the same settings cut at fusion_numel alone, and every average is the same bits."""
+    ramped, plain = ddp2["ramped_groups"], ddp2["per_rank_allgather_2bit"]
+    assert ramped[0]["stats"]["collectives"] > plain[0]["stats"]["collectives"]
+    for a, b in zip(ramped, plain):
+        got, want = by_name_and_step(a["outputs"]), by_name_and_step(b["outputs"])
+        assert set(got) == set(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+
+
+def test_ramp_cut_doubles_each_group_up_to_fusion_numel():
+    from horovod_terngrad.config import TernGradConfig
+    from horovod_terngrad.exchange.fusion import TensorSpec, cut
+    specs = [TensorSpec(str(i), 100) for i in range(40)]
+    cfg = TernGradConfig(min_numel=0, fusion_numel=1000)
+    sizes = [sum(100 for _ in g) for g in cut(specs, cfg, ramp_numel=200).groups]
+    assert sizes == [200, 400, 800, 1000, 1000, 600]
+    assert cut(specs, cfg, ramp_numel=5000).groups == cut(specs, cfg).groups     # a ramp above the limit: no change
+    off = TernGradConfig(min_numel=0, fusion_numel=0)
+    assert cut(specs, off, ramp_numel=200).groups == tuple((str(i),) for i in range(40))
 
 
 def test_auto_measures_the_link_and_sends_full_precision_where_ternarizing_does_not_pay(ddp2):

@@ -9,7 +9,10 @@ order backward produces them (the reverse of registration order):
 * consecutive compressed tensors join one group while its total stays within ``fusion_numel`` elements and
   they live on the same device; a tensor larger than the limit travels alone;
 * a group of one (a lone tensor) travels under its own name, not as a fused group;
-* ``fusion_numel = 0`` disables fusion: every compressed tensor travels alone.
+* ``fusion_numel = 0`` disables fusion: every compressed tensor travels alone;
+* ``ramp_numel`` (a caller's choice, 0 by default: off) caps group k at ``ramp_numel · 2^k`` elements below
+  ``fusion_numel``, so a list's first payload leaves after a short encode and each later group's encode runs
+  while the one before is on the wire (the DDP frontend cuts each bucket so).
 
 Every rank holds the same parameters in the same order, so every rank cuts the same groups; if ranks' models
 differ, the handshake of the first group that differs says so on every rank (its layout checksum).
@@ -53,11 +56,12 @@ class FusionPlan:
 
 
 
-def cut(tensors: Sequence[TensorSpec], config: TernGradConfig) -> FusionPlan:
+def cut(tensors: Sequence[TensorSpec], config: TernGradConfig, ramp_numel: int = 0) -> FusionPlan:
     """Cut ``tensors`` (in backward order) into groups by the rules of the module docstring."""
     groups, uncompressed, numel = [], [], {}
     current, total, device = [], 0, None
-    limit = int(config.fusion_numel)
+    fusion = int(config.fusion_numel)
+    limit = min(fusion, int(ramp_numel)) if ramp_numel > 0 and fusion else fusion
     for t in tensors:
         if not config.compresses(t.name, t.numel):
             uncompressed.append(t.name)
@@ -66,6 +70,7 @@ def cut(tensors: Sequence[TensorSpec], config: TernGradConfig) -> FusionPlan:
         if current and (not limit or total + t.numel > limit or t.device != device):
             groups.append(tuple(current))
             current, total = [], 0
+            limit = min(fusion, 2 * limit) if ramp_numel > 0 and fusion else limit
         current.append(t.name)
         total += t.numel
         device = t.device

@@ -24,9 +24,10 @@ parameter's slice is one tensor for TernGrad, exactly as the Horovod frontend tr
 * parameters the policy keeps at full precision (``exclude``, ``min_numel``) are averaged uncompressed:
   one allreduce-sum of their fp32 values per bucket, then / N.
 
-A bucket's compressed parameters travel as one fused group of the exchange engine (one handshake, one
-allgather or alltoall+allgather; groups cut by ``exchange.fusion.cut`` when a bucket holds more than
-``fusion_numel`` elements): fusing never changes a bit.  Everything is keyed on parameter identity and
+A bucket's compressed parameters travel as fused groups of the exchange engine (each: one handshake, one
+allgather or alltoall+allgather), cut by ``exchange.fusion.cut`` with a ramp: the first group holds at most
+``ddp_bucket.RAMP_NUMEL`` elements, each next one twice as many, up to ``fusion_numel``, so the bucket's first
+payload is on the wire after a short encode and the rest is encoded while it travels; fusing never changes a bit.  Everything is keyed on parameter identity and
 name, never on the bucket index, so DDP's bucket rebuild after the first iteration changes nothing.
 
 Cost per step, per rank, for n compressed elements in a bucket of m parameters (b = 2 bits for ``2bit``,

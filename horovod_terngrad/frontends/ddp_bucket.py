@@ -2,7 +2,8 @@
 
 * ``start``: each parameter's slice of the bucket goes one of two ways, as the policy and
   ``precision.route`` decide: the compressed ones as fused groups of the exchange engine (``Engine.start_group``;
-  groups cut by ``exchange.fusion.cut``), the others as one allreduce-sum of their fp32 values;
+  groups cut by ``exchange.fusion.cut``, ramped from ``RAMP_NUMEL``), the others as one allreduce-sum of their
+  fp32 values;
 * ``finish``: wait for both, write the averages into the bucket (the engine decodes in place where it can),
   apply ``on_nonfinite`` to the full-precision ones, and complete the bucket's future, with its value or with
   the first error;
@@ -22,6 +23,13 @@ import torch
 from ..errors import NonFiniteGradientError
 from ..exchange import precision, settle_full_precision
 from ..exchange.fusion import TensorSpec, cut
+
+
+# The first group of a bucket holds at most this many elements, each next one twice as many, up to
+# ``fusion_numel`` (exchange/fusion.py): the bucket's first payload is on the wire after a short encode and the
+# rest is encoded while it travels, where one group of fusion_numel elements kept the link idle for its whole
+# encode.  Fusing never changes a result; it sets how many collectives a bucket takes (about log2 more).
+RAMP_NUMEL = 1 << 18
 
 
 class BucketJob:
@@ -105,7 +113,8 @@ def start(state, job: BucketJob) -> None:
             state.state.uncompressed_elements += flat.numel()
             job.plain_handle = state.collectives.allreduce_sum_async(flat, f"terngrad.ddp.plain.{job.index}")
         grads = dict(members)
-        plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in members], state.config)
+        plan = cut([TensorSpec(n, g.numel(), str(g.device)) for n, g in members], state.config,
+                   ramp_numel=RAMP_NUMEL)
         for gi, names in enumerate(plan.groups):
             tickets = state.engine.start_group([(grads[n], n) for n in names], f"ddp{job.index}.{gi}.{names[0]}",
                                                average=True, in_place=True, routes=[routes[n] for n in names])

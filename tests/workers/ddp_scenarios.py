@@ -28,7 +28,7 @@ import horovod_terngrad as tg  # noqa: E402
 from horovod_terngrad.exchange.collectives import CollectiveError  # noqa: E402
 from horovod_terngrad.exchange.dist_collectives import DistCollectiveError, DistCollectives  # noqa: E402
 from horovod_terngrad.frontends import ddp as tg_ddp  # noqa: E402
-from horovod_terngrad.frontends import ddp_worker  # noqa: E402
+from horovod_terngrad.frontends import ddp_bucket, ddp_worker  # noqa: E402
 from helpers import link_codec_cost, mlp  # noqa: E402 (mlp: the model of the Horovod twin runs)
 
 RANK = SIZE = None
@@ -191,6 +191,8 @@ CONFIGS = {   # scenario -> (TernGradConfig settings, train kwargs)
     "reternarized_2bit": ({"seed": 12, "exchange": "reternarized"}, {}),
     "requantized_2bit": ({"seed": 13, "exchange": "requantized"}, {}),
     "small_fusion_groups": ({"seed": 9, "fusion_numel": 300}, {}),
+    # per_rank_allgather_2bit's settings with each bucket's groups ramped from 8 elements (8, 16, 32, ...)
+    "ramped_groups": ({"seed": 7, "shared_scaler": False}, {"ramp_numel": 8}),
     "auto_exchange": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 0.0}),        # ternarizing pays
     "auto_off": ({"seed": 17, "exchange": "auto"}, {"link_codec_s": 1e-3}),            # it does not
     "exclude_min_numel": ({"seed": 10, "exclude": ("^head",), "min_numel": 40}, {}),
@@ -211,7 +213,8 @@ def sc_exact(name):
     kw.setdefault("bucket_cap_mb", 0.002)       # ~500 fp32 elements per bucket: several buckets
     model = Scrambled(skip=unused and RANK == 1, dead=unused)
     model.pause = kw.pop("pause", 0.0)
-    idle, step = ddp_worker.IDLE_EXIT_S, tg_ddp.TernGradState._step
+    idle, step, ramp = ddp_worker.IDLE_EXIT_S, tg_ddp.TernGradState._step, ddp_bucket.RAMP_NUMEL
+    ddp_bucket.RAMP_NUMEL = kw.pop("ramp_numel", ramp)
     workers = []        # the threads that ran buckets (kept, so that they stay distinct objects)
 
     def counting_step(self, job):
@@ -229,7 +232,7 @@ def sc_exact(name):
         link = LAST_STATE[0].engine.link
         res["link"] = None if link is None else (link.ranks, link.allreduce_Bps, link.compresses)
     finally:
-        ddp_worker.IDLE_EXIT_S, tg_ddp.TernGradState._step = idle, step
+        ddp_worker.IDLE_EXIT_S, tg_ddp.TernGradState._step, ddp_bucket.RAMP_NUMEL = idle, step, ramp
     res["workers"] = len(workers)
     res["dtype"] = str(kw.get("dtype", torch.float32))
     # what atexit does before the interpreter finalizes: the worker thread that has just run the buckets ends
