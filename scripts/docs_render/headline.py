@@ -6,7 +6,7 @@ import functools
 from .common import _pct, _x
 from .measured import measured
 from .modelled import modelled
-from .whole_run import whole_run_headline, whole_runs
+from .whole_run import owner_step_headline, whole_run_headline, whole_runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,6 +47,7 @@ def block_headline(m: dict, mod: dict) -> str:
         f"| {_x(m['hsdp_step_vs_bf16'])} / {_x(m['hsdp_step_vs_bf16_r2'])}, {m['hsdp_bytes_vs_bf16']:.3f}x "
         f"| [fsdp](DOCS/fsdp.md) |",
         whole_run_headline(whole_runs()),
+        owner_step_headline(whole_runs()),
         f"| held-out loss vs fp32 AdamW, both at the recipe's lr (not fp32's best), `horovod_terngrad.optim.AdamW` "
         f"with the noise estimate's whole sum (no senders' squares) + TernGrad: DDP / HSDP 2x2 (3 seeds), Horovod "
         f"(1 seed) | {_pct(m['adam_ddp'])} / {_pct(m['adam_hsdp'])} / {_pct(m['adam_hvd'])} | [adam](DOCS/adam.md) |",

@@ -66,6 +66,33 @@ def whole_run_headline(rows: list) -> str:
     return "| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr | not measured | [scale](DOCS/scale.md) |"
 
 
+def owner_step_headline(rows: list) -> str:
+    """The headline's owner-step row: ``OwnerStepOptimizer``'s runs (the study's ``owner-step-nearest``, whose
+    arithmetic it runs) against fp32 AdamW at fp32's best lr, per workload with 3 seeds of each there."""
+    cells = []
+    for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
+        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
+        fp32 = _mean_by_lr([r for r in mine if r["method"] == "none"])
+        if len(fp32) < 2:
+            continue
+        best = min(fp32, key=fp32.get)
+        owner = [r for r in mine if r["method"] == "owner-step-nearest" and r["lr"] == best]
+        if len(owner) >= 3:
+            vals = [r["held_out"] for r in owner]
+            bits = statistics.mean(r["bits_received"] for r in owner)
+            cells.append((name, owner[0]["N"], len(vals), best, 100 * (statistics.mean(vals) / fp32[best] - 1),
+                          100 * (max(vals) / fp32[best] - 1), bits))
+    if not cells:
+        return ("| held-out loss vs fp32 AdamW at fp32's best lr, `optim.OwnerStepOptimizer` | not measured "
+                "| [scale](DOCS/scale.md) |")
+    what = "; ".join(f"{name}, N = {N}, {k} seeds, lr {lr:g}" for name, N, k, lr, *_ in cells)
+    figs = " / ".join(f"{_pct2(gap)} ({_pct2(worst)}) at {bits:.2f} bits" for *_, gap, worst, bits in cells)
+    return (f"| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr (the same for both): "
+            f"`horovod_terngrad.optim.OwnerStepOptimizer` (each rank steps its shard), {what}: mean (worst seed), "
+            f"bits per element received | {figs} | [scale](DOCS/scale.md#under-4-bits-each-owner-steps-its-shard-"
+            f"ownerstepoptimizer) |")
+
+
 def block_whole_run(rows: list) -> str:
     """Per workload, topology and N: the exchange the defaults run, and its held-out loss at the end of whole runs
     against fp32 AdamW's: both at fp32's best lr (the lr a user keeps), both at the recipe's lr 2e-3, and each at
