@@ -28,6 +28,11 @@ if [ -f "$D/llama-perlpod-owner/runs.jsonl" ]; then
   $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-owner.md" > /dev/null
   rm -r "$tmp"
 fi
+# the owner-step runs on the second workload, beside its fp32 and default runs (an fp32 lr bracket of its own)
+if [ -f "$D/gpt2-copyright-owner/runs.jsonl" ]; then
+  $PY examples/study_lm_scale.py --table "$D/gpt2-copyright,$D/gpt2-copyright-owner" \
+      --write "$D/table-gpt2-copyright-owner.md" > /dev/null
+fi
 $PY - <<'PYEOF'
 import glob, json, os, re, statistics
 D = "docs/study/whole_run"
@@ -53,8 +58,10 @@ if runs:
                      f"{' / '.join(f'{v:.4f}' for v in vals)} | {mean:.4f} | {max(vals) - min(vals):.4f} | {gap} | "
                      f"{worst} | {bits} | {same} |")
     open(os.path.join(D, "real.md"), "w").write("\n".join(lines) + "\n")
-# adam_floor.jsonl: the estimate's whole sum (no senders' squares); adam_floor_squares.jsonl: with them
+# adam_floor.jsonl: the estimate's whole sum (no senders' squares); adam_floor_squares.jsonl: with them;
+# adam_floor_owner.jsonl: OwnerStepOptimizer's arithmetic (the owners' exact averages, the first stage's estimate)
 floors = [(os.path.join(D, f), what) for f, what in (("adam_floor_squares.jsonl", "with the senders' squares"),
+                                                      ("adam_floor_owner.jsonl", "first stage's, with the squares"),
                                                       ("adam_floor.jsonl", "whole sum, no squares"))]
 if any(os.path.exists(f) for f, _ in floors):
     lines = ["| exchange | noise estimate | N | steps | lr | share of elements at the floor | median (v - n) / v "
