@@ -188,13 +188,16 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     extra = {} if inside is None else {"intra_node_dtype": inside}
     owner = exchange.startswith(OWNER_STEP)
     if owner:
-        # owner-step-<rounding>[@bK]: the requantized exchange's first stage in base-3, the owners step their
+        # owner-step-<rounding>[@gK][@bK]: the requantized exchange's first stage in base-3 (with @gK one scaler
+        # per K gradient elements: OwnerStepOptimizer's TernGradConfig(bucket_size=K)), the owners step their
         # shards and send ternary weight differences (one scaler per K elements of the difference; 0: per shard)
         from owner_step import OwnerStepSimulator
         if G > 1:
             raise SystemExit("study_lm_scale: owner-step runs flat (no --nodes-of)")
-        cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False)
-        sim = OwnerStepSimulator(model, N, cfg, rounding=exchange[len(OWNER_STEP):], delta_bucket=bucket)
+        rounding, _, grad_bucket = exchange[len(OWNER_STEP):].partition("@g")
+        cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False,
+                             bucket_size=int(grad_bucket or 0))
+        sim = OwnerStepSimulator(model, N, cfg, rounding=rounding, delta_bucket=bucket)
     else:
         cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
                              hierarchical=bool(G > 1), bucket_size=bucket, **extra)
