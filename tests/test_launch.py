@@ -136,22 +136,28 @@ def test_odd_characters_are_passed_through_never_evaluated(tmp_path):
     assert not marker.exists()
 
 
-# -- 8 ranks on localhost -------------------------------------------------------------------------
+# -- more than 4 ranks on localhost -----------------------------------------------------------------------------
+WIDE = 5        # above exchange/policy.py's DEFAULT_ALLGATHER_MAX_RANKS: exchange="default" runs the requantized one
+
+
 @pytest.mark.parametrize("launcher_name", ["horovodrun", "mpirun"])
-def test_eight_ranks_exact_through_the_launcher(tmp_path, launcher_name):
-    """8 ranks through either launcher, bit for bit.  The preflight (a launch of its own) runs under
-    horovodrun here; under mpirun it runs in the sbatch tests below."""
+def test_five_ranks_exact_through_the_launcher(tmp_path, launcher_name):
+    """5 ranks through either launcher, bit for bit, where the default exchange is the requantized one (4 ranks
+    or fewer run the allgather: tests/test_horovod.py).  The preflight (a launch of its own) runs under horovodrun
+    here; under mpirun it runs in the sbatch tests below.  --shared-cores: 5 ranks share this machine's cores,
+    and Open MPI's ranks must yield while they wait instead of spinning on the cores the others compute on."""
     from test_horovod import check_exact, load_results
     preflight = launcher_name == "horovodrun"
-    p = run([LAUNCH, "-np", "8", "--network", "ethernet", "--launcher", launcher_name]
+    p = run([LAUNCH, "-np", str(WIDE), "--network", "ethernet", "--launcher", launcher_name, "--shared-cores"]
             + ([] if preflight else ["--no-preflight"])
             + ["--", PY, os.path.join(HERE, "workers", "hvd_scenarios.py"), str(tmp_path), "exact"], timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     if preflight:
-        assert p.stdout.count("preflight: rank ") == 8 and "backend=cpu-fused" in p.stdout
+        assert p.stdout.count("preflight: rank ") == WIDE and "backend=cpu-fused" in p.stdout
     else:
         assert "preflight: rank " not in p.stdout
-    assert check_exact(load_results(tmp_path, "exact", 8)) > 0
+    ranks = load_results(tmp_path, "exact", WIDE)
+    assert ranks[0]["config"].exchange == "default" and check_exact(ranks) > 0
 
 
 # -- Slurm ----------------------------------------------------------------------------------------
@@ -178,9 +184,9 @@ def job_output(slurm, folder, name: str, job: str) -> tuple[str, str]:
     return log, logdir
 
 
+# each script once and each launcher once (the Ethernet profile's mpirun command line: the dry runs above)
 @pytest.mark.parametrize("script,launcher_name", [("terngrad-ethernet.sbatch", "srun"),
-                                                  ("terngrad-infiniband.sbatch", "mpirun"),
-                                                  ("terngrad-ethernet.sbatch", "mpirun")])
+                                                  ("terngrad-infiniband.sbatch", "mpirun")])
 def test_sbatch_scripts_run_to_completion(slurm, tmp_path, script, launcher_name):
     e = dict(env(), **slurm.env)
     e.update(SLURM_CONF=slurm.conf, LAUNCHER=launcher_name, TERNGRAD_REPO=ROOT)
