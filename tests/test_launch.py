@@ -33,6 +33,7 @@ def run(args, timeout=300, **kw):
 
 
 # -- bad input ------------------------------------------------------------------------------------
+@pytest.mark.one_process      # a dry run: one process, no ranks
 @pytest.mark.parametrize("args,message", [
     (["-np", "2", "--network", "token-ring", "--", "true"], "invalid choice: 'token-ring'"),
     (["-np", "9", "-H", "a:4,b:4", "--", "true"], "-np 9 exceeds the 8 slot(s)"),
@@ -47,6 +48,7 @@ def test_bad_requests_fail_clearly(args, message):
     assert message in p.stderr, p.stderr
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 def test_hostfile_formats_and_slots(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("# cluster\nnode1 slots=4\nnode2:2\nnode3\n\n")
@@ -58,6 +60,7 @@ def test_hostfile_formats_and_slots(tmp_path):
     assert run([LAUNCH, "--dry-run", "-np", "8", "--hostfile", str(hf), "--", "x"]).returncode == 2
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 def test_profiles_set_the_network_settings(tmp_path):
     ib = launcher.mpi_args("infiniband", None, ["mlx5_0:1"])
     assert ib[:4] == ["--mca", "pml", "ucx", "--mca"]
@@ -96,6 +99,7 @@ def _without_rates():
     return e
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 @pytest.mark.parametrize("network,profile_gbps", [("ethernet", "1"), ("infiniband", "100")])
 def test_a_rate_the_user_gives_wins_over_the_profile(network, profile_gbps):
     """HOROVOD_TERNGRAD_GBPS (and the other link settings) exported by the user are passed on as they are, also to
@@ -118,6 +122,7 @@ def test_a_rate_the_user_gives_wins_over_the_profile(network, profile_gbps):
                                 gbps=2.5)["HOROVOD_TERNGRAD_GBPS"] == "2.5"
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "fast"])
 def test_gbps_must_be_a_positive_rate(value):
     p = run([LAUNCH, "--dry-run", "-np", "2", "--gbps", value, "--", "true"])
