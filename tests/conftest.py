@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # -- pytest-xdist (-n N): the slow tests on one worker, in collection order ------------------------------------------
-# One launch at a time (2-4 ranks each), each module's launch fixtures run once, while the other workers take the
+# One launch at a time (1-6 ranks each), each module's launch fixtures run once, while the other workers take the
 # fast tests and the slow tests marked one_process (no ranks: nothing in them waits on another process's rendezvous
 # or collective, so sharing the cores with a launch slows them, never breaks them).  A module fixture is set up once
 # per worker that runs a test using it: a module's one_process tests share no launch fixture with its other tests.
