@@ -10,8 +10,9 @@ before links were measured); the measurement itself is tested on thread ranks
 The ``slow`` marker (pytest.ini) splits the suite into two tiers: ``-m "not slow"`` runs what needs no launcher, no
 spawned training and no compiler or installer subprocess.  A module marks its slow tests with ``pytest.mark.slow``
 (or ``pytestmark``), and names in ``SLOW_FIXTURES`` the module fixtures that launch ranks: every test that uses one
-is marked here, so a new test on a launch is slow without a mark of its own.  pytest.ini runs the suite on a
-pytest-xdist worker per core; the slow tests all go to one of them, in order (below).
+is marked here, so a new test on a launch is slow without a mark of its own.  With pytest-xdist (``-n N``) the slow
+tests all go to one worker, in order (below), except those also marked ``one_process``: they start no ranks (they
+work in the test's own process, or run one command at a time), so any worker may take them, beside a launch.
 """
 import os
 import shutil
@@ -38,10 +39,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-# -- pytest-xdist (pytest.ini: -n auto): the slow tests on one worker, in collection order ---------------------------
-# One launch at a time (2-4 ranks each), each module's launch fixtures run once, while the other workers take the
-# fast tests.  xdist's own --dist loadgroup cannot do it under pytest 9 (it renames node ids through an attribute
-# pytest 9 no longer reads), so the workers write the ids of their slow tests to a folder the controller names, and
+# -- pytest-xdist (-n N): the slow tests on one worker, in collection order ------------------------------------------
+# One launch at a time (1-6 ranks each), each module's launch fixtures run once, while the other workers take the
+# fast tests and the slow tests marked one_process (no ranks: nothing in them waits on another process's rendezvous
+# or collective, so sharing the cores with a launch slows them, never breaks them).  A module fixture is set up once
+# per worker that runs a test using it: a module's one_process tests share no launch fixture with its other tests.
+# xdist's own --dist loadgroup cannot do it under pytest 9 (it renames node ids through an attribute pytest 9 no
+# longer reads), so the workers write the ids of their serialized slow tests to a folder the controller names, and
 # the controller's scheduler (xdist's loadscope scheduling) makes them one scope.
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
@@ -58,11 +62,16 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def serialized(item) -> bool:
+    """Whether ``item`` runs in the one work unit of launches: slow, and not marked one_process."""
+    return item.get_closest_marker("slow") is not None and item.get_closest_marker("one_process") is None
+
+
 @pytest.hookimpl(tryfirst=True)      # before the worker reports its collection to the controller
 def pytest_collection_finish(session):
     workerinput = getattr(session.config, "workerinput", None)
     if workerinput and "tg_slow_dir" in workerinput:
-        ids = [item.nodeid for item in session.items if item.get_closest_marker("slow")]
+        ids = [item.nodeid for item in session.items if serialized(item)]
         with open(os.path.join(workerinput["tg_slow_dir"], workerinput["workerid"]), "w") as f:
             f.write("\n".join(ids))
 
@@ -72,7 +81,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class SlowInOrder(LoadScopeScheduling):
-        """Each fast test its own work unit (as --dist load), every slow test in one unit."""
+        """Each fast or one_process test its own work unit (as --dist load), every other slow test in one unit."""
 
         def __init__(self, config, log=None):
             super().__init__(config, log)

@@ -37,6 +37,7 @@ def test_the_launchers_constants_are_the_sources():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_the_kernel_without_contractions(tmp_path, arch):
     nvcc = shutil.which("nvcc")

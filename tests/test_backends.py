@@ -11,9 +11,10 @@ from horovod_terngrad.backends import (ADAM_CORRECTED, NOISE_DECODE, REFERENCE, 
 from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
-# the sizes above a million elements take seconds each on the reference codec: the slow tier
+# the sizes above a million elements take seconds each on the reference codec: the slow tier, in this process
+ONE_PROCESS_SLOW = [pytest.mark.slow, pytest.mark.one_process]
 SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 1279, 1280, 1281, 2047, 2048, 2049, 4097, 65537,
-         pytest.param(1 << 20, marks=pytest.mark.slow), pytest.param((1 << 21) + 3, marks=pytest.mark.slow)]
+         pytest.param(1 << 20, marks=ONE_PROCESS_SLOW), pytest.param((1 << 21) + 3, marks=ONE_PROCESS_SLOW)]
 
 
 def sample(n, seed):

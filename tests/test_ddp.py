@@ -367,6 +367,7 @@ def test_ranks_with_different_settings_fail_together(ddp2):
 
 # -- without ranks -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_package_loads_the_ddp_frontend_lazily():
     code = ("import sys, horovod_terngrad as tg\n"
             "assert 'horovod_terngrad.frontends.ddp' not in sys.modules\n"
@@ -380,6 +381,7 @@ def test_package_loads_the_ddp_frontend_lazily():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 @pytest.mark.parametrize("statement", ["import horovod_terngrad.ddp as m",
                                        "from horovod_terngrad.ddp import register, TernGradState, terngrad_hook"])
 def test_horovod_terngrad_ddp_is_a_module_path(statement):

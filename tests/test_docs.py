@@ -88,6 +88,7 @@ def test_generated_pages_equal_the_render_scripts_output():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_the_performance_models_pages_and_blocks_equal_the_render_scripts_output():
     """README's and the home page's headline, the choosing tables, fsdp.md's scale text, perfmodel.md's goals at 512
     GPUs and the modelling command line's tables, as scripts/render_docs.py writes them from the performance model."""
@@ -110,6 +111,7 @@ def test_every_rendered_marker_has_its_block():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_headline_figures_are_the_same_in_readme_and_on_the_home_page():
     blocks = render_docs.block_makers()
     assert blocks[("README.md", "headline")]().replace("docs/", "") == blocks[("docs/index.md", "headline")]()
@@ -269,6 +271,7 @@ def test_quickstart_scripts_parse_and_import_what_exists(path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_mkdocs_site_builds_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs", reason="bash scripts/setup.sh --test installs mkdocs and mkdocs-material")
     pytest.importorskip("material", reason="bash scripts/setup.sh --test installs mkdocs-material")

@@ -301,6 +301,7 @@ def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_bench_codec_prints_every_stage_with_scaler_buckets():
     """bench codec --bucket-size: the fused backend's bucketed path runs end to end (statistics, encode,
     decode at N = 2 and 8) for both packings, and says which scaler layout it timed."""
@@ -477,6 +478,7 @@ def test_cifarnet_learning_curves_table_and_plot(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_adam_second_moment_ratio_of_terngrad(tmp_path):
     """study_adam_variance: along an fp32 trajectory, TernGrad's average has a larger second moment than the
     fp32 average of the same per-worker gradients (E[t^2] = s|g| >= g^2), so every layer's median ratio is
@@ -504,6 +506,7 @@ def test_adam_second_moment_ratio_of_terngrad(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_node_aware_variance_study(tmp_path):
     """study_node_variance: the mean of the draws' errors is far below one draw's error (unbiased up to the
     clipping), the node-aware one ternarizes once per node, so with ranks of a node holding the same gradient its
@@ -532,6 +535,7 @@ def test_node_aware_variance_study(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
     """study_lm_scale: ``reternarized@b128`` is the re-ternarized exchange with one scaler per 128 elements in both
     stages (bucket_size=128): the same bytes of codes as without buckets plus a scaler per bucket, so more bits
@@ -591,6 +595,7 @@ def test_whole_run_study_records_curves_resumes_and_finds_each_methods_best_lr(t
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_adam_floor_study_finds_the_reternarized_estimate_pins_v_at_the_floor(tmp_path):
     """study_adam_floor: with the re-ternarized exchange the optimizer's noise estimate is the received value's own
     square, so its corrected second moment sits at the floor for (nearly) every element, where the allgather
@@ -640,6 +645,7 @@ def _tiny_image_data(n_train=256, n_test=64):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_cifarnet_study_checkpoint_resumes_the_same_run(tmp_path):
     """A run stopped after 1 epoch and resumed (or extended) to 2 from its checkpoint takes exactly the steps
     of an uninterrupted 2-epoch run: same parameters, Adam state, EMA, random streams, curve; a checkpoint of
@@ -672,6 +678,7 @@ def test_cifarnet_study_checkpoint_resumes_the_same_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_cifarnet_study_main_resumes_curve_files(tmp_path, monkeypatch):
     """study_cifarnet's command line with --checkpoint-dir: extending a run continues its curve file without
     duplicates, lines a killed run wrote after its last checkpoint are dropped, and a checkpoint of another
@@ -1088,6 +1095,7 @@ DEVICE_EXAMPLES = {"mnist_lenet.py": None, "ddp_mnist.py": None, "lightning_ddp.
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 @pytest.mark.parametrize("command", sorted(DEVICE_EXAMPLES))
 def test_every_example_a_user_runs_takes_device(command):
     """``--help`` of each example (and of the benchmarks' worker and compute commands) offers --device
@@ -1111,6 +1119,7 @@ def test_ddp_example_on_device_auto_runs_on_the_cpu_with_gloo_here():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_device_cuda_without_a_gpu_stops_with_the_reason():
     """--device cuda on a machine without CUDA fails before any process group, naming what is missing."""
     if torch.cuda.is_available():

@@ -728,6 +728,7 @@ def test_intra_node_dtype_is_checked_halves_the_bytes_inside_a_node_and_the_cost
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_the_bf16_wire_benchmark_gives_the_same_bits_both_ways():
     """scripts/bench_bf16_wire.py (the figures docs/scale.md quotes for the node-aware exchange's CPU work) checks
     that the way it was done and the way it is done give the same bits, and prints a row per step."""

@@ -35,6 +35,7 @@ def _nvcc():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_every_kernel(tmp_path, arch):
     nvcc = _nvcc()
@@ -72,6 +73,7 @@ def _nvrtc():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 @pytest.mark.parametrize("source", ["terngrad.cu", "adam.cu"])
 def test_nvrtc_compiles_every_kernel_with_cupys_options(source):
     """CuPy builds the kernels with NVRTC, not nvcc: no host headers, and the options CuPy is given."""

@@ -33,6 +33,7 @@ def run(args, timeout=300, **kw):
 
 
 # -- bad input ------------------------------------------------------------------------------------
+@pytest.mark.one_process      # a dry run: one process, no ranks
 @pytest.mark.parametrize("args,message", [
     (["-np", "2", "--network", "token-ring", "--", "true"], "invalid choice: 'token-ring'"),
     (["-np", "9", "-H", "a:4,b:4", "--", "true"], "-np 9 exceeds the 8 slot(s)"),
@@ -47,6 +48,7 @@ def test_bad_requests_fail_clearly(args, message):
     assert message in p.stderr, p.stderr
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 def test_hostfile_formats_and_slots(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("# cluster\nnode1 slots=4\nnode2:2\nnode3\n\n")
@@ -58,6 +60,7 @@ def test_hostfile_formats_and_slots(tmp_path):
     assert run([LAUNCH, "--dry-run", "-np", "8", "--hostfile", str(hf), "--", "x"]).returncode == 2
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 def test_profiles_set_the_network_settings(tmp_path):
     ib = launcher.mpi_args("infiniband", None, ["mlx5_0:1"])
     assert ib[:4] == ["--mca", "pml", "ucx", "--mca"]
@@ -96,6 +99,7 @@ def _without_rates():
     return e
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 @pytest.mark.parametrize("network,profile_gbps", [("ethernet", "1"), ("infiniband", "100")])
 def test_a_rate_the_user_gives_wins_over_the_profile(network, profile_gbps):
     """HOROVOD_TERNGRAD_GBPS (and the other link settings) exported by the user are passed on as they are, also to
@@ -118,6 +122,7 @@ def test_a_rate_the_user_gives_wins_over_the_profile(network, profile_gbps):
                                 gbps=2.5)["HOROVOD_TERNGRAD_GBPS"] == "2.5"
 
 
+@pytest.mark.one_process      # a dry run: one process, no ranks
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "fast"])
 def test_gbps_must_be_a_positive_rate(value):
     p = run([LAUNCH, "--dry-run", "-np", "2", "--gbps", value, "--", "true"])
@@ -136,22 +141,28 @@ def test_odd_characters_are_passed_through_never_evaluated(tmp_path):
     assert not marker.exists()
 
 
-# -- 8 ranks on localhost -------------------------------------------------------------------------
+# -- more than 4 ranks on localhost -----------------------------------------------------------------------------
+WIDE = 5        # above exchange/policy.py's DEFAULT_ALLGATHER_MAX_RANKS: exchange="default" runs the requantized one
+
+
 @pytest.mark.parametrize("launcher_name", ["horovodrun", "mpirun"])
-def test_eight_ranks_exact_through_the_launcher(tmp_path, launcher_name):
-    """8 ranks through either launcher, bit for bit.  The preflight (a launch of its own) runs under
-    horovodrun here; under mpirun it runs in the sbatch tests below."""
+def test_five_ranks_exact_through_the_launcher(tmp_path, launcher_name):
+    """5 ranks through either launcher, bit for bit, where the default exchange is the requantized one (4 ranks
+    or fewer run the allgather: tests/test_horovod.py).  The preflight (a launch of its own) runs under horovodrun
+    here; under mpirun it runs in the sbatch tests below.  --shared-cores: 5 ranks share this machine's cores,
+    and Open MPI's ranks must yield while they wait instead of spinning on the cores the others compute on."""
     from test_horovod import check_exact, load_results
     preflight = launcher_name == "horovodrun"
-    p = run([LAUNCH, "-np", "8", "--network", "ethernet", "--launcher", launcher_name]
+    p = run([LAUNCH, "-np", str(WIDE), "--network", "ethernet", "--launcher", launcher_name, "--shared-cores"]
             + ([] if preflight else ["--no-preflight"])
             + ["--", PY, os.path.join(HERE, "workers", "hvd_scenarios.py"), str(tmp_path), "exact"], timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     if preflight:
-        assert p.stdout.count("preflight: rank ") == 8 and "backend=cpu-fused" in p.stdout
+        assert p.stdout.count("preflight: rank ") == WIDE and "backend=cpu-fused" in p.stdout
     else:
         assert "preflight: rank " not in p.stdout
-    assert check_exact(load_results(tmp_path, "exact", 8)) > 0
+    ranks = load_results(tmp_path, "exact", WIDE)
+    assert ranks[0]["config"].exchange == "default" and check_exact(ranks) > 0
 
 
 # -- Slurm ----------------------------------------------------------------------------------------
@@ -178,9 +189,9 @@ def job_output(slurm, folder, name: str, job: str) -> tuple[str, str]:
     return log, logdir
 
 
+# each script once and each launcher once (the Ethernet profile's mpirun command line: the dry runs above)
 @pytest.mark.parametrize("script,launcher_name", [("terngrad-ethernet.sbatch", "srun"),
-                                                  ("terngrad-infiniband.sbatch", "mpirun"),
-                                                  ("terngrad-ethernet.sbatch", "mpirun")])
+                                                  ("terngrad-infiniband.sbatch", "mpirun")])
 def test_sbatch_scripts_run_to_completion(slurm, tmp_path, script, launcher_name):
     e = dict(env(), **slurm.env)
     e.update(SLURM_CONF=slurm.conf, LAUNCHER=launcher_name, TERNGRAD_REPO=ROOT)

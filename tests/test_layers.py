@@ -121,6 +121,7 @@ def test_size_and_cost_modules_need_no_torch(rel):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_training_path_loads_neither_operations_nor_matplotlib():
     """A Horovod training step with TernGrad (exchange='auto', so the cost model runs) in a fresh process:
     no horovod_terngrad.operations or horovod_terngrad.modelling module and no matplotlib get imported."""
@@ -168,6 +169,7 @@ def test_every_native_source_lives_in_the_top_level_kernels_folder():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_wheel_and_sdist_carry_the_kernels(tmp_path):
     """A wheel installs kernels/ as package data at horovod_terngrad/kernels; an sdist carries kernels/."""
     import tarfile

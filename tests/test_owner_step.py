@@ -173,6 +173,7 @@ def test_exact_weights_leave_the_replica_at_the_master_and_count_32_bits():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_lm_scale_study_runs_owner_step(tmp_path):
     """study_lm_scale's owner-step methods: a finite held-out loss of the master and of the replica, close to each
     other; the bits split into the two stages; one scaler per 128 elements of the difference costs weight bits

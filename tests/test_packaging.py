@@ -54,15 +54,16 @@ def venv(tmp_path_factory):
     run([sys.executable, "-m", "venv", str(folder)], "python -m venv", env=env)
     py = str(folder / "bin" / "python")
     torch_version = torch.__version__.split("+")[0]
-    p = subprocess.run([py, "-m", "pip", "install", "-q", f"torch=={torch_version}"], capture_output=True, text=True,
-                       timeout=900, env=env)
+    # --no-compile: no .pyc for torch's thousands of modules up front; the few that run compile on import
+    p = subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"torch=={torch_version}"],
+                       capture_output=True, text=True, timeout=900, env=env)
     if p.returncode != 0 and "No matching distribution" in p.stderr:
         pytest.skip(f"torch=={torch_version} cannot be installed into a fresh venv here: {p.stderr[-500:]}")
     assert p.returncode == 0, f"pip install torch=={torch_version}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     tree = base / "src"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=NOT_COPIED)
-    p = subprocess.run([py, "-m", "pip", "install", "-q", "--no-build-isolation", "."], capture_output=True, text=True,
-                       timeout=600, cwd=tree, env=env)
+    p = subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", "--no-build-isolation", "."],
+                       capture_output=True, text=True, timeout=600, cwd=tree, env=env)
     if p.returncode != 0 and "No matching distribution" in p.stderr:     # numpy or tqdm unreachable (offline)
         pytest.skip(f"the package's requirements cannot be installed here: {p.stderr[-500:]}")
     assert p.returncode == 0, f"pip install .:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"

@@ -768,6 +768,7 @@ def test_step_model_reads_the_same_plan_and_costs_for_the_node_aware_exchange():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_node_aware_figures_at_512_gpus_as_the_model_states_them():
     """The node-aware exchange's figures at 512 GPUs (defaults: hierarchical="auto"), so a change shows here; and
     the same before the allreduce choice and the NVLink links (ring-only, one port per GPU in the node)."""

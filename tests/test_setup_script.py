@@ -191,6 +191,7 @@ def test_cpu_install_plan_is_the_cpu_torch_and_the_cached_cpu_horovod(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_setup_on_the_installed_venv_has_nothing_left_to_do():
     """The README's commands are idempotent: on the venv the tests run in (set up by setup.sh --test), a dry run
     of either command prints no command."""

@@ -138,6 +138,7 @@ def test_batches_and_slices():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_reduced_fig3_study_terngrad_within_margin_of_fp32(tmp_path):
     """The Fig. 3 study at 300 iterations (the paper runs 10,000): TernGrad with 8 simulated workers
     reaches the fp32 run's test accuracy within 2 points, with both optimizers, and the study writes its
