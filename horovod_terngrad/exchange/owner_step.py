@@ -25,8 +25,9 @@ flagged to every rank by one allreduce-max of a flag per tensor (``nonfinite``),
 Traffic per rank and element (b = 1.6 bits base-3, 2 with 2-bit packing): receives (N-1)/N·b in the alltoall and
 (N-1)/N·b in the allgather, plus per shard and sender a 20-byte header, a 4-byte scaler and (with the noise
 estimate) a 4-byte squares trailer, both ways: 3.2 bits plus 8·(N-1)·52/n bits for a tensor of n elements
-(codec.sizes: reternarized_chunk_bytes, owner_step_weight_chunk_bytes).  Three collectives per step (and one for
-the full-precision tensors), each fused over every tensor.
+(codec.sizes: reternarized_chunk_bytes, owner_step_weight_chunk_bytes).  Per step, each fused over every tensor:
+the alltoall, the flags' allreduce-max (one fp64 per tensor) and the allgather; one more allgather for
+the full-precision tensors, and one of a scalar where the optimizer clips the global norm.
 """
 from __future__ import annotations
 
