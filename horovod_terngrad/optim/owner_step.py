@@ -238,11 +238,9 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
             raise TernGradError("OwnerStepOptimizer: the ranks' parameters differ at the first step: broadcast "
                                 "them first (hvd.broadcast_parameters(model.state_dict(), root_rank=0); DDP does "
                                 "it when it wraps the model)")
-        for i, shard in enumerate(self.shards):
-            if shard is not None:
-                lo, hi = reternarized_bounds(self.params[i].numel(), self.coll.size, self.config.bucket_size)[
-                    self.coll.rank]
-                shard.copy_(self.params[i].detach().reshape(-1)[lo:hi])
+        for (lo, hi), i in zip(self.exchange.owned, self._tern):
+            if self.shards[i] is not None:
+                self.shards[i].copy_(self.params[i].detach().reshape(-1)[lo:hi])
         self._masters_current = True
 
     def _grad(self, i: int) -> torch.Tensor:

@@ -43,23 +43,32 @@ def _mean_by_lr(rows: list) -> dict:
     return {lr: statistics.mean(v) for lr, v in by.items() if len(v) >= 3}
 
 
+def _fp32_best(rows: list, model: str, corpus: str):
+    """(the workload's rows, fp32's mean at its best lr, that lr), or None without an fp32 sweep of 3-seed cells."""
+    mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
+    fp32 = _mean_by_lr([r for r in mine if r["method"] == "none"])
+    if len(fp32) < 2:
+        return None
+    best = min(fp32, key=fp32.get)
+    return mine, fp32[best], best
+
+
 def whole_run_headline(rows: list) -> str:
     """The headline's accuracy row: the defaults against fp32 AdamW at fp32's best lr (the same lr for both), at the
     end of whole runs, on the first workload with an fp32 sweep and a cell of the defaults at that lr."""
     for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
-        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
-        fp32 = _mean_by_lr([r for r in mine if r["method"] == "none"])
-        if len(fp32) < 2:
+        found = _fp32_best(rows, model, corpus)
+        if found is None:
             continue
-        best = min(fp32, key=fp32.get)
+        mine, ref, best = found
         cells: dict = {}
         for r in mine:
             if r["lr"] == best and runs_the_default(r):
                 cells.setdefault((r["G"], r["N"]), []).append(r["held_out"])
         for (G, N), vals in sorted(cells.items()):
             if len(vals) >= 3:
-                gap = 100 * (statistics.mean(vals) / fp32[best] - 1)
-                worst = 100 * (max(vals) / fp32[best] - 1)
+                gap = 100 * (statistics.mean(vals) / ref - 1)
+                worst = 100 * (max(vals) / ref - 1)
                 return (f"| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr ({best:g}, the same "
                         f"for both): TernGrad's defaults with `horovod_terngrad.optim.AdamW`, {name}, N = {N}, "
                         f"{len(vals)} seeds: mean (worst seed) | {_pct2(gap)} ({_pct2(worst)}) | [scale](DOCS/scale.md) |")
@@ -71,17 +80,16 @@ def owner_step_headline(rows: list) -> str:
     arithmetic it runs) against fp32 AdamW at fp32's best lr, per workload with 3 seeds of each there."""
     cells = []
     for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
-        mine = [r for r in rows if r["model"] == model and r["corpus"] == corpus]
-        fp32 = _mean_by_lr([r for r in mine if r["method"] == "none"])
-        if len(fp32) < 2:
+        found = _fp32_best(rows, model, corpus)
+        if found is None:
             continue
-        best = min(fp32, key=fp32.get)
+        mine, ref, best = found
         owner = [r for r in mine if r["method"] == "owner-step-nearest" and r["lr"] == best]
         if len(owner) >= 3:
             vals = [r["held_out"] for r in owner]
             bits = statistics.mean(r["bits_received"] for r in owner)
-            cells.append((name, owner[0]["N"], len(vals), best, 100 * (statistics.mean(vals) / fp32[best] - 1),
-                          100 * (max(vals) / fp32[best] - 1), bits))
+            cells.append((name, owner[0]["N"], len(vals), best, 100 * (statistics.mean(vals) / ref - 1),
+                          100 * (max(vals) / ref - 1), bits))
     if not cells:
         return ("| held-out loss vs fp32 AdamW at fp32's best lr, `optim.OwnerStepOptimizer` | not measured "
                 "| [scale](DOCS/scale.md) |")

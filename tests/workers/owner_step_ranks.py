@@ -52,13 +52,14 @@ def build(model, collectives):
     return opt, sched
 
 
-def train(model, opt, sched, rank, steps, start=0, on_step=None):
+def train(model, opt, sched, rank, steps, start=0, net=None):
+    """``steps`` steps from ``start``, the forward pass through ``net`` (the model, or its DDP wrapper): the
+    parameters' checksum after each."""
+    net = net or model
     sums = []
     for step in range(start, start + steps):
-        if on_step is not None:
-            on_step(step)
         x, y = batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -70,14 +71,7 @@ def scenario_train(rank, collectives, wrap=None):
     model = make_model()
     net = wrap(model) if wrap else model
     opt, sched = build(model, collectives)
-    sums = []
-    for step in range(STEPS):
-        x, y = batch(rank, step)
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        sums.append(checksum(model))
+    sums = train(model, opt, sched, rank, STEPS, net=net)
     return {"sums": sums, "bits": opt.bits_received(), "norm": opt.last_grad_norm,
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
