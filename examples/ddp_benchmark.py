@@ -70,6 +70,9 @@ CONFIGS = {"fp32": ("DDP fp32", "none", {}), "fp16": ("DDP fp16_compress_hook", 
                                      "terngrad", {"intra_node_dtype": "bfloat16", "optim": "tg-adamw"}),
            "terngrad-fp32intra-tgadamw": ("TernGrad-DDP intra_node_dtype=float32, horovod_terngrad.optim.AdamW",
                                           "terngrad", {"intra_node_dtype": "float32", "optim": "tg-adamw"}),
+           # OwnerStepOptimizer (AdamW at its defaults): DDP hands each bucket back unaveraged
+           # (local_gradients_hook) and the optimizer's step exchanges ternary gradients and weights
+           "owner-step": ("TernGrad OwnerStepOptimizer (AdamW), DDP + local_gradients_hook", "owner-step", {}),
            "local": ("local compute, no DDP", None, {})}
 POWERSGD_START = 2
 
@@ -122,12 +125,18 @@ def worker(argv):
         model = module if hook is None else DDP(module, device_ids=placement.device_ids,
                                                 **({} if args.bucket_cap_mb is None else
                                                    {"bucket_cap_mb": args.bucket_cap_mb}))
-        state = None if hook is None else ddp_hooks.install(model, hook, powersgd_start=POWERSGD_START, **kw)
         nparams = sum(q.numel() for q in module.parameters())
         bits = {"none": 32.0, "fp16": 16.0}.get(hook)
-        if hook == "powersgd":
-            bits = ddp_hooks.powersgd_bits(module, kw["powersgd_rank"])
-        opt = make_optimizer(optim, model)
+        if hook == "owner-step":
+            from horovod_terngrad.ddp import local_gradients_hook
+            from horovod_terngrad.optim import OwnerStepOptimizer
+            model.register_comm_hook(None, local_gradients_hook)
+            state, opt = None, OwnerStepOptimizer(module.named_parameters(), collectives="torch", lr=1e-4)
+        else:
+            state = None if hook is None else ddp_hooks.install(model, hook, powersgd_start=POWERSGD_START, **kw)
+            if hook == "powersgd":
+                bits = ddp_hooks.powersgd_bits(module, kw["powersgd_rank"])
+            opt = make_optimizer(optim, model)
         setups.append({"key": key, "label": label, "hook": hook, "model": model, "opt": opt, "x": x, "marks": [],
                        "state": state, "times": [], "bits": bits, "nparams": nparams, "link": [0, 0]})
     described = f"{args.model} ({models.describe(setups[0]['model'])})"
@@ -161,6 +170,9 @@ def worker(argv):
                 st = su["state"]
                 tg_before[su["key"]] = (st.stats.payload_bytes_sent + st.stats.handshake_bytes_sent,
                                         st.state.uncompressed_elements, st.stats.elements, len(su["times"]))
+            if su["hook"] == "owner-step" and su["key"] not in tg_before:
+                ex = su["opt"].exchange
+                tg_before[su["key"]] = (ex.bytes_received, ex.codec_s, su["opt"].steps)
             if args.profile and su["hook"] == "terngrad" and su["state"].trace is None:
                 su["state"].trace = []
             if args.link_counters:        # every rank at the start line, so the counters see only timed steps
@@ -193,6 +205,8 @@ def worker(argv):
         if su.get("marks"):
             row["forward_backward_ms"] = 1000 * med([b - a for a, b, _ in su["marks"]])
             row["optimizer_ms"] = 1000 * med([c - b for _, b, c in su["marks"]])
+        if su["hook"] == "owner-step":
+            row.update(owner_step_row(su["opt"], tg_before[su["key"]]))
         if su["hook"] == "terngrad":
             st = su["state"]
             sent0, unc0, el0, _ = tg_before[su["key"]]
@@ -229,6 +243,21 @@ def worker(argv):
                         f"{k} {v:.1f}" for k, v in row["profile"].items() if isinstance(v, float)), flush=True)
                     print("\n".join(bucket_table(row["profile"]["per_bucket"])), flush=True)
     dist.destroy_process_group()
+
+
+def owner_step_row(opt, before: tuple) -> dict:
+    """An owner-step row's figures since ``before`` (bytes received, codec seconds, steps at the first timed
+    round): payload bits received per ternarized element per step (both stages), bits per parameter with the
+    full-precision tensors at 32, and the codec's ms per step (its own clock: encode, decode, the weights'
+    rounding and application)."""
+    ex = opt.exchange
+    steps = max(1, opt.steps - before[2])
+    tern = sum(lay.numel for lay in ex.layout)
+    total = sum(p.numel() for p in opt.params)
+    per_element = 8.0 * (ex.bytes_received - before[0]) / (steps * max(1, tern))
+    return {"terngrad_bits_per_element": per_element, "compressed_fraction": tern / max(1, total),
+            "bits_per_param": (per_element * tern + 32.0 * (total - tern)) / max(1, total),
+            "codec_ms": 1000 * (ex.codec_s - before[1]) / steps}
 
 
 def make_optimizer(kind: str, model):

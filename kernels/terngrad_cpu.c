@@ -9,6 +9,7 @@
  *   ternarize: c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24 with
  *              h = mix32(mix32(lo ^ k0) ^ hi ^ k1); code 1 for +1, 2 for -1, 0 for 0.
  *   decode:    out = (sum over payloads in order of v * s) / divisor, all fp32.
+ *   nearest:   code of sign(d) where 2|d| >= s and s > 0, else 0 (codec/nearest.py: no randomness).
  * Build with -ffp-contract=off (no fused multiply-add changing roundings) and no -ffast-math;
  * -fno-trapping-math only lets the compiler if-convert float selects so the loops vectorize.
  */
@@ -24,7 +25,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 9; }
+int tg_abi_version(void) { return 10; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -129,6 +130,22 @@ static inline void fill_scalers(const float *scalers, int64_t bucket, int64_t fi
     }
 }
 
+/* Pack one chunk's cnt codes (zero-padded to TG_CHUNK) into ceil(cnt / per) bytes at o: 2bit (fmt 1) four
+ * codes per byte, low bits first; base3 (fmt 2) five, c0 + 3c1 + 9c2 + 27c3 + 81c4. */
+static inline void pack_chunk(uint8_t *codes, int64_t cnt, int fmt, uint8_t *o) {
+    const int per = fmt == 1 ? 4 : 5;
+    for (int64_t j = cnt; j < TG_CHUNK; j++) codes[j] = 0;
+    int64_t nbytes = (cnt + per - 1) / per;
+    if (fmt == 1) {
+        for (int64_t b = 0; b < nbytes; b++)
+            o[b] = (uint8_t)(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) | (codes[4 * b + 3] << 6));
+    } else {
+        for (int64_t b = 0; b < nbytes; b++)
+            o[b] = (uint8_t)(codes[5 * b] + 3 * codes[5 * b + 1] + 9 * codes[5 * b + 2] + 27 * codes[5 * b + 3] +
+                             81 * codes[5 * b + 4]);
+    }
+}
+
 /* Ternarize and pack (fmt 1 = 2bit, 2 = base3) into out (ceil(n/4) or ceil(n/5) bytes). */
 void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scalers, int64_t bucket,
                        uint32_t k0, uint32_t k1, int fmt, uint8_t *out, int nthreads) {
@@ -164,18 +181,36 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
             int code = (c > 0.0f) | ((c < 0.0f) << 1);
             codes[j] = (uint8_t)(keep ? code : 0);
         }
-        for (int64_t j = cnt; j < TG_CHUNK; j++) codes[j] = 0;
-        int64_t nbytes = (cnt + per - 1) / per;
-        uint8_t *o = out + lo / per;
-        if (fmt == 1) {
-            for (int64_t b = 0; b < nbytes; b++)
-                o[b] = (uint8_t)(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) |
-                                 (codes[4 * b + 3] << 6));
+        pack_chunk(codes, cnt, fmt, out + lo / per);
+    }
+}
+
+/* Nearest-level ternary codes of d (codec/nearest.py), packed as tg_ternarize_pack packs: code 1 for +1,
+ * 2 for -1 where 2|d| >= s (a tie goes to +-1) and s > 0, else 0; 2|d| is exact in fp32, so the comparison is
+ * the reference's bit for bit (NaN compares false: code 0, as the reference's where). */
+void tg_nearest_pack(const float *d, int64_t n, const float *scalers, int64_t bucket, int fmt, uint8_t *out,
+                     int nthreads) {
+    const int per = fmt == 1 ? 4 : 5;
+    int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint8_t codes[TG_CHUNK];
+        float sbuf[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
+        if (bucket <= 0) {
+            for (int j = 0; j < TG_CHUNK; j++) sbuf[j] = scalers[0];
         } else {
-            for (int64_t b = 0; b < nbytes; b++)
-                o[b] = (uint8_t)(codes[5 * b] + 3 * codes[5 * b + 1] + 9 * codes[5 * b + 2] +
-                                 27 * codes[5 * b + 3] + 81 * codes[5 * b + 4]);
+            fill_scalers(scalers, bucket, lo, cnt, sbuf);
         }
+        const float *dc = d + lo;
+        for (int j = 0; j < (int)cnt; j++) {
+            float x = dc[j];
+            int keep = (2.0f * fabsf(x) >= sbuf[j]) & (sbuf[j] > 0.0f);
+            int code = (x > 0.0f) | ((x < 0.0f) << 1);
+            codes[j] = (uint8_t)(keep ? code : 0);
+        }
+        pack_chunk(codes, cnt, fmt, out + lo / per);
     }
 }
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from horovod_terngrad import codec as C
-from horovod_terngrad.backends import (ADAM_CORRECTED, NOISE_DECODE, REFERENCE, REQUANT, SHARDED_SUMS,
-                                       AdamCorrectedBackend, Backend, NoiseDecodeBackend, ShardedSumsBackend, cpu,
-                                       has_capability)
+from horovod_terngrad.backends import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REFERENCE, REQUANT, SHARDED_SUMS,
+                                       AdamCorrectedBackend, Backend, NearestBackend, NoiseDecodeBackend,
+                                       ShardedSumsBackend, cpu, has_capability)
+from horovod_terngrad.codec import nearest
 from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
@@ -100,12 +101,29 @@ def test_prepared_holds_0d_tensors_on_the_gradient_device(fused, n, bucket, bad)
 def test_backends_declare_their_capabilities(fused):
     assert isinstance(REFERENCE, Backend) and isinstance(fused, Backend)
     assert REFERENCE.capabilities == frozenset() and not has_capability(REFERENCE, SHARDED_SUMS)
-    assert fused.capabilities == frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT})
+    assert fused.capabilities == frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT, NEAREST})
+    assert isinstance(fused, NearestBackend) and not has_capability(REFERENCE, NEAREST)
     assert has_capability(fused, SHARDED_SUMS) and has_capability(fused, ADAM_CORRECTED)
     assert not has_capability(REFERENCE, ADAM_CORRECTED) and isinstance(fused, AdamCorrectedBackend)
     assert has_capability(fused, NOISE_DECODE) and not has_capability(REFERENCE, NOISE_DECODE)
     assert isinstance(fused, ShardedSumsBackend) and not isinstance(REFERENCE, ShardedSumsBackend)
     assert isinstance(fused, NoiseDecodeBackend) and not isinstance(REFERENCE, NoiseDecodeBackend)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 1279, 1280, 1281, 65537])
+@pytest.mark.parametrize("fmt", ["2bit", "base3"])
+def test_fused_nearest_rounding_matches_reference_bytes(fused, n, fmt):
+    """The owner-step exchange's weight differences: the fused pass's payload is codec/nearest.py's, ties (2|d| = s)
+    and zeros included."""
+    d = sample(n, 11)
+    if n > 4:
+        d[1] = d.abs().max() / 2          # a tie: rounds to +-1
+        d[2] = -d[1]
+        d[3] = torch.nextafter(d[1], torch.tensor(0.0))      # just under the tie: 0
+    assert torch.equal(fused.encode_nearest(d, fmt), nearest.encode_nearest(d, fmt))
+    if n:
+        zeros = torch.zeros(n)
+        assert torch.equal(fused.encode_nearest(zeros, fmt), nearest.encode_nearest(zeros, fmt))
 
 
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):

@@ -18,12 +18,13 @@ import logging
 import os
 import threading
 
-from .base import (ADAM_CORRECTED, BF16_INPUT, NOISE_DECODE, REQUANT, SHARDED_SUMS, AdamCorrectedBackend, Backend,
-                   NoiseDecodeBackend, RequantBackend, ShardedSumsBackend, has_capability)
+from .base import (ADAM_CORRECTED, BF16_INPUT, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, AdamCorrectedBackend,
+                   Backend, NearestBackend, NoiseDecodeBackend, RequantBackend, ShardedSumsBackend, has_capability)
 from .reference import ReferenceBackend
 
 __all__ = ["Backend", "ShardedSumsBackend", "SHARDED_SUMS", "NoiseDecodeBackend", "NOISE_DECODE",
-           "AdamCorrectedBackend", "ADAM_CORRECTED", "RequantBackend", "REQUANT", "BF16_INPUT",
+           "AdamCorrectedBackend", "ADAM_CORRECTED", "RequantBackend", "REQUANT", "NearestBackend", "NEAREST",
+           "BF16_INPUT",
            "has_capability", "REFERENCE", "for_device",
            "cpu_fused", "cuda_kernels"]
 

@@ -19,6 +19,9 @@ Capabilities:
   (codec/requant.py: 4-bit groups and the noise channel's bits) in one pass each (``RequantBackend``), the
   reference's bytes and values exactly.  The fused CPU backend and the CUDA kernels have it; elsewhere (the
   reference) exchange/requantized.py calls codec/requant.py's torch ops.
+* ``NEAREST``: ``encode_nearest``, codec/nearest.py's payload (deterministic rounding to the nearest ternary
+  level: the owner-step exchange's weight differences) in one pass (``NearestBackend``), the same bytes.  Only
+  the fused CPU backend has it; elsewhere exchange/owner_step.py calls codec/nearest.py's torch ops.
 * ``BF16_INPUT``: ``prepare`` and ``encode`` read a bf16 gradient as it is, with the bytes its fp32 copy gives (bf16
   -> fp32 is exact), so the engine hands bf16 gradients over without making an fp32 copy.  The CUDA kernels
   (``cuda.KernelBackend``) have it; the other backends are given fp32.
@@ -36,6 +39,7 @@ SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
 ADAM_CORRECTED = "adam_corrected"
 REQUANT = "requant"
+NEAREST = "nearest"
 BF16_INPUT = "bf16_input"
 
 
@@ -119,6 +123,15 @@ class RequantBackend(Backend, Protocol):
                        noise_out: torch.Tensor | None = None) -> None:
         """``codec.requant.decode``: the payload of m elements at ``offset`` of ``buf`` into ``out`` (and its noise
         channel into ``noise_out`` when given and ``with_noise``), bit for bit."""
+        ...
+
+
+@runtime_checkable
+class NearestBackend(Backend, Protocol):
+    """A backend with the ``NEAREST`` capability."""
+
+    def encode_nearest(self, d: torch.Tensor, fmt: str) -> torch.Tensor:
+        """``codec.nearest.encode_nearest(d, fmt)``'s payload of the flat fp32 ``d`` (one scaler), byte for byte."""
         ...
 
 

@@ -3,8 +3,8 @@
 One pass per stage and no tensor-sized temporaries besides the output; OpenMP threads follow
 ``torch.get_num_threads()``.  The shared object goes to the compile cache (``compile_cache.py``) keyed by
 a hash of the source, the flags, the compiler and the CPU.  Without a working compiler ``load()`` returns
-None and the caller falls back to the torch reference (with one warning).  The only backend with the
-``SHARDED_SUMS``, ``NOISE_DECODE``, ``ADAM_CORRECTED`` and ``REQUANT`` capabilities.
+None and the caller falls back to the torch reference (with one warning).  Its capabilities: ``SHARDED_SUMS``,
+``NOISE_DECODE``, ``ADAM_CORRECTED``, ``REQUANT`` and ``NEAREST``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from .. import codec
 from ..codec import packing, sizes
 from ..codec.packing import FORMATS
-from .base import (ADAM_CORRECTED, NOISE_DECODE, REQUANT, SHARDED_SUMS, RequantDecodeTargets,
+from .base import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, RequantDecodeTargets,
                    requant_encode_inputs)
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
@@ -31,7 +31,7 @@ SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 # -fno-math-errno: errno is never read, and without it sqrtf cannot be vectorized (tg_adam_corrected); no result changes
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fno-strict-aliasing",
           "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -78,7 +78,7 @@ class FusedCPUBackend:
     payloads and averages written in place by one C pass each."""
 
     name = "cpu-fused"
-    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT})
+    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT, NEAREST})
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
@@ -94,7 +94,8 @@ class FusedCPUBackend:
         lib.tg_requant_encode.argtypes = [_P, _P, _c_int, _c_int64, _c_int64, _u32, _u32, _u32, _u32, _c_int, _P,
                                           _c_int64, _c_int]
         lib.tg_requant_decode.argtypes = [_P, _c_int64, _P, _P, _c_int]
-        for fn in (lib.tg_ternarize_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
+        lib.tg_nearest_pack.argtypes = [_P, _c_int64, _P, _c_int64, _c_int, _P, _c_int]
+        for fn in (lib.tg_ternarize_pack, lib.tg_nearest_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
                    lib.tg_unpack_sums, lib.tg_adam_corrected, lib.tg_requant_encode, lib.tg_requant_decode):
             fn.restype = None
         self.lib = lib
@@ -224,6 +225,18 @@ class FusedCPUBackend:
         self.lib.tg_requant_decode(buf.data_ptr() + offset, m, _ptr(t.out), None if t.noise is None else _ptr(t.noise),
                                    self._threads())
         t.finish()
+
+    # -- NEAREST capability -------------------------------------------------------------------------------
+    def encode_nearest(self, d: torch.Tensor, fmt: str) -> torch.Tensor:
+        """``NearestBackend.encode_nearest``: codec/nearest.py's payload in one pass after the statistics
+        (tg_stats' max|d|, the reference's amax), the same bytes."""
+        n = d.numel()
+        d = d.to(torch.float32).contiguous()
+        scalers = self.stats(d, 0)[2] if n else torch.zeros(1, dtype=torch.float32)
+        payload, region = packing.new_payload(n, fmt, scalers, 0, 0, (n,))
+        if n:
+            self.lib.tg_nearest_pack(_ptr(d), n, _ptr(scalers), 0, FORMATS[fmt], _ptr(region), self._threads())
+        return payload
 
 
 def load() -> FusedCPUBackend | None:

@@ -146,7 +146,7 @@ class OwnerStepExchange:
         elsewhere), each rounded to the nearest ternary level."""
         t0 = time.perf_counter()
         fmt = self.config.packing
-        parts = [nearest.encode_nearest(d, fmt) for d in deltas if d is not None]
+        parts = [_encode_nearest(d, fmt) for d in deltas if d is not None]
         device = device or (parts[0].device if parts else torch.device("cpu"))
         mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         self.codec_s += time.perf_counter() - t0
@@ -212,6 +212,14 @@ class OwnerStepExchange:
         for r in range(1, gathered.numel()):
             total += gathered[r]
         return total
+
+
+def _encode_nearest(d: torch.Tensor, fmt: str) -> torch.Tensor:
+    """codec/nearest.py's payload of ``d``, in one pass where the backend has the NEAREST capability."""
+    backend = backends.for_device(d.device)
+    if backends.has_capability(backend, backends.NEAREST):
+        return backend.encode_nearest(d, fmt)
+    return nearest.encode_nearest(d, fmt)
 
 
 def _flat32(g: torch.Tensor, lay: TensorLayout) -> torch.Tensor:
