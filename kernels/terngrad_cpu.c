@@ -10,6 +10,8 @@
  *              h = mix32(mix32(lo ^ k0) ^ hi ^ k1); code 1 for +1, 2 for -1, 0 for 0.
  *   decode:    out = (sum over payloads in order of v * s) / divisor, all fp32.
  *   nearest:   code of sign(d) where 2|d| >= s and s > 0, else 0 (codec/nearest.py: no randomness).
+ *   squares:   per row, sum of clamp(g, -thr, thr)^2 in fp32, 8 contiguous parts combined level by level as
+ *              ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)) (codec/squares.py, ordered_row_sums).
  * Build with -ffp-contract=off (no fused multiply-add changing roundings) and no -ffast-math;
  * -fno-trapping-math only lets the compiler if-convert float selects so the loops vectorize.
  */
@@ -25,7 +27,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 10; }
+int tg_abi_version(void) { return 11; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -212,6 +214,53 @@ void tg_nearest_pack(const float *d, int64_t n, const float *scalers, int64_t bu
         }
         pack_chunk(codes, cnt, fmt, out + lo / per);
     }
+}
+
+/* One level of codec/squares.py's ordered_row_sums: y[j] = ((x[j]+x[p+j])+(x[2p+j]+x[3p+j]))+((x[4p+j]+x[5p+j])+
+ * (x[6p+j]+x[7p+j])) for j < p = ceil(m/8), x[i] = 0 for i >= m (the reference's zero padding).  In place is safe:
+ * y[j] is written after x[j + kp] is read, and later j read only larger indices. */
+static int64_t ordered_level(const float *x, int64_t m, float *y) {
+    const int64_t p = (m + 7) / 8;
+    for (int64_t j = 0; j < p; j++) {
+        float v[8];
+        for (int k = 0; k < 8; k++) v[k] = j + k * p < m ? x[j + k * p] : 0.0f;
+        y[j] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+    return p;
+}
+
+/* out[r] = ordered sum of clamp(g, -thr, thr)^2 over row r of `rows` contiguous rows of len elements (len >= 1):
+ * codec/squares.py's clipped_square_sums on a run of equal shards, the same bits.  The first level (the one over
+ * the whole row) runs on the OpenMP threads, each element's 8 parts fetched and clipped and squared there. */
+int tg_clipped_square_sums(const float *g, int64_t rows, int64_t len, float thr, float *out, int nthreads) {
+    const int64_t p = (len + 7) / 8;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(p > 0 ? p : 1));
+    if (!buf) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = g + r * len;
+        if (len == 1) {
+            float c = x[0] > thr ? thr : x[0];
+            c = c < -thr ? -thr : c;
+            out[r] = c * c;
+            continue;
+        }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t j = 0; j < p; j++) {
+            float v[8];
+            for (int k = 0; k < 8; k++) {
+                float c = j + k * p < len ? x[j + k * p] : 0.0f;
+                c = c > thr ? thr : c;
+                c = c < -thr ? -thr : c;
+                v[k] = c * c;
+            }
+            buf[j] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+        }
+        int64_t m = p;
+        while (m > 1) m = ordered_level(buf, m, buf);
+        out[r] = buf[0];
+    }
+    free(buf);
+    return 0;
 }
 
 /* Counting decode tables: each byte maps to its codes' (t + 1) values in lanes of a uint64, so N

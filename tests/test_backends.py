@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from horovod_terngrad import codec as C
-from horovod_terngrad.backends import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REFERENCE, REQUANT, SHARDED_SUMS,
+from horovod_terngrad.backends import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REFERENCE, REQUANT, SHARDED_SUMS, SQUARE_SUMS,
                                        AdamCorrectedBackend, Backend, NearestBackend, NoiseDecodeBackend,
-                                       ShardedSumsBackend, cpu, has_capability)
-from horovod_terngrad.codec import nearest
+                                       ShardedSumsBackend, SquareSumsBackend, cpu, has_capability)
+from horovod_terngrad.codec import nearest, squares
 from horovod_terngrad.backends.compile_cache import cache_dir
 from horovod_terngrad.codec import packing
 
@@ -101,7 +101,8 @@ def test_prepared_holds_0d_tensors_on_the_gradient_device(fused, n, bucket, bad)
 def test_backends_declare_their_capabilities(fused):
     assert isinstance(REFERENCE, Backend) and isinstance(fused, Backend)
     assert REFERENCE.capabilities == frozenset() and not has_capability(REFERENCE, SHARDED_SUMS)
-    assert fused.capabilities == frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT, NEAREST})
+    assert fused.capabilities == frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT, NEAREST, SQUARE_SUMS})
+    assert isinstance(fused, SquareSumsBackend) and not has_capability(REFERENCE, SQUARE_SUMS)
     assert isinstance(fused, NearestBackend) and not has_capability(REFERENCE, NEAREST)
     assert has_capability(fused, SHARDED_SUMS) and has_capability(fused, ADAM_CORRECTED)
     assert not has_capability(REFERENCE, ADAM_CORRECTED) and isinstance(fused, AdamCorrectedBackend)
@@ -124,6 +125,21 @@ def test_fused_nearest_rounding_matches_reference_bytes(fused, n, fmt):
     if n:
         zeros = torch.zeros(n)
         assert torch.equal(fused.encode_nearest(zeros, fmt), nearest.encode_nearest(zeros, fmt))
+
+
+@pytest.mark.parametrize("bounds", [[(0, 1)], [(0, 8)], [(0, 9)], [(0, 65)], [(0, 70001)],
+                                    [(0, 3), (3, 6), (6, 9), (9, 11)], [(0, 0), (0, 5000), (5000, 10000), (10000, 10000)],
+                                    [(0, 4096), (4096, 8192), (8192, 9000), (9000, 70001)]])
+@pytest.mark.parametrize("thr", [0.5, float("inf")])
+def test_fused_clipped_square_sums_match_reference_bits(fused, bounds, thr):
+    """The senders' squares: the fused pass sums each run of equal shards in ordered_row_sums' order, bit for bit."""
+    g = sample(70001, 12)
+    t = torch.tensor(thr, dtype=torch.float32)
+    want = squares.clipped_square_sums(g, t, bounds)
+    got = fused.clipped_square_sums(g, t, bounds)
+    assert got.dtype == torch.float32 and torch.equal(got, want), (got, want)
+    bf = g.to(torch.bfloat16)
+    assert torch.equal(fused.clipped_square_sums(bf, t, bounds), squares.clipped_square_sums(bf, t, bounds))
 
 
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):

@@ -18,13 +18,14 @@ import logging
 import os
 import threading
 
-from .base import (ADAM_CORRECTED, BF16_INPUT, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, AdamCorrectedBackend,
-                   Backend, NearestBackend, NoiseDecodeBackend, RequantBackend, ShardedSumsBackend, has_capability)
+from .base import (ADAM_CORRECTED, BF16_INPUT, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, SQUARE_SUMS,
+                   AdamCorrectedBackend, Backend, NearestBackend, NoiseDecodeBackend, RequantBackend, ShardedSumsBackend,
+                   SquareSumsBackend, has_capability)
 from .reference import ReferenceBackend
 
 __all__ = ["Backend", "ShardedSumsBackend", "SHARDED_SUMS", "NoiseDecodeBackend", "NOISE_DECODE",
            "AdamCorrectedBackend", "ADAM_CORRECTED", "RequantBackend", "REQUANT", "NearestBackend", "NEAREST",
-           "BF16_INPUT",
+           "SquareSumsBackend", "SQUARE_SUMS", "BF16_INPUT", "clipped_square_sums", "encode_nearest",
            "has_capability", "REFERENCE", "for_device",
            "cpu_fused", "cuda_kernels"]
 
@@ -69,3 +70,24 @@ def for_device(device) -> Backend:
     if kind == "cuda":
         return cuda_kernels() or REFERENCE
     return REFERENCE
+
+
+# -- codec functions that a capability speeds up: the backend's one pass where it has it, else the reference ------
+def clipped_square_sums(g, threshold, bounds: list):
+    """codec/squares.py's ``clipped_square_sums`` on ``g``'s backend (the ``SQUARE_SUMS`` capability's one pass
+    where it has it): the same bits either way."""
+    from ..codec import squares
+    backend = for_device(g.device)
+    if has_capability(backend, SQUARE_SUMS):
+        return backend.clipped_square_sums(g, threshold, bounds)
+    return squares.clipped_square_sums(g, threshold, bounds)
+
+
+def encode_nearest(d, fmt: str):
+    """codec/nearest.py's ``encode_nearest(d, fmt)`` on ``d``'s backend (the ``NEAREST`` capability's one pass where
+    it has it): the same bytes either way."""
+    from ..codec import nearest
+    backend = for_device(d.device)
+    if has_capability(backend, NEAREST):
+        return backend.encode_nearest(d, fmt)
+    return nearest.encode_nearest(d, fmt)

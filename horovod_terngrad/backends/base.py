@@ -22,6 +22,9 @@ Capabilities:
 * ``NEAREST``: ``encode_nearest``, codec/nearest.py's payload (deterministic rounding to the nearest ternary
   level: the owner-step exchange's weight differences) in one pass (``NearestBackend``), the same bytes.  Only
   the fused CPU backend has it; elsewhere exchange/owner_step.py calls codec/nearest.py's torch ops.
+* ``SQUARE_SUMS``: ``clipped_square_sums``, codec/squares.py's senders' squares (Σ clip(g)² per shard, in
+  ``ordered_row_sums``' order) in one pass per run of equal shards (``SquareSumsBackend``), the same bits.  Only the
+  fused CPU backend has it; elsewhere codec/squares.py's torch ops run.
 * ``BF16_INPUT``: ``prepare`` and ``encode`` read a bf16 gradient as it is, with the bytes its fp32 copy gives (bf16
   -> fp32 is exact), so the engine hands bf16 gradients over without making an fp32 copy.  The CUDA kernels
   (``cuda.KernelBackend``) have it; the other backends are given fp32.
@@ -40,6 +43,7 @@ NOISE_DECODE = "noise_decode"
 ADAM_CORRECTED = "adam_corrected"
 REQUANT = "requant"
 NEAREST = "nearest"
+SQUARE_SUMS = "square_sums"
 BF16_INPUT = "bf16_input"
 
 
@@ -132,6 +136,15 @@ class NearestBackend(Backend, Protocol):
 
     def encode_nearest(self, d: torch.Tensor, fmt: str) -> torch.Tensor:
         """``codec.nearest.encode_nearest(d, fmt)``'s payload of the flat fp32 ``d`` (one scaler), byte for byte."""
+        ...
+
+
+@runtime_checkable
+class SquareSumsBackend(Backend, Protocol):
+    """A backend with the ``SQUARE_SUMS`` capability."""
+
+    def clipped_square_sums(self, g: torch.Tensor, threshold: torch.Tensor, bounds: list) -> torch.Tensor:
+        """``codec.squares.clipped_square_sums(g, threshold, bounds)``, bit for bit."""
         ...
 
 

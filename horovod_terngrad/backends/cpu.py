@@ -4,7 +4,7 @@ One pass per stage and no tensor-sized temporaries besides the output; OpenMP th
 ``torch.get_num_threads()``.  The shared object goes to the compile cache (``compile_cache.py``) keyed by
 a hash of the source, the flags, the compiler and the CPU.  Without a working compiler ``load()`` returns
 None and the caller falls back to the torch reference (with one warning).  Its capabilities: ``SHARDED_SUMS``,
-``NOISE_DECODE``, ``ADAM_CORRECTED``, ``REQUANT`` and ``NEAREST``.
+``NOISE_DECODE``, ``ADAM_CORRECTED``, ``REQUANT``, ``NEAREST`` and ``SQUARE_SUMS``.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import tempfile
 import torch
 
 from .. import codec
-from ..codec import packing, sizes
+from ..codec import packing, sizes, squares
 from ..codec.packing import FORMATS
-from .base import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, RequantDecodeTargets,
+from .base import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, SQUARE_SUMS, RequantDecodeTargets,
                    requant_encode_inputs)
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
@@ -31,7 +31,7 @@ SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 # -fno-math-errno: errno is never read, and without it sqrtf cannot be vectorized (tg_adam_corrected); no result changes
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fno-strict-aliasing",
           "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -78,7 +78,7 @@ class FusedCPUBackend:
     payloads and averages written in place by one C pass each."""
 
     name = "cpu-fused"
-    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT, NEAREST})
+    capabilities = frozenset({SHARDED_SUMS, NOISE_DECODE, ADAM_CORRECTED, REQUANT, NEAREST, SQUARE_SUMS})
 
     def __init__(self, lib: ctypes.CDLL):
         if lib.tg_abi_version() != ABI_VERSION:
@@ -95,6 +95,8 @@ class FusedCPUBackend:
                                           _c_int64, _c_int]
         lib.tg_requant_decode.argtypes = [_P, _c_int64, _P, _P, _c_int]
         lib.tg_nearest_pack.argtypes = [_P, _c_int64, _P, _c_int64, _c_int, _P, _c_int]
+        lib.tg_clipped_square_sums.argtypes = [_P, _c_int64, _c_int64, _c_float, _P, _c_int]
+        lib.tg_clipped_square_sums.restype = ctypes.c_int
         for fn in (lib.tg_ternarize_pack, lib.tg_nearest_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
                    lib.tg_unpack_sums, lib.tg_adam_corrected, lib.tg_requant_encode, lib.tg_requant_decode):
             fn.restype = None
@@ -237,6 +239,19 @@ class FusedCPUBackend:
         if n:
             self.lib.tg_nearest_pack(_ptr(d), n, _ptr(scalers), 0, FORMATS[fmt], _ptr(region), self._threads())
         return payload
+
+    # -- SQUARE_SUMS capability ---------------------------------------------------------------------------
+    def clipped_square_sums(self, g: torch.Tensor, threshold: torch.Tensor, bounds: list) -> torch.Tensor:
+        """``SquareSumsBackend.clipped_square_sums``: each run of equal shards (``squares.equal_runs``) in one pass
+        (tg_clipped_square_sums: clip, square and the ordered sum's first level together), the same bits."""
+        g = g.to(torch.float32).contiguous()
+        out = torch.zeros(len(bounds), dtype=torch.float32)
+        thr = float(threshold)
+        for i, j, lo, length in squares.equal_runs(bounds):
+            if self.lib.tg_clipped_square_sums(g.data_ptr() + 4 * lo, j - i, length, thr, _ptr(out) + 4 * i,
+                                               self._threads()):
+                raise MemoryError("tg_clipped_square_sums: out of memory")
+        return out
 
 
 def load() -> FusedCPUBackend | None:

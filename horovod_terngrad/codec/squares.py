@@ -54,7 +54,8 @@ def ordered_row_sums(x: torch.Tensor) -> torch.Tensor:
 def clipped_square_sums(g: torch.Tensor, threshold: torch.Tensor, bounds: list) -> torch.Tensor:
     """fp32 [len(bounds)]: Σ f(g_i)² over each [lo, hi) of the flat gradient ``g`` (fp32 or bf16), f the clip at
     ``threshold`` (0-d fp32, +inf: none), squares and sums in fp32 in ``ordered_row_sums``' order; an empty range
-    sums to 0.  Equal-length contiguous ranges (a tensor's full shards) are summed as rows of one view."""
+    sums to 0.  Equal-length contiguous ranges (a tensor's full shards) are summed as rows of one view
+    (``equal_runs``)."""
     if threshold.device.type == "cpu":        # a host value there: the scalar clamp is several times faster
         t = float(threshold)
         x = torch.clamp(g.to(torch.float32), -t, t)
@@ -62,16 +63,24 @@ def clipped_square_sums(g: torch.Tensor, threshold: torch.Tensor, bounds: list) 
         x = torch.clamp(g.to(torch.float32), min=-threshold, max=threshold)
     x.mul_(x)
     out = torch.zeros(len(bounds), dtype=torch.float32, device=g.device)
-    i = 0
+    for i, j, lo, length in equal_runs(bounds):
+        out[i:j] = ordered_row_sums(x[lo:lo + (j - i) * length].view(j - i, length))
+    return out
+
+
+def equal_runs(bounds: list) -> list:
+    """The non-empty runs of contiguous ranges of one length in ``bounds`` ([lo, hi) pairs), as (first index, end
+    index, lo of the first, length): the rows that ``clipped_square_sums`` sums together."""
+    runs, i = [], 0
     while i < len(bounds):
         lo, hi = bounds[i]
         j = i + 1
         while j < len(bounds) and bounds[j] == (bounds[j - 1][1], bounds[j - 1][1] + hi - lo):
-            j += 1                                               # a run of contiguous ranges of one length
+            j += 1
         if hi > lo:
-            out[i:j] = ordered_row_sums(x[lo:lo + (j - i) * (hi - lo)].view(j - i, hi - lo))
+            runs.append((i, j, lo, hi - lo))
         i = j
-    return out
+    return runs
 
 
 def attach(payload: torch.Tensor, square_sum: torch.Tensor) -> torch.Tensor:
@@ -101,4 +110,4 @@ def take_out_minibatch_share(noise: torch.Tensor, square_sums: torch.Tensor, div
     return noise.mul_(factor.to(torch.float32))
 
 
-__all__ = ["ordered_row_sums", "clipped_square_sums", "attach", "read", "take_out_minibatch_share"]
+__all__ = ["ordered_row_sums", "clipped_square_sums", "equal_runs", "attach", "read", "take_out_minibatch_share"]

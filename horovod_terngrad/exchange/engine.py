@@ -584,8 +584,8 @@ class Engine:
         tk.squares = tk.want_noise and grp.transport == "allgather"
         if not tk.squares:
             return payload
-        return codec.squares.attach(payload, codec.squares.clipped_square_sums(
-            tk.source, tk.threshold, [(0, tk.source.numel())]))
+        return codec.squares.attach(payload, backends.clipped_square_sums(tk.source, tk.threshold,
+                                                                          [(0, tk.source.numel())]))
 
     def _record(self, tk: Ticket, payload: torch.Tensor, scalers: torch.Tensor) -> None:
         self.stats.tensors += 1

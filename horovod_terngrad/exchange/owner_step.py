@@ -36,7 +36,7 @@ import time
 import torch
 
 from .. import backends, codec
-from ..codec import nearest, sizes, squares
+from ..codec import sizes, squares
 from ..codec.packing import Header
 from ..errors import RankMismatchError
 from . import allgather, reternarized
@@ -89,7 +89,7 @@ class OwnerStepExchange:
             payload = backend.encode(flat, prep.threshold, prep.scalers, lay.encode_bucket, key, cfg.packing,
                                      shape=(lay.numel,))
             payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
-            sums = squares.clipped_square_sums(flat, prep.threshold, lay.bounds) if lay.noise else None
+            sums = backends.clipped_square_sums(flat, prep.threshold, lay.bounds) if lay.noise else None
             chunks = reternarized.shard_payloads(payload, lay.numel, N, lay.encode_bucket, cfg.packing,
                                                  cfg.bucket_size, sums)
             for o, chunk in enumerate(chunks):
@@ -146,7 +146,7 @@ class OwnerStepExchange:
         elsewhere), each rounded to the nearest ternary level."""
         t0 = time.perf_counter()
         fmt = self.config.packing
-        parts = [_encode_nearest(d, fmt) for d in deltas if d is not None]
+        parts = [backends.encode_nearest(d, fmt) for d in deltas if d is not None]
         device = device or (parts[0].device if parts else torch.device("cpu"))
         mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         self.codec_s += time.perf_counter() - t0
@@ -212,14 +212,6 @@ class OwnerStepExchange:
         for r in range(1, gathered.numel()):
             total += gathered[r]
         return total
-
-
-def _encode_nearest(d: torch.Tensor, fmt: str) -> torch.Tensor:
-    """codec/nearest.py's payload of ``d``, in one pass where the backend has the NEAREST capability."""
-    backend = backends.for_device(d.device)
-    if backends.has_capability(backend, backends.NEAREST):
-        return backend.encode_nearest(d, fmt)
-    return nearest.encode_nearest(d, fmt)
 
 
 def _flat32(g: torch.Tensor, lay: TensorLayout) -> torch.Tensor:

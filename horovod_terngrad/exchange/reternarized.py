@@ -125,8 +125,7 @@ def send(ex, grp, sends: list, stage=None) -> None:
     for tk, payload in sends:
         n = tk.source.numel()
         tk.squares = stage.takes_squares and tk.want_noise
-        sums = (codec.squares.clipped_square_sums(tk.source, tk.threshold,
-                                                  sizes.reternarized_bounds(n, N, grp.bucket_size))
+        sums = (backends.clipped_square_sums(tk.source, tk.threshold, sizes.reternarized_bounds(n, N, grp.bucket_size))
                 if tk.squares else None)
         for o, chunk in enumerate(shard_payloads(payload, n, N, tk.bucket, cfg.packing, grp.bucket_size, sums)):
             to_rank[o].append(chunk)

@@ -166,3 +166,57 @@ def block_link_measurement() -> str:
                    + ", ".join(f"{p} in {n} of {len(runs)}" for p, n in sorted(plans.items()))
                    + f" | {mb[0]:.2f}-{mb[-1]:.2f} | {loads[0]:.1f}-{loads[-1]:.1f} |")
     return "\n".join(out)
+
+
+# (hosts, the runs' tags): at 8 hosts each run holds three configurations (the eight ranks' copies of four or more
+# exceeded the machine's 24 GiB), every run with its own fp16 and local rows
+CLUSTER_MANY_HOSTS = ((6, ("n",)), (8, ("n", "o", "p")))
+
+
+def block_cluster_many_hosts() -> str:
+    """scale.md's emulated-cluster tables at 6 and 8 hosts x 1 rank, GPT-2 in the calibrated regime (RATIO 8),
+    from docs/cluster/default/gpt2-n<H>-regime8-<tag>.json (examples/ddp_benchmark.py, with its Horovod rows): per
+    configuration and run its step, its ratio to DDP's fp16 hook of the same run, bits per parameter, the busiest
+    host link's bytes one way per step (measured on eth0), and two limits, as the benchmark's table computes them:
+    compute alone (one rank, no exchange) + codec (the configuration's own clock) + those bytes at the link rate,
+    and the same with the run's ``local`` row (every rank computing at once on the shared cores) in place of
+    compute alone."""
+    db = _example("ddp_benchmark")
+    out = []
+    for hosts, tags in CLUSTER_MANY_HOSTS:
+        runs = [(t, _load(f"docs/cluster/default/gpt2-n{hosts}-regime8-{t}.json")) for t in tags]
+        head = "; ".join(f"run {t}: compute alone {res['regime']['compute_alone_ms']:.0f} ms, every rank computing at "
+                         f"once (`local`) {_rows_of(res)['local']['step_ms']:.0f} ms, links "
+                         f"{res['regime']['gbps']:.3f} Gbit/s" for t, res in runs)
+        out += [f"**{hosts} hosts x 1** ({head}):", "",
+                "| configuration (run) | ms/step | vs DDP fp16 of the run | bits/param | MB/step per host link | limit = "
+                "compute alone + codec + wire | step / limit | limit (shared cores) | step / that |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for t, res in runs:
+            out += _many_hosts_rows(db, res, t, skip_fp16=t != tags[0])
+        out.append("")
+    return "\n".join(out[:-1])
+
+
+def _rows_of(res: dict) -> dict:
+    return {r["config"]: r for r in res["rows"]}
+
+
+def _many_hosts_rows(db, res: dict, tag: str, skip_fp16: bool) -> list:
+    """The table rows of one run (block_cluster_many_hosts); a later run's own fp16 row only sets its ratios."""
+    by = _rows_of(res)
+    bps, alone, shared = db.link_bps(res), res["regime"]["compute_alone_ms"], by["local"]["step_ms"]
+    fp16 = by["fp16"]["step_ms"]
+    lines = []
+    for r in res["rows"]:
+        if r["config"] == "local" or (skip_fp16 and r["config"] == "fp16"):
+            continue
+        nbytes = db.link_bytes(r)
+        codec = r.get("profile", {}).get("codec", r.get("codec_ms", 0.0))
+        wire = 1000 * 8 * nbytes / bps
+        limit, limit_shared = alone + codec + wire, shared + codec + wire
+        bits = f"{r['bits_per_param']:.2f}" if r.get("bits_per_param") is not None else ""
+        lines.append(f"| {r['label']} ({tag}) | {r['step_ms']:.0f} | {_x(r['step_ms'] / fp16)} | {bits} | "
+                     f"{nbytes / 1e6:.1f} | {limit:.0f} = {alone:.0f} + {codec:.0f} + {wire:.0f} | "
+                     f"{_x(r['step_ms'] / limit)} | {limit_shared:.0f} | {_x(r['step_ms'] / limit_shared)} |")
+    return lines

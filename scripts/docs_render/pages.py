@@ -7,7 +7,8 @@ import os
 from .adam import ADAM_SCALE_TAGS, _adam_table, block_adam, block_adam_tables
 from .choosing import block_choosing
 from .cluster import (CLUSTER_WORKLOAD, CLUSTER_WORKLOAD_FIXED, block_cluster_regime, block_cluster_released,
-                      block_cluster_released_n4, block_cluster_workload, block_link_measurement)
+                      block_cluster_many_hosts, block_cluster_released_n4, block_cluster_workload,
+                      block_link_measurement)
 from .common import ROOT
 from .ddp import block_ddp_bench, block_ddp_gpt2, block_ddp_gpt2_profile, block_ddp_side_by_side, block_ddp_status
 from .ddp_studies import (block_ddp_accuracy_steps, block_ddp_accuracy_wallclock, block_ddp_cifarnet_ema,
@@ -65,6 +66,7 @@ def block_makers() -> dict:
         ("docs/adam.md", "adam-tables"): block_adam_tables,
         ("docs/fsdp.md", "fsdp-lm"): block_fsdp_lm,
         ("docs/scale.md", "bf16-intra"): block_bf16_intra,
+        ("docs/scale.md", "cluster-many-hosts"): block_cluster_many_hosts,
         ("docs/perfmodel.md", "goals-512"): block_goals_512,
         ("docs/perfmodel.md", "goal-budget"): block_goal_budget,
         ("docs/fsdp.md", "fsdp-speed"): block_fsdp_speed,
