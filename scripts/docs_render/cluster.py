@@ -185,11 +185,11 @@ def block_cluster_many_hosts() -> str:
     out = []
     for hosts, tags in CLUSTER_MANY_HOSTS:
         runs = [(t, _load(f"docs/cluster/default/gpt2-n{hosts}-regime8-{t}.json")) for t in tags]
-        head = "; ".join(f"run {t}: compute alone {res['regime']['compute_alone_ms']:.0f} ms, every rank computing at "
+        head = "; ".join(f"tag {t}: compute alone {res['regime']['compute_alone_ms']:.0f} ms, every rank computing at "
                          f"once (`local`) {_rows_of(res)['local']['step_ms']:.0f} ms, links "
                          f"{res['regime']['gbps']:.3f} Gbit/s" for t, res in runs)
         out += [f"**{hosts} hosts x 1** ({head}):", "",
-                "| configuration (run) | ms/step | vs DDP fp16 of the run | bits/param | MB/step per host link | limit = "
+                "| configuration (tag) | ms/step | vs DDP fp16 of its run | bits/param | MB/step per host link | limit = "
                 "compute alone + codec + wire | step / limit | limit (shared cores) | step / that |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for t, res in runs:
