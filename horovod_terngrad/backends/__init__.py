@@ -8,6 +8,9 @@ capabilities, e.g. ``SHARDED_SUMS``; ask with ``has_capability``.  ``for_device(
 * CUDA tensors -> the CuPy kernels of ``kernels/terngrad.cu`` (``cuda.py``) when CuPy imports and works,
   else (with one warning) the torch reference, which runs on the GPU with plain torch ops.
 
+``clipped_square_sums`` and ``encode_nearest`` run a codec function on its tensor's backend: the capability's one pass
+(``SQUARE_SUMS``, ``NEAREST``) where the backend has it, else the reference's torch ops, the same bits either way.
+
 ``HOROVOD_TERNGRAD_BACKEND=torch`` forces the reference everywhere (for comparisons).  The fused C codec
 and the host build of the kernels (``host_build.py``, for tests without a GPU) are compiled at run time
 into the cache of ``compile_cache.py``.
