@@ -83,15 +83,21 @@ def whole_run_headline(rows: list) -> str:
 
 def owner_step_headline(rows: list) -> str:
     """The headline's owner-step row: ``OwnerStepOptimizer``'s runs (the study's ``owner-step-nearest``, whose
-    arithmetic it runs) against fp32 AdamW at fp32's best lr, per workload with 3 seeds of each there."""
+    arithmetic it runs) against fp32 AdamW at fp32's best lr, per workload with 3 seeds of each there (flat, the
+    largest N with 3 seeds)."""
     cells = []
     for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
         found = _fp32_best(rows, model, corpus)
         if found is None:
             continue
         mine, ref, best = found
-        owner = [r for r in mine if r["method"] == "owner-step-nearest" and r["lr"] == best]
-        if len(owner) >= 3:
+        by_n: dict = {}
+        for r in mine:
+            if r["method"] == "owner-step-nearest" and r["lr"] == best and r["G"] <= 1:
+                by_n.setdefault(r["N"], []).append(r)
+        full = [n for n, v in by_n.items() if len(v) >= 3]
+        if full:
+            owner = by_n[max(full)]
             vals = [r["held_out"] for r in owner]
             bits = statistics.mean(r["bits_received"] for r in owner)
             cells.append((name, owner[0]["N"], len(vals), best, 100 * (statistics.mean(vals) / ref - 1),
