@@ -120,9 +120,14 @@ int tg_stats(const float *g, int64_t n, int64_t bucket, double *totals, float *m
     return 0;
 }
 
-/* s[j] = the scaler of element first + j, bucket by bucket: one division per chunk, not one per element
- * (a 64-bit division per element made bucketed encode and decode several times slower than layer-wise). */
+/* s[j] = the scaler of element first + j: scalers[0] for every j where bucket <= 0 (one scaler per tensor), else
+ * bucket by bucket, one division per chunk, not one per element (a 64-bit division per element made bucketed
+ * encode and decode several times slower than layer-wise). */
 static inline void fill_scalers(const float *scalers, int64_t bucket, int64_t first, int64_t cnt, float *s) {
+    if (bucket <= 0) {
+        for (int64_t j = 0; j < cnt; j++) s[j] = scalers[0];
+        return;
+    }
     int64_t j = 0, b = first / bucket;
     while (j < cnt) {
         int64_t end = (b + 1) * bucket - first;
@@ -161,11 +166,7 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
         /* Element index split as hi:lo 32-bit words; lo wraps inside a chunk at most once. */
         const uint32_t base_lo = (uint32_t)lo, base_hi = (uint32_t)((uint64_t)lo >> 32);
         float sbuf[TG_CHUNK];
-        if (bucket <= 0) {
-            for (int j = 0; j < TG_CHUNK; j++) sbuf[j] = scalers[0];
-        } else {
-            fill_scalers(scalers, bucket, lo, cnt, sbuf);
-        }
+        fill_scalers(scalers, bucket, lo, cnt, sbuf);
         const float *gc = g + lo;
         /* Two simple loops (hash, then decide) vectorize far better than one fused body. */
         uint32_t hbuf[TG_CHUNK];
@@ -200,11 +201,7 @@ void tg_nearest_pack(const float *d, int64_t n, const float *scalers, int64_t bu
         float sbuf[TG_CHUNK];
         int64_t lo = ch * TG_CHUNK;
         int64_t cnt = n - lo < TG_CHUNK ? n - lo : TG_CHUNK;
-        if (bucket <= 0) {
-            for (int j = 0; j < TG_CHUNK; j++) sbuf[j] = scalers[0];
-        } else {
-            fill_scalers(scalers, bucket, lo, cnt, sbuf);
-        }
+        fill_scalers(scalers, bucket, lo, cnt, sbuf);
         const float *dc = d + lo;
         for (int j = 0; j < (int)cnt; j++) {
             float x = dc[j];
