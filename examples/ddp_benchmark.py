@@ -484,6 +484,20 @@ def link_bytes(row: dict):
     return max(max(v) for v in per_host.values()) if per_host else None
 
 
+def limit_terms(res: dict, row: dict):
+    """(codec ms, wire ms) of a row's limit: its codec clock (TernGrad's profile, or the configuration's own
+    ``codec_ms``; 0 without one) and the bytes its busiest host link carried one way per step (measured; else its
+    ring payload) at the link rate; None without a link rate or bytes."""
+    bps = link_bps(res)
+    params = res.get("params") or (res["regime"]["params"] if res.get("regime") else None)
+    nbytes = link_bytes(row)
+    if nbytes is None and params:
+        nbytes = wire_bytes(row, params, res["ranks"])
+    if not bps or nbytes is None:
+        return None
+    return row.get("profile", {}).get("codec", row.get("codec_ms", 0.0)), 1000 * 8 * nbytes / bps
+
+
 def rows(res: dict, rate: str) -> list[str]:
     """Table rows; with a known link rate and a compute alone (the regime's, or the cell's local row), each
     row's limit: compute alone + codec (TernGrad's, when profiled, or Horovod's own clock) + the bytes its
@@ -492,10 +506,8 @@ def rows(res: dict, rate: str) -> list[str]:
     emulated hosts' shared cores allow) in place of compute alone."""
     by = {r["config"]: r for r in res["rows"]}
     fp16, fp32 = by.get("fp16", {}).get("step_ms"), by.get("fp32", {}).get("step_ms")
-    bps = link_bps(res)
     alone = res["regime"]["compute_alone_ms"] if res.get("regime") else by.get("local", {}).get("step_ms")
     shared = by.get("local", {}).get("step_ms")
-    params = res.get("params") or (res["regime"]["params"] if res.get("regime") else None)
     lines = []
     for r in res["rows"]:
         bits = f"{r['bits_per_param']:.2f}" if r.get("bits_per_param") is not None else ""
@@ -506,12 +518,9 @@ def rows(res: dict, rate: str) -> list[str]:
                  f"{r['step_ms']:.0f}", ", ".join(f"{x:.0f}" for x in r["step_ms_by_round"]),
                  f"{r['step_ms'] / fp32:.2f}x" if fp32 else "", f"{r['step_ms'] / fp16:.2f}x" if fp16 else "", bits,
                  link]
-        nbytes = link_bytes(r)
-        if nbytes is None and params:
-            nbytes = wire_bytes(r, params, res["ranks"])
-        if bps and alone and nbytes is not None and r["config"] != "local":
-            wire = 1000 * 8 * nbytes / bps
-            codec = r.get("profile", {}).get("codec", r.get("codec_ms", 0.0))
+        terms = limit_terms(res, r)
+        if alone and terms is not None and r["config"] != "local":
+            codec, wire = terms
             limit = alone + codec + wire
             cells += [f"{limit:.0f} = {alone:.0f} + {codec:.0f} + {wire:.0f}", f"{r['step_ms'] / limit:.2f}x"]
             if shared:

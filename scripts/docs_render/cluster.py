@@ -205,15 +205,14 @@ def _rows_of(res: dict) -> dict:
 def _many_hosts_rows(db, res: dict, tag: str, skip_fp16: bool) -> list:
     """The table rows of one run (block_cluster_many_hosts); a later run's own fp16 row only sets its ratios."""
     by = _rows_of(res)
-    bps, alone, shared = db.link_bps(res), res["regime"]["compute_alone_ms"], by["local"]["step_ms"]
+    alone, shared = res["regime"]["compute_alone_ms"], by["local"]["step_ms"]
     fp16 = by["fp16"]["step_ms"]
     lines = []
     for r in res["rows"]:
         if r["config"] == "local" or (skip_fp16 and r["config"] == "fp16"):
             continue
         nbytes = db.link_bytes(r)
-        codec = r.get("profile", {}).get("codec", r.get("codec_ms", 0.0))
-        wire = 1000 * 8 * nbytes / bps
+        codec, wire = db.limit_terms(res, r)
         limit, limit_shared = alone + codec + wire, shared + codec + wire
         bits = f"{r['bits_per_param']:.2f}" if r.get("bits_per_param") is not None else ""
         lines.append(f"| {r['label']} ({tag}) | {r['step_ms']:.0f} | {_x(r['step_ms'] / fp16)} | {bits} | "
