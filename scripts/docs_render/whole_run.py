@@ -54,10 +54,10 @@ def _fp32_best(rows: list, model: str, corpus: str):
     return mine, fp32[best], best
 
 
-def whole_run_headline(rows: list) -> str:
-    """The headline's accuracy row: the defaults against fp32 AdamW at fp32's best lr (the same lr for both), at the
-    end of whole runs, per workload with an fp32 sweep and a 3-seed cell of the defaults at that lr (flat, the
-    smallest N there)."""
+def _cells_at_fp32_best(rows: list, select, pick) -> list:
+    """Per workload with an fp32 sweep: the runs ``select`` takes at fp32's best lr, grouped by (G, N), and of the
+    groups with 3 seeds or more the one ``pick`` chooses among their sorted keys, as (workload name, N, seeds, lr,
+    mean vs fp32's best mean in %, worst seed vs it in %, mean bits received)."""
     cells = []
     for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
         found = _fp32_best(rows, model, corpus)
@@ -66,51 +66,48 @@ def whole_run_headline(rows: list) -> str:
         mine, ref, best = found
         by: dict = {}
         for r in mine:
-            if r["lr"] == best and runs_the_default(r):
-                by.setdefault((r["G"], r["N"]), []).append(r["held_out"])
-        full = [(G, N, vals) for (G, N), vals in sorted(by.items()) if len(vals) >= 3]
+            if r["lr"] == best and select(r):
+                by.setdefault((r["G"], r["N"]), []).append(r)
+        full = sorted(k for k, v in by.items() if len(v) >= 3)
         if full:
-            G, N, vals = full[0]
-            cells.append((name, N, len(vals), best, 100 * (statistics.mean(vals) / ref - 1),
-                          100 * (max(vals) / ref - 1)))
+            cell = by[pick(full)]
+            vals = [r["held_out"] for r in cell]
+            cells.append((name, cell[0]["N"], len(vals), best, 100 * (statistics.mean(vals) / ref - 1),
+                          100 * (max(vals) / ref - 1), statistics.mean(r["bits_received"] for r in cell)))
+    return cells
+
+
+def _what(cells: list) -> str:
+    return "; ".join(f"{name}, N = {N}, {k} seeds, lr {lr:g}" for name, N, k, lr, *_ in cells)
+
+
+def whole_run_headline(rows: list) -> str:
+    """The headline's accuracy row: the defaults against fp32 AdamW at fp32's best lr (the same lr for both), at the
+    end of whole runs, per workload with an fp32 sweep and a 3-seed cell of the defaults at that lr (flat, the
+    smallest N there)."""
+    cells = _cells_at_fp32_best(rows, runs_the_default, lambda keys: keys[0])
     if not cells:
         return "| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr | not measured | [scale](DOCS/scale.md) |"
-    what = "; ".join(f"{name}, N = {N}, {k} seeds, lr {lr:g}" for name, N, k, lr, *_ in cells)
-    figs = " / ".join(f"{_pct2(gap)} ({_pct2(worst)})" for *_, gap, worst in cells)
+    figs = " / ".join(f"{_pct2(gap)} ({_pct2(worst)})" for *_, gap, worst, _bits in cells)
     return (f"| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr (the same for both): TernGrad's "
-            f"defaults with `horovod_terngrad.optim.AdamW`, {what}: mean (worst seed) | {figs} | [scale](DOCS/scale.md) |")
+            f"defaults with `horovod_terngrad.optim.AdamW`, {_what(cells)}: mean (worst seed) | {figs} | "
+            f"[scale](DOCS/scale.md) |")
 
 
 def owner_step_headline(rows: list) -> str:
     """The headline's owner-step row: ``OwnerStepOptimizer``'s runs (the study's ``owner-step-nearest``, whose
     arithmetic it runs) against fp32 AdamW at fp32's best lr, per workload with 3 seeds of each there (flat, the
     largest N with 3 seeds)."""
-    cells = []
-    for (model, corpus), name in WHOLE_RUN_WORKLOADS.items():
-        found = _fp32_best(rows, model, corpus)
-        if found is None:
-            continue
-        mine, ref, best = found
-        by_n: dict = {}
-        for r in mine:
-            if r["method"] == "owner-step-nearest" and r["lr"] == best and r["G"] <= 1:
-                by_n.setdefault(r["N"], []).append(r)
-        full = [n for n, v in by_n.items() if len(v) >= 3]
-        if full:
-            owner = by_n[max(full)]
-            vals = [r["held_out"] for r in owner]
-            bits = statistics.mean(r["bits_received"] for r in owner)
-            cells.append((name, owner[0]["N"], len(vals), best, 100 * (statistics.mean(vals) / ref - 1),
-                          100 * (max(vals) / ref - 1), bits))
+    cells = _cells_at_fp32_best(rows, lambda r: r["method"] == "owner-step-nearest" and r["G"] <= 1,
+                                lambda keys: max(keys, key=lambda k: k[1]))
     if not cells:
         return ("| held-out loss vs fp32 AdamW at fp32's best lr, `optim.OwnerStepOptimizer` | not measured "
                 "| [scale](DOCS/scale.md) |")
-    what = "; ".join(f"{name}, N = {N}, {k} seeds, lr {lr:g}" for name, N, k, lr, *_ in cells)
     figs = " / ".join(f"{_pct2(gap)} ({_pct2(worst)}) at {bits:.2f} bits" for *_, gap, worst, bits in cells)
     return (f"| held-out loss at the end of whole runs vs fp32 AdamW at fp32's best lr (the same for both): "
-            f"`horovod_terngrad.optim.OwnerStepOptimizer` (each rank steps its shard), {what}: mean (worst seed), "
-            f"bits per element received | {figs} | [scale](DOCS/scale.md#under-4-bits-each-owner-steps-its-shard-"
-            f"ownerstepoptimizer) |")
+            f"`horovod_terngrad.optim.OwnerStepOptimizer` (each rank steps its shard), {_what(cells)}: mean (worst "
+            f"seed), bits per element received | {figs} | [scale](DOCS/scale.md#under-4-bits-each-owner-steps-its-"
+            f"shard-ownerstepoptimizer) |")
 
 
 def block_whole_run(rows: list) -> str:
