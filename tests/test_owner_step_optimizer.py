@@ -400,23 +400,84 @@ def test_ranks_with_different_parameters_all_fail_at_the_first_step():
     assert all(msg is not None and "broadcast" in msg for msg in out)
 
 
-def test_bf16_autocast_trains_and_fp16_gradscaler_is_refused_clearly():
-    def body(c, scaled):
+def test_bf16_autocast_trains():
+    def body(c):
         model = _model()
         opt = OwnerStepOptimizer(model.named_parameters(), collectives=c, config=CFG, lr=1e-2)
-        scaler = torch.amp.GradScaler("cpu") if scaled else None
         x, y = _batch(c.rank, 0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-            return model.state_dict()
-        scaler.scale(loss).backward()
-        try:
-            scaler.step(opt)
-        except TernGradError as e:
-            return str(e)
-    out = run_ranks(2, body, False)
+        loss.backward()
+        opt.step()
+        return model.state_dict()
+    out = run_ranks(2, body)
     assert all(torch.equal(out[1][k], out[0][k]) and not torch.equal(out[0][k], _INIT[k]) for k in _INIT)
-    assert all("GradScaler" in msg for msg in run_ranks(2, body, True))
+
+
+def _scaled_train(c, steps, scaler_kw=None, poison=None, on_nonfinite="propagate", autocast=None):
+    """``steps`` steps through ``scaler.step(opt)`` / ``scaler.update()`` (no scaler when ``scaler_kw`` is None);
+    ``poison``: (rank, step) whose gradient gets an Inf.  (weights, scale after each update, skipped steps)."""
+    model = _model()
+    opt = OwnerStepOptimizer(model.named_parameters(), collectives=c, config=CFG.replace(on_nonfinite=on_nonfinite),
+                             lr=1e-2, max_grad_norm=1.0)
+    scaler = torch.amp.GradScaler("cpu", **scaler_kw) if scaler_kw is not None else None
+    scales = []
+    for step in range(steps):
+        x, y = _batch(c.rank, step)
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if poison == (c.rank, step):
+            model[2].weight.grad[0, 0] = float("inf")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}, scales, opt.skipped_steps
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_fp16_gradscaler_unscales_and_every_rank_skips_and_scales_alike():
+    # a power-of-two scale on an fp32 model: scaling and unscaling are exact, so the same bits as no scaler
+    plain = run_ranks(3, _scaled_train, 4)
+    scaled = run_ranks(3, lambda c: _scaled_train(c, 4, {"init_scale": 2.0 ** 12, "growth_interval": 1000}))
+    for r in range(3):
+        assert all(torch.equal(scaled[r][0][k], plain[r][0][k]) for k in _INIT), r
+        assert scaled[r][1] == [2.0 ** 12] * 4 and scaled[r][2] == 0
+    # an Inf on one rank at step 1: every rank skips that step and every scaler backs off, with "raise" set too
+    # (an overflow under a scaler is its probing, not an error)
+    kw = {"init_scale": 2.0 ** 12, "growth_interval": 2}
+    out = run_ranks(3, lambda c: _scaled_train(c, 4, kw, poison=(2, 1), on_nonfinite="raise"))
+    for weights, scales, skipped in out:
+        assert skipped == 1 and scales == [2.0 ** 12, 2.0 ** 11, 2.0 ** 11, 2.0 ** 12]
+        assert all(torch.equal(weights[k], out[0][0][k]) for k in _INIT)
+    # fp16 autocast with the default scaler (2^16, whose first steps may overflow) trains, every rank alike
+    fp16 = run_ranks(2, lambda c: _scaled_train(c, 3, {}, autocast=torch.float16))
+    assert fp16[0][1] == fp16[1][1] and fp16[0][2] == fp16[1][2]
+    assert all(torch.equal(fp16[1][0][k], fp16[0][0][k]) for k in _INIT)
+    assert any(not torch.equal(fp16[0][0][k], _INIT[k]) for k in _INIT)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_unscale_before_the_step_is_answered_with_a_warning_and_changes_nothing(caplog):
+    def body(c, unscale_first):
+        model = _model()
+        opt = OwnerStepOptimizer(model.named_parameters(), collectives=c, config=CFG, lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for step in range(2):
+            x, y = _batch(c.rank, step)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model.state_dict()
+    plain = run_ranks(2, body, False)
+    with caplog.at_level("WARNING", logger="horovod_terngrad"):
+        unscaled = run_ranks(2, body, True)
+    assert all(torch.equal(unscaled[r][k], plain[r][k]) for r in range(2) for k in _INIT)
+    assert sum("reaches only the full-precision" in m for m in caplog.messages) == 2      # once per rank's optimizer

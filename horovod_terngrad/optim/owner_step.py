@@ -38,8 +38,12 @@ The rules it keeps:
   ones (DDP and Accelerate's ``prepare`` broadcast rank 0's after the optimizer is built; on Horovod, call
   ``hvd.broadcast_parameters`` first).  ``hvd.broadcast_optimizer_state`` and elastic's ``TorchState`` do not
   apply: the state is each rank's own shard.
-* Mixed precision: bf16 autocast works as it is; fp16's ``GradScaler`` is refused with a clear error (its
-  overflow check reads ``param_groups``' gradients, which are the owners' shards).
+* Mixed precision: bf16 autocast works as it is.  fp16's ``GradScaler`` works through its custom-optimizer
+  contract (``scaler.step(opt)`` hands the scaler to ``step``, which torch marks as deprecated with a
+  ``FutureWarning``): the scaler's own overflow check would read ``param_groups``' gradients, the owners' shards,
+  empty before the exchange, so ``step`` unscales the local gradients itself, and records the ranks' common
+  verdict (NaN/Inf in any rank's gradient) as the scaler's check: every rank skips the same steps and every
+  rank's scale moves the same way.  Those skips are the scaler's probing, so they neither log nor raise.
 * ``param_groups`` are the inner optimizer's (their ``params`` are the shards): learning-rate schedulers and
   ``group["lr"] = ...`` work as usual.
 """
@@ -98,8 +102,8 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
     ``config``: the codec's settings (default ``TernGradConfig(packing="base3")``).  ``max_grad_norm``: clip the
     global norm of the averaged gradient (None: no clip).  Other keywords go to ``optimizer_class``."""
 
-    # GradScaler hands such an optimizer its scale instead of unscaling param_groups' gradients (which are the
-    # owners' shards, empty before the step): step() reads it and refuses fp16's scaler with a clear message
+    # GradScaler leaves the unscaling and the overflow check to such an optimizer: its own check reads
+    # param_groups' gradients, which are the owners' shards, empty until the exchange has run (step, below)
     _step_supports_amp_scaling = True
 
     def __init__(self, named_parameters, optimizer_class=None, *, collectives="horovod", config=None,
@@ -138,6 +142,7 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_grad_norm = None
         self._warned_nonfinite = False
+        self._warned_unscale = False
 
     def _build_shards(self, groups, optimizer_class, defaults) -> None:
         """The inner optimizer over this rank's fp32 master shards (ternarized parameters) and the parameters
@@ -193,17 +198,23 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        """One owner step (module docstring).  ``grad_scaler``: the ``torch.amp.GradScaler`` whose ``step`` calls
+        this one, which passes itself: the local gradients are unscaled here and the ranks' common NaN/Inf verdict
+        becomes its overflow check."""
         loss = None
-        if getattr(self, "grad_scale", None) is not None:
-            raise TernGradError("OwnerStepOptimizer does not take torch.amp.GradScaler (fp16 loss scaling): its "
-                                "overflow check reads the gradients of param_groups, which are the owners' shards. "
-                                "Use bf16 autocast (no scaler), or fp16 with hvd.DistributedOptimizer / the DDP hook")
+        if grad_scaler is None and getattr(self, "grad_scale", None) is not None:
+            raise TernGradError("OwnerStepOptimizer: this torch's GradScaler did not pass itself to step(), so the "
+                                "ranks' overflow verdict cannot reach it (its own check reads param_groups' "
+                                "gradients, the owners' shards). Use bf16 autocast (no scaler), or fp16 with "
+                                "hvd.DistributedOptimizer / the DDP hook")
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if not self._masters_current:
             self._start_from_replica()
+        if grad_scaler is not None:
+            self._unscale(grad_scaler)
         ex, step = self.exchange, self.steps
         self.steps += 1
         grads = [self._grad(i) for i in self._tern]
@@ -211,8 +222,11 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         exact = ex.exact_average([self._grad(i) for i in self._exact])
         bad = ex.nonfinite(handles)
         owned = ex.owned_averages(handles)
-        if bad or not all(bool(torch.isfinite(a).all()) for a in exact):
-            return self._skip(bad or [self.names[i] for i in self._exact])
+        skip = bool(bad) or not all(bool(torch.isfinite(a).all()) for a in exact)
+        if grad_scaler is not None:
+            self._record_overflow(grad_scaler, skip)
+        if skip:
+            return self._skip(bad or [self.names[i] for i in self._exact], scaled=grad_scaler is not None)
         self._hand_over(owned, exact)
         if self.max_grad_norm is not None:
             self._clip(owned, exact)
@@ -242,6 +256,31 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
             if self.shards[i] is not None:
                 self.shards[i].copy_(self.params[i].detach().reshape(-1)[lo:hi])
         self._masters_current = True
+
+    def _unscale(self, grad_scaler) -> None:
+        """Divide the local gradients by the scaler's scale in place, as ``GradScaler.unscale_`` would (its
+        reciprocal in fp64, applied in fp32): a power of two, so exact.  After the user's ``scaler.unscale_(opt)``
+        only the ternarized parameters' gradients are left: that call unscaled the full-precision ones, which
+        param_groups hold themselves."""
+        state = grad_scaler._per_optimizer_states[id(self)]
+        unscaled = state["stage"].name == "UNSCALED"
+        if unscaled and not self._warned_unscale:
+            self._warned_unscale = True     # the clip-after-unscale_ recipe would clip still-scaled gradients
+            log.warning("horovod_terngrad: scaler.unscale_(OwnerStepOptimizer) reaches only the full-precision "
+                        "parameters (param_groups hold the owners' shards); step() unscales the others. Clip the "
+                        "averaged gradient with OwnerStepOptimizer(max_grad_norm=...), not clip_grad_norm_")
+        inv = grad_scaler._get_scale_async().double().reciprocal().float()
+        grads = [self.params[i].grad for i in (self._tern if unscaled else range(len(self.params)))
+                 if self.params[i].grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, inv.to(grads[0].device))
+
+    def _record_overflow(self, grad_scaler, skip: bool) -> None:
+        """The ranks' common verdict as the scaler's overflow check of this optimizer (what its ``update`` reads,
+        so every rank's scale moves the same way)."""
+        scale = grad_scaler._get_scale_async()
+        found = torch.full((), float(skip), dtype=torch.float32, device=scale.device)
+        grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {scale.device: found}
 
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -286,7 +325,10 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
             for i in self._exact:
                 self.params[i].grad.mul_(coef)
 
-    def _skip(self, names: list):
+    def _skip(self, names: list, scaled: bool = False):
+        if scaled:                  # the loss scale overflowed: the scaler's probing, which its update() answers
+            self.skipped_steps += 1
+            return None
         if self.config.on_nonfinite == "raise":
             raise NonFiniteGradientError(f"TernGrad: gradient(s) {names[:8]} hold NaN or Inf on at least one rank "
                                          f"(owner-step exchange, step {self.steps - 1})")

@@ -98,8 +98,13 @@ def block_inventory() -> str:
 WARNING_ADVICE = [
     ("horovod_terngrad/optim/owner_step.py", "horovod_terngrad: owner-step skipped step",
      "a NaN/Inf in some rank's gradient: `OwnerStepOptimizer` skipped the step on every rank (logged once; "
-     "`skipped_steps` counts them)", "nothing with fp16 AMP's occasional overflow; otherwise find the tensor "
-     "the message names, or set `on_nonfinite=\"raise\"` to stop there"),
+     "`skipped_steps` counts them)", "find the tensor the message names, or set `on_nonfinite=\"raise\"` to "
+     "stop there (under fp16's `GradScaler` an overflow is the scaler's and is not logged)"),
+    ("horovod_terngrad/optim/owner_step.py", "horovod_terngrad: scaler.unscale_(OwnerStepOptimizer)",
+     "the AMP clipping recipe (`scaler.unscale_(opt)` then `clip_grad_norm_`) met `OwnerStepOptimizer`: the "
+     "scaler reaches only the full-precision parameters, `step()` unscales the rest", "drop the "
+     "`unscale_` / `clip_grad_norm_` lines and pass `max_grad_norm=` (the averaged gradient's norm, as the "
+     "recipe means)"),
     ("horovod_terngrad/backends/cpu.py", "TernGrad: fused CPU codec unavailable",
      "no C compiler or the build failed: the torch reference codec runs (same bytes, slower)", "install gcc, or set `CC`"),
     ("horovod_terngrad/backends/__init__.py", "TernGrad: CUDA kernels unavailable",
