@@ -12,15 +12,20 @@ Layers (docs/design.md): ``codec`` (math on one tensor, and every size), ``backe
 fast), ``exchange`` (how payloads travel), ``frontends`` (Horovod, DDP), ``operations`` (benchmarks,
 models, launch; never imported from here).
 """
-from .config import TernGradConfig
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from .frontends.horovod import TernGradCompressor
 
 __version__ = "0.1.0"
 
-#: Ready compressor with the defaults (c = 2.5, 2-bit packing, layer-wise scalers: per rank with the allgather
-#: exchange, shared with the sharded one; tensors under 4096 elements at full precision).
-TernGrad = TernGradCompressor()
+# What imports torch (and Horovod) is loaded on first use, so that a command that needs none of it (the launcher,
+# terngrad-launch, which only builds a command line) starts without paying torch's import (about 2 s per process).
+_LAZY = {"TernGradConfig": "config", "TernGradCompressor": "frontends.horovod"}
+_ready_lock = threading.Lock()
 
 #: config -> the compressor (its state: engines, step counters) behind the functional API, least recently used
 #: first; at most MAX_FUNCTIONAL_CONFIGS, so a loop that makes a new config per call cannot grow it without bound
@@ -29,12 +34,25 @@ MAX_FUNCTIONAL_CONFIGS = 16
 _said_dropped = False      # the drop is said once per process
 
 
+def _ready() -> TernGradCompressor:
+    """``TernGrad``: the ready compressor with the defaults (c = 2.5, 2-bit packing, layer-wise scalers: per rank
+    with the allgather exchange, shared with the sharded one; tensors under 4096 elements at full precision),
+    made once, on first use."""
+    with _ready_lock:
+        if "TernGrad" not in globals():
+            from .frontends.horovod import TernGradCompressor
+            globals()["TernGrad"] = TernGradCompressor()
+    return globals()["TernGrad"]
+
+
 def _compressor_for(config: TernGradConfig | None) -> TernGradCompressor:
     """The functional API's compressor of ``config`` (the ready ``TernGrad`` for the defaults).  Past
     MAX_FUNCTIONAL_CONFIGS distinct configs the least recently used one is dropped, said once: its step counters
     go with it, so its random streams would start again at step 0 if it came back."""
-    if config is None or config == TernGrad.config:
-        return TernGrad
+    from .frontends.horovod import TernGradCompressor
+    ready = _ready()
+    if config is None or config == ready.config:
+        return ready
     comp = _compressors.pop(config, None) or TernGradCompressor(config)
     _compressors[config] = comp
     if len(_compressors) > MAX_FUNCTIONAL_CONFIGS:
@@ -79,12 +97,23 @@ def allreduce(tensor, name: str, config: TernGradConfig | None = None, average: 
 
 
 def __getattr__(name):
-    """``horovod_terngrad.ddp`` (and ``.fsdp``) as an attribute (``import horovod_terngrad as tg; tg.ddp.register(...)``): the
-    submodule horovod_terngrad/ddp.py, imported on first use (``import horovod_terngrad`` does not load it)."""
-    if name in ("ddp", "fsdp"):
-        import importlib
-        return importlib.import_module(f"{__name__}.{name}")
+    """The package's names that need torch, loaded on first use: ``TernGrad``, ``TernGradConfig``,
+    ``TernGradCompressor``; and the submodules as attributes, e.g. ``horovod_terngrad.ddp`` (``import
+    horovod_terngrad as tg; tg.ddp.register(...)``: horovod_terngrad/ddp.py, which ``import horovod_terngrad`` does
+    not load)."""
+    if name == "TernGrad":
+        return _ready()
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")      # a submodule, as the eager imports gave
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = ["TernGrad", "TernGradCompressor", "TernGradConfig", "TernGradError", "NonFiniteGradientError",

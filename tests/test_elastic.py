@@ -1,7 +1,8 @@
 """Elastic training and peer loss with TernGrad on real ranks.
 
 * grow 1 -> 2 and shrink 2 -> 1 under ``horovodrun --gloo`` elastic mode with a host discovery script
-  (tests/workers/hvd_elastic.py), with TernGrad and with Compression.none;
+  (tests/workers/hvd_elastic.py), with TernGrad (the worker takes ``none`` too: Horovod's own behaviour, for
+  telling a harness fault from TernGrad's);
 * a rank that dies mid-step without elastic mode: the survivor gets Horovod's own exception (TernGrad's
   detail in the message) instead of waiting forever, under Gloo and MPI.
 """
@@ -50,9 +51,8 @@ def run_elastic(tmp_path, scenario, compression):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["terngrad", "none"])
-def test_elastic_grow_from_one_to_two_workers(tmp_path, compression):
-    workers, out = run_elastic(tmp_path, "grow", compression)
+def test_elastic_grow_from_one_to_two_workers(tmp_path):
+    workers, out = run_elastic(tmp_path, "grow", "terngrad")
     assert len(workers) == 2, out
     first = min(workers, key=lambda w: w["log"][0]["batch"])
     late = max(workers, key=lambda w: w["log"][0]["batch"])
@@ -60,14 +60,12 @@ def test_elastic_grow_from_one_to_two_workers(tmp_path, compression):
     assert late["log"][0]["batch"] > 3 and all(e["size"] == 2 for e in late["log"])
     assert first["log"][-1]["batch"] == late["log"][-1]["batch"] == 16
     assert first["params"] == late["params"]           # bit-identical models after the growth
-    if compression == "terngrad":
-        assert late["stats"]["collectives"] > 0 and late["stats"]["elements"] > 0
+    assert late["stats"]["collectives"] > 0 and late["stats"]["elements"] > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["terngrad", "none"])
-def test_elastic_shrink_when_a_worker_dies(tmp_path, compression):
-    workers, out = run_elastic(tmp_path, "shrink", compression)
+def test_elastic_shrink_when_a_worker_dies(tmp_path):
+    workers, out = run_elastic(tmp_path, "shrink", "terngrad")
     assert len(workers) == 1, out                       # the dead worker saved nothing
     log = workers[0]["log"]
     assert log[0]["size"] == 2 and log[-1]["size"] == 1 and log[-1]["batch"] == 16

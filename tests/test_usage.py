@@ -1,7 +1,8 @@
 """Drop-in for what users do with Horovod: every pattern of tests/workers/hvd_usage.py runs on real ranks
 (horovodrun --gloo and mpirun) with TernGrad and with hvd.Compression.none, and must work with both.
 
-One launch per launcher and compression runs every pattern; the checks below read what each rank saved.
+One launch per launcher runs every pattern (under Gloo with TernGrad and Compression.none in turn, in the same
+processes); the checks below read what each rank saved.
 With TernGrad the averages are recomputed independently (tests/helpers.py) and must match bit for bit.
 """
 import os
@@ -26,32 +27,30 @@ TWO_RANK = ["unnamed_ops_mid_step", "sparse_as_dense", "sparse", "grouped_allred
             "optimizer_state_scheduler", "gradient_predivide_factor", "resume", "join", "adasum"]
 
 
-def run_usage(folder, kind, np_, compression, patterns):
+def run_usage(folder, kind, np_, compressions, patterns):
+    """Launch the worker once; {compression: {pattern: every rank's results}}."""
     env = rank_env()
-    cmd = launcher(kind, np_) + [sys.executable, WORKER, str(folder), compression] + patterns
+    cmd = launcher(kind, np_) + [sys.executable, WORKER, str(folder), ",".join(compressions)] + patterns
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{kind} -np {np_} {compression} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
     assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
-    out = {}
-    for pat in patterns:
-        ranks = [torch.load(os.path.join(folder, f"{pat}.{compression}.rank{r}.pt"), weights_only=False)
-                 for r in range(np_)]
-        out[pat] = ranks
-    return out
+    return {c: {pat: [torch.load(os.path.join(folder, f"{pat}.{c}.rank{r}.pt"), weights_only=False)
+                      for r in range(np_)] for pat in patterns} for c in compressions}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Launched lazily, once each: (launcher, compression) -> pattern -> every rank's results."""
+    """Launched lazily, once per launcher (Gloo: TernGrad and Compression.none; MPI: TernGrad):
+    (launcher, compression) -> pattern -> every rank's results."""
     cache = {}
 
     def get(kind, compression):
-        if (kind, compression) not in cache:
-            cache[(kind, compression)] = run_usage(tmp_path_factory.mktemp(f"{kind}-{compression}"), kind, 2,
-                                                   compression, TWO_RANK)
-        return cache[(kind, compression)]
+        if kind not in cache:
+            compressions = ["terngrad", "none"] if kind == "gloo" else ["terngrad"]
+            cache[kind] = run_usage(tmp_path_factory.mktemp(kind), kind, 2, compressions, TWO_RANK)
+        return cache[kind][compression]
     return get
 
 
@@ -174,9 +173,14 @@ def test_compression_none_baseline(runs, pattern):
         assert ranks[0]["join"] == ranks[1]["join"]
 
 
+@pytest.fixture(scope="module")
+def process_sets_run(tmp_path_factory):
+    return run_usage(tmp_path_factory.mktemp("sets"), "gloo", 4, ["terngrad", "none"], ["process_sets"])
+
+
 @pytest.mark.parametrize("compression", ["terngrad", "none"])
-def test_two_optimizers_on_disjoint_process_sets_gloo4(tmp_path, compression):
-    ranks = run_usage(tmp_path, "gloo", 4, compression, ["process_sets"])["process_sets"]
+def test_two_optimizers_on_disjoint_process_sets_gloo4(process_sets_run, compression):
+    ranks = process_sets_run[compression]["process_sets"]
     no_crash(ranks)
     for members in ([0, 1], [2, 3]):
         group = [ranks[r] for r in members]

@@ -1,11 +1,12 @@
 """What users do with Horovod, run under horovodrun / mpirun by tests/test_usage.py.
 
-    python hvd_usage.py OUTDIR COMPRESSION PATTERN [PATTERN ...]
+    python hvd_usage.py OUTDIR COMPRESSION[,COMPRESSION] PATTERN [PATTERN ...]
 
 COMPRESSION is "terngrad" (a recording TernGrad compressor) or "none" (hvd.Compression.none, the parity
-baseline: every pattern must behave with TernGrad as it does without compression).  Each pattern is taken
-from Horovod's own tests (test/parallel/test_torch.py) and docs; each rank stores what it saw in
-OUTDIR/<pattern>.<compression>.rank<R>.pt and the test process checks it.
+baseline: every pattern must behave with TernGrad as it does without compression); with both, each pattern runs
+with each in turn, in the one launch.  Each pattern is taken from Horovod's own tests
+(test/parallel/test_torch.py) and docs; each rank stores what it saw in OUTDIR/<pattern>.<compression>.rank<R>.pt
+and the test process checks it.
 """
 import os
 import sys
@@ -372,14 +373,21 @@ OUTDIR = None
 
 def main():
     global COMPRESSION, SETS, OUTDIR
-    OUTDIR, COMPRESSION, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    OUTDIR, compressions, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
     if "process_sets" in names:
         hvd.init(process_sets="dynamic")           # as Horovod's own process-set tests do
         SETS = [hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3])]
         hvd.barrier()
     else:
         hvd.init()
-    run_all(OUTDIR, names, lambda name: PATTERNS[name](compressor()), tag=f".{COMPRESSION}")
+    run_all(OUTDIR, [f"{name}.{c}" for name in names for c in compressions], run_with_compression)
+
+
+def run_with_compression(job: str):
+    """One "<pattern>.<compression>" job: the pattern, with that compression."""
+    global COMPRESSION
+    name, COMPRESSION = job.rsplit(".", 1)
+    return PATTERNS[name](compressor())
 
 
 if __name__ == "__main__":
