@@ -559,6 +559,7 @@ def test_lm_scale_study_runs_an_exchange_with_scaler_buckets(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process        # the simulator's ranks, in one or two study processes that never wait on each other
 def test_whole_run_study_records_curves_resumes_and_finds_each_methods_best_lr(tmp_path):
     """study_lm_scale over whole runs: ``--steps 0`` is ``--epochs`` of the corpus at the global batch; each run
     records its held-out curve (the last point at the last step); ``/torch`` runs an exchange with torch's AdamW;

@@ -168,6 +168,7 @@ def test_identity_counts_the_cases_that_agree_and_names_those_that_do_not():
 
 
 @pytest.mark.slow
+@pytest.mark.one_process        # one command at a time (the script, then its pytest of the CUDA tests): no ranks
 def test_the_dry_run_runs_every_step_and_prints_the_table(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)      # this interpreter: torch is there
     env.pop("PYTHONPATH", None)                           # the script puts its own checkout first
