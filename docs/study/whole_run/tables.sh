@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-.venv/bin/python}
 D=docs/study/whole_run
-for w in llama-perlpod gpt2-copyright; do
+for w in llama-perlpod gpt2-copyright llama-vimdoc; do
   [ -f "$D/$w/runs.jsonl" ] || continue
   $PY examples/study_lm_scale.py --table "$D/$w" --write "$D/table-$w.md" --plot "$D/curves-$w.png" > /dev/null
 done
