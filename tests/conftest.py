@@ -25,6 +25,10 @@ os.environ.setdefault("HOROVOD_TERNGRAD_GBPS", "1")
 # shells and CI images set it) each of those processes compiles them again, about 0.2 s of CPU per process.  The
 # caches are ignored by git (.gitignore).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# Horovod's background thread runs a negotiation cycle every HOROVOD_CYCLE_TIME ms (1 by default), busy or idle: with
+# 2-5 ranks on 2 cores that polling takes CPU from the ranks' work.  5 ms is terngrad-launch's Ethernet profile
+# (operations/launcher.py); on the Horovod tests it took a tenth off their CPU time and wall time here.
+os.environ.setdefault("HOROVOD_CYCLE_TIME", "5")
 
 
 @pytest.fixture(scope="module")
