@@ -218,7 +218,10 @@ def test_synthetic_model_profiles():
 def horovodrun(script, args, timeout=300):
     cmd = [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
            os.path.join(ROOT, "examples", script)] + args
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    # one thread per rank, as users' launches on shared cores (and torchrun's default): 2 ranks x 2 threads on 2
+    # cores spin against each other
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 
