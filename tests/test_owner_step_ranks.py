@@ -1,7 +1,8 @@
 """OwnerStepOptimizer on real ranks (tests/workers/owner_step_ranks.py): three ranks under torchrun (the model in
 DDP with local_gradients_hook) and under horovodrun (no DDP): every rank holds the same weights after every step,
-both launchers give the same bits, a run resumed from torch.save'd state dicts continues bit for bit, and the
-bits received are the codec's sizes."""
+both launchers give the same bits, a run resumed from torch.save'd state dicts continues bit for bit, the bits
+received are the codec's sizes, and fp16 autocast with GradScaler skips the same steps and moves the same scale on
+every rank when one rank alone overflows."""
 import os
 import sys
 
@@ -13,6 +14,7 @@ from test_horovod import launcher
 from horovod_terngrad.codec import sizes
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "owner_step_ranks.py")
+sys.path.append(os.path.dirname(WORKER))         # owner_step_ranks: the schedule the workers run
 NP = 3
 pytestmark = pytest.mark.slow
 
@@ -21,15 +23,15 @@ pytestmark = pytest.mark.slow
 def torch3(tmp_path_factory):
     out = tmp_path_factory.mktemp("owner_torch")
     run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NP),
-                WORKER, str(out), "torch", "train", "resume"], "torch.distributed.run")
-    return {sc: load(out, sc, NP) for sc in ("train", "resume")}
+                WORKER, str(out), "torch", "train", "resume", "amp"], "torch.distributed.run")
+    return {sc: load(out, sc, NP) for sc in ("train", "resume", "amp")}
 
 
 @pytest.fixture(scope="module")
 def hvd3(tmp_path_factory):
     out = tmp_path_factory.mktemp("owner_hvd")
-    run_launch(launcher("gloo", NP) + [sys.executable, WORKER, str(out), "horovod", "train"], "horovodrun")
-    return {"train": load(out, "train", NP)}
+    run_launch(launcher("gloo", NP) + [sys.executable, WORKER, str(out), "horovod", "train", "amp"], "horovodrun")
+    return {sc: load(out, sc, NP) for sc in ("train", "amp")}
 
 
 def test_every_rank_holds_the_same_weights_after_every_step(torch3, hvd3):
@@ -59,3 +61,16 @@ def test_bits_received_are_the_codec_sizes(torch3):
             weights = sizes.owner_step_weight_chunk_bytes(n, NP, "base3")
             got += (NP - 1) * grad[rank] + sum(weights) - weights[rank]
         assert res["bits"] == pytest.approx(8 * got / (32 * 96 + 96 * 48))
+
+
+def test_fp16_gradscaler_skips_alike_on_every_rank_when_one_rank_overflows(torch3, hvd3):
+    from owner_step_ranks import AMP_SPIKE, STEPS
+    for runs in (torch3["amp"], hvd3["amp"]):
+        assert all(r["finite"] for r in runs)
+        assert all(r["sums"] == runs[0]["sums"] and r["scales"] == runs[0]["scales"] for r in runs)
+        skipped = runs[0]["skipped"]
+        assert 1 <= skipped < STEPS and all(r["skipped"] == skipped for r in runs)
+        # rank 1's spike: every rank's scaler backed off at that step and the weights stayed put there
+        assert runs[0]["scales"][AMP_SPIKE] < runs[0]["scales"][AMP_SPIKE - 1]
+        assert runs[0]["sums"][AMP_SPIKE] == runs[0]["sums"][AMP_SPIKE - 1]
+    assert hvd3["amp"][0]["sums"] == torch3["amp"][0]["sums"]

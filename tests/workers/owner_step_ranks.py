@@ -11,6 +11,8 @@ torch:   train (the model wrapped in DDP with local_gradients_hook: per step, a 
          on every rank; the bits received), resume (8 steps against 4 + state_dicts through torch.save into fresh
          objects + 4: bit for bit)
 horovod: train (as torch's, without DDP, on Horovod's collectives)
+both:    amp (fp16 autocast with torch.amp.GradScaler from 2**20, rank 1's loss times 2**20 at step AMP_SPIKE: per
+         step the checksum, the scale after update() and the skipped steps, to be equal on every rank)
 """
 import io
 import math
@@ -76,6 +78,32 @@ def scenario_train(rank, collectives, wrap=None):
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
+AMP_SPIKE = 5       # a step at which rank 1 alone overflows
+
+
+def scenario_amp(rank, collectives, wrap=None):
+    model = make_model()
+    net = wrap(model) if wrap else model
+    opt, sched = build(model, collectives)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, growth_interval=3)
+    sums, scales = [], []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(net(x).float(), y)
+        if step == AMP_SPIKE and rank == 1:
+            loss = loss * 2.0 ** 20
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        sched.step()
+        sums.append(checksum(model))
+        scales.append(scaler.get_scale())
+    return {"sums": sums, "scales": scales, "skipped": opt.skipped_steps,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
 def scenario_resume(rank, collectives):
     model = make_model()
     opt, sched = build(model, collectives)
@@ -109,7 +137,8 @@ def run_torch(folder, scenarios):
     for sc in scenarios:
         try:
             res = {"train": lambda: scenario_train(rank, "torch", wrap),
-                   "resume": lambda: scenario_resume(rank, "torch")}[sc]()
+                   "resume": lambda: scenario_resume(rank, "torch"),
+                   "amp": lambda: scenario_amp(rank, "torch", wrap)}[sc]()
         except Exception:  # noqa: BLE001 - saved for the test to show
             res = {"crash": traceback.format_exc()}
         res["size"] = dist.get_world_size()
@@ -124,7 +153,8 @@ def run_horovod(folder, scenarios):
     rank = hvd.rank()
     for sc in scenarios:
         try:
-            res = {"train": lambda: scenario_train(rank, "horovod")}[sc]()
+            res = {"train": lambda: scenario_train(rank, "horovod"),
+                   "amp": lambda: scenario_amp(rank, "horovod")}[sc]()
         except Exception:  # noqa: BLE001
             res = {"crash": traceback.format_exc()}
         res["size"] = hvd.size()
@@ -133,6 +163,8 @@ def run_horovod(folder, scenarios):
 
 
 if __name__ == "__main__":
+    import warnings
+    warnings.filterwarnings("ignore", "GradScaler is going to stop passing itself", FutureWarning)
     folder, kind, *names = sys.argv[1:]
     torch.set_num_threads(1)
     (run_torch if kind == "torch" else run_horovod)(folder, names)
