@@ -237,6 +237,8 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
             break
         if step + 1 in marks and step + 1 < steps:
             curve.append([step + 1, held_out_loss(model, held, args.seq_len, CURVE_WINDOWS)])
+            print(f"  {method} N={N} lr {lr:g} seed {seed}: step {step + 1}/{steps}, held-out {curve[-1][1]:.4f} "
+                  f"(64 windows), {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     loss = held_out_loss(model, held, args.seq_len, args.eval_windows) if finite else float("nan")
     if finite and marks:
         curve.append([steps, held_out_loss(model, held, args.seq_len, CURVE_WINDOWS)])
