@@ -113,18 +113,19 @@ def test_backends_declare_their_capabilities(fused):
 
 @pytest.mark.parametrize("n", [0, 1, 4, 5, 1279, 1280, 1281, 65537])
 @pytest.mark.parametrize("fmt", ["2bit", "base3"])
-def test_fused_nearest_rounding_matches_reference_bytes(fused, n, fmt):
+@pytest.mark.parametrize("bucket", [0, 128, 1000])
+def test_fused_nearest_rounding_matches_reference_bytes(fused, n, fmt, bucket):
     """The owner-step exchange's weight differences: the fused pass's payload is codec/nearest.py's, ties (2|d| = s)
-    and zeros included."""
+    and zeros included, with one scaler or one per bucket (a tensor of one bucket says 0 in its header)."""
     d = sample(n, 11)
     if n > 4:
         d[1] = d.abs().max() / 2          # a tie: rounds to +-1
         d[2] = -d[1]
         d[3] = torch.nextafter(d[1], torch.tensor(0.0))      # just under the tie: 0
-    assert torch.equal(fused.encode_nearest(d, fmt), nearest.encode_nearest(d, fmt))
+    assert torch.equal(fused.encode_nearest(d, fmt, bucket), nearest.encode_nearest(d, fmt, bucket))
     if n:
         zeros = torch.zeros(n)
-        assert torch.equal(fused.encode_nearest(zeros, fmt), nearest.encode_nearest(zeros, fmt))
+        assert torch.equal(fused.encode_nearest(zeros, fmt, bucket), nearest.encode_nearest(zeros, fmt, bucket))
 
 
 @pytest.mark.parametrize("bounds", [[(0, 1)], [(0, 8)], [(0, 9)], [(0, 65)], [(0, 70001)],

@@ -110,7 +110,8 @@ def test_step_is_the_owner_step_arithmetic():
             assert float((avg - mean).mean().abs()) < 0.05 * float(mean.abs().mean()) + 1e-3
 
 
-def test_the_study_simulator_and_the_optimizer_take_the_same_steps():
+@pytest.mark.parametrize("weight_bucket", [0, 128])
+def test_the_study_simulator_and_the_optimizer_take_the_same_steps(weight_bucket):
     """The whole-run study's owner-step (examples/owner_step.py: the engine's requantized first stage, one process)
     and this optimizer on thread-ranks, on the same batches: the same averages and noise estimates bit for bit (the
     first stage's bytes are the engine's), and the same masters and replicas to fp32 rounding: the one difference
@@ -120,7 +121,7 @@ def test_the_study_simulator_and_the_optimizer_take_the_same_steps():
     N, steps = 4, 4
     cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=5, min_numel=0)
     model = _model()
-    sim = owner_step.OwnerStepSimulator(model, N, cfg)
+    sim = owner_step.OwnerStepSimulator(model, N, cfg, delta_bucket=weight_bucket)
     opt = AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
         sim.to_replica()
@@ -135,7 +136,7 @@ def test_the_study_simulator_and_the_optimizer_take_the_same_steps():
             p.grad = g
         opt.step()
         sim.send_weights()
-    out = run_ranks(N, lambda c: _train(c, steps, config=cfg, max_grad_norm=None))
+    out = run_ranks(N, lambda c: _train(c, steps, config=cfg, max_grad_norm=None, weight_bucket_size=weight_bucket))
     for r in range(N):
         for i, (name, x) in enumerate(zip(sim.names, sim.replica)):
             assert torch.allclose(out[r][0][name], x, rtol=0, atol=1e-6), (r, name)
@@ -189,18 +190,20 @@ def test_nearest_rounding_is_bounded_and_decodes_exactly():
     assert torch.equal(got, q)
 
 
-def test_bits_received_are_the_codec_sizes():
+@pytest.mark.parametrize("weight_bucket", [0, 128])
+def test_bits_received_are_the_codec_sizes(weight_bucket):
     N, steps = 4, 3
-    out = run_ranks(N, _train, steps)
+    out = run_ranks(N, lambda c: _train(c, steps, weight_bucket_size=weight_bucket))
     opt = out[0][3]
     want = 0
     for i in opt._tern:
         n = opt.params[i].numel()
         want += (N - 1) * sizes.reternarized_chunk_bytes(n, N, "base3", 0, True)[0]
-        w = sizes.owner_step_weight_chunk_bytes(n, N, "base3")
+        w = sizes.owner_step_weight_chunk_bytes(n, N, "base3", 0, weight_bucket)
         want += sum(w) - w[0]
     assert opt.exchange.bytes_received == steps * want
-    assert (N - 1) / N * 3.2 < opt.bits_received() < 4.0 + 8 * (N - 1) * 52 / 1800
+    extra = (N - 1) / N * 32 / weight_bucket if weight_bucket else 0.0      # the weight stage's scalers
+    assert (N - 1) / N * 3.2 + extra < opt.bits_received() < 4.0 + extra + 8 * (N - 1) * 52 / 1800
 
 
 def test_resumed_run_continues_bit_for_bit():

@@ -86,11 +86,11 @@ def clipped_square_sums(g, threshold, bounds: list):
     return squares.clipped_square_sums(g, threshold, bounds)
 
 
-def encode_nearest(d, fmt: str):
-    """codec/nearest.py's ``encode_nearest(d, fmt)`` on ``d``'s backend (the ``NEAREST`` capability's one pass where
-    it has it): the same bytes either way."""
+def encode_nearest(d, fmt: str, bucket_size: int = 0):
+    """codec/nearest.py's ``encode_nearest(d, fmt, bucket_size)`` on ``d``'s backend (the ``NEAREST`` capability's
+    one pass where it has it): the same bytes either way."""
     from ..codec import nearest
     backend = for_device(d.device)
     if has_capability(backend, NEAREST):
-        return backend.encode_nearest(d, fmt)
-    return nearest.encode_nearest(d, fmt)
+        return backend.encode_nearest(d, fmt, bucket_size)
+    return nearest.encode_nearest(d, fmt, bucket_size)

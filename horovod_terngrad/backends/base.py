@@ -134,8 +134,9 @@ class RequantBackend(Backend, Protocol):
 class NearestBackend(Backend, Protocol):
     """A backend with the ``NEAREST`` capability."""
 
-    def encode_nearest(self, d: torch.Tensor, fmt: str) -> torch.Tensor:
-        """``codec.nearest.encode_nearest(d, fmt)``'s payload of the flat fp32 ``d`` (one scaler), byte for byte."""
+    def encode_nearest(self, d: torch.Tensor, fmt: str, bucket_size: int = 0) -> torch.Tensor:
+        """``codec.nearest.encode_nearest(d, fmt, bucket_size)``'s payload of the flat fp32 ``d`` (one scaler per
+        bucket; 0: one for all of ``d``), byte for byte."""
         ...
 
 

@@ -229,15 +229,16 @@ class FusedCPUBackend:
         t.finish()
 
     # -- NEAREST capability -------------------------------------------------------------------------------
-    def encode_nearest(self, d: torch.Tensor, fmt: str) -> torch.Tensor:
+    def encode_nearest(self, d: torch.Tensor, fmt: str, bucket_size: int = 0) -> torch.Tensor:
         """``NearestBackend.encode_nearest``: codec/nearest.py's payload in one pass after the statistics
-        (tg_stats' max|d|, the reference's amax), the same bytes."""
+        (tg_stats' max|d| per bucket, the reference's amax), the same bytes."""
         n = d.numel()
         d = d.to(torch.float32).contiguous()
-        scalers = self.stats(d, 0)[2] if n else torch.zeros(1, dtype=torch.float32)
-        payload, region = packing.new_payload(n, fmt, scalers, 0, 0, (n,))
+        bucket = bucket_size if codec.num_buckets(n, bucket_size) > 1 else 0     # one bucket: the header says 0
+        scalers = self.stats(d, bucket)[2] if n else torch.zeros(1, dtype=torch.float32)
+        payload, region = packing.new_payload(n, fmt, scalers, bucket, 0, (n,))
         if n:
-            self.lib.tg_nearest_pack(_ptr(d), n, _ptr(scalers), 0, FORMATS[fmt], _ptr(region), self._threads())
+            self.lib.tg_nearest_pack(_ptr(d), n, _ptr(scalers), bucket, FORMATS[fmt], _ptr(region), self._threads())
         return payload
 
     # -- SQUARE_SUMS capability ---------------------------------------------------------------------------

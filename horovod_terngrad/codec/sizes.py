@@ -176,12 +176,14 @@ def requantized_owner_chunk_bytes(numel: int, n_ranks: int, noise: bool, bucket_
 
 
 # -- the owner-step exchange (exchange/owner_step.py) -----------------------------------------------------------
-def owner_step_weight_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: int = 0) -> list[int]:
+def owner_step_weight_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_size: int = 0,
+                                  weight_bucket: int = 0) -> list[int]:
     """Bytes each owner adds to the owner-step exchange's allgather for one tensor: its shard's weight difference
-    as a ternary payload (header, one fp32 scaler per shard, packed codes; codec/nearest.py); an empty shard
-    sends nothing.  The shards are the re-ternarized exchange's, whose first stage owner-step shares."""
-    return [payload_size(hi - lo, fmt, 0) if hi > lo else 0
-            for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
+    as a ternary payload (header, one fp32 scaler per ``weight_bucket`` elements, or per shard, packed codes;
+    codec/nearest.py); an empty shard sends nothing.  The shards are the re-ternarized exchange's, whose first
+    stage owner-step shares (``bucket_size``: its gradient buckets)."""
+    return [payload_size(hi - lo, fmt, weight_bucket if num_buckets(hi - lo, weight_bucket) > 1 else 0)
+            if hi > lo else 0 for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
 
 
 JOINED_WORD_BITS = 31                      #: usable bits of one int32 word of the join exchange (sign bit left clear)

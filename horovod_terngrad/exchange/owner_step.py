@@ -14,7 +14,8 @@ weights.  One step:
    gradient: the owner's optimizer steps on the exact average, and its second moment sees ν_o.
 2. The owner steps its shard of the master weights w_o (the caller, between the stages).
 3. Weights (``send_weights`` / ``apply_weights``): the owner rounds d_o = w_o - x_o to the nearest ternary level
-   (codec/nearest.py: one scaler s = max|d| per shard, |d - q| <= s/2, deterministic) and sends q_o to every rank:
+   (codec/nearest.py: one scaler s = max|d| per shard, or per ``weight_bucket`` elements of it, |d - q| <= s/2,
+   deterministic) and sends q_o to every rank:
    one allgather.  Every rank, the owner too, sets x_o += q_o, so every replica holds the same bits.  The
    difference is taken against the master each step, so the replica stays within one step of it (nearest.py).
 
@@ -24,8 +25,9 @@ flagged to every rank by one allreduce-max of a flag per tensor (``nonfinite``),
 
 Traffic per rank and element (b = 1.6 bits base-3, 2 with 2-bit packing): receives (N-1)/N·b in the alltoall and
 (N-1)/N·b in the allgather, plus per shard and sender a 20-byte header, a 4-byte scaler and (with the noise
-estimate) a 4-byte squares trailer, both ways: 3.2 bits plus 8·(N-1)·52/n bits for a tensor of n elements
-(codec.sizes: reternarized_chunk_bytes, owner_step_weight_chunk_bytes).  Per step, each fused over every tensor:
+estimate) a 4-byte squares trailer, both ways: 3.2 bits plus 8·(N-1)·52/n bits for a tensor of n elements, and
+(N-1)/N·32/K bits more with one weight scaler per K elements (codec.sizes: reternarized_chunk_bytes,
+owner_step_weight_chunk_bytes).  Per step, each fused over every tensor:
 the alltoall, the flags' allreduce-max (one fp64 per tensor) and the allgather; one more allgather for
 the full-precision tensors, and one of a scalar where the optimizer clips the global norm.
 """
@@ -48,23 +50,29 @@ class TensorLayout:
 
     __slots__ = ("name", "numel", "bounds", "encode_bucket", "grad_chunks", "weight_chunks", "noise")
 
-    def __init__(self, name: str, numel: int, n_ranks: int, fmt: str, bucket_size: int, noise: bool):
+    def __init__(self, name: str, numel: int, n_ranks: int, fmt: str, bucket_size: int, noise: bool,
+                 weight_bucket: int = 0):
         self.name, self.numel, self.noise = name, int(numel), bool(noise)
         self.bounds = sizes.reternarized_bounds(self.numel, n_ranks, bucket_size)
         self.encode_bucket = sizes.reternarized_encode_bucket(self.numel, n_ranks, bucket_size)
         self.grad_chunks = sizes.reternarized_chunk_bytes(self.numel, n_ranks, fmt, bucket_size, self.noise)
-        self.weight_chunks = sizes.owner_step_weight_chunk_bytes(self.numel, n_ranks, fmt, bucket_size)
+        self.weight_chunks = sizes.owner_step_weight_chunk_bytes(self.numel, n_ranks, fmt, bucket_size, weight_bucket)
 
 
 class OwnerStepExchange:
     """The owner-step exchange (module docstring) of a fixed list of ternarized tensors on ``coll``: built once,
     from what every rank agrees on (the names and sizes, in order, and the config), then called every step."""
 
-    def __init__(self, coll, config, tensors: list, noise: list | None = None, name: str = "terngrad.os"):
+    def __init__(self, coll, config, tensors: list, noise: list | None = None, name: str = "terngrad.os",
+                 weight_bucket: int = 0):
         self.coll, self.config, self.name = coll, config, name
+        self.weight_bucket = int(weight_bucket)
+        if self.weight_bucket < 0:
+            raise ValueError(f"owner-step exchange '{name}': weight_bucket must be >= 0 (0: one scaler per shard), "
+                             f"got {weight_bucket}")
         N = coll.size
         noise = noise or [False] * len(tensors)
-        self.layout = [TensorLayout(n, numel, N, config.packing, config.bucket_size, w)
+        self.layout = [TensorLayout(n, numel, N, config.packing, config.bucket_size, w, self.weight_bucket)
                        for (n, numel), w in zip(tensors, noise)]
         me = coll.rank
         self.owned = [lay.bounds[me] for lay in self.layout]
@@ -146,7 +154,7 @@ class OwnerStepExchange:
         elsewhere), each rounded to the nearest ternary level."""
         t0 = time.perf_counter()
         fmt = self.config.packing
-        parts = [backends.encode_nearest(d, fmt) for d in deltas if d is not None]
+        parts = [backends.encode_nearest(d, fmt, self.weight_bucket) for d in deltas if d is not None]
         device = device or (parts[0].device if parts else torch.device("cpu"))
         mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         self.codec_s += time.perf_counter() - t0
@@ -170,7 +178,9 @@ class OwnerStepExchange:
             for lay, x in zip(self.layout, replicas):
                 lo, hi = lay.bounds[o]
                 if hi > lo:
-                    q = backend.decode(gathered, [Header(fmt, 0, 0, hi - lo)], [at], 1)
+                    m = hi - lo
+                    bucket = self.weight_bucket if sizes.num_buckets(m, self.weight_bucket) > 1 else 0
+                    q = backend.decode(gathered, [Header(fmt, 0, bucket, m)], [at], 1)
                     x[lo:hi] += q.to(x.dtype)
                     at += lay.weight_chunks[o]
         self.codec_s += time.perf_counter() - t0

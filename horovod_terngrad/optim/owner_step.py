@@ -100,14 +100,16 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
     ``named_parameters``: (name, parameter) pairs, or param groups of them (names must agree across ranks: they
     key the random streams and the layout).  ``collectives``: "horovod", "torch" or a ``Collectives``.
     ``config``: the codec's settings (default ``TernGradConfig(packing="base3")``).  ``max_grad_norm``: clip the
-    global norm of the averaged gradient (None: no clip).  Other keywords go to ``optimizer_class``."""
+    global norm of the averaged gradient (None: no clip).  ``weight_bucket_size``: one scaler per that many
+    elements of each shard's weight difference (0: one per shard); finer rounding of the replica for (N-1)/N·32/K
+    bits more per element received.  Other keywords go to ``optimizer_class``."""
 
     # GradScaler leaves the unscaling and the overflow check to such an optimizer: its own check reads
     # param_groups' gradients, which are the owners' shards, empty until the exchange has run (step, below)
     _step_supports_amp_scaling = True
 
     def __init__(self, named_parameters, optimizer_class=None, *, collectives="horovod", config=None,
-                 max_grad_norm=None, name: str = "terngrad.os", **defaults):
+                 max_grad_norm=None, weight_bucket_size: int = 0, name: str = "terngrad.os", **defaults):
         if optimizer_class is None:
             from .adam import AdamW
             optimizer_class = AdamW
@@ -134,8 +136,10 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         # every rank shares (a rank that owns no shard of it has no claim to ask)
         noise = [self._ledger is not None and self.inner.param_groups[self._group_of[i]].get("refresh", 0) is None
                  for i in tern]
-        self.exchange = OwnerStepExchange(self.coll, self.config, [(self.names[i], self.params[i].numel())
-                                                                   for i in tern], noise, name)
+        self.weight_bucket_size = int(weight_bucket_size)
+        self.exchange = OwnerStepExchange(self.coll, self.config,
+                                          [(self.names[i], self.params[i].numel()) for i in tern], noise, name,
+                                          weight_bucket=self.weight_bucket_size)
         self._tern, self._exact = tern, [i for i, t in enumerate(self.ternary) if not t]
         self.steps = 0
         self._masters_current = False   # the masters are copied from the replica at the first step (below)
@@ -352,14 +356,16 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
     def _layout(self) -> dict:
         return {"world": self.coll.size, "rank": self.coll.rank, "names": list(self.names),
                 "numels": [p.numel() for p in self.params], "ternary": list(self.ternary),
-                "packing": self.config.packing, "bucket_size": self.config.bucket_size}
+                "packing": self.config.packing, "bucket_size": self.config.bucket_size,
+                "weight_bucket_size": self.weight_bucket_size}
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
                 "masters": [s.clone() for s in self.shards if s is not None], "layout": self._layout()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        mine, theirs = self._layout(), state_dict.get("layout", {})
+        # a checkpoint from before weight buckets existed rounded with one scaler per shard
+        mine, theirs = self._layout(), {"weight_bucket_size": 0, **state_dict.get("layout", {})}
         for key in mine:
             if theirs.get(key) != mine[key]:
                 shown = (lambda v: v if not isinstance(v, list) or len(v) < 6 else f"{v[:3]}... ({len(v)})")
