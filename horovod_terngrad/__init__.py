@@ -49,10 +49,10 @@ def _compressor_for(config: TernGradConfig | None) -> TernGradCompressor:
     """The functional API's compressor of ``config`` (the ready ``TernGrad`` for the defaults).  Past
     MAX_FUNCTIONAL_CONFIGS distinct configs the least recently used one is dropped, said once: its step counters
     go with it, so its random streams would start again at step 0 if it came back."""
-    from .frontends.horovod import TernGradCompressor
     ready = _ready()
     if config is None or config == ready.config:
         return ready
+    from .frontends.horovod import TernGradCompressor
     comp = _compressors.pop(config, None) or TernGradCompressor(config)
     _compressors[config] = comp
     if len(_compressors) > MAX_FUNCTIONAL_CONFIGS:

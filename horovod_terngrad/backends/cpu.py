@@ -234,7 +234,7 @@ class FusedCPUBackend:
         (tg_stats' max|d| per bucket, the reference's amax), the same bytes."""
         n = d.numel()
         d = d.to(torch.float32).contiguous()
-        bucket = bucket_size if codec.num_buckets(n, bucket_size) > 1 else 0     # one bucket: the header says 0
+        bucket = sizes.header_bucket(n, bucket_size)
         scalers = self.stats(d, bucket)[2] if n else torch.zeros(1, dtype=torch.float32)
         payload, region = packing.new_payload(n, fmt, scalers, bucket, 0, (n,))
         if n:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .packing import encode
-from .sizes import num_buckets
+from .sizes import header_bucket, num_buckets
 
 
 def nearest_ternary(d: torch.Tensor, bucket_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +37,7 @@ def nearest_ternary(d: torch.Tensor, bucket_size: int = 0) -> tuple[torch.Tensor
 def encode_nearest(d: torch.Tensor, fmt: str, bucket_size: int = 0, flags: int = 0) -> torch.Tensor:
     """The payload of ``nearest_ternary(d, bucket_size)`` in packing ``fmt`` (a flat header of n elements)."""
     t, scalers = nearest_ternary(d, bucket_size)
-    return encode(t, fmt, scalers, bucket_size if num_buckets(d.numel(), bucket_size) > 1 else 0, flags,
-                  (d.numel(),))
+    return encode(t, fmt, scalers, header_bucket(d.numel(), bucket_size), flags, (d.numel(),))
 
 
 __all__ = ["nearest_ternary", "encode_nearest"]

@@ -36,6 +36,12 @@ def num_buckets(numel: int, bucket_size: int) -> int:
     return -(-numel // bucket_size)
 
 
+def header_bucket(numel: int, bucket_size: int) -> int:
+    """The bucket size a payload's header records for ``numel`` elements in buckets of ``bucket_size``: 0 where
+    they make one bucket (one scaler, as layer-wise), so both give the same bytes."""
+    return int(bucket_size) if num_buckets(numel, bucket_size) > 1 else 0
+
+
 def packed_size(numel: int, fmt: str) -> int:
     """ceil(n / codes per byte): bytes of n packed ternary codes."""
     return -(-int(numel) // CODES_PER_BYTE[check_format(fmt)])
@@ -105,7 +111,7 @@ def shard_sum_bytes(numel: int, n_ranks: int) -> list[int]:
 
 
 __all__ = ["FORMATS", "CODES_PER_BYTE", "BITS_PER_CODE", "HEADER_BYTES", "SCALER_BYTES", "SQUARES_BYTES", "SHARD_ALIGN",
-           "SLOT_BYTES", "check_format", "num_buckets", "packed_size", "payload_size", "codes_offset", "handshake_slots",
+           "SLOT_BYTES", "check_format", "num_buckets", "header_bucket", "packed_size", "payload_size", "codes_offset", "handshake_slots",
            "handshake_size", "sum_bits", "shard_bounds", "code_byte_range", "shard_code_bytes", "sums_size",
            "shard_sum_bytes", "reternarized_shard", "reternarized_bounds", "reternarized_encode_bucket",
            "reternarized_chunk_bytes", "REQUANT_GROUP", "REQUANT_HEADER_BYTES", "requant_groups",
@@ -182,8 +188,8 @@ def owner_step_weight_chunk_bytes(numel: int, n_ranks: int, fmt: str, bucket_siz
     as a ternary payload (header, one fp32 scaler per ``weight_bucket`` elements, or per shard, packed codes;
     codec/nearest.py); an empty shard sends nothing.  The shards are the re-ternarized exchange's, whose first
     stage owner-step shares (``bucket_size``: its gradient buckets)."""
-    return [payload_size(hi - lo, fmt, weight_bucket if num_buckets(hi - lo, weight_bucket) > 1 else 0)
-            if hi > lo else 0 for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
+    return [payload_size(hi - lo, fmt, header_bucket(hi - lo, weight_bucket)) if hi > lo else 0
+            for lo, hi in reternarized_bounds(numel, n_ranks, bucket_size)]
 
 
 JOINED_WORD_BITS = 31                      #: usable bits of one int32 word of the join exchange (sign bit left clear)

@@ -178,9 +178,8 @@ class OwnerStepExchange:
             for lay, x in zip(self.layout, replicas):
                 lo, hi = lay.bounds[o]
                 if hi > lo:
-                    m = hi - lo
-                    bucket = self.weight_bucket if sizes.num_buckets(m, self.weight_bucket) > 1 else 0
-                    q = backend.decode(gathered, [Header(fmt, 0, bucket, m)], [at], 1)
+                    head = Header(fmt, 0, sizes.header_bucket(hi - lo, self.weight_bucket), hi - lo)
+                    q = backend.decode(gathered, [head], [at], 1)
                     x[lo:hi] += q.to(x.dtype)
                     at += lay.weight_chunks[o]
         self.codec_s += time.perf_counter() - t0
