@@ -1188,6 +1188,17 @@ def test_owner_step_bytes_against_the_re_ternarized_exchange():
                           cost.reternarized_bytes(big, N, "base3"))
         c_b, P_b = cost.owner_step_bytes(big, N, "base3", bucket_size=128, noise=False)
         assert c_b == cost.reternarized_bytes(big, N, "base3", 128) and P_b < c_b
+        # weight buckets (OwnerStepOptimizer(weight_bucket_size=K)): one more fp32 scaler per K elements of a shard
+        for K in (128, 1000):
+            c_w, P_w = cost.owner_step_bytes(big, N, "base3", weight_bucket=K)
+            assert c_w == c
+            assert P_w == max(sizes.owner_step_weight_chunk_bytes(big[0], N, "base3", 0, K))
+            assert P_w - P == pytest.approx(4 * big[0] / N / K, abs=8)
+            net = pm.CLUSTERS["infiniband"].network
+            gap = (cost.terngrad_owner_step_cost(big, N, net, weight_bucket=K).bits_per_element
+                   - cost.terngrad_owner_step_cost(big, N, net).bits_per_element)
+            assert gap == pytest.approx((N - 1) * (P_w - P) * 8 / big[0], rel=1e-9)
+            assert gap == pytest.approx((N - 1) / N * 32 / K, rel=0.02)    # less the one scaler a shard had
         net = pm.CLUSTERS["infiniband"].network
         os_ = cost.terngrad_owner_step_cost(big, N, net)
         assert (N - 1) / N * 3.2 < os_.bits_per_element < (N - 1) / N * 3.2 + 8 * (N - 1) * 52 / big[0] + 0.001

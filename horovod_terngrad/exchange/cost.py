@@ -501,15 +501,16 @@ def terngrad_requantized_cost(sizes: int | Sequence[int], workers: int, network:
 
 
 def owner_step_bytes(sizes: Sequence[int], workers: int, packing: str = "base3", bucket_size: int = 0,
-                     noise: bool = True) -> tuple[int, int]:
+                     noise: bool = True, weight_bucket: int = 0) -> tuple[int, int]:
     """(c, P) of the owner-step exchange (exchange/owner_step.py) of ternarized tensors of these sizes, all fused
     in one step: the most bytes any owner receives from one peer in the gradients' alltoall (the re-ternarized
     exchange's first stage; with ``noise``, each shard with the sender's squares trailer:
     codec.sizes.reternarized_chunk_bytes) and the most any owner hands the weights' allgather (its shards' ternary
-    weight differences, one scaler per shard: codec.sizes.owner_step_weight_chunk_bytes)."""
+    weight differences, one scaler per ``weight_bucket`` elements or per shard:
+    codec.sizes.owner_step_weight_chunk_bytes)."""
     N = int(workers)
     up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size, squares=noise) for x in sizes]
-    down = [wire.owner_step_weight_chunk_bytes(x, N, packing, bucket_size) for x in sizes]
+    down = [wire.owner_step_weight_chunk_bytes(x, N, packing, bucket_size, weight_bucket) for x in sizes]
     return (max((sum(m[r] for m in up) for r in range(N)), default=0),
             max((sum(m[r] for m in down) for r in range(N)), default=0))
 
@@ -519,7 +520,7 @@ OWNER_STEP_FLAG_BYTES = 8      #: the owner-step exchange's nonfinite flag per t
 
 def terngrad_owner_step_cost(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "base3",
                              bucket_size: int = 0, noise: bool = True,
-                             exact: Sequence[int] = ()) -> ExchangeCost:
+                             exact: Sequence[int] = (), weight_bucket: int = 0) -> ExchangeCost:
     """The owner-step exchange of one step (``optim.OwnerStepOptimizer``, exchange/owner_step.py): ``sizes`` the
     ternarized tensors, ``exact`` the full-precision ones (the config's ``min_numel`` and ``exclude``).  With
     (c, P) = :func:`owner_step_bytes`:
@@ -530,7 +531,8 @@ def terngrad_owner_step_cost(sizes: int | Sequence[int], workers: int, network: 
     k tensors' fp64 nonfinite flags, and, where there are full-precision tensors, one fp32 allgather of them (each
     rank sums the N rows in rank order).  Received bytes per rank: (N-1)·(c + P) + the flags' + (N-1)·4·n_exact,
     about (N-1)/N·2b bits per ternarized element (3.2 base-3) plus 52 bytes per shard and sender (header, scaler,
-    squares).  Messages 2(N-1) (+ the flags', + N-1).  Per-rank scalers: no handshake, no presence check.
+    squares), and with ``weight_bucket`` K (``OwnerStepOptimizer(weight_bucket_size=K)``) (N-1)/N·32/K bits more for
+    the weight differences' scalers.  Messages 2(N-1) (+ the flags', + N-1).  Per-rank scalers: no handshake, no presence check.
     ``max_grad_norm``'s 8-byte allgather of the norm is not charged.  The owners' optimizer step is not charged
     (no method's optimizer is)."""
     ns, ex = _sizes(sizes), _sizes(list(exact))
@@ -542,7 +544,7 @@ def terngrad_owner_step_cost(sizes: int | Sequence[int], workers: int, network: 
     G = network.ranks_per_node if link is network else N
     t, received, messages = 0.0, 0.0, 0
     if ns:
-        c, P = owner_step_bytes(ns, N, packing, bucket_size, noise)
+        c, P = owner_step_bytes(ns, N, packing, bucket_size, noise, weight_bucket)
         flag_t, flag_b, flag_m = _allreduce(OWNER_STEP_FLAG_BYTES * len(ns), N, link)
         t += alltoall_time(c, N, link, G) + ring_allgather_time(P, N, link) + flag_t
         received += (N - 1) * (c + P) + flag_b
