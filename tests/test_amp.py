@@ -1,10 +1,11 @@
 """Mixed precision on real ranks with TernGrad at its defaults: fp16 autocast with torch.amp.GradScaler in
 each frontend's recipe, bf16 autocast, and fp16 / bf16 models.
 
-Launches (one per world; each runs several scenarios, tests/workers/amp_hvd.py and amp_ddp.py):
-  Horovod, horovodrun --gloo -np 2 (twice: the second is the fresh process that resumes from the first's checkpoint),
-  Horovod -np 4 as 2 emulated nodes of 2 (HOROVOD_TERNGRAD_HOST), hierarchical=True;
-  DDP, torchrun 2 ranks, and 4 ranks as 2 emulated nodes of 2 (interleaved), hierarchical=True.
+Launches (one per world; each runs several scenarios, tests/workers/amp_hvd.py and amp_ddp.py, on forked ranks with
+a launcher's environment: tests/support/forked_ranks.py):
+  Horovod (Gloo), 2 ranks (twice: the second is the fresh process that resumes from the first's checkpoint),
+  Horovod, 4 ranks as 2 emulated nodes of 2 (HOROVOD_TERNGRAD_HOST), hierarchical=True;
+  DDP (gloo), 2 ranks, and 4 ranks as 2 emulated nodes of 2 (interleaved), hierarchical=True.
 
 The fp16 runs start GradScaler at 1.5 * 2**24, so the first steps overflow on every rank, and later one rank alone
 overflows three times (its loss times 2**20; +Inf in a ternarized gradient; NaN in a full-precision one;
@@ -18,14 +19,14 @@ import sys
 import pytest
 import torch
 
-from test_ddp import run_launch
-from test_horovod import launcher, load_results
+from support import forked_ranks
+from test_horovod import load_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, "workers"))            # amp_common: the schedule the workers run
 from amp_common import INIT_SCALE, SMALL_NAN_STEP, SPIKE_STEP, STEPS, TERN_INF_STEP  # noqa: E402
 
-pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, torchrun)
+pytestmark = pytest.mark.slow       # every test here launches ranks
 
 HVD_WORKER = os.path.join(HERE, "workers", "amp_hvd.py")
 DDP_WORKER = os.path.join(HERE, "workers", "amp_ddp.py")
@@ -34,14 +35,12 @@ PLAIN = ["bf16_autocast", "half_static", "bf16_params"]
 
 
 def launch_hvd(folder, np_, hosts, scenarios):
-    run_launch(launcher("gloo", np_) + [sys.executable, HVD_WORKER, str(folder), hosts] + scenarios,
-               f"horovodrun -np {np_} {scenarios}")
+    forked_ranks.run_scenarios("horovod", np_, HVD_WORKER, [str(folder), hosts] + scenarios, str(folder))
     return {sc: load_results(folder, sc, np_) for sc in scenarios}
 
 
 def launch_ddp(folder, np_, hosts, scenarios):
-    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np_),
-                DDP_WORKER, str(folder), hosts] + scenarios, f"torchrun -np {np_} {scenarios}")
+    forked_ranks.run_scenarios("torch", np_, DDP_WORKER, [str(folder), hosts] + scenarios, str(folder))
     return {sc: load_results(folder, sc, np_) for sc in scenarios}
 
 

@@ -1,11 +1,12 @@
 """The DDP frontend (frontends/ddp.py) and its collectives (exchange/dist_collectives.py) under real ranks:
-2 processes, gloo, launched with ``python -m torch.distributed.run --standalone`` (one launch runs every
-scenario of tests/workers/ddp_scenarios.py; a launch that hangs fails after LAUNCH_TIMEOUT).
+2 processes, gloo, forked with torchrun's environment (tests/support/forked_ranks.py; one launch runs every
+scenario of tests/workers/ddp_scenarios.py; a launch that hangs fails after LAUNCH_TIMEOUT), and the DDP example
+under ``python -m torch.distributed.run`` itself.
 
 The averages DDP leaves in ``p.grad`` are checked bit for bit against an independent recomputation
 (tests/helpers.expected_average) from the gradients every rank handed the hook, and against the Horovod
-frontend's own results for the same model, data and settings (tests/workers/hvd_scenarios.py under
-horovodrun --gloo).
+frontend's own results for the same model, data and settings (tests/workers/hvd_scenarios.py on Horovod's
+Gloo).
 """
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from helpers import expected_average, expected_exchange
+from support import forked_ranks
 from test_horovod import BIN, HERE, by_name_and_step, rank_env
 
 WORKER = os.path.join(HERE, "workers", "ddp_scenarios.py")
@@ -59,18 +61,16 @@ SLOW_FIXTURES = ("ddp2", "hvd2")
 def ddp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp2")
     scenarios = EXACT + list(TWINS) + OTHER
-    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NP),
-                WORKER, str(out)] + scenarios, "torch.distributed.run")
+    forked_ranks.run_scenarios("torch", NP, WORKER, [str(out)] + scenarios, str(out))
     return {sc: load(out, sc) for sc in scenarios}
 
 
 @pytest.fixture(scope="module")
 def hvd2(tmp_path_factory):
-    """The Horovod frontend's runs of the same training (hvd_scenarios.py, horovodrun --gloo -np 2)."""
+    """The Horovod frontend's runs of the same training (hvd_scenarios.py, Gloo, 2 ranks)."""
     out = tmp_path_factory.mktemp("hvd2")
     scenarios = sorted(set(TWINS.values()))
-    run_launch([os.path.join(BIN, "horovodrun"), "--gloo", "-np", str(NP), "-H", f"localhost:{NP}", sys.executable,
-                HVD_WORKER, str(out)] + scenarios, "horovodrun")
+    forked_ranks.run_scenarios("horovod", NP, HVD_WORKER, [str(out)] + scenarios, str(out))
     return {sc: load(out, sc) for sc in scenarios}
 
 
@@ -176,7 +176,7 @@ def test_auto_measures_the_link_and_sends_full_precision_where_ternarizing_does_
 
 
 def test_ddp_averages_are_bit_identical_to_the_horovod_frontends(ddp2, hvd2):
-    """Same model, data, seed and settings through the Horovod frontend (horovodrun) and through DDP's hook:
+    """Same model, data, seed and settings through the Horovod frontend and through DDP's hook:
     every per-step average and the trained parameters agree bit for bit, on every rank."""
     for twin, hvd_sc in TWINS.items():
         d, h = ddp2[twin], hvd2[hvd_sc]

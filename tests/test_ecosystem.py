@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from support import forked_ranks
 from test_horovod import BIN, HERE, rank_env
 
 ROOT = os.path.dirname(HERE)
@@ -92,7 +93,7 @@ SLOW_FIXTURES = ("eco",)
 @pytest.fixture(scope="module")
 def eco(tmp_path_factory):
     out = tmp_path_factory.mktemp("eco")
-    launch(torchrun(WORKER, out, *SCENARIOS), "ddp_ecosystem.py")
+    forked_ranks.run_scenarios("torch", NP, WORKER, [str(out)] + SCENARIOS, str(out), timeout=TIMEOUT)
     res = {}
     for sc in SCENARIOS:
         res[sc] = [torch.load(os.path.join(out, f"{sc}.rank{r}.pt"), weights_only=False) for r in range(NP)]

@@ -1,5 +1,6 @@
-"""FSDP2 / HSDP with TernGrad between replicas, on real processes: torchrun, gloo, a (2, 2) mesh and a (3, 2)
-mesh (tests/workers/fsdp_scenarios.py runs the training; this file checks it).
+"""FSDP2 / HSDP with TernGrad between replicas, on real processes: gloo, a (2, 2) mesh and a (3, 2) mesh
+(tests/workers/fsdp_scenarios.py runs the training on forked ranks with torchrun's environment,
+tests/support/forked_ranks.py; this file checks it), and a killed rank under torchrun itself.
 
 The reference is independent of the frontend and of FSDP's internals: each unit's flat shard is laid out again
 from the parameters' full shapes alone (FSDP's torch.chunk rows, ceil(dim0 / S) per shard, zero padding), and
@@ -13,19 +14,20 @@ import sys
 
 import pytest
 import torch
+
 from helpers import expected_exchange
-from test_ddp import load, run_launch
+from support import forked_ranks
+from test_ddp import load
 from test_horovod import LAUNCH_TIMEOUT, rank_env
 
-pytestmark = pytest.mark.slow       # every test here launches ranks (torchrun)
+pytestmark = pytest.mark.slow       # every test here launches ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fsdp_scenarios.py")
 EXACT = ["exact", "exact_sharded", "exact_reternarized", "exact_requantized", "exact_bf16", "exact_bf16p", "accum", "frozen_unused", "compile", "buckets"]
 
 
-def launch(out, nproc, replicas, scenarios, what="torchrun"):
-    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                WORKER, str(out), str(replicas)] + scenarios, what)
+def launch(out, nproc, replicas, scenarios):
+    forked_ranks.run_scenarios("torch", nproc, WORKER, [str(out), str(replicas)] + scenarios, str(out))
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The node-aware exchange on real ranks: horovodrun --gloo and mpirun with 4 ranks as 2 nodes x 2 (node
-names per rank, contiguous and interleaved), on 2 emulated hosts x 2 ranks (network namespaces), and every
+"""The node-aware exchange on real ranks: Gloo (forked ranks with horovodrun --gloo's environment,
+tests/support/forked_ranks.py) and mpirun with 4 ranks as 2 nodes x 2 (node names per rank, contiguous and
+interleaved), on 2 emulated hosts x 2 ranks (network namespaces), and every
 fallback; averages checked bit for bit against tests/helpers.expected_hierarchical."""
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from helpers import expected_hierarchical
+from support import forked_ranks
 from horovod_terngrad.exchange.topology import Topology
 from test_horovod import LAUNCH_TIMEOUT, by_name_and_step, launcher, load_results, rank_env
 
@@ -48,23 +50,26 @@ def launch(tmp_path, kind, hosts, scenarios, np_=4, env=None):
 
 
 def launch_cases(tmp_path, cases: dict, scenarios: list, env=None):
-    """One launch (gloo, 4 ranks) running ``scenarios`` ("SCENARIO@CASE"), each case as a job of its own would
+    """One launch (Gloo, 4 forked ranks: tests/support/forked_ranks.py) running ``scenarios`` ("SCENARIO@CASE"), each case as a job of its own would
     (tests/workers/hvd_hier.py): ``cases`` maps CASE to its node names and environment.  Returns the results
     and, per case, the lines rank 0 wrote to stderr while it ran."""
-    env = dict(env or {}, HIER_TEST_CASES=json.dumps(cases))
-    res, p = launch(tmp_path, "gloo", "-", scenarios, env=env)
+    env = dict({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HVD_TEST_STALL_S": str(STALL_S)}, **(env or {}),
+               HIER_TEST_CASES=json.dumps(cases))
+    try:
+        logs = forked_ranks.run_scenarios("horovod", 4, WORKER, [str(tmp_path), "-"] + scenarios, str(tmp_path),
+                                          env=env, timeout=LAUNCH_TIMEOUT)
+    except AssertionError as e:
+        raise AssertionError(f"{stall_reports(tmp_path)}\n{e}") from None
+    rank0_err = logs[0][1]
     said, case = {}, None
-    for line in p.stderr.splitlines():
-        if not line.startswith("[0]<stderr>:"):
-            continue
-        text = line.split(":", 1)[1]
+    for text in rank0_err.splitlines():
         if text.startswith("=== ") and text.endswith(" ==="):
             case = text[4:-4].partition("@")[2]
             said[case] = []
         elif case is not None:
             said[case].append(text)
-    assert set(said) == {sc.partition("@")[2] for sc in scenarios}, p.stderr[-3000:]
-    return res, said
+    assert set(said) == {sc.partition("@")[2] for sc in scenarios}, rank0_err[-3000:]
+    return {sc: load_results(tmp_path, sc, 4) for sc in scenarios}, said
 
 
 def check_against_reference(ranks, fused: bool):
@@ -96,7 +101,7 @@ def check_bit_exact(res: dict, hosts: str, scenarios: list):
     assert len(res[next(sc for sc in scenarios if sc.startswith("fused"))][0]["groups"]) == 1
 
 
-# horovodrun --gloo, 2 nodes x 2 given by node name per rank, contiguous and interleaved: one launch
+# Gloo (forked ranks), 2 nodes x 2 given by node name per rank, contiguous and interleaved: one launch
 GLOO_2X2 = {"contiguous": "h0,h0,h1,h1", "interleaved": "h0,h1,h0,h1"}
 # "exact", "fused", "sharded": the default's bf16 inside the node; "fp32inside": fp32 there
 BIT_EXACT = {"contiguous": ["exact", "fused", "sharded", "fp32inside"], "interleaved": ["exact", "fused", "sharded"]}

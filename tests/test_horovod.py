@@ -1,4 +1,5 @@
-"""Layer 4 on real Horovod: multi-process runs launched with horovodrun (Gloo) and mpirun (MPI).
+"""Layer 4 on real Horovod: multi-process runs on Gloo (forked ranks with horovodrun --gloo's environment,
+tests/support/forked_ranks.py) and under mpirun (MPI).
 
 Each run executes tests/workers/hvd_scenarios.py on every rank; the ranks save what they fed to and got
 from TernGrad, and this process recomputes every rank's ternary vector independently (tests/helpers.py)
@@ -46,6 +47,12 @@ def rank_env():
 
 
 def launch(tmp_path, kind, np_, scenarios):
+    """``kind`` "gloo": forked ranks with horovodrun --gloo's environment (tests/support/forked_ranks.py); "mpi":
+    mpirun itself."""
+    if kind == "gloo":
+        from support import forked_ranks
+        forked_ranks.run_scenarios("horovod", np_, WORKER, [str(tmp_path)] + scenarios, str(tmp_path))
+        return {sc: load_results(tmp_path, sc, np_) for sc in scenarios}
     env = rank_env()
     cmd = launcher(kind, np_) + [sys.executable, WORKER, str(tmp_path)] + scenarios
     try:

@@ -3,7 +3,7 @@ schedule (codec/schedule.py) and ledger (exchange/precision.py) it rests on.
 
 One process: bit for bit torch.optim.Adam/AdamW wherever TernGrad is not in use (flags, param groups, lr
 schedulers, state_dict), the schedule's arithmetic, the update's math on a ternary step.  Real ranks
-(tests/workers/optim_scenarios.py): DDP (2 ranks), Horovod (2 ranks, horovodrun), FSDP2 (a (2, 2) mesh, 4
+(tests/workers/optim_scenarios.py): DDP (2 ranks), Horovod (2 ranks, Gloo), FSDP2 (a (2, 2) mesh, 4
 ranks): the exchange and the optimizer agree on every step, a refresh carries the exact fp32 average, parameters
 sent at full precision take torch's update bit for bit, ranks (replicas) identical, accumulation, a GradScaler's
 skipped steps, resume from a torch.load'ed checkpoint.
@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from test_ddp import load, run_launch
-from test_horovod import launcher
+from support import forked_ranks
+from test_ddp import load
 
 from horovod_terngrad.codec.schedule import RefreshSchedule
 from horovod_terngrad.exchange import precision
@@ -340,8 +340,7 @@ SLOW_FIXTURES = ("ddp_runs", "hvd_runs", "fsdp_runs")
 def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_ddp")
     scenarios = ["train", "nosync", "twice", "amp", "resume", "plain", "corrected", "resume_corrected"]
-    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
-                str(out), "ddp"] + scenarios, "torchrun (optim, ddp)")
+    forked_ranks.run_scenarios("torch", 2, WORKER, [str(out), "ddp"] + scenarios, str(out))
     return {sc: load(out, sc) for sc in scenarios}
 
 
@@ -421,8 +420,7 @@ def test_ddp_without_a_hook_it_is_torch_adamw_bit_for_bit(ddp_runs):
 def hvd_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_hvd")
     scenarios = ["train", "bpps2", "none", "corrected"]
-    run_launch(launcher("gloo", 2) + [sys.executable, WORKER, str(out), "horovod"] + scenarios,
-               "horovodrun (optim)")
+    forked_ranks.run_scenarios("horovod", 2, WORKER, [str(out), "horovod"] + scenarios, str(out))
     return {sc: load(out, sc) for sc in scenarios}
 
 
@@ -455,8 +453,8 @@ def test_horovod_with_compression_none_it_is_torch_adamw_bit_for_bit(hvd_runs):
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_fsdp")
-    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER,
-                str(out), "fsdp", "train", "resume", "corrected", "resume_corrected"], "torchrun (optim, fsdp)")
+    forked_ranks.run_scenarios("torch", 4, WORKER, [str(out), "fsdp", "train", "resume", "corrected",
+                                                    "resume_corrected"], str(out))
     return {sc: load(out, sc, nproc=4) for sc in ("train", "resume", "corrected", "resume_corrected")}
 
 

@@ -1,6 +1,7 @@
-"""OwnerStepOptimizer on real ranks (tests/workers/owner_step_ranks.py): three ranks under torchrun (the model in
-DDP with local_gradients_hook) and under horovodrun (no DDP): every rank holds the same weights after every step,
-both launchers give the same bits, a run resumed from torch.save'd state dicts continues bit for bit, the bits
+"""OwnerStepOptimizer on real ranks (tests/workers/owner_step_ranks.py, on forked ranks with a launcher's
+environment: tests/support/forked_ranks.py): three ranks of torch.distributed (the model in DDP with
+local_gradients_hook) and three of Horovod (no DDP): every rank holds the same weights after every step, both
+frontends give the same bits, a run resumed from torch.save'd state dicts continues bit for bit, the bits
 received are the codec's sizes, and fp16 autocast with GradScaler skips the same steps and moves the same scale on
 every rank when one rank alone overflows."""
 import os
@@ -8,8 +9,8 @@ import sys
 
 import pytest
 
-from test_ddp import load, run_launch
-from test_horovod import launcher
+from support import forked_ranks
+from test_ddp import load
 
 from horovod_terngrad.codec import sizes
 
@@ -22,15 +23,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def torch3(tmp_path_factory):
     out = tmp_path_factory.mktemp("owner_torch")
-    run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NP),
-                WORKER, str(out), "torch", "train", "resume", "amp"], "torch.distributed.run")
+    forked_ranks.run_scenarios("torch", NP, WORKER, [str(out), "torch", "train", "resume", "amp"], str(out))
     return {sc: load(out, sc, NP) for sc in ("train", "resume", "amp")}
 
 
 @pytest.fixture(scope="module")
 def hvd3(tmp_path_factory):
     out = tmp_path_factory.mktemp("owner_hvd")
-    run_launch(launcher("gloo", NP) + [sys.executable, WORKER, str(out), "horovod", "train", "amp"], "horovodrun")
+    forked_ranks.run_scenarios("horovod", NP, WORKER, [str(out), "horovod", "train", "amp"], str(out))
     return {sc: load(out, sc, NP) for sc in ("train", "amp")}
 
 

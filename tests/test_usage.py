@@ -1,5 +1,5 @@
 """Drop-in for what users do with Horovod: every pattern of tests/workers/hvd_usage.py runs on real ranks
-(horovodrun --gloo and mpirun) with TernGrad and with hvd.Compression.none, and must work with both.
+(Gloo: forked ranks with horovodrun --gloo's environment, tests/support/forked_ranks.py; and mpirun) with TernGrad and with hvd.Compression.none, and must work with both.
 
 One launch per launcher runs every pattern (under Gloo with TernGrad and Compression.none in turn, in the same
 processes); the checks below read what each rank saved.
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from helpers import expected_average
+from support import forked_ranks
 from test_horovod import HERE, by_name_and_step, check_exact, launcher, rank_env
 
-pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, mpirun)
+pytestmark = pytest.mark.slow       # every test here launches ranks (Gloo, mpirun)
 
 WORKER = os.path.join(HERE, "workers", "hvd_usage.py")
 LAUNCH_TIMEOUT = 180        # a launch takes ~10 s; a hang must fail, not stall CI
@@ -29,13 +30,21 @@ TWO_RANK = ["unnamed_ops_mid_step", "sparse_as_dense", "sparse", "grouped_allred
 
 def run_usage(folder, kind, np_, compressions, patterns):
     """Launch the worker once; {compression: {pattern: every rank's results}}."""
+    args = [str(folder), ",".join(compressions)] + patterns
+    if kind == "gloo":
+        forked_ranks.run_scenarios("horovod", np_, WORKER, args, str(folder), timeout=LAUNCH_TIMEOUT)
+        return _results(folder, np_, compressions, patterns)
     env = rank_env()
-    cmd = launcher(kind, np_) + [sys.executable, WORKER, str(folder), ",".join(compressions)] + patterns
+    cmd = launcher(kind, np_) + [sys.executable, WORKER] + args
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{kind} -np {np_} {compression} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
+        pytest.fail(f"{kind} -np {np_} {compressions} hung for {LAUNCH_TIMEOUT}s:\n{e.stdout}\n{e.stderr}")
     assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    return _results(folder, np_, compressions, patterns)
+
+
+def _results(folder, np_, compressions, patterns):
     return {c: {pat: [torch.load(os.path.join(folder, f"{pat}.{c}.rank{r}.pt"), weights_only=False)
                       for r in range(np_)] for pat in patterns} for c in compressions}
 
