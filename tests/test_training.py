@@ -23,7 +23,9 @@ def train(tmp_path, compression):
     cmd = [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
            os.path.join(ROOT, "examples", "mnist_lenet.py"), "--epochs", "1", "--max-steps", "300",
            "--compression", compression, "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    # one thread per rank: two ranks of two threads each on a 2-core machine spend their time switching
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text())[-1], p.stdout
 
