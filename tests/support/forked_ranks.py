@@ -126,8 +126,8 @@ def launch(kind: str, nproc: int, script: str, args: list, env: dict, log_dir: s
         for r in range(nproc):
             rank_env = dict(env, **(rendezvous.env(r) if rendezvous else _torch_env(r, nproc, port)))
             logs.append(os.path.join(log_dir, f"{os.path.basename(script)}.{kind}{nproc}.rank{r}.log"))
-            p = ctx.Process(target=_rank_main, args=(script, list(args), rank_env, cwd or os.getcwd(), logs[-1]),
-                            daemon=True)
+            # not daemonic: a rank may start processes of its own (DataLoader workers, a spawn launcher)
+            p = ctx.Process(target=_rank_main, args=(script, list(args), rank_env, cwd or os.getcwd(), logs[-1]))
             p.start()
             procs.append(p)
         status = _wait(procs, timeout)
