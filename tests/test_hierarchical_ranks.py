@@ -35,9 +35,14 @@ def stall_reports(tmp_path) -> str:
     return "\n".join(f.read_text() for f in sorted(tmp_path.glob("*.stall.txt")))
 
 
+def ranks_env(env=None) -> dict:
+    """What every launch here gives its ranks, then ``env``: process sets may be added (the sharded exchange across
+    nodes needs them; tests of their absence say "0"), and the stall watch's threshold."""
+    return dict({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HVD_TEST_STALL_S": str(STALL_S)}, **(env or {}))
+
+
 def launch(tmp_path, kind, hosts, scenarios, np_=4, env=None):
-    # process sets may be added (the sharded exchange across nodes needs them); tests of their absence say "0"
-    env = dict({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HVD_TEST_STALL_S": str(STALL_S)}, **(env or {}))
+    env = ranks_env(env)
     forward = [a for k in env for a in ("-x", k)] if kind == "mpirun" else []
     cmd = launcher(kind, np_) + forward + [sys.executable, WORKER, str(tmp_path), hosts] + scenarios
     try:
@@ -53,8 +58,7 @@ def launch_cases(tmp_path, cases: dict, scenarios: list, env=None):
     """One launch (Gloo, 4 forked ranks: tests/support/forked_ranks.py) running ``scenarios`` ("SCENARIO@CASE"), each case as a job of its own would
     (tests/workers/hvd_hier.py): ``cases`` maps CASE to its node names and environment.  Returns the results
     and, per case, the lines rank 0 wrote to stderr while it ran."""
-    env = dict({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HVD_TEST_STALL_S": str(STALL_S)}, **(env or {}),
-               HIER_TEST_CASES=json.dumps(cases))
+    env = ranks_env(dict(env or {}, HIER_TEST_CASES=json.dumps(cases)))
     try:
         logs = forked_ranks.run_scenarios("horovod", 4, WORKER, [str(tmp_path), "-"] + scenarios, str(tmp_path),
                                           env=env, timeout=LAUNCH_TIMEOUT)
