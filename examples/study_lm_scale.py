@@ -180,16 +180,12 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     from exchange_bits import exchange_spec
     # e.g. reternarized@b128: one scaler per 128 elements; a "+bf16" suffix: intra_node_dtype="bfloat16", a
     # "+fp32" suffix: intra_node_dtype="float32" (without either: the default's bf16)
-    # a "+ef" suffix (before any other): error_feedback=True (exchange/feedback.py)
     spec, inside = method, None
-    ef = spec.endswith("+ef")
-    spec = spec[:-len("+ef")] if ef else spec
-    extra_ef = {"error_feedback": True} if ef else {}
     for suffix, dtype in (("+bf16", "bfloat16"), ("+fp32", "float32")):
         if method.endswith(suffix):
             spec, inside = method[:-len(suffix)], dtype
     exchange, bucket = exchange_spec(spec)
-    extra = dict(extra_ef) if inside is None else {"intra_node_dtype": inside, **extra_ef}
+    extra = {} if inside is None else {"intra_node_dtype": inside}
     owner = exchange.startswith(OWNER_STEP)
     if owner:
         # owner-step-<rounding>[@gK][@bK]: the requantized exchange's first stage in base-3 (with @gK one scaler
@@ -200,7 +196,7 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
             raise SystemExit("study_lm_scale: owner-step runs flat (no --nodes-of)")
         rounding, _, grad_bucket = exchange[len(OWNER_STEP):].partition("@g")
         cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False,
-                             bucket_size=int(grad_bucket or 0), **extra_ef)
+                             bucket_size=int(grad_bucket or 0))
         sim = OwnerStepSimulator(model, N, cfg, rounding=rounding, delta_bucket=bucket)
     else:
         cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",

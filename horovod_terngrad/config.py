@@ -91,10 +91,6 @@ class TernGradConfig:
                    half the bytes inside a node, sums still in fp32; the rounding, about 2^-9 relative, is
                    far below the ternary rounding's across nodes, and held-out loss was unchanged within
                    seed noise in docs/scale.md) or "float32" (the node sum and the final average exact).
-    error_feedback: each rank adds what its previous ternary rounding of a tensor left out (its fp32 residual,
-                   kept per tensor) to the next gradient it ternarizes, so rounding errors cancel over steps
-                   instead of accumulating (exchange/feedback.py).  The same bits on the wire; an fp32 buffer
-                   per compressed tensor on each rank.  Default False.
     """
 
     clip_factor: float = 2.5
@@ -109,7 +105,6 @@ class TernGradConfig:
     fusion_numel: int = 1 << 22
     hierarchical: object = "auto"
     intra_node_dtype: str = "bfloat16"
-    error_feedback: bool = False
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -136,8 +131,6 @@ class TernGradConfig:
             raise ValueError(f"hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
         if self.intra_node_dtype not in INTRA_NODE_DTYPES:
             raise ValueError(f"intra_node_dtype must be one of {tuple(INTRA_NODE_DTYPES)}, got {self.intra_node_dtype!r}")
-        if self.error_feedback not in (True, False):
-            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
         if self.shared_scaler not in (None, True, False):
             raise ValueError(f"shared_scaler must be True, False or None (the exchange's default), "
                              f"got {self.shared_scaler!r}")

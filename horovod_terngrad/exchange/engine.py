@@ -45,7 +45,7 @@ import torch
 from .. import backends, codec
 from ..config import TernGradConfig
 from ..errors import NonFiniteGradientError, RankMismatchError, TernGradError
-from . import allgather, feedback, handshake, joined, link, policy, requantized, reternarized, sharded
+from . import allgather, handshake, joined, link, policy, requantized, reternarized, sharded
 from .collectives import CollectiveError, Collectives
 from .stats import ExchangeStats, Inspection
 
@@ -214,14 +214,12 @@ class Engine:
     def __init__(self, collectives: Collectives, config: TernGradConfig | None = None,
                  stats: ExchangeStats | None = None, inspection: Inspection | None = None,
                  steps: dict | None = None, ordered: bool = True, joins: bool | None = None,
-                 stream_rank: int | None = None, residuals: dict | None = None):
+                 stream_rank: int | None = None):
         self.coll = collectives
         self.config = config or TernGradConfig()
         self.stats = stats if stats is not None else ExchangeStats()
         self.inspection = inspection if inspection is not None else Inspection()
         self.steps: dict[str, int] = steps if steps is not None else {}
-        # error feedback (config.error_feedback, feedback.py): per tensor name, what this rank's last rounding left
-        self.residuals: dict = residuals if residuals is not None else {}
         self._awaiting_presence: list[Group] = []     # per-rank groups (ordered=False only)
         self._awaiting_handshake: list[Group] = []
         self._awaiting_alltoall: list[Group] = []
@@ -315,8 +313,6 @@ class Engine:
             if not (flat.dtype == torch.bfloat16 and backends.has_capability(backend, backends.BF16_INPUT)):
                 flat = flat.to(torch.float32)
             flat = flat.contiguous()
-            if cfg.error_feedback:
-                flat = feedback.with_residual(self.residuals, name, flat)
             if flat.device != device:
                 raise TernGradError(f"TernGrad: fused group '{group}' mixes devices ({flat.device} for '{name}')")
             bucket = (reternarized.encode_bucket(self, flat.numel(), buckets) if transport in SHARDED_FIRST_STAGE
@@ -478,8 +474,8 @@ class Engine:
         for tk in grp.members:
             prep = tk.prep
             on_host = prep.nonfinite.device.type == "cpu"
-            payload = self._encode(backend, tk, prep.threshold, prep.scalers,
-                                   int(bool(prep.nonfinite)) if on_host else 0, prep.nonfinite)
+            payload = backend.encode(tk.source, prep.threshold, prep.scalers, tk.bucket, tk.key, cfg.packing,
+                                     flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
             if not on_host:          # the flag byte, written on the device (no host synchronization)
                 payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
             payload = self._with_squares(tk, grp, payload)
@@ -567,7 +563,6 @@ class Engine:
     def _encode_agreed(self, tk: Ticket, member: handshake.MemberVerdict) -> torch.Tensor | None:
         """One member's payload, ternarized with the agreed scalers, or None if it sends nothing."""
         if member.first_bad >= 0:
-            feedback.drop_residual(self.residuals, tk.name)
             self.nonfinite(tk, NonFiniteGradientError.describe(tk.name, tk.shape, member.first_bad, member.last_bad))
             return None
         if tk.source.numel() == 0:
@@ -575,21 +570,11 @@ class Engine:
             return None
         cfg = self.config
         tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.source.device)
-        payload = self._encode(backends.for_device(tk.source.device), tk, tk.threshold, tk.shared)
+        payload = backends.for_device(tk.source.device).encode(
+            tk.source, tk.threshold, tk.shared, tk.bucket, tk.key, cfg.packing, shape=tk.shape)
         payload = self._with_squares(tk, tk.group, payload)
         self._record(tk, payload, tk.shared)
         return payload
-
-    def _encode(self, backend, tk: Ticket, threshold: torch.Tensor, scalers: torch.Tensor, flags: int = 0,
-                nonfinite: torch.Tensor | bool = False) -> torch.Tensor:
-        """One member's payload: stochastic rounding with its stream (the codec's), or, with error feedback,
-        rounded to the nearest level and the remainder kept for its next step (feedback.py)."""
-        cfg = self.config
-        if cfg.error_feedback:
-            return feedback.encode(self.residuals, tk.name, tk.source, threshold, scalers, tk.bucket, cfg.packing,
-                                   flags, tk.shape, nonfinite)
-        return backend.encode(tk.source, threshold, scalers, tk.bucket, tk.key, cfg.packing, flags=flags,
-                              shape=tk.shape)
 
     @staticmethod
     def _with_squares(tk: Ticket, grp: Group, payload: torch.Tensor) -> torch.Tensor:
