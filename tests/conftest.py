@@ -47,14 +47,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-# -- pytest-xdist (-n N): the slow tests on one worker, in collection order ------------------------------------------
-# One launch at a time (1-6 ranks each), each module's launch fixtures run once, while the other workers take the
-# fast tests and the slow tests marked one_process (no ranks: nothing in them waits on another process's rendezvous
-# or collective, so sharing the cores with a launch slows them, never breaks them).  A module fixture is set up once
-# per worker that runs a test using it: a module's one_process tests share no launch fixture with its other tests.
+# -- pytest-xdist (-n N): the slow tests in two lanes, each on one worker, in collection order ----------------------
+# Two lanes of launches (1-6 ranks each), one launch at a time in each, so at most two launches share the cores; each
+# module's launch fixtures run once.  The ``hosts`` lane holds the tests marked ``launch_lane("hosts")``: what
+# builds emulated hosts (network namespaces and tc), runs Slurm jobs, mpirun worlds, Horovod's elastic driver or
+# installs, which share machine-wide state (slurmctld, mpirun's daemons, the namespaces' names) and so never run
+# beside each other; the ``local`` lane holds the other launches (ranks on loopback, each with its own ports).
+# The other workers, and each lane's worker once its lane is done, take the fast tests and the slow tests marked
+# one_process (no ranks: nothing in them waits on another process's rendezvous or collective, so sharing the cores
+# with a launch slows them, never breaks them).  A module fixture is set up once per worker that runs a test using
+# it: a module's one_process tests share no launch fixture with its other tests.
 # xdist's own --dist loadgroup cannot do it under pytest 9 (it renames node ids through an attribute pytest 9 no
-# longer reads), so the workers write the ids of their serialized slow tests to a folder the controller names, and
-# the controller's scheduler (xdist's loadscope scheduling) makes them one scope.
+# longer reads), so the workers write the ids of their serialized slow tests with their lane to a folder the
+# controller names, and the controller's scheduler (xdist's loadscope scheduling) makes each lane one scope.
+LANES = ("local", "hosts")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """Controller: the folder the workers write their slow tests' ids to."""
@@ -71,7 +79,7 @@ def pytest_unconfigure(config):
 
 
 def serialized(item) -> bool:
-    """Whether ``item`` runs in the one work unit of launches: slow, and not marked one_process."""
+    """Whether ``item`` runs in a lane of launches: slow, and not marked one_process."""
     return item.get_closest_marker("slow") is not None and item.get_closest_marker("one_process") is None
 
 
@@ -79,9 +87,18 @@ def serialized(item) -> bool:
 def pytest_collection_finish(session):
     workerinput = getattr(session.config, "workerinput", None)
     if workerinput and "tg_slow_dir" in workerinput:
-        ids = [item.nodeid for item in session.items if serialized(item)]
+        ids = [f"{lane(item)}\t{item.nodeid}" for item in session.items if serialized(item)]
         with open(os.path.join(workerinput["tg_slow_dir"], workerinput["workerid"]), "w") as f:
             f.write("\n".join(ids))
+
+
+def lane(item) -> str:
+    """The lane of a serialized slow test: its ``launch_lane`` mark's ("local" without one)."""
+    mark = item.get_closest_marker("launch_lane")
+    name = mark.args[0] if mark is not None and mark.args else "local"
+    if name not in LANES:
+        raise pytest.UsageError(f"{item.nodeid}: launch_lane must be one of {LANES}, got {name!r}")
+    return name
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -89,21 +106,25 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class SlowInOrder(LoadScopeScheduling):
-        """Each fast or one_process test its own work unit (as --dist load), every other slow test in one unit."""
+        """Each fast or one_process test its own work unit (as --dist load), every other slow test in its lane's
+        unit (the largest units go out first: each lane to its own worker)."""
 
         def __init__(self, config, log=None):
             super().__init__(config, log)
-            self.slow = set()
+            self.slow = {}
 
         def schedule(self):
             folder = getattr(self.config, "_tg_slow_dir", None)
             if folder and not self.slow:
                 for name in os.listdir(folder):
                     with open(os.path.join(folder, name)) as f:
-                        self.slow |= set(f.read().split("\n")) - {""}
+                        for line in f.read().split("\n"):
+                            if line:
+                                lane_name, nodeid = line.split("\t", 1)
+                                self.slow[nodeid] = lane_name
             super().schedule()
 
         def _split_scope(self, nodeid):
-            return "slow" if nodeid in self.slow else nodeid
+            return f"slow-{self.slow[nodeid]}" if nodeid in self.slow else nodeid
 
     return SlowInOrder(config, log)

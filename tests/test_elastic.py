@@ -17,6 +17,8 @@ import torch
 
 from test_horovod import BIN, HERE, launcher, rank_env
 
+pytestmark = pytest.mark.launch_lane("hosts")     # Horovod's elastic driver (tests/conftest.py)
+
 ELASTIC_WORKER = os.path.join(HERE, "workers", "hvd_elastic.py")
 USAGE_WORKER = os.path.join(HERE, "workers", "hvd_usage.py")
 TIMEOUT = 150

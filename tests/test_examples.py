@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from horovod_terngrad.operations import datasets as D
 from horovod_terngrad.operations.datasets import DatasetError
+from support import forked_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -214,16 +215,24 @@ def test_synthetic_model_profiles():
         assert prof["googlenet"]["macs"] / prof["googlenet"]["params"] > 5 * prof[name]["macs"] / prof[name]["params"]
 
 
-# -- real 2-rank runs ------------------------------------------------------------------------------
-def horovodrun(script, args, timeout=300):
-    cmd = [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
-           os.path.join(ROOT, "examples", script)] + args
-    # one thread per rank, as users' launches on shared cores (and torchrun's default): 2 ranks x 2 threads on 2
-    # cores spin against each other
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+# -- real 2-rank runs ------------------------------------------------------------------------------------------------
+# The examples' behaviour (outputs, AMP's skipped steps, benchmarks' records) on 2 ranks forked with the launcher's
+# environment (tests/support/forked_ranks.py): the launchers are not what these tests test; the examples as users
+# launch them are tests/test_ecosystem.py's, test_training.py's and test_ddp.py's.
+def forked_example(kind, script, args, log_dir, timeout=300, what=""):
+    """``examples/script args`` on 2 ranks, ``kind`` "horovod" (horovodrun --gloo's environment) or "torch"
+    (torchrun's), one thread each; returns their output as horovodrun prints it: every line of rank r's stdout
+    prefixed ``[r]<stdout>:``, of its stderr ``[r]<stderr>:`` (with "torch", stdout only, as torchrun passes it)."""
+    logs = forked_ranks.run_scenarios(kind, 2, os.path.join(ROOT, "examples", script), [str(a) for a in args],
+                                      str(log_dir), env={"OMP_NUM_THREADS": "1"}, timeout=timeout,
+                                      what=what or f"{script} {' '.join(map(str, args))}")
+    streams = ("stdout", "stderr") if kind == "horovod" else ("stdout",)
+    return "\n".join(f"[{r}]<{name}>:{line}" for r, pair in enumerate(logs) for name, text in zip(streams, pair)
+                     for line in text.splitlines())
+
+
+def horovodrun(script, args, log_dir, timeout=300):
+    return forked_example("horovod", script, args, log_dir, timeout)
 
 
 @pytest.mark.slow
@@ -231,7 +240,8 @@ def horovodrun(script, args, timeout=300):
 def test_cifarnet_substitute_two_ranks_terngrad(tmp_path):
     out = tmp_path / "cifarnet.json"
     log = horovodrun("cifarnet.py", ["--epochs", "1", "--max-steps", "40", "--batch-size", "32", "--lr", "0.001",
-                                     "--test-limit", "1000", "--compression", "terngrad", "--json", str(out)])
+                                     "--test-limit", "1000", "--compression", "terngrad", "--json", str(out)],
+                     tmp_path)
     lines = [ln.split("<stdout>:", 1)[1] for ln in log.splitlines() if ln.startswith("[0]<stdout>:")]
     lines = [ln for ln in lines if ln.strip()]
     assert len(lines) >= 2, log
@@ -281,7 +291,7 @@ def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
     out = tmp_path / "bench.json"
     log = horovodrun("synthetic_benchmark.py", ["--model", "alexnet", "--compression", "terngrad",
                                                 "--num-warmup-batches", "1", "--num-batches-per-iter", "3",
-                                                "--num-iters", "3", "--json", str(out)])
+                                                "--num-iters", "3", "--json", str(out)], tmp_path)
     assert "Iter #2:" in log and "Img/sec per rank:" in log and "Total img/sec on 2 rank(s):" in log
     assert "bits/element" in log
     res = json.loads(out.read_text())
@@ -296,7 +306,7 @@ def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
     out = tmp_path / "bench.json"
     horovodrun("synthetic_benchmark.py", ["--model", "googlenet", "--compression", "terngrad",
                                           "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
-                                          "--num-iters", "2", "--json", str(out)])
+                                          "--num-iters", "2", "--json", str(out)], tmp_path)
     res = json.loads(out.read_text())
     assert res["profile_tensors"] == 173 and res["fusion_numel"] == 1 << 22
     assert res["collectives_per_step"] == 2          # 173 tensors, 442k elements: one group (after warm-up:
@@ -420,6 +430,7 @@ def test_calibrated_regime_rate_from_a_measured_compute_time():
 
 
 @pytest.mark.slow
+@pytest.mark.launch_lane("hosts")     # emulated hosts and mpirun
 def test_calibrated_regime_on_two_emulated_hosts_of_two_ranks(tmp_path):
     """A tiny --regime 8 run on 2 emulated hosts x 2 ranks (mpirun by slot): every configuration's bytes
     through both host links; fp32 puts at most one ring payload on a host's link (its ranks' own traffic
@@ -878,19 +889,20 @@ def test_models_gpt2_is_the_ddp_benchmarks_transformers_workload():
 # So each run stops at its first trained step: the counts compared are the ones that must be equal.
 LENET_STEPS = 8          # LeNet at 2**26: steps 1-7 overflow (the scale falls to 2**19), step 8 trains
 LM_STEPS = 8             # the tiny GPT-2 at 2**24: steps 1-7 overflow (to 2**17), step 8 trains
-def _launch_ranks(cmd, what):
-    from test_ecosystem import launch
-    return launch(cmd, what, cwd=ROOT, timeout=300)
+def _launch_ranks(spec, what):
+    """Run ``spec`` (``_hvd_cmd`` / ``_torchrun_cmd``) on 2 forked ranks; the ranks' output (``forked_example``)."""
+    import tempfile
+    kind, script, args = spec
+    with tempfile.TemporaryDirectory(prefix="tg-example-") as log_dir:
+        return forked_example(kind, script, args, log_dir, what=what)
 
 
 def _hvd_cmd(script, *args):
-    return [os.path.join(BIN, "horovodrun"), "--gloo", "--gloo-timeout-seconds", "120", "-np", "2", "-H", "localhost:2",
-            sys.executable, os.path.join(ROOT, "examples", script), *map(str, args)]
+    return "horovod", script, args
 
 
 def _torchrun_cmd(script, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            os.path.join(ROOT, "examples", script), *map(str, args)]
+    return "torch", script, args
 
 
 def _result_lines(stdout):

@@ -61,5 +61,5 @@ def test_a_failed_rank_ends_the_launch_with_its_status(tmp_path, worker):
 
 def test_a_hang_ends_at_the_timeout(tmp_path, worker):
     status, _ = forked_ranks.launch("torch", 2, worker, ["torch", str(tmp_path), "hang"],
-                                    dict(os.environ, OMP_NUM_THREADS="1"), str(tmp_path), timeout=20)
+                                    dict(os.environ, OMP_NUM_THREADS="1"), str(tmp_path), timeout=8)
     assert status == -1

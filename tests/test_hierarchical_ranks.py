@@ -16,8 +16,8 @@ from support import forked_ranks
 from horovod_terngrad.exchange.topology import Topology
 from test_horovod import LAUNCH_TIMEOUT, by_name_and_step, launcher, load_results, rank_env
 
-pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, mpirun, torchrun)
-
+pytestmark = [pytest.mark.slow,      # every test here launches ranks (horovodrun, mpirun, torchrun)
+              pytest.mark.launch_lane("hosts")]    # emulated hosts and mpirun worlds
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_hier.py")
 

@@ -16,7 +16,7 @@ import torch
 
 from helpers import expected_average, expected_exchange
 
-pytestmark = pytest.mark.slow       # every test here launches ranks (horovodrun, mpirun)
+pytestmark = [pytest.mark.slow, pytest.mark.launch_lane("hosts")]   # mpirun worlds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_scenarios.py")

@@ -43,6 +43,7 @@ def clean_env():
 
 # a test that uses the clean venv (pip installs torch and this package into it) is slow (conftest.py)
 SLOW_FIXTURES = ("venv",)
+pytestmark = pytest.mark.launch_lane("hosts")     # installs into fresh venvs (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

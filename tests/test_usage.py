@@ -16,7 +16,7 @@ from helpers import expected_average
 from support import forked_ranks
 from test_horovod import HERE, by_name_and_step, check_exact, launcher, rank_env
 
-pytestmark = pytest.mark.slow       # every test here launches ranks (Gloo, mpirun)
+pytestmark = [pytest.mark.slow, pytest.mark.launch_lane("hosts")]   # mpirun worlds
 
 WORKER = os.path.join(HERE, "workers", "hvd_usage.py")
 LAUNCH_TIMEOUT = 180        # a launch takes ~10 s; a hang must fail, not stall CI
