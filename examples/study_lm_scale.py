@@ -52,6 +52,7 @@ import torch
 
 OPTIMIZERS = ("terngrad", "torch")
 OWNER_STEP = "owner-step-"       # owner-step-nearest / -stochastic / -exact (examples/owner_step.py)
+LEVEL_SETS = ("levels3", "levels4", "levels3o", "levels4o")   # the first stage in 3 or 4 levels (level_rounding.py)
 CURVE_WINDOWS = 64
 
 
@@ -187,7 +188,14 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     exchange, bucket = exchange_spec(spec)
     extra = {} if inside is None else {"intra_node_dtype": inside}
     owner = exchange.startswith(OWNER_STEP)
-    if owner:
+    levels = exchange in LEVEL_SETS
+    if levels:
+        # levels3 / levels4: the first stage rounded to 3 or 4 levels, averaged exactly (examples/level_rounding.py)
+        from level_rounding import LEVELS, ORACLE, LevelSimulator
+        oracle = exchange.endswith(ORACLE)
+        sim = LevelSimulator(model, N, TernGradConfig(exchange="allgather", hierarchical=False),
+                             LEVELS[exchange[:-1] if oracle else exchange], seed, oracle)
+    elif owner:
         # owner-step-<rounding>[@gK][@bK]: the requantized exchange's first stage in base-3 (with @gK one scaler
         # per K gradient elements: OwnerStepOptimizer's TernGradConfig(bucket_size=K)), the owners step their
         # shards and send ternary weight differences (one scaler per K elements of the difference; 0: per shard)
@@ -255,7 +263,7 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     return {**extra_fields, "model": args.model, "width": args.width, "layers": args.layers, "corpus": args.corpus,
             "max_mb": args.max_mb, "method": method, "optimizer": optimizer, "N": N, "G": G, "seed": seed,
             "lr": lr, "steps": steps, "batch": args.batch, "seq_len": args.seq_len, "held_out": loss,
-            "curve": curve, "exchange": (exchange if owner else sim.engines[0].config.exchange if method != "none" else "none"),
+            "curve": curve, "exchange": (exchange if owner or levels else sim.engines[0].config.exchange if method != "none" else "none"),
             "seconds": time.perf_counter() - t0,
             # optim.AdamW's noise estimate: its minibatch share taken out by the senders' squares (codec/squares.py)
             "estimate": "squares" if method != "none" and optimizer == "terngrad" else None,

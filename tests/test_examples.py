@@ -1130,3 +1130,23 @@ def test_device_cuda_without_a_gpu_stops_with_the_reason():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode != 0
     assert "DeviceError: --device cuda: no CUDA device: torch.cuda.is_available() is False" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("levels", [3, 4])
+def test_level_rounding_is_unbiased_on_its_levels_with_the_variance_it_reports(levels):
+    """examples/level_rounding.py: every value one of the evenly spaced levels from -s to s; the mean of many draws
+    is the input and their variance the one reported; 4 levels' variance is below ternary's."""
+    import level_rounding
+    c = torch.linspace(-2.0, 2.0, 41)
+    gen = torch.Generator().manual_seed(0)
+    draws, var = zip(*[level_rounding.round_to_levels(c, 2.0, levels, gen) for _ in range(4000)])
+    draws = torch.stack(draws)
+    grid = torch.linspace(-2.0, 2.0, levels)
+    assert torch.isclose(draws.unsqueeze(-1), grid).any(-1).all()
+    assert torch.allclose(draws.mean(0), c, atol=0.05)
+    assert torch.allclose(draws.var(0), var[0], atol=0.05)
+    assert torch.allclose(level_rounding.round_to_levels(c, 2.0, 3, gen)[1], 2.0 * c.abs() - c * c, atol=1e-5)
+    # on a Gaussian clipped at s = 2.5 sigma: ternary's mean variance about sigma², four levels' under half of it
+    g = torch.clamp(torch.randn(200_000, generator=gen), -2.5, 2.5)
+    mean_var = float(level_rounding.round_to_levels(g, 2.5, levels, gen)[1].mean())
+    assert 0.9 < mean_var < 1.1 if levels == 3 else 0.35 < mean_var < 0.5, mean_var

@@ -33,6 +33,11 @@ if [ -f "$D/gpt2-copyright-owner/runs.jsonl" ]; then
   $PY examples/study_lm_scale.py --table "$D/gpt2-copyright,$D/gpt2-copyright-owner" \
       --write "$D/table-gpt2-copyright-owner.md" > /dev/null
 fi
+# the first stage rounded to 3 or 4 levels on the third workload, beside its fp32 and default runs
+if [ -f "$D/llama-vimdoc-levels/runs.jsonl" ]; then
+  $PY examples/study_lm_scale.py --table "$D/llama-vimdoc,$D/llama-vimdoc-levels" \
+      --write "$D/table-llama-vimdoc-levels.md" > /dev/null
+fi
 $PY - <<'PYEOF'
 import glob, json, os, re, statistics
 D = "docs/study/whole_run"

@@ -1,0 +1,93 @@
+"""Stochastic rounding to 3 or 4 levels in the first stage (a research path of examples/study_lm_scale.py): does a
+first stage with less rounding variance at the same 2 bits close the gap the ternary one leaves?
+
+Every rank r clips its gradient at c·sigma (c = 2.5, TernGrad's), takes s = min(max|g|, c·sigma) per tensor and
+rounds each clipped element c_i stochastically and unbiasedly to the nearest of
+
+* ``levels3``: s·{-1, 0, 1} (TernGrad's ternary rounding; a control of this harness): variance s·|c| - c²;
+* ``levels4``: s·{-1, -1/3, 1/3, 1} (the fourth 2-bit code, which ternary leaves unused): variance
+  (s/3 - |c|)·(|c| + s/3) below s/3 and (s - |c|)·(|c| - s/3) above, at most s²/9 against ternary's s²/4; on a
+  Gaussian at s = 2.5 sigma about 0.43·sigma² per element against ternary's 1.0·sigma².
+
+The average is exact (Σ_r q_r / N in fp32, rank order: the first stage of the allgather or owner exchanges, without
+a second rounding), and horovod_terngrad.optim's noise estimate is (1/N²)·Σ_r q_r² with the minibatch's share taken
+out by the senders' squares (codec/squares.py's rule: scaled by max(0, 1 - Σ_r Σ_i c_i² / (N²·Σ_i ν_i))), as the
+engine forms it: E[q²] = c² + Var(q), so the estimate is the rounding's variance for either level set.  The random
+streams are torch generators seeded per (seed, step, tensor, rank).  With the suffix ``o`` (``levels3o``,
+``levels4o``: a diagnosis, not a method) the optimizer gets the rounding's exact variance per element,
+(1/N²)·Σ_r Var(q_r), instead of that estimate.  Bits counted: the first stage sent to shard
+owners, (N-1)/N·2 bits per element (both level sets in 2-bit codes) plus one fp32 scaler per shard.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from horovod_terngrad.codec import squares
+from horovod_terngrad.exchange import precision
+from horovod_terngrad.exchange.stats import ExchangeStats
+from horovod_terngrad.modelling.simulate import Simulator
+
+LEVELS = {"levels3": 3, "levels4": 4}
+ORACLE = "o"      # a suffix (levels3o, levels4o): the optimizer gets the rounding's exact variance, a diagnosis
+
+
+def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator) -> tuple:
+    """Unbiased stochastic rounding of ``c`` (|c| <= s) to ``levels`` evenly spaced values from -s to s; returns
+    (the rounded values, each element's rounding variance)."""
+    if s <= 0:
+        return torch.zeros_like(c), torch.zeros_like(c)
+    steps = levels - 1
+    u = (c / s + 1.0) * (steps / 2.0)                       # in [0, steps]
+    low = torch.clamp(torch.floor(u), 0, steps - 1)
+    frac = u - low
+    up = torch.rand(c.shape, generator=gen) < frac
+    spacing = 2.0 * s / steps
+    return s * ((low + up.to(c.dtype)) * (2.0 / steps) - 1.0), spacing * spacing * frac * (1.0 - frac)
+
+
+class LevelSimulator(Simulator):
+    """The simulator with the first stage rounded to ``levels`` levels (module docstring)."""
+
+    def __init__(self, model, n_workers, config, levels: int, seed: int = 0, oracle: bool = False):
+        super().__init__(model, n_workers, config)
+        self.levels, self.seed, self.step_count, self.oracle = levels, seed, 0, oracle
+        self._stats = ExchangeStats()
+
+    @property
+    def stats(self) -> ExchangeStats:
+        return self._stats
+
+    def _exchange(self, per_rank: list, names: list, routes: list | None = None) -> list:
+        routes = routes or [None] * len(names)
+        N, outs = self.n, []
+        for j, (name, route) in enumerate(zip(names, routes)):
+            total = torch.zeros(per_rank[0][j].numel(), dtype=torch.float32)
+            squared = torch.zeros_like(total)
+            variance = torch.zeros_like(total)
+            clipped_sq = 0.0
+            for r in range(N):
+                g = per_rank[r][j].reshape(-1).to(torch.float32)
+                thr = 2.5 * float(g.std(unbiased=False)) or float("inf")
+                c = torch.clamp(g, -thr, thr)
+                s = min(float(g.abs().max()), thr)
+                gen = torch.Generator().manual_seed(hash((self.seed, self.step_count, j, r)) & 0x7FFFFFFFFFFF)
+                q, var = round_to_levels(c, s, self.levels, gen)
+                variance += var
+                total += q
+                squared += q * q
+                clipped_sq += float((c.double() ** 2).sum())
+            avg = (total / N).reshape(per_rank[0][j].shape)
+            if self.oracle:
+                noise = variance / (N * N)
+            else:
+                noise = squared / (N * N)
+                squares.take_out_minibatch_share(noise, torch.tensor([clipped_sq], dtype=torch.float32), N)
+            precision.deliver(types.SimpleNamespace(route=route, noise=noise), avg)
+            n = avg.numel()
+            self._stats.elements += n
+            self._stats.bytes_received += (N - 1) / N * (n * 2 / 8 + 4)
+            outs.append(avg)
+        self.step_count += 1
+        return outs
