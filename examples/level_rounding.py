@@ -15,7 +15,8 @@ out by the senders' squares (codec/squares.py's rule: scaled by max(0, 1 - Σ_r 
 engine forms it: E[q²] = c² + Var(q), so the estimate is the rounding's variance for either level set.  The random
 streams are torch generators seeded per (seed, step, tensor, rank).  With the suffix ``o`` (``levels3o``,
 ``levels4o``: a diagnosis, not a method) the optimizer gets the rounding's exact variance per element,
-(1/N²)·Σ_r Var(q_r), instead of that estimate.  Bits counted: the first stage sent to shard
+(1/N²)·Σ_r Var(q_r), instead of that estimate; with ``e`` (``levels3e``, ``levels4e``) the estimate takes each
+element's own square of the mean out before the squares' rule (``per_element_estimate``), at no extra bits.  Bits counted: the first stage sent to shard
 owners, (N-1)/N·2 bits per element (both level sets in 2-bit codes) plus one fp32 scaler per shard.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from horovod_terngrad.modelling.simulate import Simulator
 
 LEVELS = {"levels3": 3, "levels4": 4}
 ORACLE = "o"      # a suffix (levels3o, levels4o): the optimizer gets the rounding's exact variance, a diagnosis
+PER_ELEMENT = "e"  # a suffix (levels3e, levels4e): the estimate takes each element's own square of the mean out
 
 
 def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator) -> tuple:
@@ -47,12 +49,27 @@ def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator
     return s * ((low + up.to(c.dtype)) * (2.0 / steps) - 1.0), spacing * spacing * frac * (1.0 - frac)
 
 
+def per_element_estimate(squared: torch.Tensor, avg: torch.Tensor, clipped_sq: float, N: int) -> torch.Tensor:
+    """The rounding variance of the mean per element from what a receiver holds: Σ_r q_r² and the average a.
+
+    (1/N²)·Σ_r q_r² estimates Var + (1/N²)·Σ_r c_r², and Σ_r c_r² = N·c̄² + S (S: the ranks' spread about their
+    mean c̄).  Each element's own share N·c̄² comes out with the average: E[a²] = c̄² + Var, so
+    ν' = (1/N²)·Σ_r q_r² - a²/N has mean Var·(1 - 1/N) + S/N².  The spread's share comes out as the squares' rule
+    takes the minibatch's: scaled by max(0, 1 - Q_S/Σν'), Q_S = Q - Σ a²/N the spread's part of the senders'
+    squares Q = Σ_r Σ_i c_r,i²/N²; then divided by (1 - 1/N)."""
+    nu = torch.clamp(squared / (N * N) - avg * avg / N, min=0.0)
+    q_spread = max(0.0, clipped_sq / (N * N) - float((avg.double() ** 2).sum()) / N)
+    total = float(nu.double().sum())
+    factor = max(0.0, 1.0 - q_spread / total) if total > 0 else 1.0
+    return nu * (factor / (1.0 - 1.0 / N))
+
+
 class LevelSimulator(Simulator):
     """The simulator with the first stage rounded to ``levels`` levels (module docstring)."""
 
-    def __init__(self, model, n_workers, config, levels: int, seed: int = 0, oracle: bool = False):
+    def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = ""):
         super().__init__(model, n_workers, config)
-        self.levels, self.seed, self.step_count, self.oracle = levels, seed, 0, oracle
+        self.levels, self.seed, self.step_count, self.estimate = levels, seed, 0, estimate
         self._stats = ExchangeStats()
 
     @property
@@ -79,8 +96,10 @@ class LevelSimulator(Simulator):
                 squared += q * q
                 clipped_sq += float((c.double() ** 2).sum())
             avg = (total / N).reshape(per_rank[0][j].shape)
-            if self.oracle:
+            if self.estimate == ORACLE:
                 noise = variance / (N * N)
+            elif self.estimate == PER_ELEMENT:
+                noise = per_element_estimate(squared, total / N, clipped_sq, N)
             else:
                 noise = squared / (N * N)
                 squares.take_out_minibatch_share(noise, torch.tensor([clipped_sq], dtype=torch.float32), N)

@@ -52,7 +52,8 @@ import torch
 
 OPTIMIZERS = ("terngrad", "torch")
 OWNER_STEP = "owner-step-"       # owner-step-nearest / -stochastic / -exact (examples/owner_step.py)
-LEVEL_SETS = ("levels3", "levels4", "levels3o", "levels4o")   # the first stage in 3 or 4 levels (level_rounding.py)
+LEVEL_SETS = tuple(f"levels{k}{e}" for k in (3, 4) for e in ("", "o", "e"))   # the first stage in 3 or 4 levels
+#                                                                           (examples/level_rounding.py)
 CURVE_WINDOWS = 64
 
 
@@ -191,10 +192,10 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     levels = exchange in LEVEL_SETS
     if levels:
         # levels3 / levels4: the first stage rounded to 3 or 4 levels, averaged exactly (examples/level_rounding.py)
-        from level_rounding import LEVELS, ORACLE, LevelSimulator
-        oracle = exchange.endswith(ORACLE)
-        sim = LevelSimulator(model, N, TernGradConfig(exchange="allgather", hierarchical=False),
-                             LEVELS[exchange[:-1] if oracle else exchange], seed, oracle)
+        from level_rounding import LEVELS, LevelSimulator
+        base = exchange[:len("levels3")]
+        sim = LevelSimulator(model, N, TernGradConfig(exchange="allgather", hierarchical=False), LEVELS[base], seed,
+                             estimate=exchange[len(base):])
     elif owner:
         # owner-step-<rounding>[@gK][@bK]: the requantized exchange's first stage in base-3 (with @gK one scaler
         # per K gradient elements: OwnerStepOptimizer's TernGradConfig(bucket_size=K)), the owners step their

@@ -1150,3 +1150,30 @@ def test_level_rounding_is_unbiased_on_its_levels_with_the_variance_it_reports(l
     g = torch.clamp(torch.randn(200_000, generator=gen), -2.5, 2.5)
     mean_var = float(level_rounding.round_to_levels(g, 2.5, levels, gen)[1].mean())
     assert 0.9 < mean_var < 1.1 if levels == 3 else 0.35 < mean_var < 0.5, mean_var
+
+
+def test_level_rounding_per_element_estimate_follows_each_elements_variance_where_means_differ():
+    """examples/level_rounding.py's ``e`` estimate: where the ranks' mean gradient differs from element to element,
+    the payload estimate scaled by the squares' rule over-counts the large elements' variance and under-counts the
+    small ones'; taking each element's own square of the mean out follows the exact variance far closer."""
+    import level_rounding
+    from horovod_terngrad.codec import squares
+    N, n, trials = 16, 4000, 10
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) * 2
+    est = {"squares": torch.zeros(n), "per_element": torch.zeros(n), "exact": torch.zeros(n)}
+    for _ in range(trials):
+        total, squared, variance, clipped_sq = torch.zeros(n), torch.zeros(n), torch.zeros(n), 0.0
+        for _r in range(N):
+            c = (mean + torch.randn(n, generator=gen)).clamp(-5, 5)
+            q, var = level_rounding.round_to_levels(c, 5.0, 3, gen)
+            total, squared, variance = total + q, squared + q * q, variance + var
+            clipped_sq += float((c.double() ** 2).sum())
+        nu = squared / N ** 2
+        squares.take_out_minibatch_share(nu, torch.tensor([clipped_sq]), N)
+        est["squares"] += nu / trials
+        est["per_element"] += level_rounding.per_element_estimate(squared, total / N, clipped_sq, N) / trials
+        est["exact"] += variance / N ** 2 / trials
+    error = {k: float((est[k] - est["exact"]).norm() / est["exact"].norm()) for k in ("squares", "per_element")}
+    assert error["per_element"] < 0.5 * error["squares"], error
+    assert 0.9 < float(est["per_element"].sum() / est["exact"].sum()) < 1.15
