@@ -11,8 +11,9 @@ The ``slow`` marker (pytest.ini) splits the suite into two tiers: ``-m "not slow
 spawned training and no compiler or installer subprocess.  A module marks its slow tests with ``pytest.mark.slow``
 (or ``pytestmark``), and names in ``SLOW_FIXTURES`` the module fixtures that launch ranks: every test that uses one
 is marked here, so a new test on a launch is slow without a mark of its own.  With pytest-xdist (``-n N``) the slow
-tests all go to one worker, in order (below), except those also marked ``one_process``: they start no ranks (they
-work in the test's own process, or run one command at a time), so any worker may take them, beside a launch.
+tests run in two lanes of launches, each lane on one worker, in order (below), except those also marked
+``one_process``: they start no ranks (they work in the test's own process, or run one command at a time), so any
+worker may take them, beside a launch.
 """
 import os
 import shutil
