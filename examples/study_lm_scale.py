@@ -29,7 +29,10 @@ research path, examples/owner_step.py): the requantized exchange's first stage i
 step their shards of the master weights with the first stage's noise estimate and send ternary weight differences
 (rounded to the nearest level, or stochastically; ``@bK``: one scaler per K elements of the difference, else one per
 shard); the workers train on the copy those differences build, the held-out loss is the master's (also recorded:
-the copy's, and each stage's bits).
+the copy's, and each stage's bits).  ``levels3`` / ``levels4`` (a research path, examples/level_rounding.py): the
+ranks' gradients rounded stochastically to 3 levels (ternary) or 4 on the 2-bit codes and averaged exactly; with
+the suffix ``o`` the optimizer gets the rounding's exact variance (a diagnosis), with ``e`` an estimate that takes
+each element's own square of the mean out.
 
 Each run appends one JSON line to <out>/runs.jsonl: model, corpus, method, optimizer, N, G, seed, lr, steps,
 the final held-out loss (all held-out windows, up to ``--eval-windows``), its curve (``--evals`` points on 64
@@ -420,7 +423,8 @@ def main(argv=None):
                         "intra_node_dtype (with --nodes-of; without: the default's bf16); a /torch suffix: "
                         "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW); "
                         "owner-step-nearest or owner-step-stochastic[@bK]: the owners step their shards and send "
-                        "ternary weight differences (examples/owner_step.py)")
+                        "ternary weight differences (examples/owner_step.py); levels3 or levels4[o|e]: the first "
+                        "stage rounded to 3 or 4 levels (examples/level_rounding.py)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="terngrad",
                    help="terngrad: horovod_terngrad.optim.AdamW (the Adam recipe); torch: torch.optim.AdamW")
     p.add_argument("--seeds", default="0,1,2")

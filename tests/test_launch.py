@@ -12,6 +12,7 @@ from horovod_terngrad.operations import launcher
 
 pytestmark = [pytest.mark.slow,      # every test here runs the launcher (terngrad-launch, sbatch, netns hosts)
               pytest.mark.launch_lane("hosts")]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LAUNCH = os.path.join(ROOT, "launch", "terngrad-launch")

@@ -11,6 +11,7 @@ import torch
 from test_horovod import LAUNCH_TIMEOUT, check_exact, launcher, rank_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.launch_lane("hosts")]       # launches ranks (mpirun)
+
 pytest.importorskip("mpi4py", reason="mpi4py is installed by scripts/setup.sh")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "hvd_mpi4py.py")
 
