@@ -16,8 +16,9 @@ engine forms it: E[q²] = c² + Var(q), so the estimate is the rounding's varian
 streams are torch generators seeded per (seed, step, tensor, rank).  With the suffix ``o`` (``levels3o``,
 ``levels4o``: a diagnosis, not a method) the optimizer gets the rounding's exact variance per element,
 (1/N²)·Σ_r Var(q_r), instead of that estimate; with ``e`` (``levels3e``, ``levels4e``) the estimate takes each
-element's own square of the mean out before the squares' rule (``per_element_estimate``), at no extra bits.  Bits counted: the first stage sent to shard
-owners, (N-1)/N·2 bits per element (both level sets in 2-bit codes) plus one fp32 scaler per shard.
+element's own square of the mean out before the squares' rule (``per_element_estimate``), at no extra bits.
+Bits counted: the first stage sent to shard owners, (N-1)/N·2 bits per element (both level sets in 2-bit codes)
+plus one fp32 scaler per shard.
 """
 from __future__ import annotations
 

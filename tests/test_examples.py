@@ -231,17 +231,13 @@ def forked_example(kind, script, args, log_dir, timeout=300, what=""):
                      for line in text.splitlines())
 
 
-def horovodrun(script, args, log_dir, timeout=300):
-    return forked_example("horovod", script, args, log_dir, timeout)
-
-
 @pytest.mark.slow
 @needs_fashion
 def test_cifarnet_substitute_two_ranks_terngrad(tmp_path):
     out = tmp_path / "cifarnet.json"
-    log = horovodrun("cifarnet.py", ["--epochs", "1", "--max-steps", "40", "--batch-size", "32", "--lr", "0.001",
-                                     "--test-limit", "1000", "--compression", "terngrad", "--json", str(out)],
-                     tmp_path)
+    log = forked_example("horovod", "cifarnet.py",
+                         ["--epochs", "1", "--max-steps", "40", "--batch-size", "32", "--lr", "0.001",
+                          "--test-limit", "1000", "--compression", "terngrad", "--json", str(out)], tmp_path)
     lines = [ln.split("<stdout>:", 1)[1] for ln in log.splitlines() if ln.startswith("[0]<stdout>:")]
     lines = [ln for ln in lines if ln.strip()]
     assert len(lines) >= 2, log
@@ -289,9 +285,9 @@ def test_parameter_ema_follows_tensorflows_warm_up_and_restores_raw_weights():
 @pytest.mark.slow
 def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
     out = tmp_path / "bench.json"
-    log = horovodrun("synthetic_benchmark.py", ["--model", "alexnet", "--compression", "terngrad",
-                                                "--num-warmup-batches", "1", "--num-batches-per-iter", "3",
-                                                "--num-iters", "3", "--json", str(out)], tmp_path)
+    log = forked_example("horovod", "synthetic_benchmark.py",
+                         ["--model", "alexnet", "--compression", "terngrad", "--num-warmup-batches", "1",
+                          "--num-batches-per-iter", "3", "--num-iters", "3", "--json", str(out)], tmp_path)
     assert "Iter #2:" in log and "Img/sec per rank:" in log and "Total img/sec on 2 rank(s):" in log
     assert "bits/element" in log
     res = json.loads(out.read_text())
@@ -304,9 +300,9 @@ def test_synthetic_benchmark_two_ranks_terngrad(tmp_path):
 @pytest.mark.slow
 def test_synthetic_benchmark_googlenet_fuses_its_173_tensors(tmp_path):
     out = tmp_path / "bench.json"
-    horovodrun("synthetic_benchmark.py", ["--model", "googlenet", "--compression", "terngrad",
-                                          "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
-                                          "--num-iters", "2", "--json", str(out)], tmp_path)
+    forked_example("horovod", "synthetic_benchmark.py",
+                   ["--model", "googlenet", "--compression", "terngrad", "--num-warmup-batches", "2",
+                    "--num-batches-per-iter", "2", "--num-iters", "2", "--json", str(out)], tmp_path)
     res = json.loads(out.read_text())
     assert res["profile_tensors"] == 173 and res["fusion_numel"] == 1 << 22
     assert res["collectives_per_step"] == 2          # 173 tensors, 442k elements: one group (after warm-up:
@@ -890,18 +886,20 @@ def test_models_gpt2_is_the_ddp_benchmarks_transformers_workload():
 LENET_STEPS = 8          # LeNet at 2**26: steps 1-7 overflow (the scale falls to 2**19), step 8 trains
 LM_STEPS = 8             # the tiny GPT-2 at 2**24: steps 1-7 overflow (to 2**17), step 8 trains
 def _launch_ranks(spec, what):
-    """Run ``spec`` (``_hvd_cmd`` / ``_torchrun_cmd``) on 2 forked ranks; the ranks' output (``forked_example``)."""
+    """Run ``spec`` (``_on_horovod`` / ``_on_torchrun``) on 2 forked ranks; the ranks' output (``forked_example``)."""
     import tempfile
     kind, script, args = spec
     with tempfile.TemporaryDirectory(prefix="tg-example-") as log_dir:
         return forked_example(kind, script, args, log_dir, what=what)
 
 
-def _hvd_cmd(script, *args):
+def _on_horovod(script, *args):
+    """``examples/script args`` with horovodrun --gloo's environment (for ``_launch_ranks``)."""
     return "horovod", script, args
 
 
-def _torchrun_cmd(script, *args):
+def _on_torchrun(script, *args):
+    """``examples/script args`` with torchrun's environment (for ``_launch_ranks``)."""
     return "torch", script, args
 
 
@@ -988,7 +986,7 @@ def test_mnist_lenet_amp_fp16_terngrad_skips_its_overflowed_steps_on_both_ranks(
     these are the steps Compression.none skips is test_amp.py's claim, on the same frontend's recipe."""
     init, steps = 2.0 ** 26, LENET_STEPS
     out = tmp_path / "terngrad.json"
-    log = _launch_ranks(_hvd_cmd("mnist_lenet.py", "--epochs", 1, "--max-steps", steps, "--test-limit", 200,
+    log = _launch_ranks(_on_horovod("mnist_lenet.py", "--epochs", 1, "--max-steps", steps, "--test-limit", 200,
                                  "--compression", "terngrad", "--amp", "fp16", "--init-scale", "2**26",
                                  "--json", out), "mnist_lenet.py --compression terngrad --amp fp16")
     rec = json.loads(out.read_text())[-1]
@@ -1002,7 +1000,7 @@ def test_ddp_mnist_amp_fp16_terngrad_hook_skips_its_overflowed_steps_on_both_ran
     """DDP hook (examples/ddp_mnist.py): --amp fp16 with a huge initial scale: both ranks skip the same steps and
     end with the same parameters (plain DDP's steps: test_amp.py)."""
     init, steps = 2.0 ** 26, LENET_STEPS
-    log = _launch_ranks(_torchrun_cmd("ddp_mnist.py", "--hook", "terngrad", "--max-steps", steps, "--test-limit", 200,
+    log = _launch_ranks(_on_torchrun("ddp_mnist.py", "--hook", "terngrad", "--max-steps", steps, "--test-limit", 200,
                                       "--log-every", 3, "--amp", "fp16", "--init-scale", "2**26"),
                         "ddp_mnist.py --hook terngrad --amp fp16")
     rec = _result_lines(log)[-1]
@@ -1020,7 +1018,7 @@ def test_transformers_lm_amp_fp16_terngrad_skips_its_overflowed_steps_on_both_ra
     init, steps = 2.0 ** 24, LM_STEPS
     cmd = ("transformers_lm.py", "--frontend", frontend, "--compression", "terngrad", "--steps", steps,
            "--log-every", 4, "--n-embd", 64, "--n-head", 2, "--amp", "fp16", "--init-scale", "2**24")
-    log = _launch_ranks(_hvd_cmd(*cmd) if frontend == "horovod" else _torchrun_cmd(*cmd),
+    log = _launch_ranks(_on_horovod(*cmd) if frontend == "horovod" else _on_torchrun(*cmd),
                         f"transformers_lm.py --frontend {frontend} --amp fp16")
     rec = _result_lines(log)[-1]
     _check_overflowed(rec, log, init, steps)
@@ -1032,7 +1030,7 @@ def test_transformers_lm_amp_fp16_terngrad_skips_its_overflowed_steps_on_both_ra
 def test_mnist_lenet_amp_bf16_terngrad_trains(tmp_path):
     """--amp bf16 (autocast, no scaler) with TernGrad on Horovod: completes with a finite, falling loss."""
     out = tmp_path / "bf16.json"
-    log = _launch_ranks(_hvd_cmd("mnist_lenet.py", "--epochs", 2, "--max-steps", 20, "--test-limit", 200,
+    log = _launch_ranks(_on_horovod("mnist_lenet.py", "--epochs", 2, "--max-steps", 20, "--test-limit", 200,
                                  "--amp", "bf16", "--json", out), "mnist_lenet.py --amp bf16")
     hist = json.loads(out.read_text())
     assert [r["amp"] for r in hist] == ["bf16", "bf16"] and "skipped_steps" not in hist[-1]
@@ -1046,7 +1044,7 @@ def test_transformers_lm_eval_every_writes_a_learning_curve(tmp_path):
     7, its training time growing, its last point the run's held-out loss, and ranks still in step (identical)."""
     pytest.importorskip("transformers")
     out = tmp_path / "lm.json"
-    log = _launch_ranks(_torchrun_cmd("transformers_lm.py", "--frontend", "ddp", "--compression", "terngrad",
+    log = _launch_ranks(_on_torchrun("transformers_lm.py", "--frontend", "ddp", "--compression", "terngrad",
                                       "--steps", 7, "--eval-every", 3, "--log-every", 0, "--n-embd", 64,
                                       "--n-head", 2, "--json", out), "transformers_lm.py --eval-every 3")
     rec = json.loads(out.read_text())
@@ -1064,12 +1062,12 @@ def test_transformers_lm_eval_every_writes_a_learning_curve(tmp_path):
 def test_mnist_examples_take_optim_tg_adamw(script):
     """--optim tg-adamw on the MNIST examples (DDP hook, Horovod): trains, ranks identical."""
     if script == "ddp_mnist.py":
-        log = _launch_ranks(_torchrun_cmd(script, "--optim", "tg-adamw", "--max-steps", 12, "--test-limit", 200,
+        log = _launch_ranks(_on_torchrun(script, "--optim", "tg-adamw", "--max-steps", 12, "--test-limit", 200,
                                           "--log-every", 6), f"{script} --optim tg-adamw")
         rec = _result_lines(log)[-1]
         assert rec["params_identical"] and rec["loss_last"] < rec["loss_first"]
     else:
-        log = _launch_ranks(_hvd_cmd(script, "--optim", "tg-adamw", "--epochs", 1, "--max-steps", 12,
+        log = _launch_ranks(_on_horovod(script, "--optim", "tg-adamw", "--epochs", 1, "--max-steps", 12,
                                      "--test-limit", 200), f"{script} --optim tg-adamw")
         assert "test acc" in log
 
@@ -1115,7 +1113,7 @@ def test_every_example_a_user_runs_takes_device(command):
 @pytest.mark.slow
 def test_ddp_example_on_device_auto_runs_on_the_cpu_with_gloo_here():
     """No GPU here: --device auto is the CPU and gloo (the header names the backend), and trains."""
-    log = _launch_ranks(_torchrun_cmd("ddp_mnist.py", "--device", "auto", "--max-steps", 4, "--test-limit", 100,
+    log = _launch_ranks(_on_torchrun("ddp_mnist.py", "--device", "auto", "--max-steps", 4, "--test-limit", 100,
                                       "--epochs", 1, "--log-every", 2), "ddp_mnist.py --device auto")
     assert "DDP (gloo), 2 ranks" in log and _result_lines(log)[-1]["params_identical"]
 

@@ -18,6 +18,7 @@ from test_horovod import LAUNCH_TIMEOUT, by_name_and_step, launcher, load_result
 
 pytestmark = [pytest.mark.slow,      # every test here launches ranks (horovodrun, mpirun, torchrun)
               pytest.mark.launch_lane("hosts")]    # emulated hosts and mpirun worlds
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "hvd_hier.py")
 
