@@ -17,6 +17,10 @@ streams are torch generators seeded per (seed, step, tensor, rank).  With the su
 ``levels4o``: a diagnosis, not a method) the optimizer gets the rounding's exact variance per element,
 (1/N²)·Σ_r Var(q_r), instead of that estimate; with ``e`` (``levels3e``, ``levels4e``) the estimate takes each
 element's own square of the mean out before the squares' rule (``per_element_estimate``), at no extra bits.
+With the prefix ``c`` before those (``levels3c``, ``levels4c``) the ranks' dithers are stratified per element
+(``stratified_dither``: correlated rounding, no extra bits): each rank's rounding is as unbiased and as likely to
+round up as before, but the ranks' errors are negatively correlated, so their average's variance is lower; the
+estimate from the payloads still describes independent draws, so it over-counts that variance.
 Bits counted: the first stage sent to shard owners, (N-1)/N·2 bits per element (both level sets in 2-bit codes)
 plus one fp32 scaler per shard.
 """
@@ -32,22 +36,39 @@ from horovod_terngrad.exchange.stats import ExchangeStats
 from horovod_terngrad.modelling.simulate import Simulator
 
 LEVELS = {"levels3": 3, "levels4": 4}
+CORRELATED = "c"  # a suffix (levels3c, levels4c): the ranks' dithers stratified per element (stratified_dither)
 ORACLE = "o"      # a suffix (levels3o, levels4o): the optimizer gets the rounding's exact variance, a diagnosis
 PER_ELEMENT = "e"  # a suffix (levels3e, levels4e): the estimate takes each element's own square of the mean out
 
 
-def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator) -> tuple:
+def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator,
+                    dither: torch.Tensor | None = None) -> tuple:
     """Unbiased stochastic rounding of ``c`` (|c| <= s) to ``levels`` evenly spaced values from -s to s; returns
-    (the rounded values, each element's rounding variance)."""
+    (the rounded values, each element's rounding variance).  With ``dither`` (uniform on [0, 1) per element, e.g.
+    ``stratified_dither``'s) an element rounds up where dither >= 1 - frac, the same probability frac as the
+    independent draw's dither < frac, but always on the dither's upper tail: that is what makes the rounding
+    errors of ranks with stratified dithers negatively correlated."""
     if s <= 0:
         return torch.zeros_like(c), torch.zeros_like(c)
     steps = levels - 1
     u = (c / s + 1.0) * (steps / 2.0)                       # in [0, steps]
     low = torch.clamp(torch.floor(u), 0, steps - 1)
     frac = u - low
-    up = torch.rand(c.shape, generator=gen) < frac
+    up = (torch.rand(c.shape, generator=gen) < frac) if dither is None else (dither >= 1.0 - frac)
     spacing = 2.0 * s / steps
     return s * ((low + up.to(c.dtype)) * (2.0 / steps) - 1.0), spacing * spacing * frac * (1.0 - frac)
+
+
+def stratified_dither(n: int, N: int, shared: torch.Generator, own: list) -> torch.Tensor:
+    """Each rank's dither for ``n`` elements, (N, n): u_r = (pi(r) + gamma_r) / N with pi a random permutation of
+    the N ranks per element, drawn from the generator every rank shares (seeded without the rank), and gamma_r
+    uniform from rank r's own generator.  Each u_r is uniform on [0, 1), so every rank's rounding stays unbiased;
+    for any two ranks the strata differ, and two events on the dithers' upper tails then have covariance <= 0
+    (Chebyshev's sum inequality over the strata): the variance of the ranks' average is never above the
+    independent draws', and where the ranks' values agree it falls as 1/N² instead of 1/N."""
+    strata = torch.rand((n, N), generator=shared).argsort(dim=1).T.to(torch.float32)
+    gamma = torch.stack([torch.rand(n, generator=g) for g in own])
+    return (strata + gamma) / N
 
 
 def per_element_estimate(squared: torch.Tensor, avg: torch.Tensor, clipped_sq: float, N: int) -> torch.Tensor:
@@ -70,7 +91,9 @@ class LevelSimulator(Simulator):
 
     def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = ""):
         super().__init__(model, n_workers, config)
-        self.levels, self.seed, self.step_count, self.estimate = levels, seed, 0, estimate
+        self.correlated = estimate.startswith(CORRELATED)
+        self.levels, self.seed, self.step_count = levels, seed, 0
+        self.estimate = estimate[len(CORRELATED):] if self.correlated else estimate
         self._stats = ExchangeStats()
 
     @property
@@ -85,13 +108,19 @@ class LevelSimulator(Simulator):
             squared = torch.zeros_like(total)
             variance = torch.zeros_like(total)
             clipped_sq = 0.0
+            gens = [torch.Generator().manual_seed(hash((self.seed, self.step_count, j, r)) & 0x7FFFFFFFFFFF)
+                    for r in range(N)]
+            dither = None
+            if self.correlated:
+                # the strata's stream: the same on every rank (no rank in its seed; -1 is no rank's index)
+                shared = torch.Generator().manual_seed(hash((self.seed, self.step_count, j, -1)) & 0x7FFFFFFFFFFF)
+                dither = stratified_dither(total.numel(), N, shared, gens)
             for r in range(N):
                 g = per_rank[r][j].reshape(-1).to(torch.float32)
                 thr = 2.5 * float(g.std(unbiased=False)) or float("inf")
                 c = torch.clamp(g, -thr, thr)
                 s = min(float(g.abs().max()), thr)
-                gen = torch.Generator().manual_seed(hash((self.seed, self.step_count, j, r)) & 0x7FFFFFFFFFFF)
-                q, var = round_to_levels(c, s, self.levels, gen)
+                q, var = round_to_levels(c, s, self.levels, gens[r], None if dither is None else dither[r])
                 variance += var
                 total += q
                 squared += q * q

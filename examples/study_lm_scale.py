@@ -32,7 +32,8 @@ shard); the workers train on the copy those differences build, the held-out loss
 the copy's, and each stage's bits).  ``levels3`` / ``levels4`` (a research path, examples/level_rounding.py): the
 ranks' gradients rounded stochastically to 3 levels (ternary) or 4 on the 2-bit codes and averaged exactly; with
 the suffix ``o`` the optimizer gets the rounding's exact variance (a diagnosis), with ``e`` an estimate that takes
-each element's own square of the mean out.
+each element's own square of the mean out; with ``c`` first (``levels3c``, ``levels4ce``) the ranks' dithers are
+stratified per element (correlated rounding: the same bits, a lower variance of the average).
 
 Each run appends one JSON line to <out>/runs.jsonl: model, corpus, method, optimizer, N, G, seed, lr, steps,
 the final held-out loss (all held-out windows, up to ``--eval-windows``), its curve (``--evals`` points on 64
@@ -55,7 +56,7 @@ import torch
 
 OPTIMIZERS = ("terngrad", "torch")
 OWNER_STEP = "owner-step-"       # owner-step-nearest / -stochastic / -exact (examples/owner_step.py)
-LEVEL_SETS = tuple(f"levels{k}{e}" for k in (3, 4) for e in ("", "o", "e"))   # the first stage in 3 or 4 levels
+LEVEL_SETS = tuple(f"levels{k}{e}" for k in (3, 4) for e in ("", "o", "e", "c", "ce"))   # the first stage in 3 or 4 levels
 #                                                                           (examples/level_rounding.py)
 CURVE_WINDOWS = 64
 
@@ -423,8 +424,8 @@ def main(argv=None):
                         "intra_node_dtype (with --nodes-of; without: the default's bf16); a /torch suffix: "
                         "torch.optim.AdamW for that method (/terngrad: horovod_terngrad.optim.AdamW); "
                         "owner-step-nearest or owner-step-stochastic[@bK]: the owners step their shards and send "
-                        "ternary weight differences (examples/owner_step.py); levels3 or levels4[o|e]: the first "
-                        "stage rounded to 3 or 4 levels (examples/level_rounding.py)")
+                        "ternary weight differences (examples/owner_step.py); levels3 or levels4[o|e|c|ce]: the "
+                        "first stage rounded to 3 or 4 levels (c: correlated; examples/level_rounding.py)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="terngrad",
                    help="terngrad: horovod_terngrad.optim.AdamW (the Adam recipe); torch: torch.optim.AdamW")
     p.add_argument("--seeds", default="0,1,2")
