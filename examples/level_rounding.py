@@ -34,6 +34,7 @@ from horovod_terngrad.codec import squares
 from horovod_terngrad.exchange import precision
 from horovod_terngrad.exchange.stats import ExchangeStats
 from horovod_terngrad.modelling.simulate import Simulator
+from owner_step import OwnerStepSimulator
 
 LEVELS = {"levels3": 3, "levels4": 4}
 CORRELATED = "c"  # a suffix (levels3c, levels4c): the ranks' dithers stratified per element (stratified_dither)
@@ -140,3 +141,26 @@ class LevelSimulator(Simulator):
             outs.append(avg)
         self.step_count += 1
         return outs
+
+
+class LevelOwnerStepSimulator(OwnerStepSimulator):
+    """Owner-step (examples/owner_step.py: the owners step their shards and send ternary weight differences) with
+    the first stage rounded as ``LevelSimulator`` rounds it (e.g. 4 levels, correlated) instead of the engine's
+    ternary: a first stage of 2 bits per element plus a second of about 1.6-1.9, at most 4 in all.
+
+    Bits counted: the first stage as ``LevelSimulator`` counts it, the weight differences as owner-step does."""
+
+    def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = "",
+                 rounding: str = "nearest", delta_bucket: int = 0):
+        super().__init__(model, n_workers, config, rounding=rounding, delta_bucket=delta_bucket)
+        self.correlated = estimate.startswith(CORRELATED)
+        self.levels, self.seed, self.step_count = levels, seed, 0
+        self.estimate = estimate[len(CORRELATED):] if self.correlated else estimate
+        self._stats = ExchangeStats()
+
+    stats = LevelSimulator.stats
+    _exchange = LevelSimulator._exchange
+
+    def bits_received(self) -> tuple[float, float]:
+        e = max(1, self.elements)
+        return 8 * self._stats.bytes_received / e, 8 * self.delta_bytes / e

@@ -208,9 +208,16 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
         if G > 1:
             raise SystemExit("study_lm_scale: owner-step runs flat (no --nodes-of)")
         rounding, _, grad_bucket = exchange[len(OWNER_STEP):].partition("@g")
+        rounding, _, first = rounding.partition(":")     # owner-step-nearest:levels4c: that first stage instead
         cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False,
                              bucket_size=int(grad_bucket or 0))
-        sim = OwnerStepSimulator(model, N, cfg, rounding=rounding, delta_bucket=bucket)
+        if first:
+            from level_rounding import LEVELS, LevelOwnerStepSimulator
+            base = first[:len("levels3")]
+            sim = LevelOwnerStepSimulator(model, N, cfg, LEVELS[base], seed, estimate=first[len(base):],
+                                          rounding=rounding, delta_bucket=bucket)
+        else:
+            sim = OwnerStepSimulator(model, N, cfg, rounding=rounding, delta_bucket=bucket)
     else:
         cfg = TernGradConfig(exchange=exchange if method != "none" else "allgather",
                              hierarchical=bool(G > 1), bucket_size=bucket, **extra)
