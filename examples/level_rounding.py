@@ -30,6 +30,7 @@ import types
 
 import torch
 
+from horovod_terngrad import codec
 from horovod_terngrad.codec import squares
 from horovod_terngrad.exchange import precision
 from horovod_terngrad.exchange.stats import ExchangeStats
@@ -70,6 +71,32 @@ def stratified_dither(n: int, N: int, shared: torch.Generator, own: list) -> tor
     strata = torch.rand((n, N), generator=shared).argsort(dim=1).T.to(torch.float32)
     gamma = torch.stack([torch.rand(n, generator=g) for g in own])
     return (strata + gamma) / N
+
+
+def smallest_prime_at_least(n: int) -> int:
+    p = max(2, n)
+    while any(p % d == 0 for d in range(2, int(p ** 0.5) + 1)):
+        p += 1
+    return p
+
+
+def affine_dither(n: int, N: int, shared_key: tuple, own_keys: list) -> torch.Tensor:
+    """``stratified_dither`` as a kernel would draw it, per element and rank from the codec's counter-based
+    streams (codec/rng.py), with no sort: P = the smallest prime >= N strata; one draw of the stream every rank
+    shares picks a map x -> (a·x + b) mod P (a in 1..P-1, b in 0..P-1: the affine maps of Z_P, which take any two
+    distinct ranks to any two distinct strata with equal probability, as a random permutation does); rank r's
+    stratum is (a·r + b) mod P, and its own stream's 24-bit draw places it inside: u = (stratum·2^24 + draw) // P
+    in 24-bit units, exactly uniform.  The pairs' joint law is the permutation's, so the average's variance is
+    the same (with P strata for N ranks)."""
+    P = smallest_prime_at_least(N)
+    pick = codec.uniform24(shared_key, 0, n) % (P * (P - 1))   # bias under P²/2^24
+    a, b = 1 + pick // P, pick % P
+    out = torch.empty((N, n), dtype=torch.float32)
+    for r, key in enumerate(own_keys):
+        stratum = (a * r + b) % P
+        u24 = (stratum * (1 << codec.rng.UNIFORM_BITS) + codec.uniform24(key, 0, n)) // P
+        out[r] = u24.to(torch.float32) / float(1 << codec.rng.UNIFORM_BITS)
+    return out
 
 
 def per_element_estimate(squared: torch.Tensor, avg: torch.Tensor, clipped_sq: float, N: int) -> torch.Tensor:

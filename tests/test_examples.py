@@ -1204,3 +1204,32 @@ def test_level_rounding_stratified_dithers_keep_each_rank_unbiased_and_lower_the
         mse = {k: float(((torch.stack(v) - exact) ** 2).mean()) for k, v in sums.items()}
         assert abs(float((torch.stack(sums["stratified"]).mean(0) - exact).mean())) < 0.01
         assert mse["stratified"] < most * mse["independent"], (spread, mse)
+
+
+def test_level_rounding_affine_dither_is_uniform_and_lowers_the_variance_as_the_permutation_does():
+    """examples/level_rounding.py's ``affine_dither`` (what a kernel would draw: a shared affine map of the ranks to
+    P >= N strata, from the codec's streams): each rank's dither uniform, and the ranks' average as far below the
+    independent draws' variance as with a full random permutation."""
+    import level_rounding
+    from horovod_terngrad import codec
+    N, n, trials = 16, 2000, 120
+    gen = torch.Generator().manual_seed(3)
+    d = level_rounding.affine_dither(50_000, N, codec.stream_key(1, 2, 3, 2**32 - 1),
+                                     [codec.stream_key(1, 2, 3, r) for r in range(N)])
+    assert abs(float(d.mean()) - 0.5) < 0.005 and abs(float(d.var()) - 1 / 12) < 0.002
+    assert all(abs(float(d[r].mean()) - 0.5) < 0.01 for r in range(N))
+    values = (torch.empty(n).uniform_(-1.0, 1.0, generator=gen) + 0.3 * torch.randn(N, n, generator=gen)).clamp(-1, 1)
+    exact = values.mean(0)
+    mse = {"affine": 0.0, "permutation": 0.0, "independent": 0.0}
+    for t in range(trials):
+        own = [torch.Generator().manual_seed(1000 * t + r) for r in range(N)]
+        dithers = {"affine": level_rounding.affine_dither(n, N, codec.stream_key(0, t, 0, 2**32 - 1),
+                                                          [codec.stream_key(0, t, 0, r) for r in range(N)]),
+                   "permutation": level_rounding.stratified_dither(n, N, torch.Generator().manual_seed(t), own),
+                   "independent": torch.rand((N, n), generator=gen)}
+        for k, dk in dithers.items():
+            avg = torch.stack([level_rounding.round_to_levels(values[r], 1.0, 4, own[r], dk[r])[0]
+                               for r in range(N)]).mean(0)
+            mse[k] += float(((avg - exact) ** 2).mean()) / trials
+    assert mse["affine"] < 0.8 * mse["independent"], mse
+    assert 0.85 < mse["affine"] / mse["permutation"] < 1.2, mse
