@@ -40,6 +40,7 @@ from owner_step import OwnerStepSimulator
 LEVELS = {"levels3": 3, "levels4": 4}
 CORRELATED = "c"  # a suffix (levels3c, levels4c): the ranks' dithers stratified per element (stratified_dither)
 ORACLE = "o"      # a suffix (levels3o, levels4o): the optimizer gets the rounding's exact variance, a diagnosis
+SECOND_STAGES = ("", "ef4", "sr4")  # the owners' rounding of the average back (LevelSimulator._second_stage)
 PER_ELEMENT = "e"  # a suffix (levels3e, levels4e): the estimate takes each element's own square of the mean out
 
 
@@ -117,12 +118,41 @@ def per_element_estimate(squared: torch.Tensor, avg: torch.Tensor, clipped_sq: f
 class LevelSimulator(Simulator):
     """The simulator with the first stage rounded to ``levels`` levels (module docstring)."""
 
-    def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = ""):
+    def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = "",
+                 second: str = "", second_bucket: int = 0):
         super().__init__(model, n_workers, config)
+        if second not in SECOND_STAGES:
+            raise ValueError(f"second stage must be one of {SECOND_STAGES}, got {second!r}")
         self.correlated = estimate.startswith(CORRELATED)
         self.levels, self.seed, self.step_count = levels, seed, 0
         self.estimate = estimate[len(CORRELATED):] if self.correlated else estimate
+        self.second, self.second_bucket, self.residual = second, int(second_bucket), {}
         self._stats = ExchangeStats()
+
+    def _second_stage(self, j: int, avg: torch.Tensor) -> tuple:
+        """The owners' rounding of the average back to every rank (``second``): (what every rank receives, the
+        busiest rank's bytes for it).  ``ef4``: each owner rounds its shard plus what its last rounding left out to
+        the nearest of 4 levels s·{-1, -1/3, 1/3, 1} and keeps the new remainder (error feedback at the owner: a
+        buffer of 1/N of the tensor per owner); ``sr4``: stochastic unbiased rounding to those levels, no buffer.
+        One fp32 scaler s per shard, or per ``second_bucket`` elements."""
+        N, n = self.n, avg.numel()
+        x = avg + self.residual.get(j, 0.0) if self.second == "ef4" else avg
+        k = self.second_bucket if 0 < self.second_bucket < -(-n // N) else -(-n // N)
+        pad = (-n) % k
+        blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, k)
+        s = blocks.abs().amax(dim=1, keepdim=True)
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        pos = (blocks / safe + 1.0) * 1.5                       # in [0, 3]
+        if self.second == "ef4":
+            idx = torch.round(pos)
+        else:
+            gen = torch.Generator().manual_seed(hash((self.seed, self.step_count, j, -2)) & 0x7FFFFFFFFFFF)
+            low = torch.clamp(torch.floor(pos), 0, 2)
+            idx = low + (torch.rand(pos.shape, generator=gen) < pos - low).to(pos.dtype)
+        q = (s * (idx / 1.5 - 1.0)).reshape(-1)[:n]
+        if self.second == "ef4":
+            self.residual[j] = x - q
+        return q, (N - 1) / N * (n * 2 / 8) + 4 * (blocks.shape[0] - blocks.shape[0] / N)
 
     @property
     def stats(self) -> ExchangeStats:
@@ -153,7 +183,11 @@ class LevelSimulator(Simulator):
                 total += q
                 squared += q * q
                 clipped_sq += float((c.double() ** 2).sum())
-            avg = (total / N).reshape(per_rank[0][j].shape)
+            avg = total / N
+            if self.second:
+                avg, second_bytes = self._second_stage(j, avg)
+                self._stats.bytes_received += second_bytes
+            avg = avg.reshape(per_rank[0][j].shape)
             if self.estimate == ORACLE:
                 noise = variance / (N * N)
             elif self.estimate == PER_ELEMENT:

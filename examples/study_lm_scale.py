@@ -193,13 +193,14 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     exchange, bucket = exchange_spec(spec)
     extra = {} if inside is None else {"intra_node_dtype": inside}
     owner = exchange.startswith(OWNER_STEP)
-    levels = exchange in LEVEL_SETS
+    first, _, second = exchange.partition("+")     # levels4c+ef4: a second stage back from the owners
+    levels = first in LEVEL_SETS
     if levels:
         # levels3 / levels4: the first stage rounded to 3 or 4 levels, averaged exactly (examples/level_rounding.py)
         from level_rounding import LEVELS, LevelSimulator
-        base = exchange[:len("levels3")]
+        base = first[:len("levels3")]
         sim = LevelSimulator(model, N, TernGradConfig(exchange="allgather", hierarchical=False), LEVELS[base], seed,
-                             estimate=exchange[len(base):])
+                             estimate=first[len(base):], second=second, second_bucket=bucket)
     elif owner:
         # owner-step-<rounding>[@gK][@bK]: the requantized exchange's first stage in base-3 (with @gK one scaler
         # per K gradient elements: OwnerStepOptimizer's TernGradConfig(bucket_size=K)), the owners step their

@@ -1233,3 +1233,31 @@ def test_level_rounding_affine_dither_is_uniform_and_lowers_the_variance_as_the_
             mse[k] += float(((avg - exact) ** 2).mean()) / trials
     assert mse["affine"] < 0.8 * mse["independent"], mse
     assert 0.85 < mse["affine"] / mse["permutation"] < 1.2, mse
+
+
+@pytest.mark.parametrize("second", ["ef4", "sr4"])
+def test_level_rounding_second_stage_lands_on_four_levels_and_returns_the_average_over_steps(second):
+    """examples/level_rounding.py's owners' second stage: every value one of s·{-1, -1/3, 1/3, 1} per block; with
+    error feedback (ef4) the remainder stays within half a level's spacing and the outputs' running sum follows the
+    inputs'; the stochastic rounding (sr4) is unbiased."""
+    import level_rounding
+    from horovod_terngrad import TernGradConfig
+    sim = level_rounding.LevelSimulator(torch.nn.Linear(4, 4), 4, TernGradConfig(exchange="allgather"), 4,
+                                        estimate="c", second=second, second_bucket=64)
+    gen = torch.Generator().manual_seed(4)
+    avg = torch.randn(1000, generator=gen)
+    outs = []
+    for step in range(300):
+        q, nbytes = sim._second_stage(0, avg)
+        sim.step_count += 1
+        blocks = q[:960].view(-1, 64).abs()       # whole blocks: each |q| is its block's s or s/3
+        top = blocks.amax(dim=1, keepdim=True)
+        assert (torch.isclose(blocks, top) | torch.isclose(blocks, top / 3)).all()
+        outs.append(q)
+        if second == "ef4":        # the block's largest |q| is its scaler: the remainder within s/3
+            pad = (0, (-q.numel()) % 64)
+            s = torch.nn.functional.pad(q, pad).view(-1, 64).abs().amax(dim=1, keepdim=True)
+            assert (torch.nn.functional.pad(sim.residual[0], pad).view(-1, 64).abs() <= s / 3 + 1e-5).all()
+    assert nbytes == pytest.approx(3 / 4 * 1000 * 2 / 8 + 4 * (16 - 16 / 4))
+    mean = torch.stack(outs).mean(0)
+    assert torch.allclose(mean, avg, atol=0.02 if second == "ef4" else 0.3), float((mean - avg).abs().max())
