@@ -26,6 +26,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama")
     p.add_argument("--corpus", default="perlpod")
+    p.add_argument("--max-mb", type=float, default=0.0, help="keep the corpus's first M MB (0: all of it)")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -38,10 +39,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="append each result as a JSON line to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    ns = argparse.Namespace(model=args.model, corpus=args.corpus, max_mb=0.0, width=args.width, layers=args.layers,
+    ns = argparse.Namespace(model=args.model, corpus=args.corpus, max_mb=args.max_mb, width=args.width, layers=args.layers,
                             seq_len=args.seq_len, batch=args.batch, steps=args.steps, epochs=1.0, evals=0,
                             eval_windows=64, optimizer="terngrad")
-    data = sls.load_corpus(args.corpus)
+    data = sls.load_corpus(args.corpus, args.max_mb)
     out = []
     for method in args.exchanges.split(","):
         captured = {}
@@ -83,7 +84,8 @@ def main(argv=None):
                 longer.append(torch.sqrt(v32[q] / v_hat.clamp_min(1e-30)).flatten())
                 plain.append(torch.sqrt(v32[q] / v.clamp_min(1e-30)).flatten())
         med = float(torch.cat(ratios).median()) if ratios else float("nan")
-        res = {"method": method, "N": args.workers, "steps": args.steps, "lr": args.lr, "seed": args.seed,
+        res = {"method": method, "model": f"{args.model} {args.layers}x{args.width}", "corpus": args.corpus,
+               "max_mb": args.max_mb, "N": args.workers, "steps": args.steps, "lr": args.lr, "seed": args.seed,
                "ternarized_elements": total, "share_at_floor": at_floor / max(1, total),
                "median_v_minus_n_over_v": med,
                "median_step_vs_fp32_adamw": float(torch.cat(longer).median()),
