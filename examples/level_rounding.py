@@ -217,6 +217,7 @@ class LevelOwnerStepSimulator(OwnerStepSimulator):
         self.correlated = estimate.startswith(CORRELATED)
         self.levels, self.seed, self.step_count = levels, seed, 0
         self.estimate = estimate[len(CORRELATED):] if self.correlated else estimate
+        self.second, self.second_bucket, self.residual = "", 0, {}    # the weight differences are its second stage
         self._stats = ExchangeStats()
 
     stats = LevelSimulator.stats

@@ -1261,3 +1261,23 @@ def test_level_rounding_second_stage_lands_on_four_levels_and_returns_the_averag
     assert nbytes == pytest.approx(3 / 4 * 1000 * 2 / 8 + 4 * (16 - 16 / 4))
     mean = torch.stack(outs).mean(0)
     assert torch.allclose(mean, avg, atol=0.02 if second == "ef4" else 0.3), float((mean - avg).abs().max())
+
+
+@pytest.mark.one_process
+def test_lm_scale_study_runs_the_level_rounding_exchanges_under_four_bits(tmp_path):
+    """study_lm_scale's level-rounding research paths: correlated 4 levels alone (``levels4c``: the first stage's 2-bit
+    codes), with the owners' error-feedback second stage (``levels4c+ef4@b128``) and under owner-step
+    (``owner-step-nearest:levels4c@b128``): finite runs, each below 4 bits per element received in all."""
+    import study_lm_scale as sls
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("The quick brown fox jumps over the lazy dog. " * 3000).encode())
+    rows = sls.main(["--model", "gpt2", "--corpus", str(corpus), "--width", "32", "--layers", "1", "--seq-len", "32",
+                     "--batch", "8", "--steps", "2", "--evals", "0", "--eval-windows", "8", "--workers", "4",
+                     "--seeds", "0", "--exchanges", "levels4c,levels4c+ef4@b128,owner-step-nearest:levels4c@b128",
+                     "--out", str(tmp_path / "runs")])
+    by = {r["method"]: r for r in rows}
+    assert all(np.isfinite(r["held_out"]) for r in rows)
+    assert by["levels4c"]["bits_received"] < 2.0 < by["levels4c+ef4@b128"]["bits_received"] <= 4.0
+    owner = by["owner-step-nearest:levels4c@b128"]
+    assert owner["bits_received"] == pytest.approx(owner["bits_gradient"] + owner["bits_weights"])
+    assert owner["bits_gradient"] < 2.0 and owner["bits_received"] <= 4.0
