@@ -65,17 +65,22 @@ if runs:
     open(os.path.join(D, "real.md"), "w").write("\n".join(lines) + "\n")
 # adam_floor.jsonl: the estimate's whole sum (no senders' squares); adam_floor_squares.jsonl: with them;
 # adam_floor_owner.jsonl: OwnerStepOptimizer's arithmetic (the owners' exact averages, the first stage's estimate)
+# adam_floor_levels.jsonl: the level-rounding harness on the third workload (examples/level_rounding.py)
 floors = [(os.path.join(D, f), what) for f, what in (("adam_floor_squares.jsonl", "with the senders' squares"),
                                                       ("adam_floor_owner.jsonl", "first stage's, with the squares"),
-                                                      ("adam_floor.jsonl", "whole sum, no squares"))]
+                                                      ("adam_floor.jsonl", "whole sum, no squares"),
+                                                      ("adam_floor_levels.jsonl",
+                                                       "independent draws', with the squares"))]
 if any(os.path.exists(f) for f, _ in floors):
-    lines = ["| exchange | noise estimate | N | steps | lr | share of elements at the floor | median (v - n) / v "
-             "| median step vs fp32 AdamW's: optim.AdamW | the same with torch's AdamW (no estimate) | held-out |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | exchange | noise estimate | N | steps | lr | share of elements at the floor "
+             "| median (v - n) / v | median step vs fp32 AdamW's: optim.AdamW "
+             "| the same with torch's AdamW (no estimate) | held-out (64 windows) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for floor, what in floors:
         for r in ([json.loads(line) for line in open(floor) if line.strip()] if os.path.exists(floor) else []):
             est = "the owner's s'²·\\|t'\\|" if r["method"].startswith("reternarized") else what
-            lines.append(f"| {r['method']} | {est} | {r['N']} | {r['steps']} | {r['lr']:g} | "
+            work = f"{r.get('model', 'llama 2x64')} {r.get('corpus', 'perlpod')}"
+            lines.append(f"| {work} | {r['method']} | {est} | {r['N']} | {r['steps']} | {r['lr']:g} | "
                          f"{100 * r['share_at_floor']:.0f}% | {r['median_v_minus_n_over_v']:.2f} | "
                          f"{r['median_step_vs_fp32_adamw']:.2f}x | {r['median_step_vs_fp32_adamw_torch_adamw']:.2f}x | "
                          f"{r['held_out']:.4f} |")
