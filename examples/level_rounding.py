@@ -121,6 +121,10 @@ class LevelSimulator(Simulator):
     def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = "",
                  second: str = "", second_bucket: int = 0):
         super().__init__(model, n_workers, config)
+        self._set_rounding(levels, seed, estimate, second, second_bucket)
+
+    def _set_rounding(self, levels: int, seed: int, estimate: str, second: str = "", second_bucket: int = 0) -> None:
+        """The rounding's settings and counters (also LevelOwnerStepSimulator's)."""
         if second not in SECOND_STAGES:
             raise ValueError(f"second stage must be one of {SECOND_STAGES}, got {second!r}")
         self.correlated = estimate.startswith(CORRELATED)
@@ -214,13 +218,10 @@ class LevelOwnerStepSimulator(OwnerStepSimulator):
     def __init__(self, model, n_workers, config, levels: int, seed: int = 0, estimate: str = "",
                  rounding: str = "nearest", delta_bucket: int = 0):
         super().__init__(model, n_workers, config, rounding=rounding, delta_bucket=delta_bucket)
-        self.correlated = estimate.startswith(CORRELATED)
-        self.levels, self.seed, self.step_count = levels, seed, 0
-        self.estimate = estimate[len(CORRELATED):] if self.correlated else estimate
-        self.second, self.second_bucket, self.residual = "", 0, {}    # the weight differences are its second stage
-        self._stats = ExchangeStats()
+        self._set_rounding(levels, seed, estimate)      # no second stage: the weight differences are it
 
     stats = LevelSimulator.stats
+    _set_rounding = LevelSimulator._set_rounding
     _exchange = LevelSimulator._exchange
 
     def bits_received(self) -> tuple[float, float]:
