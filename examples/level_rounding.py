@@ -42,10 +42,12 @@ CORRELATED = "c"  # a suffix (levels3c, levels4c): the ranks' dithers stratified
 ORACLE = "o"      # a suffix (levels3o, levels4o): the optimizer gets the rounding's exact variance, a diagnosis
 SECOND_STAGES = ("", "ef4", "sr4")  # the owners' rounding of the average back (LevelSimulator._second_stage)
 PER_ELEMENT = "e"  # a suffix (levels3e, levels4e): the estimate takes each element's own square of the mean out
+SUBTRACTIVE = "s"  # a suffix (levels4s, levels4cs): the receiver subtracts the known dither (round_to_levels); the
+                   # optimizer gets the rounding's variance, (1/N²)·Σ_r spacing_r²/12, exact for independent dithers
 
 
 def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator,
-                    dither: torch.Tensor | None = None) -> tuple:
+                    dither: torch.Tensor | None = None, subtractive: bool = False) -> tuple:
     """Unbiased stochastic rounding of ``c`` (|c| <= s) to ``levels`` evenly spaced values from -s to s; returns
     (the rounded values, each element's rounding variance).  With ``dither`` (uniform on [0, 1) per element, e.g.
     ``stratified_dither``'s) an element rounds up where dither >= 1 - frac, the same probability frac as the
@@ -57,6 +59,13 @@ def round_to_levels(c: torch.Tensor, s: float, levels: int, gen: torch.Generator
     u = (c / s + 1.0) * (steps / 2.0)                       # in [0, steps]
     low = torch.clamp(torch.floor(u), 0, steps - 1)
     frac = u - low
+    if subtractive:
+        # the receiver knows the dither (it recomputes the sender's stream): it decodes q - u + 1/2, whose error is
+        # uniform on one step, independent of c: variance spacing²/12 everywhere, known without the values
+        u = torch.rand(c.shape, generator=gen) if dither is None else dither
+        q = low + (u >= 1.0 - frac).to(c.dtype)
+        spacing = 2.0 * s / steps
+        return s * ((q - u + 0.5) * (2.0 / steps) - 1.0), torch.full_like(c, spacing * spacing / 12.0)
     up = (torch.rand(c.shape, generator=gen) < frac) if dither is None else (dither >= 1.0 - frac)
     spacing = 2.0 * s / steps
     return s * ((low + up.to(c.dtype)) * (2.0 / steps) - 1.0), spacing * spacing * frac * (1.0 - frac)
@@ -182,7 +191,8 @@ class LevelSimulator(Simulator):
                 thr = 2.5 * float(g.std(unbiased=False)) or float("inf")
                 c = torch.clamp(g, -thr, thr)
                 s = min(float(g.abs().max()), thr)
-                q, var = round_to_levels(c, s, self.levels, gens[r], None if dither is None else dither[r])
+                q, var = round_to_levels(c, s, self.levels, gens[r], None if dither is None else dither[r],
+                                         subtractive=self.estimate == SUBTRACTIVE)
                 variance += var
                 total += q
                 squared += q * q
@@ -192,7 +202,7 @@ class LevelSimulator(Simulator):
                 avg, second_bytes = self._second_stage(j, avg)
                 self._stats.bytes_received += second_bytes
             avg = avg.reshape(per_rank[0][j].shape)
-            if self.estimate == ORACLE:
+            if self.estimate in (ORACLE, SUBTRACTIVE):
                 noise = variance / (N * N)
             elif self.estimate == PER_ELEMENT:
                 noise = per_element_estimate(squared, total / N, clipped_sq, N)

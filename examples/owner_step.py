@@ -69,7 +69,7 @@ class OwnerShardStage:
         cfg, N, m = ex.config, ex.coll.size, hi - lo
         if m == 0:
             return reternarized.empty_payload(received.device)
-        head = Header(cfg.packing, 0, tk.group.bucket_size, m)
+        head = Header(cfg.first_stage_format(tk.group.transport), 0, tk.group.bucket_size, m)
         reternarized.check_shard_headers(received, offsets, head, tk.name)
         flags = received[device_constant([o + 3 for o in offsets], torch.int64, received.device)]
         bad = bool((flags & FLAG_NONFINITE).ne(0).any())
@@ -79,7 +79,7 @@ class OwnerShardStage:
         if tk.want_noise:
             noise = allgather.noise_estimate(received, [head] * N, offsets, divisor)
             if tk.squares:
-                size = sizes.payload_size(m, cfg.packing, tk.group.bucket_size, squares=True)
+                size = sizes.payload_size(m, head.fmt, tk.group.bucket_size, squares=True)
                 squares.take_out_minibatch_share(noise, squares.read(received, [o + size for o in offsets]), divisor)
             parts.append(noise.view(torch.uint8))
         return torch.cat(parts)
@@ -150,10 +150,12 @@ def delta_bytes(numel: int, n_ranks: int, fmt: str, stage_bucket: int, delta_buc
 
 
 def received_bytes(numel: int, n_ranks: int, fmt: str, stage_bucket: int = 0, delta_bucket: int = 0,
-                   squares_trailer: bool = True, rank: int = 0, exact: bool = False) -> tuple[int, int]:
+                   squares_trailer: bool = True, rank: int = 0, exact: bool = False,
+                   grad_fmt: str | None = None) -> tuple[int, int]:
     """Bytes ``rank`` receives per step for one ternarized tensor: (gradient shards from the N-1 other ranks in
-    the alltoall, the N-1 other owners' weight differences in the allgather)."""
-    grad = sizes.reternarized_chunk_bytes(numel, n_ranks, fmt, stage_bucket, squares_trailer)[rank]
+    the alltoall, the N-1 other owners' weight differences in the allgather).  ``grad_fmt``: the gradients'
+    format where it is not the weights' ``fmt`` (the four-level code)."""
+    grad = sizes.reternarized_chunk_bytes(numel, n_ranks, grad_fmt or fmt, stage_bucket, squares_trailer)[rank]
     delta = delta_bytes(numel, n_ranks, fmt, stage_bucket, delta_bucket, exact)
     return (n_ranks - 1) * grad, sum(delta) - delta[rank]
 
@@ -219,7 +221,8 @@ class OwnerStepSimulator(Simulator):
                     q = stochastic_ternary(d, k, key, fmt)
                 xf[lo:hi] += q.to(xf.dtype)
             self.error_max = max(self.error_max, float((wf - xf).abs().max()))
-            g, dl = received_bytes(n, N, fmt, bucket, self.delta_bucket, exact=self.rounding == "exact")
+            g, dl = received_bytes(n, N, fmt, bucket, self.delta_bucket, exact=self.rounding == "exact",
+                                   grad_fmt=self.config.first_stage_format("requantized"))
             self.grad_bytes += g
             self.delta_bytes += dl
             self.elements += n

@@ -56,7 +56,8 @@ import torch
 
 OPTIMIZERS = ("terngrad", "torch")
 OWNER_STEP = "owner-step-"       # owner-step-nearest / -stochastic / -exact (examples/owner_step.py)
-LEVEL_SETS = tuple(f"levels{k}{e}" for k in (3, 4) for e in ("", "o", "e", "c", "ce"))   # the first stage in 3 or 4 levels
+FOUR_LEVEL_SUFFIX = "+4level"    # the product's four-level first stage (TernGradConfig(levels=4), codec/levels.py)
+LEVEL_SETS = tuple(f"levels{k}{e}" for k in (3, 4) for e in ("", "o", "e", "c", "ce", "s", "cs"))   # the first stage in 3 or 4 levels
 #                                                                           (examples/level_rounding.py)
 CURVE_WINDOWS = 64
 
@@ -186,12 +187,16 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
     from exchange_bits import exchange_spec
     # e.g. reternarized@b128: one scaler per 128 elements; a "+bf16" suffix: intra_node_dtype="bfloat16", a
     # "+fp32" suffix: intra_node_dtype="float32" (without either: the default's bf16)
-    spec, inside = method, None
+    spec, inside, levels4 = method, None, method.endswith(FOUR_LEVEL_SUFFIX)
+    if levels4:     # e.g. owner-step-nearest@b128+4level: the product's four-level first stage (config.levels = 4)
+        spec = method[:-len(FOUR_LEVEL_SUFFIX)]
     for suffix, dtype in (("+bf16", "bfloat16"), ("+fp32", "float32")):
-        if method.endswith(suffix):
-            spec, inside = method[:-len(suffix)], dtype
+        if spec.endswith(suffix):
+            spec, inside = spec[:-len(suffix)], dtype
     exchange, bucket = exchange_spec(spec)
     extra = {} if inside is None else {"intra_node_dtype": inside}
+    if levels4:
+        extra["levels"] = 4
     owner = exchange.startswith(OWNER_STEP)
     first, _, second = exchange.partition("+")     # levels4c+ef4: a second stage back from the owners
     levels = first in LEVEL_SETS
@@ -211,7 +216,7 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
         rounding, _, grad_bucket = exchange[len(OWNER_STEP):].partition("@g")
         rounding, _, first = rounding.partition(":")     # owner-step-nearest:levels4c: that first stage instead
         cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False,
-                             bucket_size=int(grad_bucket or 0))
+                             bucket_size=int(grad_bucket or 0), **extra)
         if first:
             from level_rounding import LEVELS, LevelOwnerStepSimulator
             base = first[:len("levels3")]

@@ -4,12 +4,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .codec.sizes import FORMATS
+from .codec.sizes import FOUR_LEVEL, PACKINGS
 from .errors import NonFiniteGradientError, RankMismatchError, TernGradError  # noqa: F401 (re-exported)
 
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
 EXCHANGES = ("default", "allgather", "sharded", "reternarized", "requantized", "auto")
 HIERARCHICAL = ("auto", True, False)
+LEVELS = (3, 4)                                       # the first stage's code: ternary, or four levels (codec/levels.py)
+FOUR_LEVEL_TRANSPORTS = ("requantized", "reternarized")   # the transports whose owners decode each sender's codes
 INTRA_NODE_DTYPES = {"float32": 4, "bfloat16": 2}     # the node-aware exchange's stages inside a node: bytes each
 
 
@@ -19,6 +21,14 @@ class TernGradConfig:
 
     clip_factor:   c of Eq. 21; gradients are clipped to ±c·σ before ternarizing. 0 disables.
     packing:       "2bit" (4 elements per byte) or "base3" (5 per byte, 1.6 bits per element).
+    levels:        the first stage's code in the shard-owner exchanges ("requantized", "reternarized" and
+                   ``OwnerStepOptimizer``'s): 3 (default) = TernGrad's ternary code, packed by ``packing``;
+                   4 = four levels s·{-1, -1/3, 1/3, 1} in 2 bits per element, each rank's dithers stratified
+                   against the others' (codec/levels.py): as unbiased, under half the ternary code's variance
+                   per rank, and the ranks' rounding errors negatively correlated, so their average's variance
+                   is lower still, at 2 bits per element whatever ``packing`` (which then packs the second
+                   stage's ternary codes).  The allgather and sharded exchanges send the ternary code either way
+                   (their receivers add codes or share one scaler).
     bucket_size:   0 = one scaler per tensor (layer-wise ternarizing; the two-stage exchanges: per shard);
                    k > 0 = one per k elements.
     min_numel:     tensors with fewer elements travel uncompressed (Horovod's own allreduce, which fuses
@@ -95,6 +105,7 @@ class TernGradConfig:
 
     clip_factor: float = 2.5
     packing: str = "2bit"
+    levels: int = 3
     bucket_size: int = 0
     min_numel: int = 4096
     exclude: tuple = field(default_factory=tuple)
@@ -113,8 +124,10 @@ class TernGradConfig:
             object.__setattr__(self, "exclude", tuple(self.exclude))
         if not (self.clip_factor >= 0 and self.clip_factor != float("inf")):
             raise ValueError(f"clip_factor must be a finite number >= 0, got {self.clip_factor!r}")
-        if self.packing not in FORMATS:
-            raise ValueError(f"packing must be one of {sorted(FORMATS)}, got {self.packing!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {list(PACKINGS)}, got {self.packing!r}")
+        if self.levels not in LEVELS:
+            raise ValueError(f"levels must be one of {LEVELS}, got {self.levels!r}")
         if int(self.bucket_size) != self.bucket_size or self.bucket_size < 0 or self.bucket_size >= 2 ** 32:
             raise ValueError(f"bucket_size must be an integer in [0, 2^32), got {self.bucket_size!r}")
         if int(self.min_numel) != self.min_numel or self.min_numel < 0:
@@ -153,6 +166,11 @@ class TernGradConfig:
         """Whether a group sent by ``transport`` ("allgather" or "sharded") uses the shared scaler: the
         setting, else only the sharded transport (its owners add ternary values)."""
         return transport == "sharded" if self.shared_scaler is None else bool(self.shared_scaler)
+
+    def first_stage_format(self, transport: str) -> str:
+        """The wire format of the payloads a group sent by ``transport`` starts with: "4level" where ``levels`` is 4
+        and the transport's owners decode each sender's codes, else the ternary ``packing``."""
+        return FOUR_LEVEL if self.levels == 4 and transport in FOUR_LEVEL_TRANSPORTS else self.packing
 
     def compresses(self, name: str, numel: int) -> bool:
         """Whether a tensor of this name and size is ternarized (else it travels uncompressed)."""

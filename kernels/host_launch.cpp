@@ -35,6 +35,20 @@ void host_tg_pack_bf16(unsigned grid, unsigned block, const tg_u16 *g, tg_i64 n,
                        const float *scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1, int fmt, tg_u8 *out) {
     tg_host_launch(grid, block, [&] { tg_pack_bf16(g, n, thr, scalers, bucket, k0, k1, fmt, out); });
 }
+void host_tg_levels_pack_f32(unsigned grid, unsigned block, const float *g, tg_i64 n, const float *thr,
+                             const float *scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1, tg_u32 sk0, tg_u32 sk1,
+                             tg_u32 rank, int k, tg_u32 poly, tg_u8 *out) {
+    tg_host_launch(grid, block, [&] {
+        tg_levels_pack_f32(g, n, thr, scalers, bucket, k0, k1, sk0, sk1, rank, k, poly, out);
+    });
+}
+void host_tg_levels_pack_bf16(unsigned grid, unsigned block, const tg_u16 *g, tg_i64 n, const float *thr,
+                              const float *scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1, tg_u32 sk0, tg_u32 sk1,
+                              tg_u32 rank, int k, tg_u32 poly, tg_u8 *out) {
+    tg_host_launch(grid, block, [&] {
+        tg_levels_pack_bf16(g, n, thr, scalers, bucket, k0, k1, sk0, sk1, rank, k, poly, out);
+    });
+}
 void host_tg_decode_scalers(unsigned grid, unsigned block, const tg_u8 *gathered, const tg_i64 *off, tg_i64 at,
                             int npay, tg_i64 nb, float *scalers, int *shared) {
     tg_host_launch(grid, block, [&] { tg_decode_scalers(gathered, off, at, npay, nb, scalers, shared); });

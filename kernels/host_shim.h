@@ -30,6 +30,11 @@ static inline tg_u32 __float_as_uint(float f) { tg_u32 u; std::memcpy(&u, &f, 4)
 static inline float __uint_as_float(tg_u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline int __popc(tg_u32 x) { return __builtin_popcount(x); }
+// Round-to-nearest fp32 arithmetic: the host's own IEEE operations (g++ -ffp-contract=off: never fused).
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
 // Threads run one after another here, so a plain read-modify-write is the atomic operation.
 static inline tg_u32 atomicMax(tg_u32 *addr, tg_u32 v) { tg_u32 old = *addr; if (v > old) *addr = v; return old; }

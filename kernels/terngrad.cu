@@ -14,8 +14,12 @@
 //                h = mix32(mix32(lo ^ k0) ^ hi ^ k1) over the 64-bit element index hi:lo.
 //   pack         code 0 (t = 0), 1 (t = +1), 2 (t = -1); 2bit: 4 codes per byte, code q in bits 2q..2q+1;
 //                base3: 5 codes per byte as sum code_q * 3^q.
-//   decode       shared scalers: ((float)k * s) / divisor, k = sum of ternary values (exact integer);
-//                otherwise (sum over payloads, in order, of v * s_p) / divisor in fp32.
+//   levels       the four-level code (codec/levels.py, format byte 3, 2bit's layout): y = (c / s + 1) * 1.5,
+//                L = min(floor(y), 2), code = L + ((float)(2^24 - 1 - u) < (y - L) * 2^24) (0 where !(s > 0)),
+//                u the rank's stratified 24-bit dither.
+//   decode       shared scalers (ternary only): ((float)k * s) / divisor, k = sum of ternary values (exact
+//                integer); otherwise (sum over payloads, in order, of v * s_p) / divisor in fp32, v the ternary
+//                value or the four-level code's level / s in {-1, -1/3, 1/3, 1}.
 // bf16 gradients are read as they are (bf16 -> fp32 is exact: the bits shifted up by 16), so a bf16 tensor
 // gives the bytes its fp32 copy gives.
 //
@@ -24,6 +28,7 @@
 //   tg_tree             reads and writes the partials: 20 bytes per 512 elements, then 1/8 of that per level
 //   tg_bucket_max_*     reads in                 (bucketed scalers only)
 //   tg_pack_*           reads in, writes codes
+//   tg_levels_pack_*    reads in, writes codes (1/4)
 //   compress            2·in + codes             (fp32 2bit: 8.25; bucketed: 3·in + codes)
 //   tg_decode           reads payloads·codes, writes 4
 //   tg_owner_sums       reads N·codes, writes bits/8 (bits = ceil(log2(2N+1)))
@@ -351,6 +356,105 @@ TG_EXTERN __global__ void tg_pack_bf16(const tg_u16 *__restrict__ g, tg_i64 n, c
     else tg_pack_body<tg_u16, 5>(g, n, thr_p, scalers, bucket, k0, k1, out);
 }
 
+// -- (b') the four-level code with stratified dithers (codec/levels.py, the reference; tg_levels_pack of
+// kernels/terngrad_cpu.c) -------------------------------------------------------------------------------------------
+// a·r in GF(2^k) modulo poly (bit k set): shift-and-add over r's bits, reducing after each shift.
+__device__ __forceinline__ tg_u32 tg_gf_mul(tg_u32 a, tg_u32 r, int k, tg_u32 poly) {
+    tg_u32 out = 0, x = a;
+    for (int i = 0; i < k; i++) {
+        if ((r >> i) & 1u) out ^= x;
+        x <<= 1;
+        if ((x >> k) & 1u) x ^= poly;
+    }
+    return out;
+}
+
+// Rank `rank`'s 24-bit dither of element i: its own u = mix32(mix32(lo ^ k0) ^ hi ^ k1) >> 8 and the group's shared
+// h = mix32(mix32(lo ^ sk0) ^ hi ^ sk1); with k strata bits (k = 0: u), b = h mod 2^k, a = 1 + (h >> k) mod (2^k - 1)
+// (1 for k = 1), stratum = a·rank xor b, dither = (stratum << (24 - k)) | (u >> k): exactly uniform on [0, 2^24).
+__device__ __forceinline__ tg_u32 tg_level_dither(tg_i64 i, tg_u32 k0, tg_u32 k1, tg_u32 sk0, tg_u32 sk1, tg_u32 rank,
+                                                  int k, tg_u32 poly) {
+    const tg_u32 lo = (tg_u32)((tg_u64)i & 0xFFFFFFFFULL), hi = (tg_u32)((tg_u64)i >> 32);
+    const tg_u32 u = tg_mix32(tg_mix32(lo ^ k0) ^ hi ^ k1) >> 8;
+    if (k == 0) return u;
+    const tg_u32 h = tg_mix32(tg_mix32(lo ^ sk0) ^ hi ^ sk1), mask = (1u << k) - 1u;
+    const tg_u32 a = k >= 2 ? 1u + (h >> k) % mask : 1u;
+    return ((tg_gf_mul(a, rank, k, poly) ^ (h & mask)) << (24 - k)) | (u >> k);
+}
+
+// The code 0..3 of element value c (clipped at thr) under scaler s: the reference's fp32 operations, each pinned to
+// round to nearest (no contraction, whatever the compiler's options).  Kept as the low byte of the integer, as the
+// reference's conversion to uint8 keeps it: scalers below some |c| (no caller's: s >= max|c| of its bucket) give
+// codes outside 0..3, and the bytes still match the reference's and the CPU's.
+__device__ __forceinline__ tg_u32 tg_level_code(float c, float thr, float s, tg_u32 dither) {
+    c = c > thr ? thr : c;
+    c = c < -thr ? -thr : c;
+    if (!(s > 0.0f)) return 0u;
+    const float y = __fmul_rn(__fadd_rn(__fdiv_rn(c, s), 1.0f), 1.5f);
+    float low = floorf(y);
+    low = low > 2.0f ? 2.0f : low;
+    const float f = __fsub_rn(y, low);
+    const float up = (float)(int)(16777215u - dither) < __fmul_rn(f, 16777216.0f) ? 1.0f : 0.0f;
+    return (tg_u32)(int)__fadd_rn(low, up) & 0xFFu;
+}
+
+// One thread per 32-bit word of codes (16 elements), as tg_pack_body: thr and scalers in device memory, one bucket
+// division per word.  k and poly: codec/levels.py's strata_bits(group size) and POLYNOMIALS[k] (0 for k <= 1).
+template <typename T>
+__device__ __forceinline__ void tg_levels_body(const T *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
+                                               const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
+                                               tg_u32 sk0, tg_u32 sk1, tg_u32 rank, int k, tg_u32 poly,
+                                               tg_u8 *__restrict__ out) {
+    const tg_i64 nbytes = (n + 3) / 4, words = (nbytes + 3) / 4;
+    const float thr = *thr_p;
+    const bool aligned = tg_vec_aligned(g), out_aligned = ((tg_u64)out & 3) == 0;
+    for (tg_i64 w = tg_tid(); w < words; w += tg_stride()) {
+        const tg_i64 i0 = w * 16;
+        float v[16];
+        tg_load<T, 16>(g, n, i0, aligned, v);
+        tg_i64 kb = 0, next = 0;
+        if (bucket > 0) {
+            kb = tg_div(i0, bucket);
+            next = (kb + 1) * bucket;
+        }
+        float s = scalers[kb];
+        tg_u32 word = 0;
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const tg_i64 i = i0 + e;
+            if (i < n) {
+                if (bucket > 0 && i >= next) {
+                    kb++;
+                    next += bucket;
+                    s = scalers[kb];
+                }
+                const tg_u32 d = tg_level_dither(i, k0, k1, sk0, sk1, rank, k, poly);
+                word |= ((tg_level_code(v[e], thr, s, d) << (2 * (e & 3))) & 0xFFu) << (8 * (e >> 2));
+            }
+        }
+        if (out_aligned && 4 * w + 4 <= nbytes) {
+            *reinterpret_cast<tg_u32 *>(out + 4 * w) = word;
+        } else {
+            for (int b = 0; b < 4; b++)
+                if (4 * w + b < nbytes) out[4 * w + b] = (tg_u8)(word >> (8 * b));
+        }
+    }
+}
+
+TG_EXTERN __global__ void tg_levels_pack_f32(const float *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
+                                             const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
+                                             tg_u32 sk0, tg_u32 sk1, tg_u32 rank, int k, tg_u32 poly,
+                                             tg_u8 *__restrict__ out) {
+    tg_levels_body<float>(g, n, thr_p, scalers, bucket, k0, k1, sk0, sk1, rank, k, poly, out);
+}
+
+TG_EXTERN __global__ void tg_levels_pack_bf16(const tg_u16 *__restrict__ g, tg_i64 n, const float *__restrict__ thr_p,
+                                              const float *__restrict__ scalers, tg_i64 bucket, tg_u32 k0, tg_u32 k1,
+                                              tg_u32 sk0, tg_u32 sk1, tg_u32 rank, int k, tg_u32 poly,
+                                              tg_u8 *__restrict__ out) {
+    tg_levels_body<tg_u16>(g, n, thr_p, scalers, bucket, k0, k1, sk0, sk1, rank, k, poly, out);
+}
+
 // -- (c) fused unpack + scale + accumulate of npay payloads into the average ---------------------------------------
 // Before tg_decode: the npay·nb scalers, at scalers_at bytes into each payload (any byte offset), into an aligned
 // [npay, nb] fp32 array, and *shared (1 before) set to 0 when any differs from payload 0's, compared as floats
@@ -394,21 +498,31 @@ __device__ __forceinline__ void tg_values(tg_u32 byte, int *v) {
     }
 }
 
+// The four-level code's level / s: code 0..3 -> -1, -1/3, 1/3, 1 (fp32), built from its bits with no table (which
+// would live in local memory): the sign bit set for codes 0 and 1, the magnitude 1 (0x3f800000) for the outer codes
+// 0 and 3 and fp32(1/3) = 0x3eaaaaab for the inner ones 1 and 2 (those with c xor (c >> 1) odd).
+__device__ __forceinline__ float tg_level_value(tg_u32 c) {
+    const tg_u32 inner = (c ^ (c >> 1)) & 1u;
+    return __uint_as_float((0x3f800000u - inner * (0x3f800000u - 0x3eaaaaabu)) | ((~c & 2u) << 30));
+}
+
 // Buckets started after the word's first element, up to element e.
 __device__ __forceinline__ int tg_dk(tg_u32 steps, int e) { return __popc(steps & ((2u << e) - 1u)); }
 
 // One thread per 32-bit word of codes of every payload: payload p starts at gathered + off[p], its codes codes_at
 // bytes later (any byte offset: one 32-bit load where the word is aligned, else 4 byte loads); scalers is
 // [npay, nb] fp32 and *shared != 0 when every payload carries the same scalers (both from tg_decode_scalers).
+// levels: four-level codes (PER = 4), whose values are no integers: always the general formula, *shared unread.
+// (A flag, not a third instantiation: three inlined bodies in the one kernel spill registers under its bounds.)
 template <int PER>
-__device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off,
-                                               tg_i64 codes_at, int npay, tg_i64 n,
+__device__ __forceinline__ void tg_decode_body(bool levels, const tg_u8 *__restrict__ gathered,
+                                               const tg_i64 *__restrict__ off, tg_i64 codes_at, int npay, tg_i64 n,
                                                const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket,
                                                const int *__restrict__ shared, float divisor,
                                                float *__restrict__ out) {
     const int E = 4 * PER;
     const tg_i64 nbytes = (n + PER - 1) / PER, words = (nbytes + 3) / 4;
-    const bool same = *shared != 0;
+    const bool same = !levels && *shared != 0;
     const bool out_aligned = ((tg_u64)out & 15) == 0;
     for (tg_i64 w = tg_tid(); w < words; w += tg_stride()) {
         const tg_i64 i0 = w * E;
@@ -439,13 +553,15 @@ __device__ __forceinline__ void tg_decode_body(const tg_u8 *__restrict__ gathere
             const float *sp = scalers + (tg_i64)p * nb + k0;
 #pragma unroll
             for (int b = 0; b < 4; b++) {
+                const tg_u32 byte = (word >> (8 * b)) & 255u;
                 int v[PER];
-                tg_values<PER>((word >> (8 * b)) & 255u, v);
+                tg_values<PER>(byte, v);
 #pragma unroll
                 for (int q = 0; q < PER; q++) {
                     const int e = b * PER + q;
-                    if (same) acc[e] += (float)v[q];
-                    else if (i0 + e < n) acc[e] = acc[e] + (float)v[q] * sp[tg_dk(steps, e)];
+                    const float x = PER == 4 && levels ? tg_level_value((byte >> (2 * q)) & 3u) : (float)v[q];
+                    if (same) acc[e] += x;
+                    else if (i0 + e < n) acc[e] = acc[e] + x * sp[tg_dk(steps, e)];
                 }
             }
         }
@@ -476,8 +592,8 @@ TG_EXTERN __global__ void __launch_bounds__(256, 3)
 tg_decode(const tg_u8 *__restrict__ gathered, const tg_i64 *__restrict__ off, tg_i64 codes_at, int npay, tg_i64 n,
           int fmt, const float *__restrict__ scalers, tg_i64 nb, tg_i64 bucket, const int *__restrict__ shared,
           float divisor, float *__restrict__ out) {
-    if (fmt == 1) tg_decode_body<4>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
-    else tg_decode_body<5>(gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
+    if (fmt == 2) tg_decode_body<5>(false, gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
+    else tg_decode_body<4>(fmt == 3, gathered, off, codes_at, npay, n, scalers, nb, bucket, shared, divisor, out);
 }
 
 // -- (d) the sharded exchange: an owner's sums of N ranks' codes, and the decode of the gathered sums --------------

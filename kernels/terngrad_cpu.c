@@ -8,7 +8,11 @@
  *              max |g| per bucket; a NaN/Inf flag.
  *   ternarize: c = clamp(g, -thr, thr); keep = (float)(h >> 8) < (|c| / s) * 2^24 with
  *              h = mix32(mix32(lo ^ k0) ^ hi ^ k1); code 1 for +1, 2 for -1, 0 for 0.
- *   decode:    out = (sum over payloads in order of v * s) / divisor, all fp32.
+ *   levels:    four-level rounding (codec/levels.py, format byte 3): y = (c / s + 1) * 1.5, L = min(floor(y), 2),
+ *              code = L + ((float)(2^24 - 1 - u) < (y - L) * 2^24), u the rank's stratified 24-bit dither; code 0
+ *              where s is not > 0; packed as 2bit packs.
+ *   decode:    out = (sum over payloads in order of v * s) / divisor, all fp32; v the ternary value, or for fmt 3
+ *              the four levels {-1, -1/3, 1/3, 1} (squares {1, 1/9, 1/9, 1} for the noise estimate).
  *   nearest:   code of sign(d) where 2|d| >= s and s > 0, else 0 (codec/nearest.py: no randomness).
  *   squares:   per row, sum of clamp(g, -thr, thr)^2 in fp32, 8 contiguous parts combined level by level as
  *              ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)) (codec/squares.py, ordered_row_sums).
@@ -27,7 +31,7 @@
 #define TG_LANES 32
 #define TG_CHUNK 1280 /* elements per packing chunk: a multiple of 4 and of 5 */
 
-int tg_abi_version(void) { return 11; }
+int tg_abi_version(void) { return 12; }
 
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
@@ -137,13 +141,17 @@ static inline void fill_scalers(const float *scalers, int64_t bucket, int64_t fi
     }
 }
 
-/* Pack one chunk's cnt codes (zero-padded to TG_CHUNK) into ceil(cnt / per) bytes at o: 2bit (fmt 1) four
- * codes per byte, low bits first; base3 (fmt 2) five, c0 + 3c1 + 9c2 + 27c3 + 81c4. */
+/* Codes per packed byte of format fmt: 5 for base3 (fmt 2); 4 for 2bit (fmt 1) and the four-level code (fmt 3),
+ * which share the 2-bit layout. */
+static inline int codes_per_byte(int fmt) { return fmt == 2 ? 5 : 4; }
+
+/* Pack one chunk's cnt codes (zero-padded to TG_CHUNK) into ceil(cnt / per) bytes at o: 2bit (fmt 1) and the
+ * four-level code (fmt 3) four codes per byte, low bits first; base3 (fmt 2) five, c0 + 3c1 + 9c2 + 27c3 + 81c4. */
 static inline void pack_chunk(uint8_t *codes, int64_t cnt, int fmt, uint8_t *o) {
-    const int per = fmt == 1 ? 4 : 5;
+    const int per = codes_per_byte(fmt);
     for (int64_t j = cnt; j < TG_CHUNK; j++) codes[j] = 0;
     int64_t nbytes = (cnt + per - 1) / per;
-    if (fmt == 1) {
+    if (per == 4) {
         for (int64_t b = 0; b < nbytes; b++)
             o[b] = (uint8_t)(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) | (codes[4 * b + 3] << 6));
     } else {
@@ -185,6 +193,84 @@ void tg_ternarize_pack(const float *g, int64_t n, float thr, const float *scaler
             codes[j] = (uint8_t)(keep ? code : 0);
         }
         pack_chunk(codes, cnt, fmt, out + lo / per);
+    }
+}
+
+/* The four-level code with stratified dithers (codec/levels.py, the reference, states the math and its why).
+ * Element i draws its own 24-bit u = mix32(mix32(lo ^ k0) ^ hi ^ k1) >> 8 and the group's shared 32-bit
+ * h = mix32(mix32(lo ^ sk0) ^ hi ^ sk1); with k strata bits (k = 0: the dither is u), b = h mod 2^k,
+ * a = 1 + (h >> k) mod (2^k - 1), stratum = a·rank xor b in GF(2^k) (modulo poly), and the dither is
+ * (stratum << (24 - k)) | (u >> k).  (k = 1: a = 1, as the reference sets it: GF(2)'s one nonzero element.)
+ * Multiplying by the fixed rank is linear over GF(2), so a·rank is the xor of rows[j] = x^j·rank over a's set bits
+ * j: one pass per bit over the chunk, branch-free, which vectorizes.  The mod by d = 2^k - 1 of x = h >> k
+ * (k >= 2) takes no division: with M = ceil(2^32 / d) = (2^32 + e) / d, 0 <= e < d, the quotient is
+ * q = (x·M) >> 32 exactly, since x·M / 2^32 = x / d + x·e / (d·2^32) and x·e < 2^(32-k)·2^k = 2^32 keeps the
+ * excess below 1/d; M < 2^31, so x·M is one 32 x 32 -> 64-bit product per lane. */
+static void levels_dithers(int64_t lo, int cnt, uint32_t k0, uint32_t k1, uint32_t sk0, uint32_t sk1, int k,
+                           const uint32_t *rows, uint32_t *dither) {
+    const uint32_t base_lo = (uint32_t)lo, base_hi = (uint32_t)((uint64_t)lo >> 32);
+    uint32_t h[TG_CHUNK], a[TG_CHUNK];
+    for (int j = 0; j < cnt; j++) {
+        uint32_t ilo = base_lo + (uint32_t)j;
+        uint32_t ihi = base_hi + (uint32_t)(ilo < base_lo);
+        dither[j] = mix32(mix32(ilo ^ k0) ^ ihi ^ k1) >> 8;
+        h[j] = mix32(mix32(ilo ^ sk0) ^ ihi ^ sk1);
+    }
+    if (k == 0) return;
+    const uint32_t mask = (1u << k) - 1u;
+    const uint32_t magic = k >= 2 ? (uint32_t)((0x100000000ULL + mask - 1) / mask) : 0u;
+    for (int j = 0; j < cnt; j++) {
+        const uint32_t x = h[j] >> k;
+        const uint32_t q = (uint32_t)(((uint64_t)x * magic) >> 32);
+        a[j] = k >= 2 ? 1u + (x - q * mask) : 1u;
+        h[j] &= mask;                                  /* b: the stratum is built on it */
+    }
+    for (int i = 0; i < k; i++) {
+        const uint32_t row = rows[i];
+        for (int j = 0; j < cnt; j++) h[j] ^= row & (0u - ((a[j] >> i) & 1u));
+    }
+    for (int j = 0; j < cnt; j++) dither[j] = (h[j] << (24 - k)) | (dither[j] >> k);
+}
+
+/* Four-level round and pack (format byte 3) into out (ceil(n/4) bytes): rank `rank` of a group with k strata bits
+ * (codec/levels.py strata_bits; poly = POLYNOMIALS[k], unused for k <= 1).  Per element, all fp32 as the
+ * reference: c = clamp(g, -thr, thr); y = (c / s + 1) * 1.5; L = min(floor(y), 2); f = y - L;
+ * code = L + ((float)(2^24 - 1 - dither) < f * 2^24), or 0 where !(s > 0). */
+void tg_levels_pack(const float *g, int64_t n, float thr, const float *scalers, int64_t bucket, uint32_t k0,
+                    uint32_t k1, uint32_t sk0, uint32_t sk1, uint32_t rank, int k, uint32_t poly, uint8_t *out,
+                    int nthreads) {
+    uint32_t rows[16];
+    uint32_t x = rank;
+    for (int j = 0; j < k && j < 16; j++) {        /* rows[j] = x^j · rank in GF(2^k) */
+        rows[j] = x;
+        x <<= 1;
+        if ((x >> k) & 1u) x ^= poly;
+    }
+    int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint8_t codes[TG_CHUNK];
+        uint32_t dither[TG_CHUNK];
+        float sbuf[TG_CHUNK];
+        int64_t lo = ch * TG_CHUNK;
+        int cnt = (int)(n - lo < TG_CHUNK ? n - lo : TG_CHUNK);
+        fill_scalers(scalers, bucket, lo, cnt, sbuf);
+        levels_dithers(lo, cnt, k0, k1, sk0, sk1, k, rows, dither);
+        const float *gc = g + lo;
+        for (int j = 0; j < cnt; j++) {
+            float c = gc[j];
+            c = c > thr ? thr : c;
+            c = c < -thr ? -thr : c;
+            const float s = sbuf[j];
+            const float y = (c / s + 1.0f) * 1.5f;
+            float low = floorf(y);
+            low = low > 2.0f ? 2.0f : low;
+            const float f = y - low;
+            const float up = (float)(int32_t)(16777215u - dither[j]) < f * 16777216.0f ? 1.0f : 0.0f;
+            const int32_t code = (int32_t)(low + up);
+            codes[j] = s > 0.0f ? (uint8_t)code : 0;
+        }
+        pack_chunk(codes, cnt, 3, out + lo / 4);
     }
 }
 
@@ -350,8 +436,22 @@ static inline void scale_chunk(const int32_t *k, int64_t cnt, const float *scale
     }
 }
 
+void tg_decode_average(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
+                       int fmt, int64_t bucket, float divisor, int magnitude, float *out, int nthreads);
+
+/* fmt 1 and 2 only: four-level codes (fmt 3) have no integer sums, so they take the general formula (callers send
+ * them to tg_decode_average; given one here, it is passed on with every payload pointing at the one scaler set;
+ * out of memory for those npay pointers, nothing is written). */
 void tg_decode_shared(const uint8_t *const *packed, const float *scalers, int npay, int64_t n, int fmt,
                       int64_t bucket, float divisor, int magnitude, float *out, int nthreads) {
+    if (fmt == 3) {
+        const float **sp = (const float **)malloc(sizeof(float *) * (size_t)(npay > 0 ? npay : 1));
+        if (!sp) return;
+        for (int p = 0; p < npay; p++) sp[p] = scalers;
+        tg_decode_average(packed, sp, npay, n, fmt, bucket, divisor, magnitude, out, nthreads);
+        free(sp);
+        return;
+    }
     init_luts();
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -414,9 +514,9 @@ static void decode_pair_2bit(const uint8_t *p0, const uint8_t *p1, float s0, flo
  * acc = 0 + x_0, acc += x_p, then / divisor.  Returns -1 (nothing written) when the table cannot be allocated. */
 static int decode_average_layerwise(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
                                     int fmt, float divisor, const float *val, float *out, int nthreads) {
-    const int per = fmt == 1 ? 4 : 5;
+    const int per = codes_per_byte(fmt);
     int64_t done = 0;            /* elements the two-payload table wrote; the general loop does the rest */
-    if (npay == 2 && fmt == 1) {
+    if (npay == 2 && per == 4) {
         decode_pair_2bit(packed[0], packed[1], scalers[0][0], scalers[1][0], n / 4, divisor, val, out, nthreads);
         done = n / 4 * 4;
         if (done == n) return 0;
@@ -430,7 +530,7 @@ static int decode_average_layerwise(const uint8_t *const *packed, const float *c
             unsigned y = x;
             for (int q = 0; q < 8; q++) row[q] = 0.0f;
             for (int q = 0; q < per; q++) {
-                unsigned c = fmt == 1 ? (x >> (2 * q)) & 3 : y % 3;   /* as the general loop reads bytes */
+                unsigned c = per == 4 ? (x >> (2 * q)) & 3 : y % 3;   /* as the general loop reads bytes */
                 y /= 3;
                 row[q] = val[c] * s;
             }
@@ -446,7 +546,7 @@ static int decode_average_layerwise(const uint8_t *const *packed, const float *c
         for (int p = 0; p < npay; p++) {
             const uint8_t *src = packed[p] + lo / per;
             const float *table = lut + (size_t)p * 256 * 8;
-            if (fmt == 1) add_table_rows(acc, src, nbytes, table, 4, p == 0);
+            if (per == 4) add_table_rows(acc, src, nbytes, table, 4, p == 0);
             else add_table_rows(acc, src, nbytes, table, 5, p == 0);
         }
         for (int64_t j = 0; j < cnt; j++) out[lo + j] = acc[j] / divisor;
@@ -455,13 +555,18 @@ static int decode_average_layerwise(const uint8_t *const *packed, const float *c
     return 0;
 }
 
-/* Scalers differ between payloads: out[i] = (sum_p v_p[i] * s_p[i]) / divisor, fp32, in payload order. */
+/* Scalers differ between payloads, or the codes are four-level ones (fmt 3, which has no shared-scaler integer
+ * path): out[i] = (sum_p v_p[i] * s_p[i]) / divisor, fp32, in payload order.  v: the ternary value of the code, or
+ * (fmt 3) its level / s in {-1, -1/3, 1/3, 1}; with magnitude, |t| or (fmt 3) the squared level {1, 1/9, 1/9, 1},
+ * the noise estimate's (callers pass squared scalers and divisor). */
 void tg_decode_average(const uint8_t *const *packed, const float *const *scalers, int npay, int64_t n,
                        int fmt, int64_t bucket, float divisor, int magnitude, float *out, int nthreads) {
     static const float signed_val[4] = {0.0f, 1.0f, -1.0f, 0.0f}; /* code 3 is invalid: read as 0 */
     static const float abs_val[4] = {0.0f, 1.0f, 1.0f, 1.0f};     /* |t|, as lut_abs2 reads codes */
-    const float *val = magnitude ? abs_val : signed_val;
-    const int per = fmt == 1 ? 4 : 5;
+    static const float level_val[4] = {-1.0f, -1.0f / 3.0f, 1.0f / 3.0f, 1.0f};
+    static const float level_sq[4] = {1.0f, 1.0f / 9.0f, 1.0f / 9.0f, 1.0f};
+    const float *val = fmt == 3 ? (magnitude ? level_sq : level_val) : (magnitude ? abs_val : signed_val);
+    const int per = codes_per_byte(fmt);
     int64_t nchunks = (n + TG_CHUNK - 1) / TG_CHUNK;
     if (bucket <= 0 && decode_average_layerwise(packed, scalers, npay, n, fmt, divisor, val, out, nthreads) == 0)
         return;
@@ -474,7 +579,7 @@ void tg_decode_average(const uint8_t *const *packed, const float *const *scalers
         int64_t nbytes = (cnt + per - 1) / per;
         for (int p = 0; p < npay; p++) {
             const uint8_t *src = packed[p] + lo / per;
-            if (fmt == 1) {
+            if (per == 4) {
                 for (int64_t b = 0; b < nbytes; b++) {
                     uint8_t x = src[b];
                     v[4 * b] = val[x & 3]; v[4 * b + 1] = val[(x >> 2) & 3];

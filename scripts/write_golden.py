@@ -1,6 +1,7 @@
 """Re-pin the golden bytes of tests/test_golden.py: run every pinned case (``test_golden._all_keys()``: each
-setting of ``CASES`` at 1-4 ranks, alone and fused) and write the digests of every collective's input and of
-every decoded average to ``tests/golden/exchange.json``.
+setting of ``CASES`` at 1-4 ranks, alone and fused; ``test_golden._level_keys()``: the four-level code's cases of
+``LEVEL_CASES``, at the codec) and write the digests of every collective's input and of every decoded average
+(and the four-level payloads and noise estimates) to ``tests/golden/exchange.json``.
 
     .venv/bin/python scripts/write_golden.py            # rewrite tests/golden/exchange.json
     .venv/bin/python scripts/write_golden.py --check    # exit 1, naming the cases, where a pin differs
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     pins = {f"{c}/{n}/{f}": test_golden._run(c, n, f) for c, n, f in test_golden._all_keys()}
+    pins.update({key: test_golden._run_levels(case) for key, case in test_golden._level_keys()})
     if args.check:
         with open(test_golden.GOLDEN) as f:
             old = json.load(f)

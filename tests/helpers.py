@@ -209,8 +209,18 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
     local = [C.local_scalers(st, thr) for st, thr in zip(stats, thrs)]
     scalers = [torch.stack(local).amax(dim=0)] * N if cfg.scaler_shared_for("reternarized") else local
     tid = C.tensor_id(name)
-    ternary = [C.ternarize(flat[r], thrs[r], scalers[r], b1, C.stream_key(cfg.seed, step, tid, ranks[r]))
-               for r in range(N)]
+    four = cfg.first_stage_format("requantized" if second == "requant" else "reternarized") == sizes.FOUR_LEVEL
+    if four:     # codec/levels.py: four levels, dithers stratified over the N ranks (rank r is the r-th of ``grads``)
+        codes = [C.levels.round_codes(flat[r], thrs[r], scalers[r], b1, C.levels.stratified_uniform24(
+            C.stream_key(cfg.seed, step, tid, ranks[r]), C.levels.strata_key(cfg.seed, step, tid), r, N, 0, n))
+            for r in range(N)]
+        values = [torch.tensor(C.levels.VALUES)[c.long()] for c in codes]
+        squared = [torch.tensor(C.levels.SQUARES)[c.long()] for c in codes]
+    else:
+        ternary = [C.ternarize(flat[r], thrs[r], scalers[r], b1, C.stream_key(cfg.seed, step, tid, ranks[r]))
+                   for r in range(N)]
+        values = [t.to(torch.float32) for t in ternary]
+        squared = [t.abs().to(torch.float32) for t in ternary]
 
     def full(s, bucket, count):
         return s if s.numel() == 1 else s.repeat_interleave(bucket)[:count]
@@ -222,23 +232,23 @@ def expected_reternarized(grads, name, step, cfg: TernGradConfig, average=True, 
         if hi <= lo:
             continue
         sc = [full(s, b1, n)[lo:hi] for s in scalers]
-        if all(torch.equal(s, sc[0]) for s in sc):
+        same = not four and all(torch.equal(s, sc[0]) for s in sc)     # the four-level code has no shortcut
+        if same:
             kk = torch.stack([t[lo:hi].to(torch.int64) for t in ternary]).sum(0)
             a = (kk.to(torch.float32) * sc[0]) / divisor
         else:
             acc = torch.zeros(hi - lo, dtype=torch.float32)
             for r in range(N):
-                acc = acc + ternary[r][lo:hi].to(torch.float32) * sc[r]
+                acc = acc + values[r][lo:hi] * sc[r]
             a = acc / divisor
         if second == "requant":
-            same = all(torch.equal(s, sc[0]) for s in sc)
             if same:
                 ka = torch.stack([t[lo:hi].abs().to(torch.int64) for t in ternary]).sum(0)
                 nu1 = (ka.to(torch.float32) * (sc[0] * sc[0])) / (divisor * divisor)
             else:
                 acc = torch.zeros(hi - lo, dtype=torch.float32)
                 for r in range(N):
-                    acc = acc + ternary[r][lo:hi].abs().to(torch.float32) * (sc[r] * sc[r])
+                    acc = acc + squared[r][lo:hi] * (sc[r] * sc[r])
                 nu1 = acc / (divisor * divisor)
             if squares:
                 nu1 = minibatch_share_out(nu1, [torch.minimum(torch.maximum(flat[r][lo:hi], -thrs[r]), thrs[r])

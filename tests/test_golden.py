@@ -1,5 +1,6 @@
 """Golden pins: the bytes every rank hands to each collective, and every decoded average, for a fixed set
-of tensors, settings, exchanges, fusion and rank counts, over two steps (stream keys advance).
+of tensors, settings, exchanges, fusion and rank counts, over two steps (stream keys advance); and, at the codec,
+the four-level code's payloads (codec/levels.py) of every rank of a group with its decoded average and noise estimate.
 
 The pinned digests must not change:
 a refactor of how payloads travel may move code, never a bit.  Re-pin only for an intended change
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from horovod_terngrad import TernGradConfig
+from horovod_terngrad import codec as C
+from horovod_terngrad.codec import levels, packing
 from horovod_terngrad.exchange import Engine, run_ranks
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "exchange.json")
@@ -141,6 +144,51 @@ def _all_keys():
     return [(c, n, f) for c in CASES for n in RANKS for f in FUSED]
 
 
+# -- the four-level code, pinned at the codec ----------------------------------------------------------------------
+# Every rank of a group of 3 or 16 rounds its own gradient of each tensor (one holds a NaN on the last rank in the
+# bucketed cases: its scalers are zero and it carries the NaN flag) with its stratified dithers; pinned per tensor and
+# step: the gathered payloads, their average (divisor N) and the noise estimate (squares, divisor N²).
+LEVEL_SHAPES = [(1,), (7,), (1000,), (64, 33)]
+LEVEL_CASES = {
+    "g3": dict(group=3, bucket=0),
+    "g3-buckets": dict(group=3, bucket=64),
+    "g16": dict(group=16, bucket=0),
+    "g16-buckets": dict(group=16, bucket=100),
+}
+LEVEL_SEED = 13
+
+
+def _level_keys():
+    return [(f"4level/{c}", c) for c in LEVEL_CASES]
+
+
+def _run_levels(case: str, backend=None, device: str = "cpu") -> dict:
+    """One pinned four-level case through codec/levels.py (``backend`` None), or through a backend's prepare,
+    encode_levels, decode and (where it has one) decode_noise, which must give the same digests; the gradients are
+    drawn on the CPU and moved to ``device``."""
+    group, bucket = LEVEL_CASES[case]["group"], LEVEL_CASES[case]["bucket"]
+    out = {"payloads": [], "outs": [], "noise": []}
+    for step in range(2):
+        for i, shape in enumerate(LEVEL_SHAPES):
+            tid, pays = C.tensor_id(f"layer{i}"), []
+            for r in range(group):
+                g = _grad(shape, r, i, step, nan=bucket > 0 and i == 2 and r == group - 1).reshape(-1).to(device)
+                p = (backend or C).prepare(g, bucket, 2.5)
+                flags = packing.FLAG_NONFINITE if bool(p.nonfinite) else 0
+                own, strata = C.stream_key(LEVEL_SEED, step, tid, r), levels.strata_key(LEVEL_SEED, step, tid)
+                encode = levels.encode if backend is None else backend.encode_levels
+                pays.append(encode(g, p.threshold, p.scalers, bucket, own, strata, r, group, flags, shape))
+            x = torch.cat(pays)
+            h, o = packing.walk(x, group)
+            avg = levels.decode_average(x, h, o, group) if backend is None else backend.decode(x, h, o, group)
+            noise = (levels.decode_average(x, h, o, float(group) ** 2, squares=True) if backend is None
+                     else backend.decode_noise(x, h, o, group) if hasattr(backend, "decode_noise") else None)
+            out["payloads"].append(_digest(x))
+            out["outs"].append(_digest(avg))
+            out["noise"].append(None if noise is None else _digest(noise))
+    return out
+
+
 def _load():
     with open(GOLDEN) as f:
         return json.load(f)
@@ -157,7 +205,28 @@ def test_bytes_and_averages_match_the_pinned_digests(case, n_ranks, fused):
 
 
 def test_the_pins_cover_every_case():
-    assert sorted(_load()) == sorted(f"{c}/{n}/{f}" for c, n, f in _all_keys())
+    assert sorted(_load()) == sorted([f"{c}/{n}/{f}" for c, n, f in _all_keys()] + [k for k, _ in _level_keys()])
+
+
+@pytest.mark.parametrize("backend", ["codec", "reference", "fused", "host-kernels"])
+@pytest.mark.parametrize("case", list(LEVEL_CASES))
+def test_four_level_bytes_match_the_pinned_digests(case, backend):
+    """The reference's four-level bytes, average and noise estimate are pinned; the reference backend, the fused CPU
+    backend and the CUDA kernels' host build reproduce them (the noise estimate where the backend has one)."""
+    from horovod_terngrad.backends import REFERENCE, cpu_fused
+    from horovod_terngrad.backends.cuda import KernelBackend
+    from horovod_terngrad.backends.host_build import HostKernels
+    torch.set_num_threads(1)
+    want = _load()[f"4level/{case}"]
+    be = {"codec": lambda: None, "reference": lambda: REFERENCE, "fused": cpu_fused,
+          "host-kernels": lambda: KernelBackend(HostKernels())}[backend]()
+    got = _run_levels(case, be)
+    assert got["payloads"] == want["payloads"], "four-level payload bytes changed"
+    assert got["outs"] == want["outs"], "decoded four-level averages changed"
+    if None not in got["noise"]:
+        assert got["noise"] == want["noise"], "four-level noise estimates changed"
+    else:
+        assert backend in ("reference", "host-kernels")          # the backends without decode_noise
 
 
 # -- the same pins on a GPU ------------------------------------------------------------------------------------------
@@ -177,6 +246,17 @@ def test_cuda_tensors_reproduce_the_pins(case, n_ranks):
     assert got["outs"] == want["outs"], "CUDA decoded other averages than the CPU pins"
     for r in range(n_ranks):
         assert got["logs"][r] == want["logs"][r], f"rank {r}: CUDA sent other bytes than the CPU pins"
+
+
+@cuda
+@pytest.mark.parametrize("case", list(LEVEL_CASES))
+def test_cuda_kernels_reproduce_the_four_level_pins(case):
+    from horovod_terngrad.backends import cuda_kernels
+    be = cuda_kernels()
+    assert be is not None, "CuPy kernels failed to load on a CUDA machine"
+    want = _load()[f"4level/{case}"]
+    got = _run_levels(case, be, device="cuda")
+    assert got["payloads"] == want["payloads"] and got["outs"] == want["outs"]
 
 
 @cuda

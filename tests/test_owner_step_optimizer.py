@@ -110,8 +110,8 @@ def test_step_is_the_owner_step_arithmetic():
             assert float((avg - mean).mean().abs()) < 0.05 * float(mean.abs().mean()) + 1e-3
 
 
-@pytest.mark.parametrize("weight_bucket", [0, 128])
-def test_the_study_simulator_and_the_optimizer_take_the_same_steps(weight_bucket):
+@pytest.mark.parametrize("weight_bucket,levels", [(0, 3), (128, 3), (128, 4)])
+def test_the_study_simulator_and_the_optimizer_take_the_same_steps(weight_bucket, levels):
     """The whole-run study's owner-step (examples/owner_step.py: the engine's requantized first stage, one process)
     and this optimizer on thread-ranks, on the same batches: the same averages and noise estimates bit for bit (the
     first stage's bytes are the engine's), and the same masters and replicas to fp32 rounding: the one difference
@@ -119,7 +119,8 @@ def test_the_study_simulator_and_the_optimizer_take_the_same_steps(weight_bucket
     there (equal to 1 up to its last bit).  So the study's held-out losses are this optimizer's."""
     import owner_step
     N, steps = 4, 4
-    cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=5, min_numel=0)
+    cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=5, min_numel=0,
+                         levels=levels)
     model = _model()
     sim = owner_step.OwnerStepSimulator(model, N, cfg, delta_bucket=weight_bucket)
     opt = AdamW(model.parameters(), lr=1e-2)
@@ -146,11 +147,14 @@ def test_the_study_simulator_and_the_optimizer_take_the_same_steps(weight_bucket
                 assert torch.allclose(shard, sim.master[i].reshape(-1)[lo:hi], rtol=0, atol=1e-6), (r, name)
 
 
-def test_owners_averages_are_the_engines_bit_for_bit():
-    """Step 0's owned averages and noise estimates equal the engine's requantized first stage (the study's)."""
+@pytest.mark.parametrize("levels", [3, 4])
+def test_owners_averages_are_the_engines_bit_for_bit(levels):
+    """Step 0's owned averages and noise estimates equal the engine's requantized first stage (the study's), with
+    either first-stage code."""
     import owner_step
     N = 4
-    cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=5, min_numel=0)
+    cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=5, min_numel=0,
+                         levels=levels)
     model = _model()
     sim = owner_step.OwnerStepSimulator(model, N, cfg)
     ref = AdamW(model.parameters(), lr=1e-2)
@@ -206,10 +210,11 @@ def test_bits_received_are_the_codec_sizes(weight_bucket):
     assert (N - 1) / N * 3.2 + extra < opt.bits_received() < 4.0 + extra + 8 * (N - 1) * 52 / 1800
 
 
-def test_resumed_run_continues_bit_for_bit():
-    whole = run_ranks(4, _train, 6)
-    first = run_ranks(4, _train, 3)
-    resumed = run_ranks(4, lambda c: _train(c, 3, start=3, state=[(f[0], f[1]) for f in first]))
+@pytest.mark.parametrize("config", [CFG, CFG.replace(levels=4)], ids=["ternary", "4level"])
+def test_resumed_run_continues_bit_for_bit(config):
+    whole = run_ranks(4, lambda c: _train(c, 6, config=config))
+    first = run_ranks(4, lambda c: _train(c, 3, config=config))
+    resumed = run_ranks(4, lambda c: _train(c, 3, start=3, state=[(f[0], f[1]) for f in first], config=config))
     for r in range(4):
         for k in whole[r][0]:
             assert torch.equal(resumed[r][0][k], whole[r][0][k]), (r, k)

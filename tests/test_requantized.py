@@ -21,8 +21,10 @@ SHAPES = [(20, 50), (50,), (7, 3, 3), (1,), (1000,), (300, 7), (0,)]
 CONFIGS = [TernGradConfig(exchange="requantized"),
            TernGradConfig(exchange="requantized", packing="base3", seed=3),
            TernGradConfig(exchange="requantized", bucket_size=64),
-           TernGradConfig(exchange="requantized", shared_scaler=True)]
-IDS = ["default", "base3", "buckets", "shared"]
+           TernGradConfig(exchange="requantized", shared_scaler=True),
+           TernGradConfig(exchange="requantized", levels=4),
+           TernGradConfig(exchange="requantized", levels=4, packing="base3", bucket_size=64, shared_scaler=True)]
+IDS = ["default", "base3", "buckets", "shared", "4level", "4level-buckets-shared"]
 
 
 # -- layer 1: the codec ----------------------------------------------------------------------------------------

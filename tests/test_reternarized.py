@@ -20,8 +20,9 @@ CONFIGS = [TernGradConfig(exchange="reternarized"),
            TernGradConfig(exchange="reternarized", packing="base3", seed=3),
            TernGradConfig(exchange="reternarized", bucket_size=64),
            TernGradConfig(exchange="reternarized", shared_scaler=True),
-           TernGradConfig(exchange="reternarized", clip_factor=0.0, packing="base3", bucket_size=30)]
-IDS = ["default", "base3", "buckets", "shared", "noclip-base3-buckets"]
+           TernGradConfig(exchange="reternarized", clip_factor=0.0, packing="base3", bucket_size=30),
+           TernGradConfig(exchange="reternarized", levels=4, packing="base3", bucket_size=30)]
+IDS = ["default", "base3", "buckets", "shared", "noclip-base3-buckets", "4level-base3-buckets"]
 
 
 @pytest.mark.parametrize("N", [2, 3, 4, 8])

@@ -1,16 +1,19 @@
 """The backend interface: what every layer-2 backend offers, and the optional capabilities it declares.
 
 A backend turns one flat fp32 gradient into the codec's bytes and back, bit for bit like the reference
-codec: ``prepare`` (statistics -> ``codec.Prepared``), ``encode`` (one payload) and ``decode`` (the
-average of gathered payloads).  Anything beyond that is an optional capability, named in the backend's
-``capabilities`` set and checked with ``has_capability``; callers never probe for methods.
+codec: ``prepare`` (statistics -> ``codec.Prepared``), ``encode`` (one ternary payload), ``encode_levels`` (one
+payload of codec/levels.py's four-level code with stratified dithers, format ``4level``) and ``decode`` (the
+average of gathered payloads, ternary or four-level).  Every backend has these, so callers write
+``backends.for_device(g.device).encode_levels(...)``.  Anything beyond that is an optional capability, named in the
+backend's ``capabilities`` set and checked with ``has_capability``; callers never probe for methods.
 
 Capabilities:
 
 * ``SHARDED_SUMS``: the sharded exchange's two kernels, ``owner_sums`` and ``decode_sums``
   (``ShardedSumsBackend``): the fused CPU backend and the CUDA kernels (``cuda.KernelBackend``) have them.
-* ``NOISE_DECODE``: ``decode_noise``, the exchange's noise estimate (1/d^2)·Σ s^2·|t| in the decode's own
-  pass over the gathered payloads (``NoiseDecodeBackend``).  Only the fused CPU backend has it; elsewhere
+* ``NOISE_DECODE``: ``decode_noise``, the exchange's noise estimate (1/d^2)·Σ s^2·|t| (four-level payloads:
+  (1/d^2)·Σ s^2·W[code], W = {1, 1/9, 1/9, 1}) in the decode's own pass over the gathered payloads
+  (``NoiseDecodeBackend``).  Only the fused CPU backend has it; elsewhere
   exchange/allgather.py maps copies of the payloads and calls ``decode``: the same bits.
 * ``ADAM_CORRECTED``: ``adam_corrected``, horovod_terngrad.optim's default-mode Adam(W) update of one contiguous
   fp32 tensor in one pass (``AdamCorrectedBackend``).  Only the fused CPU backend has it; elsewhere the
@@ -36,7 +39,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .. import codec
-from ..codec import sizes
+from ..codec import levels, sizes
 
 SHARDED_SUMS = "sharded_sums"
 NOISE_DECODE = "noise_decode"
@@ -65,10 +68,20 @@ class Backend(Protocol):
         drawn with the random stream ``key``.  ``threshold`` is the fp32 0-d tensor of ``prepare``."""
         ...
 
+    def encode_levels(self, g32: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, bucket_size: int,
+                      own_key: tuple[int, int], shared_key: tuple[int, int], rank: int, group_size: int,
+                      flags: int = 0, shape=None) -> torch.Tensor:
+        """``codec.levels.encode``'s payload (format ``4level``), byte for byte: header, ``scalers`` and the packed
+        four-level codes of clip(g) as rank ``rank`` of an averaging group of ``group_size`` rounds them, with its
+        own stream ``own_key`` and the group's strata stream ``shared_key`` (``codec.levels.strata_key``).  Raises
+        ValueError for a group size outside 1..``codec.levels.MAX_GROUP`` or a rank outside the group."""
+        ...
+
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """Σ over the payloads at ``offsets`` in ``gathered`` of scaler·code, divided by ``divisor``:
-        fp32 [numel], written into ``out`` when given."""
+        """Σ over the payloads at ``offsets`` in ``gathered`` of scaler·value, divided by ``divisor``:
+        fp32 [numel], written into ``out`` when given.  value: the ternary value, or for ``4level`` payloads the
+        level / s in {-1, -1/3, 1/3, 1}, which only the general formula decodes (no shared-scaler integer sums)."""
         ...
 
 
@@ -152,6 +165,25 @@ class SquareSumsBackend(Backend, Protocol):
 def has_capability(backend: Backend, capability: str) -> bool:
     """Whether ``backend`` declares ``capability`` (one of the constants of this module)."""
     return capability in backend.capabilities
+
+
+def ternary_packing(fmt: str) -> str:
+    """``fmt`` where a kernel reads or writes ternary codes (encode, owner sums, nearest rounding): one of the
+    ternary packings; the four-level format has its own kernels (``encode_levels``), and its codes are no ternary
+    values to add or pack as base3."""
+    if fmt not in sizes.PACKINGS:
+        raise ValueError(f"unknown ternary packing {fmt!r}; choose one of {list(sizes.PACKINGS)}")
+    return fmt
+
+
+def levels_inputs(rank: int, group_size: int) -> tuple[int, int]:
+    """What every ``encode_levels`` checks, and the strata its kernel needs: (k, the reduction polynomial of GF(2^k),
+    0 for k <= 1), k = ``codec.levels.strata_bits(group_size)``.  Raises ValueError for a group size outside
+    1..MAX_GROUP or a rank outside the group, whatever the tensor's size."""
+    k = levels.strata_bits(group_size)
+    if not 0 <= rank < group_size:
+        raise ValueError(f"TernGrad: rank {rank} is not in a group of {group_size}")
+    return k, levels.POLYNOMIALS.get(k, 0)
 
 
 def requant_encode_inputs(a: torch.Tensor, noise: torch.Tensor | None, start: int):

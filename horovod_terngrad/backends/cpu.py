@@ -3,7 +3,8 @@
 One pass per stage and no tensor-sized temporaries besides the output; OpenMP threads follow
 ``torch.get_num_threads()``.  The shared object goes to the compile cache (``compile_cache.py``) keyed by
 a hash of the source, the flags, the compiler and the CPU.  Without a working compiler ``load()`` returns
-None and the caller falls back to the torch reference (with one warning).  Its capabilities: ``SHARDED_SUMS``,
+None and the caller falls back to the torch reference (with one warning).  Besides the interface (the ternary code's
+``encode``, the four-level code's ``encode_levels``, ``decode`` of either), its capabilities: ``SHARDED_SUMS``,
 ``NOISE_DECODE``, ``ADAM_CORRECTED``, ``REQUANT``, ``NEAREST`` and ``SQUARE_SUMS``.
 """
 from __future__ import annotations
@@ -20,10 +21,11 @@ import tempfile
 import torch
 
 from .. import codec
-from ..codec import packing, sizes, squares
+from ..codec import levels, packing, sizes, squares
 from ..codec.packing import FORMATS
+from ..codec.sizes import PACKINGS
 from .base import (ADAM_CORRECTED, NEAREST, NOISE_DECODE, REQUANT, SHARDED_SUMS, SQUARE_SUMS, RequantDecodeTargets,
-                   requant_encode_inputs)
+                   levels_inputs, requant_encode_inputs, ternary_packing)
 from .compile_cache import KERNEL_DIR, compile_cached, kernel_source
 
 log = logging.getLogger("horovod_terngrad")
@@ -31,7 +33,7 @@ SOURCE = os.path.join(KERNEL_DIR, "terngrad_cpu.c")
 # -fno-math-errno: errno is never read, and without it sqrtf cannot be vectorized (tg_adam_corrected); no result changes
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fno-strict-aliasing",
           "-std=gnu11", "-fPIC", "-shared"]
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 _c_int64, _c_float, _c_int, _u32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32
 _P = ctypes.c_void_p
@@ -86,6 +88,8 @@ class FusedCPUBackend:
         lib.tg_stats.argtypes = [_P, _c_int64, _c_int64, _P, _P, _c_int64, _c_int]
         lib.tg_stats.restype = ctypes.c_int
         lib.tg_ternarize_pack.argtypes = [_P, _c_int64, _c_float, _P, _c_int64, _u32, _u32, _c_int, _P, _c_int]
+        lib.tg_levels_pack.argtypes = [_P, _c_int64, _c_float, _P, _c_int64, _u32, _u32, _u32, _u32, _u32, _c_int, _u32,
+                                       _P, _c_int]
         lib.tg_decode_average.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _c_int, _P, _c_int]
         lib.tg_decode_shared.argtypes = [_P, _P, _c_int, _c_int64, _c_int, _c_int64, _c_float, _c_int, _P, _c_int]
         lib.tg_owner_sums.argtypes = [_P, _c_int, _c_int64, _c_int, _c_int, _P, _c_int]
@@ -97,8 +101,9 @@ class FusedCPUBackend:
         lib.tg_nearest_pack.argtypes = [_P, _c_int64, _P, _c_int64, _c_int, _P, _c_int]
         lib.tg_clipped_square_sums.argtypes = [_P, _c_int64, _c_int64, _c_float, _P, _c_int]
         lib.tg_clipped_square_sums.restype = ctypes.c_int
-        for fn in (lib.tg_ternarize_pack, lib.tg_nearest_pack, lib.tg_decode_average, lib.tg_decode_shared, lib.tg_owner_sums,
-                   lib.tg_unpack_sums, lib.tg_adam_corrected, lib.tg_requant_encode, lib.tg_requant_decode):
+        for fn in (lib.tg_ternarize_pack, lib.tg_levels_pack, lib.tg_nearest_pack, lib.tg_decode_average,
+                   lib.tg_decode_shared, lib.tg_owner_sums, lib.tg_unpack_sums, lib.tg_adam_corrected,
+                   lib.tg_requant_encode, lib.tg_requant_decode):
             fn.restype = None
         self.lib = lib
 
@@ -142,11 +147,25 @@ class FusedCPUBackend:
 
     def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
         n = g32.numel()
-        payload, region = packing.new_payload(n, fmt, scalers, bucket_size, flags, shape)
+        payload, region = packing.new_payload(n, ternary_packing(fmt), scalers, bucket_size, flags, shape)
         s = scalers.to(torch.float32).contiguous()
         if n:
             self.lib.tg_ternarize_pack(_ptr(g32), n, float(threshold), _ptr(s), bucket_size, key[0], key[1],
                                        FORMATS[fmt], _ptr(region), self._threads())
+        return payload
+
+    def encode_levels(self, g32, threshold, scalers, bucket_size, own_key, shared_key, rank, group_size, flags=0,
+                      shape=None) -> torch.Tensor:
+        """``Backend.encode_levels``: codec/levels.py's ``encode`` in one pass (kernels/terngrad_cpu.c, tg_levels_pack:
+        clip, the stratified dithers, the four-level rounding and the packing per chunk), the same bytes."""
+        k, poly = levels_inputs(rank, group_size)
+        g = g32.reshape(-1).to(torch.float32).contiguous()
+        n = g.numel()
+        payload, region = packing.new_payload(n, levels.FORMAT, scalers, bucket_size, flags, shape)
+        s = scalers.to(torch.float32).contiguous()
+        if n:
+            self.lib.tg_levels_pack(_ptr(g), n, float(threshold), _ptr(s), bucket_size, own_key[0], own_key[1],
+                                    shared_key[0], shared_key[1], rank, k, poly, _ptr(region), self._threads())
         return payload
 
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
@@ -157,7 +176,8 @@ class FusedCPUBackend:
     def decode_noise(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         """``NoiseDecodeBackend.decode_noise``: the decode's own pass with squared scalers and codes read as
-        |t|, straight from the gathered payloads (no copies of them)."""
+        |t| (four-level codes: as their squared levels, codec/levels.py's ``decode_average(..., squares=True)``),
+        straight from the gathered payloads (no copies of them)."""
         return self._decode(gathered, headers, offsets, float(divisor) ** 2, out, magnitude=True)
 
     def _decode(self, gathered, headers, offsets, divisor, out, magnitude: bool) -> torch.Tensor:
@@ -175,7 +195,8 @@ class FusedCPUBackend:
         base = gathered.data_ptr()
         k = len(offsets)
         pp = (ctypes.c_void_p * k)(*[base + o + hb + 4 * nb for o in offsets])
-        if all(torch.equal(scalers[i], scalers[0]) for i in range(1, k)):
+        # the exact integer sums under one shared scaler exist for the ternary packings only
+        if h0.fmt in PACKINGS and all(torch.equal(scalers[i], scalers[0]) for i in range(1, k)):
             self.lib.tg_decode_shared(pp, _ptr(scalers[0]), k, n, FORMATS[h0.fmt], h0.bucket_size,
                                       float(divisor), int(magnitude), _ptr(out), self._threads())
         else:
@@ -187,6 +208,7 @@ class FusedCPUBackend:
     # -- SHARDED_SUMS capability --------------------------------------------------------------------------
     def owner_sums(self, received: torch.Tensor, n_ranks: int, m: int, fmt: str, bits: int) -> torch.Tensor:
         """``ShardedSumsBackend.owner_sums`` in one pass, chunked over the OpenMP threads."""
+        ternary_packing(fmt)
         nbytes = received.numel() // n_ranks if n_ranks else 0
         out = torch.empty(-(-m * bits // 8), dtype=torch.uint8)
         if m:
@@ -234,6 +256,7 @@ class FusedCPUBackend:
         (tg_stats' max|d| per bucket, the reference's amax), the same bytes."""
         n = d.numel()
         d = d.to(torch.float32).contiguous()
+        ternary_packing(fmt)
         bucket = sizes.header_bucket(n, bucket_size)
         scalers = self.stats(d, bucket)[2] if n else torch.zeros(1, dtype=torch.float32)
         payload, region = packing.new_payload(n, fmt, scalers, bucket, 0, (n,))

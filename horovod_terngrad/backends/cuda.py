@@ -3,7 +3,8 @@
 * ``KernelBackend`` implements the backend interface on any kernel set, i.e. any object with a
   ``device`` and a ``launch(name, work, args)`` (``KernelLauncher``).  It never synchronizes with the
   device: thresholds and scalers stay device tensors (computed by the last statistics kernel), and the
-  "all payloads share their scalers" decision of the decode is made on the device.  It reads fp32 and
+  "all payloads share their scalers" decision of the decode is made on the device (ternary payloads only: the
+  four-level code of ``encode_levels`` always takes the general formula).  It reads fp32 and
   bf16 gradients as they are (``BF16_INPUT``).
 * ``CupyKernels`` is the CUDA kernel set: ``cupy.RawModule`` (NVRTC) compiled once per process (CuPy
   also caches the binary on disk), launched on torch's current CUDA stream, tensors passed as their
@@ -21,10 +22,11 @@ from typing import Protocol
 import torch
 
 from .. import codec
-from ..codec import packing, sizes
+from ..codec import levels, packing, sizes
 from ..codec.packing import FORMATS
 from ..codec.ternary import STATS_BLOCK, STATS_LANES
-from .base import BF16_INPUT, REQUANT, SHARDED_SUMS, RequantDecodeTargets, requant_encode_inputs
+from .base import (BF16_INPUT, REQUANT, SHARDED_SUMS, RequantDecodeTargets, levels_inputs, requant_encode_inputs,
+                   ternary_packing)
 from .compile_cache import KERNEL_DIR, kernel_source
 
 SOURCE = os.path.join(KERNEL_DIR, "terngrad.cu")
@@ -42,6 +44,8 @@ SIGNATURES = {
     "tg_bucket_scalers": ("p", "i64", "p", "p"),
     "tg_pack_f32": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
     "tg_pack_bf16": ("p", "i64", "p", "p", "i64", "u32", "u32", "i32", "p"),
+    "tg_levels_pack_f32": ("p", "i64", "p", "p", "i64", "u32", "u32", "u32", "u32", "u32", "i32", "u32", "p"),
+    "tg_levels_pack_bf16": ("p", "i64", "p", "p", "i64", "u32", "u32", "u32", "u32", "u32", "i32", "u32", "p"),
     "tg_decode_scalers": ("p", "p", "i64", "i32", "i64", "p", "p"),
     "tg_decode": ("p", "p", "i64", "i32", "i64", "i32", "p", "i64", "i64", "p", "f32", "p"),
     "tg_owner_sums": ("p", "i64", "i32", "i64", "i32", "i32", "p"),
@@ -155,7 +159,7 @@ def tree_plan(m: int) -> list[int]:
 
 
 class KernelBackend:
-    """prepare / encode / decode (the backend interface) on a kernel set.
+    """prepare / encode / encode_levels / decode (the backend interface) on a kernel set.
 
     Gradients may be fp32 or bf16 (read as they are: the bytes are those of the fp32 copy); other dtypes are
     converted to fp32 first.  The sharded exchange's owner sums and their decode (``SHARDED_SUMS``) and the
@@ -213,19 +217,41 @@ class KernelBackend:
             self.k.launch("tg_bucket_scalers", nb, [maxbits, nb, nonfinite, prep])
         return codec.Prepared(n, prep[0], prep[1:], nonfinite)
 
+    @staticmethod
+    def _threshold_and_scalers(threshold, scalers: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 threshold [1] and contiguous fp32 scalers on ``dev`` the pack kernels read (no copy where they
+        already are: prepare's own tensors)."""
+        thr = threshold
+        if not (isinstance(thr, torch.Tensor) and thr.dtype == torch.float32 and thr.device == dev):
+            thr = torch.as_tensor(threshold).to(device=dev, dtype=torch.float32)
+        s = scalers
+        if not (s.dtype == torch.float32 and s.device == dev and s.is_contiguous()):
+            s = s.to(device=dev, dtype=torch.float32).contiguous()
+        return thr.reshape(1), s
+
     def encode(self, g32, threshold, scalers, bucket_size, key, fmt, flags=0, shape=None) -> torch.Tensor:
         g = self._input(g32)
         n, dev = g.numel(), g.device
-        payload, region = packing.new_payload(n, fmt, scalers, bucket_size, flags, shape)
+        payload, region = packing.new_payload(n, ternary_packing(fmt), scalers, bucket_size, flags, shape)
         if n:
-            thr = threshold
-            if not (isinstance(thr, torch.Tensor) and thr.dtype == torch.float32 and thr.device == dev):
-                thr = torch.as_tensor(threshold).to(device=dev, dtype=torch.float32)
-            s = scalers
-            if not (s.dtype == torch.float32 and s.device == dev and s.is_contiguous()):
-                s = s.to(device=dev, dtype=torch.float32).contiguous()
+            thr, s = self._threshold_and_scalers(threshold, scalers, dev)
             self.k.launch("tg_pack_" + INPUT_KERNELS[g.dtype], -(-region.numel() // 4),
-                          [g, n, thr.reshape(1), s, bucket_size, key[0], key[1], FORMATS[fmt], region])
+                          [g, n, thr, s, bucket_size, key[0], key[1], FORMATS[fmt], region])
+        return payload
+
+    def encode_levels(self, g32, threshold, scalers, bucket_size, own_key, shared_key, rank, group_size, flags=0,
+                      shape=None) -> torch.Tensor:
+        """``Backend.encode_levels``: codec/levels.py's ``encode`` (tg_levels_pack_*, one thread per word of 16
+        codes), the same bytes; fp32 and bf16 gradients read as they are."""
+        k, poly = levels_inputs(rank, group_size)
+        g = self._input(g32)
+        n, dev = g.numel(), g.device
+        payload, region = packing.new_payload(n, levels.FORMAT, scalers, bucket_size, flags, shape)
+        if n:
+            thr, s = self._threshold_and_scalers(threshold, scalers, dev)
+            self.k.launch("tg_levels_pack_" + INPUT_KERNELS[g.dtype], -(-region.numel() // 4),
+                          [g, n, thr, s, bucket_size, own_key[0], own_key[1], shared_key[0], shared_key[1], rank, k,
+                           poly, region])
         return payload
 
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
@@ -248,6 +274,7 @@ class KernelBackend:
     # -- SHARDED_SUMS capability ----------------------------------------------------------------------------------
     def owner_sums(self, received: torch.Tensor, n_ranks: int, m: int, fmt: str, bits: int) -> torch.Tensor:
         """``ShardedSumsBackend.owner_sums``: one thread per 8 sums (``bits`` whole bytes)."""
+        ternary_packing(fmt)
         nbytes = received.numel() // n_ranks if n_ranks else 0
         out = torch.empty(-(-m * bits // 8), dtype=torch.uint8, device=received.device)
         if m:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from .. import codec
-from ..codec import packing
+from ..codec import levels, packing
+from .base import levels_inputs
 
 
 class ReferenceBackend:
@@ -21,8 +22,15 @@ class ReferenceBackend:
         region.copy_(codec.pack(codec.ternarize(g32, threshold, scalers, bucket_size, key), fmt))
         return payload
 
+    def encode_levels(self, g32, threshold, scalers, bucket_size, own_key, shared_key, rank, group_size, flags=0,
+                      shape=None) -> torch.Tensor:
+        """``codec.levels.encode`` (its group checked first, as every backend checks it, also for an empty tensor)."""
+        levels_inputs(rank, group_size)
+        return levels.encode(g32, threshold, scalers, bucket_size, own_key, shared_key, rank, group_size, flags, shape)
+
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
+        # packing.average_packed decodes ``4level`` payloads by the general formula (codec/levels.py's decode)
         parts = [packing.split(gathered[o:o + h.total_bytes], h) for h, o in zip(headers, offsets)]
         h0 = headers[0]
         avg = packing.average_packed([c for _, c in parts], [s for s, _ in parts], h0.numel, h0.fmt,

@@ -1,5 +1,5 @@
 """Layer 1: TernGrad math on one tensor. No communication, no global state."""
-from . import sizes, squares
+from . import levels, sizes, squares
 from .packing import (FORMATS, assemble, average_packed, decode_sums, HEADER_BYTES, Header, PayloadError, decode_average, encode, pack,
                       packed_size, parse_header, read_header, payload_size, unpack)
 from .rng import stream_key, tensor_id, uniform24, uniform24_scalar
@@ -7,7 +7,7 @@ from .ternary import (Prepared, TensorStats, prepare, clip_threshold, expand_sca
                       tensor_stats, ternarize)
 
 __all__ = [
-    "sizes", "squares",
+    "levels", "sizes", "squares",
     "assemble", "average_packed", "decode_sums", "expand_scalers",
     "FORMATS", "HEADER_BYTES", "Header", "PayloadError", "decode_average", "encode", "pack",
     "packed_size", "parse_header", "read_header", "payload_size", "unpack", "stream_key", "tensor_id", "uniform24",

@@ -11,7 +11,7 @@ Payload (little-endian, uint8):
     offset  size  field
     0       1     magic 0x54 ('T')
     1       1     version (1)
-    2       1     format (1 = 2bit, 2 = base3)
+    2       1     format (1 = 2bit, 2 = base3; 3 = 4level: codec/levels.py's four-level codes, 2bit's layout)
     3       1     flags (bit 0: the sender's tensor held NaN/Inf; its codes are then all zero;
                         bit 1: a 4-byte squares trailer follows the codes, codec/squares.py)
     4       4     bucket size k (uint32; 0 = one scaler for the whole tensor)
@@ -37,13 +37,14 @@ import zlib
 import torch
 
 from .ternary import expand_scalers
-from .sizes import CODES_PER_BYTE, FORMATS, HEADER_BYTES, codes_offset, num_buckets, packed_size, payload_size
+from .sizes import CODES_PER_BYTE, FORMATS, PACKINGS, HEADER_BYTES, codes_offset, num_buckets, packed_size, payload_size
 
 MAGIC = 0x54
 VERSION = 1
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 FLAG_NONFINITE = 1
 FLAG_SQUARES = 2                       #: a squares trailer follows the codes
+FOUR_LEVEL_VALUES = (-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0)   #: the ``4level`` format's code -> value / s (codec/levels.py)
 
 
 class PayloadError(ValueError):
@@ -78,6 +79,8 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 def pack(t: torch.Tensor, fmt: str) -> torch.Tensor:
     """Pack a flat int8 ternary vector into uint8 codes of the given format."""
+    if fmt not in PACKINGS:
+        raise ValueError(f"unknown ternary packing {fmt!r}; choose one of {list(PACKINGS)}")
     per = CODES_PER_BYTE[fmt]
     n = t.numel()
     nbytes = packed_size(n, fmt)
@@ -96,24 +99,25 @@ _LUT_CACHE: dict = {}
 
 
 def _lut(fmt: str, device) -> torch.Tensor:
-    """[256, per] float32 table: byte -> ternary values of its codes."""
+    """[256, per] float32 table: byte -> the values of its codes (ternary, or the four levels / s)."""
     key = (fmt, str(device))
     lut = _LUT_CACHE.get(key)
     if lut is None:
         per = CODES_PER_BYTE[fmt]
         b = torch.arange(256, dtype=torch.int64)
-        if fmt == "2bit":
-            codes = torch.stack([(b >> (2 * q)) & 3 for q in range(per)], dim=1)
-        else:
+        if fmt == "base3":
             codes = torch.stack([(b // 3 ** q) % 3 for q in range(per)], dim=1)
-        value = torch.tensor([0.0, 1.0, -1.0, 0.0])  # code 3 never appears in valid 2bit data
+        else:
+            codes = torch.stack([(b >> (2 * q)) & 3 for q in range(per)], dim=1)
+        # code 3 never appears in valid 2bit data; the four-level code's values are codec/levels.py's
+        value = torch.tensor(FOUR_LEVEL_VALUES if fmt == "4level" else [0.0, 1.0, -1.0, 0.0])
         lut = value[codes].to(torch.float32).to(device)
         _LUT_CACHE[key] = lut
     return lut
 
 
 def unpack(packed: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
-    """Inverse of ``pack`` as fp32 values in {-1, 0, 1}."""
+    """Inverse of ``pack`` as fp32 values in {-1, 0, 1} (or the four levels / s of a ``4level`` payload)."""
     return _lut(fmt, packed.device)[packed.long()].reshape(-1)[:numel]
 
 
@@ -295,7 +299,7 @@ def average_packed(packed: list, scalers: list, numel: int, fmt: str, bucket_siz
                    divisor: float) -> torch.Tensor:
     """Reference decode of N packed code arrays with their fp32 scalers (see module docstring)."""
     dev = packed[0].device
-    if all(torch.equal(s, scalers[0]) for s in scalers[1:]):
+    if fmt in PACKINGS and all(torch.equal(s, scalers[0]) for s in scalers[1:]):
         k = torch.zeros(numel, dtype=torch.int32, device=dev)
         for p in packed:
             k += unpack(p, numel, fmt).to(torch.int32)

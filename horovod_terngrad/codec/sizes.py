@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 
-FORMATS = {"2bit": 1, "base3": 2}          #: packing name -> format byte of the header
-CODES_PER_BYTE = {"2bit": 4, "base3": 5}
-BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6}
+PACKINGS = ("2bit", "base3")              #: the ternary code's packings (TernGradConfig.packing)
+#: format name -> format byte of the header: the ternary packings, and the four-level code (codec/levels.py)
+FOUR_LEVEL = "4level"                      #: the four-level code's format name
+FORMATS = {"2bit": 1, "base3": 2, FOUR_LEVEL: 3}
+CODES_PER_BYTE = {"2bit": 4, "base3": 5, "4level": 4}
+BITS_PER_CODE = {"2bit": 2.0, "base3": 1.6, "4level": 2.0}
 HEADER_BYTES = 20                          #: payload header (magic, version, format, flags, k, n, shape)
 SCALER_BYTES = 4                           #: one fp32 scaler
 SQUARES_BYTES = 4                          #: a payload's trailer: the sender's Σ f(g)², fp32 (codec/squares.py)

@@ -183,10 +183,14 @@ def noise_estimate(buf: torch.Tensor, headers: list, offsets: list, divisor: flo
     the packed bytes in place; base-3: a 256-entry table), and the backend's own decode (fused C, CUDA or the reference) averages those with divisor^2:
     one more decode of the member, no host synchronization, the same bits on every backend.  A backend with
     the ``NOISE_DECODE`` capability (the fused CPU one) does the same in its decode's own pass over the
-    gathered payloads, without the copies."""
+    gathered payloads, without the copies.  Four-level payloads (codec/levels.py) give (1/divisor^2)·Σ_r
+    (s_r·V_r)^2 the same way (``levels.decode_average(squares=True)`` where the backend has no such pass): E[q²] =
+    c² + Var(q) there too, though with stratified dithers the average's variance is below the sum of the ranks'."""
     backend = backends.for_device(buf.device)
     if backends.has_capability(backend, backends.NOISE_DECODE):
         return backend.decode_noise(buf, headers, offsets, divisor, out=out)
+    if headers[0].fmt == codec.sizes.FOUR_LEVEL:      # its squares are not codes of the format: the reference's sum
+        return codec.levels.decode_average(buf, headers, offsets, float(divisor) ** 2, squares=True, out=out)
     parts, moved, at = [], [], 0
     lut = None if headers[0].fmt == "2bit" else _abs_codes(headers[0].fmt, buf.device)
     for h, o in zip(headers, offsets):

@@ -109,7 +109,7 @@ class Ticket:
 
     __slots__ = ("engine", "group", "name", "shape", "dtype", "source", "_g32", "threshold", "key", "nb", "average",
                  "in_place", "shared", "slot", "payload_bytes", "error", "zero", "poisoned", "prep", "finished",
-                 "want_noise", "noise", "noise_out", "route", "step", "bucket", "squares")
+                 "want_noise", "noise", "noise_out", "route", "step", "bucket", "squares", "fmt")
 
     def __init__(self, engine, name, shape, dtype, flat, threshold, key, nb, average, in_place, step=0, bucket=0):
         self.engine, self.group = engine, None
@@ -135,6 +135,7 @@ class Ticket:
         self.noise_out = None      # where the transport writes it (fp32, the tensor's size); None: a fresh tensor
         self.route = None          # precision.Route: what the optimizer's ledger decided and wants (precision.py)
         self.squares = False       # its payloads carry the sender's squares (codec/squares.py), decided at the send
+        self.fmt = None            # its first-stage payload's wire format (config.first_stage_format), at the encode
 
     @property
     def numel(self) -> int:
@@ -474,8 +475,7 @@ class Engine:
         for tk in grp.members:
             prep = tk.prep
             on_host = prep.nonfinite.device.type == "cpu"
-            payload = backend.encode(tk.source, prep.threshold, prep.scalers, tk.bucket, tk.key, cfg.packing,
-                                     flags=int(bool(prep.nonfinite)) if on_host else 0, shape=tk.shape)
+            payload = self._encode(backend, tk, prep.scalers, flags=int(bool(prep.nonfinite)) if on_host else 0)
             if not on_host:          # the flag byte, written on the device (no host synchronization)
                 payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
             payload = self._with_squares(tk, grp, payload)
@@ -568,13 +568,24 @@ class Engine:
         if tk.source.numel() == 0:
             tk.zero = True   # agreed empty: nothing to send, the result is the empty tensor
             return None
-        cfg = self.config
         tk.shared = torch.tensor(member.scalers, dtype=torch.float32, device=tk.source.device)
-        payload = backends.for_device(tk.source.device).encode(
-            tk.source, tk.threshold, tk.shared, tk.bucket, tk.key, cfg.packing, shape=tk.shape)
+        payload = self._encode(backends.for_device(tk.source.device), tk, tk.shared)
         payload = self._with_squares(tk, tk.group, payload)
         self._record(tk, payload, tk.shared)
         return payload
+
+    def _encode(self, backend, tk: Ticket, scalers: torch.Tensor, flags: int = 0) -> torch.Tensor:
+        """One member's first-stage payload with ``scalers``: the ternary code, or the four-level code where the
+        config and the group's transport take it (``config.first_stage_format``), its dithers stratified over this
+        engine's ranks (codec/levels.py: every rank of the averaging group draws the same strata stream)."""
+        cfg = self.config
+        tk.fmt = cfg.first_stage_format(tk.group.transport)
+        if tk.fmt != codec.sizes.FOUR_LEVEL:
+            return backend.encode(tk.source, tk.threshold, scalers, tk.bucket, tk.key, cfg.packing, flags=flags,
+                                  shape=tk.shape)
+        strata = codec.levels.strata_key(cfg.seed, tk.step, codec.tensor_id(tk.name))
+        return backend.encode_levels(tk.source, tk.threshold, scalers, tk.bucket, tk.key, strata, self.coll.rank,
+                                     self.coll.size, flags=flags, shape=tk.shape)
 
     @staticmethod
     def _with_squares(tk: Ticket, grp: Group, payload: torch.Tensor) -> torch.Tensor:
@@ -591,5 +602,4 @@ class Engine:
         self.stats.tensors += 1
         self.stats.elements += tk.source.numel()
         if self.inspection.wants(tk.name):
-            self.inspection.record(tk.name, tk.g32, tk.threshold, payload, scalers, self.config.packing,
-                                   tk.bucket)
+            self.inspection.record(tk.name, tk.g32, tk.threshold, payload, scalers, tk.fmt, tk.bucket)

@@ -12,6 +12,9 @@ weights.  One step:
    order, exactly as every exchange decodes, and the first stage's noise estimate ν_o = (1/N²)·Σ_r s_r²·|t_r|
    with the minibatch's share taken out: unbiased, E[a_o] = mean_r clip(g_r).  No second rounding of the
    gradient: the owner's optimizer steps on the exact average, and its second moment sees ν_o.
+   With ``config.levels = 4`` the gradients travel in the four-level code instead (codec/levels.py: 2 bits per
+   element, the ranks' dithers stratified, so the average's rounding variance is well under the ternary code's);
+   the owners decode and estimate the same way.
 2. The owner steps its shard of the master weights w_o (the caller, between the stages).
 3. Weights (``send_weights`` / ``apply_weights``): the owner rounds d_o = w_o - x_o to the nearest ternary level
    (codec/nearest.py: one scaler s = max|d| per shard, or per ``weight_bucket`` elements of it, |d - q| <= s/2,
@@ -23,8 +26,8 @@ Tensors the policy keeps at full precision (``min_numel``, ``exclude``) travel a
 summed in rank order (``exact_average``): every rank steps them alike.  A NaN/Inf in any rank's gradient is
 flagged to every rank by one allreduce-max of a flag per tensor (``nonfinite``), so all ranks decide alike.
 
-Traffic per rank and element (b = 1.6 bits base-3, 2 with 2-bit packing): receives (N-1)/N·b in the alltoall and
-(N-1)/N·b in the allgather, plus per shard and sender a 20-byte header, a 4-byte scaler and (with the noise
+Traffic per rank and element (b = 1.6 bits base-3, 2 with 2-bit packing): receives (N-1)/N·b in the alltoall (2
+bits with the four-level code) and (N-1)/N·b in the allgather, plus per shard and sender a 20-byte header, a 4-byte scaler and (with the noise
 estimate) a 4-byte squares trailer, both ways: 3.2 bits plus 8·(N-1)·52/n bits for a tensor of n elements, and
 (N-1)/N·32/K bits more with one weight scaler per K elements (codec.sizes: reternarized_chunk_bytes,
 owner_step_weight_chunk_bytes).  Per step, each fused over every tensor:
@@ -46,16 +49,18 @@ from . import allgather, reternarized
 
 class TensorLayout:
     """One ternarized tensor's place in the exchange, the same on every rank: its name, size, the shards' bounds,
-    the bucket it is ternarized with, and the bytes of each shard both ways."""
+    the bucket it is ternarized with, and the bytes of each shard both ways (``fmt``: the weight differences'
+    ternary packing; ``grad_fmt``: the gradients' first-stage format, ``fmt`` by default)."""
 
     __slots__ = ("name", "numel", "bounds", "encode_bucket", "grad_chunks", "weight_chunks", "noise")
 
     def __init__(self, name: str, numel: int, n_ranks: int, fmt: str, bucket_size: int, noise: bool,
-                 weight_bucket: int = 0):
+                 weight_bucket: int = 0, grad_fmt: str | None = None):
         self.name, self.numel, self.noise = name, int(numel), bool(noise)
         self.bounds = sizes.reternarized_bounds(self.numel, n_ranks, bucket_size)
         self.encode_bucket = sizes.reternarized_encode_bucket(self.numel, n_ranks, bucket_size)
-        self.grad_chunks = sizes.reternarized_chunk_bytes(self.numel, n_ranks, fmt, bucket_size, self.noise)
+        self.grad_chunks = sizes.reternarized_chunk_bytes(self.numel, n_ranks, grad_fmt or fmt, bucket_size,
+                                                          self.noise)
         self.weight_chunks = sizes.owner_step_weight_chunk_bytes(self.numel, n_ranks, fmt, bucket_size, weight_bucket)
 
 
@@ -72,7 +77,9 @@ class OwnerStepExchange:
                              f"got {weight_bucket}")
         N = coll.size
         noise = noise or [False] * len(tensors)
-        self.layout = [TensorLayout(n, numel, N, config.packing, config.bucket_size, w, self.weight_bucket)
+        self.grad_format = config.first_stage_format("requantized")     # the requantized exchange's first stage
+        self.layout = [TensorLayout(n, numel, N, config.packing, config.bucket_size, w, self.weight_bucket,
+                                    self.grad_format)
                        for (n, numel), w in zip(tensors, noise)]
         me = coll.rank
         self.owned = [lay.bounds[me] for lay in self.layout]
@@ -93,12 +100,10 @@ class OwnerStepExchange:
             flat = _flat32(g, lay)
             backend = backends.for_device(flat.device)
             prep = backend.prepare(flat, lay.encode_bucket, cfg.clip_factor)
-            key = codec.stream_key(cfg.seed, step, codec.tensor_id(lay.name), me)
-            payload = backend.encode(flat, prep.threshold, prep.scalers, lay.encode_bucket, key, cfg.packing,
-                                     shape=(lay.numel,))
+            payload = self._encode(backend, flat, prep, lay, step)
             payload[3:4] = prep.nonfinite.to(torch.uint8).reshape(1)
             sums = backends.clipped_square_sums(flat, prep.threshold, lay.bounds) if lay.noise else None
-            chunks = reternarized.shard_payloads(payload, lay.numel, N, lay.encode_bucket, cfg.packing,
+            chunks = reternarized.shard_payloads(payload, lay.numel, N, lay.encode_bucket, self.grad_format,
                                                  cfg.bucket_size, sums)
             for o, chunk in enumerate(chunks):
                 to_rank[o].append(chunk)
@@ -111,6 +116,18 @@ class OwnerStepExchange:
         flag_t = torch.cat(flags).to(device) if flags else torch.zeros(1, dtype=torch.float64, device=device)
         return (self.coll.alltoall_async(send, splits, f"{self.name}.grad", **kw),
                 self.coll.allreduce_max_async(flag_t, f"{self.name}.flags"))
+
+    def _encode(self, backend, flat: torch.Tensor, prep, lay: TensorLayout, step: int) -> torch.Tensor:
+        """This rank's first-stage payload of one tensor: ternary, or four-level with dithers stratified over the
+        ranks (config.levels; codec/levels.py)."""
+        cfg, me, N = self.config, self.coll.rank, self.coll.size
+        tensor = codec.tensor_id(lay.name)
+        key = codec.stream_key(cfg.seed, step, tensor, me)
+        if self.grad_format == sizes.FOUR_LEVEL:
+            return backend.encode_levels(flat, prep.threshold, prep.scalers, lay.encode_bucket, key,
+                                         codec.levels.strata_key(cfg.seed, step, tensor), me, N, shape=(lay.numel,))
+        return backend.encode(flat, prep.threshold, prep.scalers, lay.encode_bucket, key, cfg.packing,
+                              shape=(lay.numel,))
 
     def nonfinite(self, handles) -> list:
         """The names of the tensors whose gradient held NaN/Inf on some rank (the same list on every rank)."""
@@ -136,13 +153,13 @@ class OwnerStepExchange:
                 continue
             offsets = [s * self.grad_block + pre for s in range(N)]
             pre += lay.grad_chunks[self.coll.rank]
-            head = Header(cfg.packing, 0, cfg.bucket_size, m)
+            head = Header(self.grad_format, 0, cfg.bucket_size, m)
             reternarized.check_shard_headers(received, offsets, head, lay.name)
             avg = backend.decode(received, [head] * N, offsets, N)
             noise = None
             if lay.noise:
                 noise = allgather.noise_estimate(received, [head] * N, offsets, N)
-                size = sizes.payload_size(m, cfg.packing, cfg.bucket_size, squares=True)
+                size = sizes.payload_size(m, self.grad_format, cfg.bucket_size, squares=True)
                 squares.take_out_minibatch_share(noise, squares.read(received, [o + size for o in offsets]), N)
             out.append((avg, noise))
         self.codec_s += time.perf_counter() - t0

@@ -52,7 +52,7 @@ class RequantizedStage:
         cfg, N, m = ex.config, ex.coll.size, hi - lo
         if m == 0:                 # an empty shard: nothing came, nothing goes (sizes.requantized_owner_chunk_bytes)
             return reternarized.empty_payload(received.device)
-        head = Header(cfg.packing, 0, tk.group.bucket_size, m)
+        head = Header(cfg.first_stage_format(tk.group.transport), 0, tk.group.bucket_size, m)
         reternarized.check_shard_headers(received, offsets, head, tk.name)
         flags = received[device_constant([o + 3 for o in offsets], torch.int64, received.device)]
         bad = (flags & FLAG_NONFINITE).ne(0).any()
@@ -62,7 +62,7 @@ class RequantizedStage:
         if tk.want_noise:
             noise = allgather.noise_estimate(received, [head] * N, offsets, divisor)
             if tk.squares:
-                size = sizes.payload_size(m, cfg.packing, tk.group.bucket_size, squares=True)
+                size = sizes.payload_size(m, head.fmt, tk.group.bucket_size, squares=True)
                 squares.take_out_minibatch_share(noise, squares.read(received, [o + size for o in offsets]), divisor)
         _zero_if(bad, avg, noise)                  # a flagged shard is NaN anyway: keep it finite
         keys = requant.keys(cfg.seed, tk.step, tk.name, ex.coll.rank if ex.stream_rank is None else ex.stream_rank)

@@ -127,7 +127,8 @@ def send(ex, grp, sends: list, stage=None) -> None:
         tk.squares = stage.takes_squares and tk.want_noise
         sums = (backends.clipped_square_sums(tk.source, tk.threshold, sizes.reternarized_bounds(n, N, grp.bucket_size))
                 if tk.squares else None)
-        for o, chunk in enumerate(shard_payloads(payload, n, N, tk.bucket, cfg.packing, grp.bucket_size, sums)):
+        fmt = cfg.first_stage_format(grp.transport)
+        for o, chunk in enumerate(shard_payloads(payload, n, N, tk.bucket, fmt, grp.bucket_size, sums)):
             to_rank[o].append(chunk)
     sharded.launch_alltoall(ex, grp, [tk for tk, _ in sends], torch.cat([c for chunks in to_rank for c in chunks]),
                             [sum(c.numel() for c in chunks) for chunks in to_rank], f"terngrad.rt.{grp.name}")
@@ -170,8 +171,8 @@ def after_alltoall(ex, grp, stage=TernaryStage) -> None:
     N, me, cfg = ex.coll.size, ex.coll.rank, ex.config
     members = grp.sent
     bounds = [sizes.reternarized_bounds(tk.numel, N, grp.bucket_size)[me] for tk in members]
-    chunks = [sizes.reternarized_chunk_bytes(tk.numel, N, cfg.packing, grp.bucket_size, tk.squares)
-              for tk in members]
+    fmt = cfg.first_stage_format(grp.transport)
+    chunks = [sizes.reternarized_chunk_bytes(tk.numel, N, fmt, grp.bucket_size, tk.squares) for tk in members]
     nbytes = [c[me] for c in chunks]
     block = sum(nbytes)
     if received.numel() != N * block:
@@ -229,7 +230,7 @@ def owner_payload(backend, received: torch.Tensor, offsets: list, m: int, tk, ex
     cfg, N, buckets = ex.config, ex.coll.size, tk.group.bucket_size
     if m == 0:                 # an empty shard: nothing came, nothing goes
         return empty_payload(received.device)
-    head = Header(cfg.packing, 0, buckets, m)
+    head = Header(cfg.first_stage_format(tk.group.transport), 0, buckets, m)
     check_shard_headers(received, offsets, head, tk.name)
     flags = received[codec.packing.device_constant([o + 3 for o in offsets], torch.int64, received.device)]
     bad = (flags & FLAG_NONFINITE).ne(0).any().to(torch.uint8)
