@@ -38,6 +38,24 @@ if [ -f "$D/llama-vimdoc-levels/runs.jsonl" ]; then
   $PY examples/study_lm_scale.py --table "$D/llama-vimdoc,$D/llama-vimdoc-levels" \
       --write "$D/table-llama-vimdoc-levels.md" > /dev/null
 fi
+# the product's four-level first stage (TernGradConfig(levels=4)) on the first two workloads, at fp32's best lr,
+# beside fp32 there, the default (ternary first stage) and owner-step on the ternary one
+if [ -f "$D/llama-perlpod-levels/runs.jsonl" ]; then
+  tmp=$(mktemp -d)
+  grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" | grep '"lr": 0.004' > "$tmp/runs.jsonl"
+  grep '"lr": 0.004' "$D/llama-perlpod-squares/runs.jsonl" >> "$tmp/runs.jsonl"
+  grep '"lr": 0.004' "$D/llama-perlpod-owner/runs.jsonl" >> "$tmp/runs.jsonl"
+  cat "$D/llama-perlpod-levels/runs.jsonl" >> "$tmp/runs.jsonl"
+  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-levels.md" > /dev/null
+  rm -r "$tmp"
+fi
+if [ -f "$D/gpt2-copyright-levels/runs.jsonl" ]; then
+  tmp=$(mktemp -d)
+  cat "$D/gpt2-copyright/runs.jsonl" "$D/gpt2-copyright-owner/runs.jsonl" | grep '"lr": 0.008' > "$tmp/runs.jsonl"
+  cat "$D/gpt2-copyright-levels/runs.jsonl" >> "$tmp/runs.jsonl"
+  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-gpt2-copyright-levels.md" > /dev/null
+  rm -r "$tmp"
+fi
 $PY - <<'PYEOF'
 import glob, json, os, re, statistics
 D = "docs/study/whole_run"
