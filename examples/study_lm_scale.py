@@ -195,8 +195,8 @@ def run(args, method: str, N: int, G: int, seed: int, lr: float, data=None, opti
             spec, inside = spec[:-len(suffix)], dtype
     exchange, bucket = exchange_spec(spec)
     extra = {} if inside is None else {"intra_node_dtype": inside}
-    if levels4:
-        extra["levels"] = 4
+    # the study's labels name the first stage: the ternary code unless "+4level" (TernGradConfig's default is 4)
+    extra["levels"] = 4 if levels4 else 3
     owner = exchange.startswith(OWNER_STEP)
     first, _, second = exchange.partition("+")     # levels4c+ef4: a second stage back from the owners
     levels = first in LEVEL_SETS

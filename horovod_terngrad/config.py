@@ -21,14 +21,17 @@ class TernGradConfig:
 
     clip_factor:   c of Eq. 21; gradients are clipped to ±c·σ before ternarizing. 0 disables.
     packing:       "2bit" (4 elements per byte) or "base3" (5 per byte, 1.6 bits per element).
-    levels:        the first stage's code in the shard-owner exchanges ("requantized", "reternarized" and
-                   ``OwnerStepOptimizer``'s): 3 (default) = TernGrad's ternary code, packed by ``packing``;
-                   4 = four levels s·{-1, -1/3, 1/3, 1} in 2 bits per element, each rank's dithers stratified
-                   against the others' (codec/levels.py): as unbiased, under half the ternary code's variance
-                   per rank, and the ranks' rounding errors negatively correlated, so their average's variance
-                   is lower still, at 2 bits per element whatever ``packing`` (which then packs the second
-                   stage's ternary codes).  The allgather and sharded exchanges send the ternary code either way
-                   (their receivers add codes or share one scaler).
+    levels:        the first stage's code in the shard-owner exchanges ("requantized", the default above 4
+                   ranks, "reternarized" and ``OwnerStepOptimizer``'s): 4 (default) = four levels
+                   s·{-1, -1/3, 1/3, 1} in 2 bits per element, each rank's dithers stratified against the
+                   others' (codec/levels.py): as unbiased as the ternary code, under half its variance per rank,
+                   and the ranks' rounding errors negatively correlated, so their average's variance is lower
+                   still, at 2 bits per element whatever ``packing`` (which then packs the second stage's ternary
+                   codes).  Whole runs at fp32 AdamW's lr (docs/scale.md): the default exchange ends 0.7% below
+                   fp32 on the first workload where the ternary code ended 0.9% above, and about 0.9% above on
+                   the third where it ended 3.1% above.  3 = TernGrad's ternary code, packed by ``packing``.  The
+                   allgather and sharded exchanges send the ternary code either way (their receivers add codes or
+                   share one scaler).
     bucket_size:   0 = one scaler per tensor (layer-wise ternarizing; the two-stage exchanges: per shard);
                    k > 0 = one per k elements.
     min_numel:     tensors with fewer elements travel uncompressed (Horovod's own allreduce, which fuses
@@ -105,7 +108,7 @@ class TernGradConfig:
 
     clip_factor: float = 2.5
     packing: str = "2bit"
-    levels: int = 3
+    levels: int = 4
     bucket_size: int = 0
     min_numel: int = 4096
     exclude: tuple = field(default_factory=tuple)

@@ -41,6 +41,10 @@ CASES = {
     # one: at 3 and 4 ranks it picks the requantized exchange for the large tensors
     "requantized": dict(exchange="requantized"),
     "requantized-base3-buckets": dict(exchange="requantized", packing="base3", bucket_size=50),
+    # the four-level first stage (codec/levels.py), the shard-owner exchanges' default
+    "requantized-4level": dict(exchange="requantized", levels=4),
+    "reternarized-4level-base3-buckets": dict(exchange="reternarized", shared_scaler=False, levels=4, packing="base3",
+                                              bucket_size=50),
 }
 # the settings again with the noise estimate asked for (as horovod_terngrad.optim's default asks): the payloads carry
 # the senders' squares (codec/squares.py) and the estimate's digest is pinned beside the average's
@@ -48,6 +52,7 @@ NOISE_CASES = {
     "per-rank-noise": dict(shared_scaler=False),
     "requantized-noise": dict(exchange="requantized"),
     "requantized-base3-buckets-noise": dict(exchange="requantized", packing="base3", bucket_size=50),
+    "requantized-4level-noise": dict(exchange="requantized", levels=4),
 }
 CASES.update(NOISE_CASES)
 RANKS = (1, 2, 3, 4)
@@ -103,7 +108,8 @@ class _Recording:
 def _run(case: str, n_ranks: int, fused: str, device: str = "cpu", settings: dict | None = None) -> dict:
     """One pinned case: the gradients live on ``device`` (the same values on every device: drawn on the CPU,
     then moved), so a CUDA run must reproduce the CPU's pins bit for bit.  ``settings`` replaces the case's."""
-    cfg = TernGradConfig(**({"shared_scaler": True, **CASES[case]} if settings is None else settings))
+    # the cases' common settings: the paper's shared scaler and the ternary code (each case says where it differs)
+    cfg = TernGradConfig(**({"shared_scaler": True, "levels": 3, **CASES[case]} if settings is None else settings))
 
     def body(c):
         rec = _Recording(c)

@@ -24,7 +24,7 @@ IN, OUT = 40, 50          # one 2000-element weight: 4 shards of 500
 def _setup(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Linear(IN, OUT, bias=False)
-    cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=3, min_numel=0)
+    cfg = TernGradConfig(exchange="requantized", packing="base3", hierarchical=False, seed=3, min_numel=0, levels=3)
     sim = owner_step.OwnerStepSimulator(model, N, cfg)
     opt = AdamW(model.parameters(), lr=1e-2)
     grads = [[torch.randn(OUT, IN) * (1 + r)] for r in range(N)]

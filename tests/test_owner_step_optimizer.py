@@ -16,7 +16,7 @@ from horovod_terngrad.optim import AdamW, OwnerStepOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-CFG = TernGradConfig(packing="base3", min_numel=1000, seed=5)
+CFG = TernGradConfig(packing="base3", min_numel=1000, seed=5, levels=3)   # the ternary first stage; levels=4 beside it
 
 
 def _fresh(seed=0):

@@ -1127,6 +1127,31 @@ def test_the_cli_tables_have_a_default_column(capsys):
 
 
 # ---------------------------------------------------------------- the owner-step optimizer's exchange
+def test_owner_step_cost_charges_the_four_level_gradients_2_bits():
+    """With TernGradConfig(levels=4) the gradients travel in the four-level code (2 bits, whatever the packing):
+    the model's bytes (``first``) are what the exchange moves on thread ranks."""
+    from horovod_terngrad.exchange import cost, run_ranks
+    from horovod_terngrad.exchange.owner_step import OwnerStepExchange
+    N, cfg = 4, TernGradConfig(packing="base3", seed=3, levels=4)
+    fmt = cfg.first_stage_format("requantized")
+
+    def body(comm):
+        ex = OwnerStepExchange(comm, cfg, [(f"t{i}", n) for i, n in enumerate(AWKWARD)], [True] * len(AWKWARD))
+        handles = ex.send_gradients([torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
+                                     for n in AWKWARD], 0)
+        owned = ex.owned_averages(handles)
+        ex.apply_weights(ex.send_weights([None if o is None else 0.01 * o[0] for o in owned]),
+                         [torch.zeros(n) for n in AWKWARD])
+        return ex.bytes_received
+
+    received = run_ranks(N, body, timeout=120)
+    up = [sum(sizes.reternarized_chunk_bytes(n, N, fmt, squares=True)[r] for n in AWKWARD) for r in range(N)]
+    down = [sum(sizes.owner_step_weight_chunk_bytes(n, N, "base3")[r] for n in AWKWARD) for r in range(N)]
+    assert received == [(N - 1) * up[r] + sum(down) - down[r] for r in range(N)]
+    c, P = cost.owner_step_bytes(AWKWARD, N, "base3", first=fmt)
+    assert c > cost.owner_step_bytes(AWKWARD, N, "base3")[0] and max(received) <= (N - 1) * (c + P)
+
+
 @pytest.mark.parametrize("N", [3, 5])
 def test_owner_step_cost_charges_exactly_codec_sizes_bytes(N):
     """exchange.cost.terngrad_owner_step_cost charges c = the re-ternarized first stage's shard payload (with the
@@ -1152,7 +1177,7 @@ def test_owner_step_cost_charges_exactly_codec_sizes_bytes(N):
             assert model.time_s == pytest.approx(5 * (N - 1) * 1e-3 + ((N - 1) * (c + P) + 2 * (N - 1) / N * flags
                                                                        + (N - 1) * 4 * sum(exact)) * 1e-6)
     # the optimizer's exchange on thread ranks, base-3 with the noise estimate's squares
-    cfg = TernGradConfig(packing="base3", seed=3)
+    cfg = TernGradConfig(packing="base3", seed=3, levels=3)
 
     def body(comm):
         ex = OwnerStepExchange(comm, cfg, [(f"t{i}", n) for i, n in enumerate(AWKWARD)], [True] * len(AWKWARD))

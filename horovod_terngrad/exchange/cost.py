@@ -438,18 +438,23 @@ def terngrad_sharded_cost(sizes: int | Sequence[int], workers: int, network: Net
     return ExchangeCost(TERNGRAD_SHARDED, t, (N - 1) * (c + P_sum) + hs_b, 2 * _stages(N, link) + hs_m, n)
 
 
-def reternarized_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit", bucket_size: int = 0) -> int:
+def reternarized_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit", bucket_size: int = 0,
+                       first: str | None = None) -> int:
     """The most bytes of one group any owner receives from one peer, and hands the allgather, in the
-    re-ternarized exchange: its shard's payload of every member (codec.sizes.reternarized_chunk_bytes; both
-    stages move payloads of the same size)."""
+    re-ternarized exchange: its shard's payload of every member (codec.sizes.reternarized_chunk_bytes; the first
+    stage in ``first``'s format, ``packing``'s by default: TernGradConfig.first_stage_format), the larger of the
+    two stages' (equal where the formats' sizes are)."""
     N = int(workers)
-    chunks = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size) for x in sizes]
-    return max((sum(m[r] for m in chunks) for r in range(N)), default=0)
+
+    def most(fmt: str) -> int:
+        chunks = [wire.reternarized_chunk_bytes(x, N, fmt, bucket_size) for x in sizes]
+        return max((sum(m[r] for m in chunks) for r in range(N)), default=0)
+    return max(most(packing), most(first or packing))
 
 
 def terngrad_reternarized_cost(sizes: int | Sequence[int], workers: int, network: Network,
                                packing: str = "2bit", bucket_size: int = 0,
-                               shared_scaler: bool = False) -> ExchangeCost:
+                               shared_scaler: bool = False, first: str | None = None) -> ExchangeCost:
     """TernGrad re-ternarized exchange (exchange/reternarized.py): alltoall of each shard's payload to its owner,
     allgather of the owners' re-ternarized payloads.  With c = :func:`reternarized_bytes`,
     T = alltoall(c) + (N-1)·alpha + (N-1)·c·beta (+ the handshake with ``shared_scaler``).  Received bytes per
@@ -460,7 +465,7 @@ def terngrad_reternarized_cost(sizes: int | Sequence[int], workers: int, network
     if N <= 1:
         return ExchangeCost(TERNGRAD_RETERNARIZED, 0.0, 0.0, 0, n)
     link = network.link_for(N)
-    c = reternarized_bytes(ns, N, packing, bucket_size)
+    c = reternarized_bytes(ns, N, packing, bucket_size, first)
     enc = [wire.reternarized_encode_bucket(x, N, bucket_size) for x in ns]
     hs_t, hs_b, hs_m = (_allreduce(wire.handshake_size([wire.num_buckets(x, b) for x, b in zip(ns, enc)]), N, link)
                         if shared_scaler else (0.0, 0.0, 0))
@@ -470,20 +475,22 @@ def terngrad_reternarized_cost(sizes: int | Sequence[int], workers: int, network
 
 
 def requantized_bytes(sizes: Sequence[int], workers: int, packing: str = "2bit", bucket_size: int = 0,
-                      noise: bool = True) -> tuple[int, int]:
+                      noise: bool = True, first: str | None = None) -> tuple[int, int]:
     """(c, P): the most bytes of one group any owner receives from one peer in the alltoall (the re-ternarized
     exchange's first stage; with ``noise``, each shard with the sender's squares, codec/squares.py), and the most
     any owner hands the allgather (its shard of every member in 4-bit groups, with the noise channel if ``noise``:
-    codec.sizes.requantized_owner_chunk_bytes)."""
+    codec.sizes.requantized_owner_chunk_bytes).  ``first``: the first stage's format where it is not ``packing``
+    (TernGradConfig.first_stage_format)."""
     N = int(workers)
-    up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size, squares=noise) for x in sizes]
+    up = [wire.reternarized_chunk_bytes(x, N, first or packing, bucket_size, squares=noise) for x in sizes]
     down = [wire.requantized_owner_chunk_bytes(x, N, noise, bucket_size) for x in sizes]
     return (max((sum(m[r] for m in up) for r in range(N)), default=0),
             max((sum(m[r] for m in down) for r in range(N)), default=0))
 
 
 def terngrad_requantized_cost(sizes: int | Sequence[int], workers: int, network: Network,
-                              packing: str = "2bit", bucket_size: int = 0, noise: bool = True) -> ExchangeCost:
+                              packing: str = "2bit", bucket_size: int = 0, noise: bool = True,
+                              first: str | None = None) -> ExchangeCost:
     """TernGrad requantized exchange (exchange/requantized.py): alltoall of each shard's ternary payload to its
     owner, allgather of the owners' 4-bit averages (and, with ``noise``, the noise channel: the default, as
     horovod_terngrad.optim asks for it).  With (c, P) = :func:`requantized_bytes`,
@@ -494,22 +501,23 @@ def terngrad_requantized_cost(sizes: int | Sequence[int], workers: int, network:
     if N <= 1:
         return ExchangeCost(TERNGRAD_REQUANTIZED, 0.0, 0.0, 0, n)
     link = network.link_for(N)
-    c, P = requantized_bytes(ns, N, packing, bucket_size, noise)
+    c, P = requantized_bytes(ns, N, packing, bucket_size, noise, first)
     G = network.ranks_per_node if link is network else N
     t = alltoall_time(c, N, link, G) + ring_allgather_time(P, N, link)
     return ExchangeCost(TERNGRAD_REQUANTIZED, t, (N - 1) * (c + P), 2 * _stages(N, link), n)
 
 
 def owner_step_bytes(sizes: Sequence[int], workers: int, packing: str = "base3", bucket_size: int = 0,
-                     noise: bool = True, weight_bucket: int = 0) -> tuple[int, int]:
+                     noise: bool = True, weight_bucket: int = 0, first: str | None = None) -> tuple[int, int]:
     """(c, P) of the owner-step exchange (exchange/owner_step.py) of ternarized tensors of these sizes, all fused
     in one step: the most bytes any owner receives from one peer in the gradients' alltoall (the re-ternarized
     exchange's first stage; with ``noise``, each shard with the sender's squares trailer:
     codec.sizes.reternarized_chunk_bytes) and the most any owner hands the weights' allgather (its shards' ternary
     weight differences, one scaler per ``weight_bucket`` elements or per shard:
-    codec.sizes.owner_step_weight_chunk_bytes)."""
+    codec.sizes.owner_step_weight_chunk_bytes).  ``first``: the gradients' format where it is not ``packing``
+    (TernGradConfig.first_stage_format("requantized"): the four-level code's 2 bits)."""
     N = int(workers)
-    up = [wire.reternarized_chunk_bytes(x, N, packing, bucket_size, squares=noise) for x in sizes]
+    up = [wire.reternarized_chunk_bytes(x, N, first or packing, bucket_size, squares=noise) for x in sizes]
     down = [wire.owner_step_weight_chunk_bytes(x, N, packing, bucket_size, weight_bucket) for x in sizes]
     return (max((sum(m[r] for m in up) for r in range(N)), default=0),
             max((sum(m[r] for m in down) for r in range(N)), default=0))
@@ -520,7 +528,8 @@ OWNER_STEP_FLAG_BYTES = 8      #: the owner-step exchange's nonfinite flag per t
 
 def terngrad_owner_step_cost(sizes: int | Sequence[int], workers: int, network: Network, packing: str = "base3",
                              bucket_size: int = 0, noise: bool = True,
-                             exact: Sequence[int] = (), weight_bucket: int = 0) -> ExchangeCost:
+                             exact: Sequence[int] = (), weight_bucket: int = 0,
+                             first: str | None = None) -> ExchangeCost:
     """The owner-step exchange of one step (``optim.OwnerStepOptimizer``, exchange/owner_step.py): ``sizes`` the
     ternarized tensors, ``exact`` the full-precision ones (the config's ``min_numel`` and ``exclude``).  With
     (c, P) = :func:`owner_step_bytes`:
@@ -544,7 +553,7 @@ def terngrad_owner_step_cost(sizes: int | Sequence[int], workers: int, network: 
     G = network.ranks_per_node if link is network else N
     t, received, messages = 0.0, 0.0, 0
     if ns:
-        c, P = owner_step_bytes(ns, N, packing, bucket_size, noise, weight_bucket)
+        c, P = owner_step_bytes(ns, N, packing, bucket_size, noise, weight_bucket, first)
         flag_t, flag_b, flag_m = _allreduce(OWNER_STEP_FLAG_BYTES * len(ns), N, link)
         t += alltoall_time(c, N, link, G) + ring_allgather_time(P, N, link) + flag_t
         received += (N - 1) * (c + P) + flag_b

@@ -13,7 +13,8 @@ from ..exchange import policy
 from ..exchange.names import label
 from .hsdp import (GPT_MODELS, HSDP_BF16, HSDP_METHODS, HSDP_TERNGRAD_OWNER_STEP, HSDP_WORKERS, format_hsdp_table, predict_hsdp,
                    scheduled_hsdp)
-from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP32, OWNER_STEP_PACKING,
+from .perfmodel import (ALL_METHODS, ALLREDUCE_ALGORITHMS, ALLREDUCE_AUTO, CLUSTERS, FP32, OWNER_STEP_LEVELS,
+                        OWNER_STEP_PACKING,
                         TERNGRAD_OWNER_STEP, Cluster, HOROVOD_FUSION_BYTES, MODELS, TERNGRAD_FUSION_NUMEL, Network,
                         format_table, predict_scaling, worker_counts)
 
@@ -85,7 +86,8 @@ def hsdp_main(argv: Sequence[str] | None = None) -> int:
         engine = tuple(m for m in HSDP_METHODS if m != HSDP_TERNGRAD_OWNER_STEP)
         owner = (HSDP_BF16, HSDP_TERNGRAD_OWNER_STEP)
         rows = with_owner_step(_hsdp_rows(cl, workers, engine, cfg, a),
-                               _hsdp_rows(cl, workers, owner, cfg.replace(packing=owner_packing), a),
+                               _hsdp_rows(cl, workers, owner, cfg.replace(packing=owner_packing,
+                                                                          levels=OWNER_STEP_LEVELS), a),
                                HSDP_TERNGRAD_OWNER_STEP)
         print(format_hsdp_table(GPT_MODELS[a.model], cl, rows, markdown=a.markdown))
         print()
@@ -268,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.scheduled:
         _print_scheduled(model_keys, clusters, workers, compute_s, a, kwargs)
         return 0
-    results = _print_tables(model_keys, clusters, workers, compute_s, kwargs, cfg.replace(packing=owner_packing))
+    results = _print_tables(model_keys, clusters, workers, compute_s, kwargs,
+                            cfg.replace(packing=owner_packing, levels=OWNER_STEP_LEVELS))
     _write_figures(a, results, clusters)
     return 0

@@ -346,11 +346,14 @@ def hsdp_cross_cost(method: str, units: Sequence[HSDPUnitShard], replicas: int, 
                                                         cfg.scaler_shared_for("allgather"))
             elif flat == TERNGRAD_RETERNARIZED:
                 total = total + terngrad_reternarized_cost(list(g), R, network, cfg.packing, k,
-                                                           cfg.scaler_shared_for("reternarized"))
+                                                           cfg.scaler_shared_for("reternarized"),
+                                                           cfg.first_stage_format("reternarized"))
             elif flat == TERNGRAD_REQUANTIZED:      # with the noise channel: the optimizer's default recipe
-                total = total + terngrad_requantized_cost(list(g), R, network, cfg.packing, k)
+                total = total + terngrad_requantized_cost(list(g), R, network, cfg.packing, k,
+                                                          first=cfg.first_stage_format("requantized"))
             elif flat == TERNGRAD_OWNER_STEP:       # with the squares for the noise estimate, as above
-                total = total + terngrad_owner_step_cost(list(g), R, network, cfg.packing, k)
+                total = total + terngrad_owner_step_cost(list(g), R, network, cfg.packing, k,
+                                                         first=cfg.first_stage_format("requantized"))
             else:
                 total = total + terngrad_sharded_cost(list(g), R, network, cfg.packing, k)
         if u.plain:

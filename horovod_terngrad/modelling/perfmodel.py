@@ -229,8 +229,10 @@ def _fuse_indices(indices: Sequence[int], sizes: Sequence[int], fusion_bytes: in
     return out
 
 
-#: the packing ``optim.OwnerStepOptimizer`` runs without a config of the user's: ``TernGradConfig(packing="base3")``
+#: the packing and first-stage code ``optim.OwnerStepOptimizer`` runs without a config of the user's:
+#: ``TernGradConfig(packing="base3", levels=3)``
 OWNER_STEP_PACKING = "base3"
+OWNER_STEP_LEVELS = 3
 
 
 def terngrad_config(config: TernGradConfig | None = None, packing: str | None = None,
@@ -240,8 +242,9 @@ def terngrad_config(config: TernGradConfig | None = None, packing: str | None = 
     ``packing`` put in when given (a packing that contradicts an explicit ``config`` is refused rather than
     silently ignored)."""
     if config is None:
-        default = OWNER_STEP_PACKING if method == TERNGRAD_OWNER_STEP else "2bit"
-        config = TernGradConfig(packing=packing or default)
+        owner = method == TERNGRAD_OWNER_STEP
+        config = TernGradConfig(packing=packing or (OWNER_STEP_PACKING if owner else "2bit"),
+                                levels=OWNER_STEP_LEVELS if owner else TernGradConfig.levels)
     elif packing is not None and packing != config.packing:
         raise ValueError(f"packing={packing!r} contradicts config.packing={config.packing!r}")
     if fusion_numel is not None:
@@ -421,7 +424,8 @@ def model_exchange_cost(method: str, tensor_sizes: Sequence[int], workers: int, 
                                      policy.transport_among(b.cross, M), cfg.intra_node_width)
         elif b.method == TERNGRAD_OWNER_STEP:
             cost = terngrad_owner_step_cost(list(b.sizes), workers, network, cfg.packing, b.bucket_size,
-                                            exact=[int(tensor_sizes[i]) for i in b.exact])
+                                            exact=[int(tensor_sizes[i]) for i in b.exact],
+                                            first=cfg.first_stage_format("requantized"))
         else:
             cost = method_cost(b.method, list(b.sizes), workers, network, cfg.packing, b.bucket_size, shared)
         total = cost if total is None else total + cost

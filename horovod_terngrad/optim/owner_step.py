@@ -99,7 +99,8 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
 
     ``named_parameters``: (name, parameter) pairs, or param groups of them (names must agree across ranks: they
     key the random streams and the layout).  ``collectives``: "horovod", "torch" or a ``Collectives``.
-    ``config``: the codec's settings (default ``TernGradConfig(packing="base3")``).  ``max_grad_norm``: clip the
+    ``config``: the codec's settings (default ``TernGradConfig(packing="base3", levels=3)``: ternary gradients, 3.2
+    bits per element in all; ``levels=4`` sends the gradients in the four-level code, 2 bits, for 3.6).  ``max_grad_norm``: clip the
     global norm of the averaged gradient (None: no clip).  ``weight_bucket_size``: one scaler per that many
     elements of each shard's weight difference (0: one per shard); finer rounding of the replica for (N-1)/N·32/K
     bits more per element received.  Other keywords go to ``optimizer_class``."""
@@ -113,7 +114,7 @@ class OwnerStepOptimizer(torch.optim.Optimizer):
         if optimizer_class is None:
             from .adam import AdamW
             optimizer_class = AdamW
-        self.config = config if config is not None else TernGradConfig(packing="base3")
+        self.config = config if config is not None else TernGradConfig(packing="base3", levels=3)
         self.coll = _collectives(collectives)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         groups = _named_groups(named_parameters)
