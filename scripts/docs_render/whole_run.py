@@ -29,10 +29,15 @@ def runs_the_default(r: dict) -> bool:
     ``policy.default_transport(·)`` picks among the N ranks (flat) or the N / G nodes (node-aware, bf16 inside
     the node), with horovod_terngrad.optim.AdamW and its noise estimate as the exchanges form it now (the senders'
     squares take the minibatch's share out: ``"estimate": "squares"``; rows without it ran the whole sum).  A row
-    whose exchange is ``default`` ran ``TernGradConfig()``'s own pick."""
+    whose exchange is ``default`` ran ``TernGradConfig()``'s own pick.  The first stage's code is the config's
+    default: where the transport takes the four-level code (``TernGradConfig.first_stage_format``), only the rows
+    that ran it (the study's ``+4level``) ran the defaults."""
+    from horovod_terngrad import TernGradConfig
     from horovod_terngrad.exchange import policy
     among = r["N"] // r["G"] if r["G"] > 1 else r["N"]
-    return (r["optimizer"] == "terngrad" and r["method"] in ("default", policy.default_transport(among))
+    transport = policy.default_transport(among)
+    suffix = "+4level" if TernGradConfig().first_stage_format(transport) == "4level" else ""
+    return (r["optimizer"] == "terngrad" and r["method"] in ("default" + suffix, transport + suffix)
             and r.get("estimate") == "squares")
 
 
