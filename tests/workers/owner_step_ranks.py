@@ -29,7 +29,7 @@ from horovod_terngrad import TernGradConfig  # noqa: E402
 from horovod_terngrad.optim import OwnerStepOptimizer  # noqa: E402
 
 STEPS = 8
-CFG = TernGradConfig(packing="base3", min_numel=1000, seed=11)
+CFG = TernGradConfig(packing="base3", min_numel=1000, seed=11, levels=3)   # OwnerStepOptimizer's default code
 
 
 def make_model():
