@@ -290,6 +290,18 @@ __device__ __forceinline__ tg_u32 tg_code(float c, tg_i64 i, float thr, float s,
     return keep ? (c > 0.0f ? 1u : (c < 0.0f ? 2u : 0u)) : 0u;
 }
 
+// Word w of packed codes (bytes 4w..4w+3 of nbytes): one 32-bit store where out is 4-byte aligned and the word is
+// whole, else byte by byte (the last, short word; an unaligned region).
+__device__ __forceinline__ void tg_store_word(tg_u8 *__restrict__ out, tg_i64 w, tg_u32 word, tg_i64 nbytes,
+                                              bool out_aligned) {
+    if (out_aligned && 4 * w + 4 <= nbytes) {
+        *reinterpret_cast<tg_u32 *>(out + 4 * w) = word;
+    } else {
+        for (int b = 0; b < 4; b++)
+            if (4 * w + b < nbytes) out[4 * w + b] = (tg_u8)(word >> (8 * b));
+    }
+}
+
 // One thread per 32-bit word of codes (4 bytes: 4·PER elements).  thr and scalers live in device memory (no
 // host sync).  The bucket of the word's first element takes one division; later elements step across
 // boundaries (at most one per element).  With bucket <= 0 (one scaler per tensor) every element uses scalers[0].
@@ -332,12 +344,7 @@ __device__ __forceinline__ void tg_pack_body(const T *__restrict__ g, tg_i64 n, 
             }
             word |= byte << (8 * b);
         }
-        if (out_aligned && 4 * w + 4 <= nbytes) {
-            *reinterpret_cast<tg_u32 *>(out + 4 * w) = word;
-        } else {
-            for (int b = 0; b < 4; b++)
-                if (4 * w + b < nbytes) out[4 * w + b] = (tg_u8)(word >> (8 * b));
-        }
+        tg_store_word(out, w, word, nbytes, out_aligned);
     }
 }
 
@@ -432,12 +439,7 @@ __device__ __forceinline__ void tg_levels_body(const T *__restrict__ g, tg_i64 n
                 word |= ((tg_level_code(v[e], thr, s, d) << (2 * (e & 3))) & 0xFFu) << (8 * (e >> 2));
             }
         }
-        if (out_aligned && 4 * w + 4 <= nbytes) {
-            *reinterpret_cast<tg_u32 *>(out + 4 * w) = word;
-        } else {
-            for (int b = 0; b < 4; b++)
-                if (4 * w + b < nbytes) out[4 * w + b] = (tg_u8)(word >> (8 * b));
-        }
+        tg_store_word(out, w, word, nbytes, out_aligned);
     }
 }
 
