@@ -11,22 +11,24 @@ for w in llama-perlpod gpt2-copyright llama-vimdoc; do
   [ -f "$D/$w/runs.jsonl" ] || continue
   $PY examples/study_lm_scale.py --table "$D/$w" --write "$D/table-$w.md" --plot "$D/curves-$w.png" > /dev/null
 done
+# table_of_rows NAME: the table of the study rows on stdin (JSON lines) as $D/table-NAME.md
+table_of_rows() {
+  local tmp
+  tmp=$(mktemp -d)
+  cat > "$tmp/runs.jsonl"
+  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-$1.md" > /dev/null
+  rm -r "$tmp"
+}
 # the runs with the senders' squares, beside the same workload's fp32 runs (the same batches per seed)
 if [ -f "$D/llama-perlpod-squares/runs.jsonl" ]; then
-  tmp=$(mktemp -d)
-  grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" > "$tmp/runs.jsonl"
-  cat "$D/llama-perlpod-squares/runs.jsonl" >> "$tmp/runs.jsonl"
-  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-squares.md" > /dev/null
-  rm -r "$tmp"
+  { grep '"method": "none"' "$D/llama-perlpod/runs.jsonl"; cat "$D/llama-perlpod-squares/runs.jsonl"; } |
+    table_of_rows llama-perlpod-squares
 fi
 # the owner-step study (examples/owner_step.py) beside fp32 and the default at the same lr
 if [ -f "$D/llama-perlpod-owner/runs.jsonl" ]; then
-  tmp=$(mktemp -d)
-  grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" | grep '"lr": 0.004' > "$tmp/runs.jsonl"
-  grep '"lr": 0.004' "$D/llama-perlpod-squares/runs.jsonl" >> "$tmp/runs.jsonl"
-  cat "$D/llama-perlpod-owner/runs.jsonl" >> "$tmp/runs.jsonl"
-  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-owner.md" > /dev/null
-  rm -r "$tmp"
+  { grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" | grep '"lr": 0.004'
+    grep '"lr": 0.004' "$D/llama-perlpod-squares/runs.jsonl"; cat "$D/llama-perlpod-owner/runs.jsonl"; } |
+    table_of_rows llama-perlpod-owner
 fi
 # the owner-step runs on the second workload, beside its fp32 and default runs (an fp32 lr bracket of its own)
 if [ -f "$D/gpt2-copyright-owner/runs.jsonl" ]; then
@@ -41,20 +43,13 @@ fi
 # the product's four-level first stage (TernGradConfig(levels=4)) on the first two workloads, at fp32's best lr,
 # beside fp32 there, the default (ternary first stage) and owner-step on the ternary one
 if [ -f "$D/llama-perlpod-levels/runs.jsonl" ]; then
-  tmp=$(mktemp -d)
-  grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" | grep '"lr": 0.004' > "$tmp/runs.jsonl"
-  grep '"lr": 0.004' "$D/llama-perlpod-squares/runs.jsonl" >> "$tmp/runs.jsonl"
-  grep '"lr": 0.004' "$D/llama-perlpod-owner/runs.jsonl" >> "$tmp/runs.jsonl"
-  cat "$D/llama-perlpod-levels/runs.jsonl" >> "$tmp/runs.jsonl"
-  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-llama-perlpod-levels.md" > /dev/null
-  rm -r "$tmp"
+  { grep '"method": "none"' "$D/llama-perlpod/runs.jsonl" | grep '"lr": 0.004'
+    grep -h '"lr": 0.004' "$D/llama-perlpod-squares/runs.jsonl" "$D/llama-perlpod-owner/runs.jsonl"
+    cat "$D/llama-perlpod-levels/runs.jsonl"; } | table_of_rows llama-perlpod-levels
 fi
 if [ -f "$D/gpt2-copyright-levels/runs.jsonl" ]; then
-  tmp=$(mktemp -d)
-  cat "$D/gpt2-copyright/runs.jsonl" "$D/gpt2-copyright-owner/runs.jsonl" | grep '"lr": 0.008' > "$tmp/runs.jsonl"
-  cat "$D/gpt2-copyright-levels/runs.jsonl" >> "$tmp/runs.jsonl"
-  $PY examples/study_lm_scale.py --table "$tmp" --write "$D/table-gpt2-copyright-levels.md" > /dev/null
-  rm -r "$tmp"
+  { cat "$D/gpt2-copyright/runs.jsonl" "$D/gpt2-copyright-owner/runs.jsonl" | grep '"lr": 0.008'
+    cat "$D/gpt2-copyright-levels/runs.jsonl"; } | table_of_rows gpt2-copyright-levels
 fi
 $PY - <<'PYEOF'
 import glob, json, os, re, statistics
