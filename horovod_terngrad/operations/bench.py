@@ -60,7 +60,6 @@ def _peak_bandwidth_gbs(device) -> float | None:
 
 def bench_codec(args):
     from .. import backends, codec
-    from ..codec import packing
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     n, bs = args.numel, args.bucket_size
@@ -97,21 +96,26 @@ def bench_codec(args):
             print(f"  {name:14s} {fmt:5s} compress {gb / t_comp:6.2f} GB/s of fp32 input "
                   f"(statistics {gb / t_stats:.2f}, ternarize+pack {gb / t_tern:.2f}); "
                   f"{t_chain / t_comp:.1f}x the op chain, {100 * t_copy / t_comp:.0f}% of copy{pct}")
-            payload = be.encode(g, prep.threshold, prep.scalers, bs, key, fmt)
-            for N in (2, 8):
-                gathered = torch.cat([payload] * N)
-                headers, offsets = packing.walk(gathered, N)
-                t_dec = timed(lambda: be.decode(gathered, headers, offsets, N, out=dst))
-                print(f"  {name:14s} {fmt:5s} decompress N={N}: {gb / t_dec:6.2f} GB/s of fp32 output into a "
-                      f"preallocated tensor ({100 * t_copy / t_dec:.0f}% of copy)")
+            _bench_decode(be, f"{name:14s} {fmt:5s}", be.encode(g, prep.threshold, prep.scalers, bs, key, fmt),
+                          timed, gb, t_copy, dst)
         _bench_four_level(be, name, g, bs, timed, gb, t_copy, dst)
+
+
+def _bench_decode(be, label: str, payload: torch.Tensor, timed, gb: float, t_copy: float, dst) -> None:
+    """The decode of N = 2 and 8 copies of ``payload`` into the preallocated ``dst``."""
+    from ..codec import packing
+    for N in (2, 8):
+        gathered = torch.cat([payload] * N)
+        headers, offsets = packing.walk(gathered, N)
+        t_dec = timed(lambda: be.decode(gathered, headers, offsets, N, out=dst))
+        print(f"  {label} decompress N={N}: {gb / t_dec:6.2f} GB/s of fp32 output into a "
+              f"preallocated tensor ({100 * t_copy / t_dec:.0f}% of copy)")
 
 
 def _bench_four_level(be, name: str, g: torch.Tensor, bs: int, timed, gb: float, t_copy: float, dst) -> None:
     """The four-level code (TernGradConfig(levels=4), codec/levels.py): encode as rank 3 of groups of 1 (independent
     dithers), 16 and 512 (the strata's draw and GF(2^k) map), and the decode of N payloads."""
     from .. import codec
-    from ..codec import packing
     prep = be.prepare(g, bs, 2.5)
     own, shared = codec.stream_key(0, 0, 0, 3), codec.levels.strata_key(0, 0, 0)
     for group in (1, 16, 512):
@@ -119,13 +123,8 @@ def _bench_four_level(be, name: str, g: torch.Tensor, bs: int, timed, gb: float,
         t_enc = timed(lambda: be.encode_levels(g, prep.threshold, prep.scalers, bs, own, shared, rank, group))
         print(f"  {name:14s} 4level encode, group of {group:3d}: {gb / t_enc:6.2f} GB/s of fp32 input "
               f"({100 * t_copy / t_enc:.0f}% of copy)")
-    payload = be.encode_levels(g, prep.threshold, prep.scalers, bs, own, shared, 3, 16)
-    for N in (2, 8):
-        gathered = torch.cat([payload] * N)
-        headers, offsets = packing.walk(gathered, N)
-        t_dec = timed(lambda: be.decode(gathered, headers, offsets, N, out=dst))
-        print(f"  {name:14s} 4level decompress N={N}: {gb / t_dec:6.2f} GB/s of fp32 output ({100 * t_copy / t_dec:.0f}%"
-              f" of copy)")
+    _bench_decode(be, f"{name:14s} 4level", be.encode_levels(g, prep.threshold, prep.scalers, bs, own, shared, 3, 16),
+                  timed, gb, t_copy, dst)
 
 
 STEP_CONFIGS = {
