@@ -180,9 +180,7 @@ def levels_inputs(rank: int, group_size: int) -> tuple[int, int]:
     """What every ``encode_levels`` checks, and the strata its kernel needs: (k, the reduction polynomial of GF(2^k),
     0 for k <= 1), k = ``codec.levels.strata_bits(group_size)``.  Raises ValueError for a group size outside
     1..MAX_GROUP or a rank outside the group, whatever the tensor's size."""
-    k = levels.strata_bits(group_size)
-    if not 0 <= rank < group_size:
-        raise ValueError(f"TernGrad: rank {rank} is not in a group of {group_size}")
+    k = levels.group_strata_bits(rank, group_size)
     return k, levels.POLYNOMIALS.get(k, 0)
 
 

@@ -5,7 +5,6 @@ import torch
 
 from .. import codec
 from ..codec import levels, packing
-from .base import levels_inputs
 
 
 class ReferenceBackend:
@@ -24,8 +23,7 @@ class ReferenceBackend:
 
     def encode_levels(self, g32, threshold, scalers, bucket_size, own_key, shared_key, rank, group_size, flags=0,
                       shape=None) -> torch.Tensor:
-        """``codec.levels.encode`` (its group checked first, as every backend checks it, also for an empty tensor)."""
-        levels_inputs(rank, group_size)
+        """``codec.levels.encode`` (which checks the group first, as every backend does, also for an empty tensor)."""
         return levels.encode(g32, threshold, scalers, bucket_size, own_key, shared_key, rank, group_size, flags, shape)
 
     def decode(self, gathered: torch.Tensor, headers: list, offsets: list, divisor: float,

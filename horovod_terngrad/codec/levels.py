@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .packing import FOUR_LEVEL_VALUES, new_payload, parse_header, split
+from .packing import FOUR_LEVEL_VALUES, new_payload, pack_codes, parse_header, split
 from .sizes import FOUR_LEVEL
 from .rng import MASK32, UNIFORM_BITS, _mix32_tensor, stream_key
 from .ternary import expand_scalers
@@ -66,6 +66,15 @@ def strata_bits(group_size: int) -> int:
         raise ValueError(f"TernGrad: four-level rounding stratifies groups of 1 to {MAX_GROUP} ranks, got "
                          f"{group_size}")
     return (group_size - 1).bit_length()
+
+
+def group_strata_bits(rank: int, group_size: int) -> int:
+    """``strata_bits(group_size)``, with ``rank`` checked to be in the group: what every encoder checks first (also
+    for an empty tensor)."""
+    k = strata_bits(group_size)
+    if not 0 <= rank < group_size:
+        raise ValueError(f"TernGrad: rank {rank} is not in a group of {group_size}")
+    return k
 
 
 def strata_key(seed: int, step: int, tensor: int) -> tuple[int, int]:
@@ -98,9 +107,7 @@ def _draws(key: tuple[int, int], start: int, count: int, device) -> torch.Tensor
 def stratified_uniform24(own_key: tuple[int, int], shared_key: tuple[int, int], rank: int, group_size: int,
                          start: int, count: int, device="cpu") -> torch.Tensor:
     """Rank ``rank``'s 24-bit dithers (int64) of elements start..start+count-1 (module docstring)."""
-    k = strata_bits(group_size)
-    if not 0 <= rank < group_size:
-        raise ValueError(f"TernGrad: rank {rank} is not in a group of {group_size}")
+    k = group_strata_bits(rank, group_size)
     own = _draws(own_key, start, count, device) >> 8
     if k == 0:
         return own
@@ -127,18 +134,8 @@ def round_codes(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor,
     return torch.where(s > 0, code, torch.zeros_like(code)).to(torch.uint8)
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Four 2-bit codes per byte, code q of a group in bits 2q..2q+1 (the 2-bit ternary packing's layout)."""
-    n = codes.numel()
-    nbytes = -(-n // 4)
-    full = torch.zeros(nbytes * 4, dtype=torch.uint8, device=codes.device)
-    full[:n] = codes
-    c = full.view(nbytes, 4)
-    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-
-
 def unpack_codes(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of ``pack_codes``: int64 codes 0..3."""
+    """Inverse of ``packing.pack_codes(codes, "4level")``: int64 codes 0..3."""
     b = packed.to(torch.int64)
     return torch.stack([(b >> (2 * q)) & 3 for q in range(4)], dim=1).reshape(-1)[:numel]
 
@@ -149,13 +146,11 @@ def encode(g: torch.Tensor, threshold: torch.Tensor, scalers: torch.Tensor, buck
     """One payload (format ``4level``): header, ``scalers``, the packed four-level codes of the flat fp32 ``g``
     as rank ``rank`` of ``group_size`` draws them (reference torch ops, on ``g``'s device)."""
     n = g.numel()
-    strata_bits(group_size)
-    if not 0 <= rank < group_size:
-        raise ValueError(f"TernGrad: rank {rank} is not in a group of {group_size}")
+    group_strata_bits(rank, group_size)
     payload, region = new_payload(n, FORMAT, scalers.to(g.device), bucket_size, flags, (n,) if shape is None else shape)
     if n:
         dither = stratified_uniform24(own_key, shared_key, rank, group_size, 0, n, g.device)
-        region.copy_(pack_codes(round_codes(g, threshold, scalers, bucket_size, dither)))
+        region.copy_(pack_codes(round_codes(g, threshold, scalers, bucket_size, dither), FORMAT))
     return payload
 
 
@@ -192,6 +187,6 @@ def decode_payload(payload: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
     return decode_average(payload, [h], [0], divisor)
 
 
-__all__ = ["FORMAT", "VALUES", "SQUARES", "STRATA_WORD", "POLYNOMIALS", "strata_bits", "strata_key", "gf_mul",
-           "stratified_uniform24", "round_codes", "pack_codes", "unpack_codes", "encode", "decode_average",
-           "decode_payload"]
+__all__ = ["FORMAT", "VALUES", "SQUARES", "STRATA_WORD", "POLYNOMIALS", "strata_bits", "group_strata_bits",
+           "strata_key", "gf_mul", "stratified_uniform24", "round_codes", "unpack_codes", "encode",
+           "decode_average", "decode_payload"]

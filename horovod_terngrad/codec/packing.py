@@ -81,18 +81,22 @@ def pack(t: torch.Tensor, fmt: str) -> torch.Tensor:
     """Pack a flat int8 ternary vector into uint8 codes of the given format."""
     if fmt not in PACKINGS:
         raise ValueError(f"unknown ternary packing {fmt!r}; choose one of {list(PACKINGS)}")
+    return pack_codes(_codes(t), fmt)
+
+
+def pack_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Pack a flat uint8 vector of codes into the format's bytes: four 2-bit codes per byte, code q of a group in
+    bits 2q..2q+1 ("2bit", and the four-level code's "4level"), or five base-3 digits per byte ("base3")."""
     per = CODES_PER_BYTE[fmt]
-    n = t.numel()
+    n = codes.numel()
     nbytes = packed_size(n, fmt)
-    codes = torch.zeros(nbytes * per, dtype=torch.uint8, device=t.device)
-    codes[:n] = _codes(t)
-    codes = codes.view(nbytes, per)
-    if fmt == "2bit":
-        out = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
-    else:
-        c = codes.to(torch.int16)
-        out = (c[:, 0] + 3 * c[:, 1] + 9 * c[:, 2] + 27 * c[:, 3] + 81 * c[:, 4]).to(torch.uint8)
-    return out
+    full = torch.zeros(nbytes * per, dtype=torch.uint8, device=codes.device)
+    full[:n] = codes
+    full = full.view(nbytes, per)
+    if fmt == "base3":
+        c = full.to(torch.int16)
+        return (c[:, 0] + 3 * c[:, 1] + 9 * c[:, 2] + 27 * c[:, 3] + 81 * c[:, 4]).to(torch.uint8)
+    return full[:, 0] | (full[:, 1] << 2) | (full[:, 2] << 4) | (full[:, 3] << 6)
 
 
 _LUT_CACHE: dict = {}
